@@ -1,0 +1,75 @@
+"""Typed errors of the NIXL adapter.
+
+Every failure the transport layer reports is an :class:`AdapterError` (a ``RuntimeError``: these are
+failures of the environment or of a peer, not of the caller's input geometry). Each error names what
+it was doing (``stage``), towards whom (``peer``), and keeps NIXL's status name where there is one, so
+callers can decide to retry, re-handshake or give up without parsing messages.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AdapterError",
+    "HandshakeTimeout",
+    "ProtocolError",
+    "TransferError",
+    "NotifTimeout",
+    "PeerGone",
+    "StaleMetadata",
+]
+
+
+class AdapterError(RuntimeError):
+    """Base class of every error raised by ``adapters.nixl``.
+
+    Attributes: ``stage`` (e.g. ``"prep_remote"``, ``"post"``, ``"wait"``, ``"handshake"``),
+    ``peer`` (agent name or ``host:port``, or ``None``), ``status`` (NIXL status name such as
+    ``"NIXL_ERR_NOT_FOUND"``, or ``None``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str | None = None,
+        peer: str | None = None,
+        status: str | None = None,
+    ) -> None:
+        self.stage = stage
+        self.peer = peer
+        self.status = status
+        parts = [p for p in (stage, f"peer={peer}" if peer else None, status) if p]
+        prefix = f"[{' '.join(parts)}] " if parts else ""
+        super().__init__(prefix + message)
+
+
+class HandshakeTimeout(AdapterError):
+    """A peer's side channel did not answer (refused, silent or too slow) before the deadline."""
+
+
+class ProtocolError(AdapterError):
+    """A side-channel peer answered with something that is not a valid message of the protocol."""
+
+
+class TransferError(AdapterError):
+    """A transfer could not be prepared, posted or completed: NIXL refused descriptors or indices,
+    reported an error state, raised, or the transfer did not complete before its deadline."""
+
+
+class NotifTimeout(TransferError):
+    """The expected notifications did not arrive before the deadline."""
+
+
+class PeerGone(AdapterError):
+    """The peer is no longer reachable: NIXL reports a remote disconnect, or the peer's side channel
+    refuses connections after a successful handshake (the process has exited)."""
+
+
+class StaleMetadata(AdapterError):
+    """The peer re-registered its memory (its ``generation`` changed) since we loaded its metadata,
+    or a prepared handle refers to metadata that has since been replaced. Re-handshake, re-prepare."""
+
+    def __init__(self, message: str, *, expected: int | None = None, seen: int | None = None, **kw) -> None:
+        self.expected = expected
+        self.seen = seen
+        super().__init__(message, **kw)

@@ -1,0 +1,240 @@
+"""Descriptor tables (dlists), address-free.
+
+A :class:`Dlist` is an ordered table of ``(region, offset, length)`` rows: row ``i`` is NIXL
+descriptor ``i`` once bound to the region base addresses (``bind``). Orderings follow vLLM's NIXL
+connector (region-major, block-minor; attention part first, SSM part appended), so descriptor ids
+computed by :mod:`kvgeom.descids` index these tables directly.
+
+* :func:`local_dlist` -- this rank's whole-region table at a sub-block granularity ``bsr``;
+* :func:`remote_dlist` -- a remote rank's table, every attention row already cut to this rank's share;
+* :func:`split_dlists` -- per-source-rank slices of the local table when P_TP > D_TP.
+
+All tables are built with numpy broadcasting (no Python loop per descriptor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PlanError
+
+__all__ = ["Dlist", "EngineView", "local_dlist", "remote_dlist", "split_dlists"]
+
+_REGION_SHIFT = 44  # pseudo-address = region << 44 | offset, for address-free reuse of address code
+
+
+@dataclass(frozen=True, eq=False)
+class Dlist:
+    """``rows`` is an N x 3 int64 array ``(region, offset, length)``; ``num_fa`` rows are attention rows."""
+
+    rows: np.ndarray
+    num_fa: int
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def bind(self, bases: Sequence[int], device: int = 0) -> np.ndarray:
+        """NIXL's N x 3 uint64 ``(addr, len, dev)`` array for region base addresses ``bases``."""
+        base = np.asarray(bases, dtype=np.uint64)
+        if self.rows.size and int(self.rows[:, 0].max()) >= base.size:
+            raise PlanError("bases", f"{base.size} base addresses for a table over "
+                            f"{int(self.rows[:, 0].max()) + 1} regions", value=base.size)
+        out = np.empty((len(self), 3), dtype=np.uint64)
+        out[:, 0] = base[self.rows[:, 0]] + self.rows[:, 1].astype(np.uint64)
+        out[:, 1] = self.rows[:, 2].astype(np.uint64)
+        out[:, 2] = np.uint64(device)
+        return out
+
+    def pseudo_addresses(self) -> np.ndarray:
+        """N x 3 int64 ``(region << 44 | offset, length, 0)``: lets address-based code run address-free."""
+        out = np.zeros((len(self), 3), dtype=np.int64)
+        out[:, 0] = (self.rows[:, 0] << _REGION_SHIFT) | self.rows[:, 1]
+        out[:, 1] = self.rows[:, 2]
+        return out
+
+    @classmethod
+    def from_pseudo(cls, descs: np.ndarray, num_fa: int) -> Dlist:
+        descs = np.asarray(descs, dtype=np.int64)
+        rows = np.empty((descs.shape[0], 3), dtype=np.int64)
+        rows[:, 0] = descs[:, 0] >> _REGION_SHIFT
+        rows[:, 1] = descs[:, 0] & ((1 << _REGION_SHIFT) - 1)
+        rows[:, 2] = descs[:, 1]
+        return cls(rows, num_fa)
+
+    def check_bounds(self, region_bytes: Sequence[int], side: str) -> None:
+        """Raise unless every row lies inside its region (invariant I6)."""
+        if not len(self):
+            return
+        sizes = np.asarray(region_bytes, dtype=np.int64)
+        r, off, ln = self.rows[:, 0], self.rows[:, 1], self.rows[:, 2]
+        bad = (r < 0) | (r >= sizes.size) | (off < 0) | (ln < 0)
+        bad |= ~bad & (off + ln > sizes[np.clip(r, 0, sizes.size - 1)])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise PlanError(f"{side} dlist[{i}]", f"row (region {r[i]}, offset {off[i]}, length {ln[i]}) lies "
+                            "outside its registered region", value=tuple(int(x) for x in self.rows[i]))
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """The transfer-relevant numbers of one rank (what a handshake tells the peer).
+
+    Built from a :class:`~kvgeom.geometry.RankGeometry` by :meth:`of`; kept separate so that a peer's
+    advertised numbers can be rescaled (non-dividing block sizes) without touching its geometry.
+    """
+
+    tp_size: int
+    tp_rank: int
+    block_size: int
+    ppl: int
+    num_blocks: int
+    block_lens: tuple[int, ...]
+    block_strides: tuple[int, ...]
+    region_is_mla: tuple[bool, ...]
+    ssm_region_indices: tuple[int, ...]
+    ssm_sizes: tuple[int, int] | None
+    conv_offsets: tuple[tuple[int, int], ...] | None
+
+    @classmethod
+    def of(cls, geom) -> EngineView:  # geom: RankGeometry (not imported: dlist sits below geometry users)
+        return cls(
+            geom.tp_size, geom.tp_rank, geom.block_size, geom.ppl, geom.num_blocks,
+            tuple(r.block_len for r in geom.regions), tuple(r.block_stride for r in geom.regions),
+            geom.region_is_mla, geom.ssm_region_indices,
+            geom.ssm.sizes if geom.ssm else None, geom.ssm.conv_offsets if geom.ssm else None,
+        )
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.block_lens)
+
+    @property
+    def logical_num_blocks(self) -> int:
+        return self.num_blocks // self.ppl
+
+    @property
+    def num_conv_pieces(self) -> int:
+        return len(self.conv_offsets) if self.conv_offsets else 0
+
+    def region_bytes(self) -> tuple[int, ...]:
+        return tuple(self.num_blocks * s for s in self.block_strides)
+
+    def rescaled(self, split: int) -> EngineView:
+        """The same memory seen at ``split``-times finer blocks (vLLM B.6.7): block size / split, ppl and
+        block counts x split, lengths / split, strides := lengths."""
+        lens = tuple(x // split for x in self.block_lens)
+        return EngineView(self.tp_size, self.tp_rank, self.block_size // split, self.ppl * split,
+                          self.num_blocks * split, lens, lens, self.region_is_mla, self.ssm_region_indices,
+                          self.ssm_sizes, self.conv_offsets)
+
+
+def _ssm_rows(regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
+    """SSM rows: for each SSM region, for each piece ``(offset, length)``, one row per logical block."""
+    if not len(regions) or not len(pieces):
+        return np.zeros((0, 3), dtype=np.int64)
+    offs = np.asarray([p[0] for p in pieces], dtype=np.int64)
+    lens = np.asarray([p[1] for p in pieces], dtype=np.int64)
+    blocks = np.arange(nbl, dtype=np.int64)
+    shape = (len(regions), len(pieces), nbl)
+    rows = np.empty(shape + (3,), dtype=np.int64)
+    rows[..., 0] = regions[:, None, None]
+    rows[..., 1] = page[:, None, None] * blocks[None, None, :] + offs[None, :, None]
+    rows[..., 2] = lens[None, :, None]
+    return rows.reshape(-1, 3)
+
+
+def _fa_rows(lens: np.ndarray, strides: np.ndarray, nb: int, bsr: int) -> np.ndarray:
+    """Attention rows: region-major, block-minor, ``bsr`` sub-blocks per block."""
+    r = lens.size
+    sub = lens // bsr
+    rows = np.empty((r, nb, bsr, 3), dtype=np.int64)
+    rows[..., 0] = np.arange(r, dtype=np.int64)[:, None, None]
+    rows[..., 1] = (strides[:, None, None] * np.arange(nb, dtype=np.int64)[None, :, None]
+                    + sub[:, None, None] * np.arange(bsr, dtype=np.int64)[None, None, :])
+    rows[..., 2] = sub[:, None, None]
+    return rows.reshape(-1, 3)
+
+
+def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
+    """This rank's whole-region table at ``bsr`` sub-blocks per kernel block (vLLM B.2.3 / B.6.1.4).
+
+    Attention row ``r*NB*bsr + b*bsr + j`` is sub-block ``j`` of kernel block ``b`` of region ``r``; SSM
+    rows follow, never ratio-expanded: per SSM region, per conv piece then the temporal state, one
+    row per logical block.
+    """
+    lens = np.asarray(view.block_lens, dtype=np.int64)
+    strides = np.asarray(view.block_strides, dtype=np.int64)
+    if bsr < 1 or np.any(lens % bsr):
+        raise PlanError("block_size_ratio", f"{bsr} does not divide every block length {view.block_lens}",
+                        value=bsr, expected=view.block_lens)
+    fa = _fa_rows(lens, strides, view.num_blocks, bsr)
+    ssm = np.zeros((0, 3), dtype=np.int64)
+    if view.ssm_sizes is not None and view.conv_offsets is not None:
+        regions = np.asarray(view.ssm_region_indices, dtype=np.int64)
+        page = strides[regions] * view.ppl
+        pieces = list(view.conv_offsets) + [(view.ssm_sizes[0], view.ssm_sizes[1])]
+        ssm = _ssm_rows(regions, page, view.logical_num_blocks, pieces)
+    return Dlist(np.concatenate([fa, ssm]), fa.shape[0])
+
+
+def remote_dlist(local: EngineView, remote: EngineView, bsr: int, tp_ratio: int, attn_reads: int,
+                 rank_offset_factor: int, remote_conv_offsets: Sequence[tuple[int, int]] | None) -> Dlist:
+    """A remote rank's table as this rank reads it (vLLM B.2.4): every attention row cut to this rank's
+    share (``attn_reads`` sources split a SPLIT row; MLA rows are read whole), SSM rows at the remote
+    conv offsets for this rank (``remote_conv_offsets``) and the matching temporal slice."""
+    if local.num_regions != remote.num_regions:
+        raise PlanError("num_regions", f"local has {local.num_regions} regions, remote {remote.num_regions}",
+                        local=local.num_regions, remote=remote.num_regions)
+    llen = np.asarray(local.block_lens, dtype=np.int64)
+    rkv = llen // bsr
+    replicated = np.asarray(local.region_is_mla, dtype=bool)
+    length = np.where(replicated, rkv, rkv // max(attn_reads, 1))
+    offset = np.where(replicated, 0, rank_offset_factor * rkv)
+    nb = remote.num_blocks
+    rstride = np.asarray(remote.block_strides, dtype=np.int64)
+    rows = np.empty((local.num_regions, nb, 3), dtype=np.int64)
+    rows[..., 0] = np.arange(local.num_regions)[:, None]
+    rows[..., 1] = offset[:, None] + rstride[:, None] * np.arange(nb, dtype=np.int64)[None, :]
+    rows[..., 2] = length[:, None]
+    fa = rows.reshape(-1, 3)
+    ssm = np.zeros((0, 3), dtype=np.int64)
+    if local.ssm_sizes is not None and remote.ssm_sizes is not None and remote_conv_offsets is not None:
+        regions = np.asarray(local.ssm_region_indices, dtype=np.int64)
+        page = rstride[regions] * remote.ppl
+        local_offset = local.tp_rank % max(tp_ratio, 1)
+        ssm_read = local.ssm_sizes[1] if tp_ratio >= 1 else remote.ssm_sizes[1]
+        pieces = list(remote_conv_offsets) + [(remote.ssm_sizes[0] + local_offset * ssm_read, ssm_read)]
+        ssm = _ssm_rows(regions, page, remote.logical_num_blocks, pieces)
+    return Dlist(np.concatenate([fa, ssm]), fa.shape[0])
+
+
+def split_dlists(whole: Dlist, bsr: int, slots: Sequence[int], fa_splits: int, ssm_splits: int,
+                 region_is_mla: Sequence[bool]) -> list[Dlist]:
+    """Per-source-rank slices of the local table for P_TP > D_TP (vLLM B.3.3 / B.6.9).
+
+    Source ``p`` (position in ``all_source_ranks``, attention slot ``slots[p]``) gets: SPLIT attention
+    rows ``length // fa_splits`` at ``+ slot * that``; MLA rows whole; SSM rows ``length // ssm_splits``
+    at ``+ p * that``. Every slice keeps the whole table's row count, so descriptor ids are shared.
+    """
+    rows = whole.rows
+    region = rows[:, 0]
+    is_fa = np.arange(len(whole)) < whole.num_fa
+    mla = np.asarray(region_is_mla, dtype=bool)[region] & is_fa
+    split_fa = is_fa & ~mla
+    out = []
+    for p, slot in enumerate(slots):
+        r = rows.copy()
+        if fa_splits > 1:
+            chunk = rows[split_fa, 2] // fa_splits
+            r[split_fa, 1] += slot * chunk
+            r[split_fa, 2] = chunk
+        if ssm_splits > 0:
+            ssm = ~is_fa
+            chunk = rows[ssm, 2] // ssm_splits
+            r[ssm, 1] += p * chunk
+            r[ssm, 2] = chunk
+        out.append(Dlist(r, whole.num_fa))
+    return out

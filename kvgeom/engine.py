@@ -1,0 +1,111 @@
+"""Engine configuration: how one engine lays a model's cache out on one TP rank."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["KVLayout", "ConvLayout", "EngineConfig"]
+
+
+class KVLayout(str, Enum):
+    """Order of one attention kernel block's bytes.
+
+    ``HEAD_MAJOR`` is vLLM's ``LBHNC`` (formerly HND): ``[heads, tokens, K|V]``, so a head slice is one
+    contiguous run. ``TOKEN_MAJOR`` is ``LBNHC`` (NHD): ``[tokens, heads, K|V]``.
+    """
+
+    HEAD_MAJOR = "head_major"
+    TOKEN_MAJOR = "token_major"
+
+
+class ConvLayout(str, Enum):
+    """Order of a conv state: ``DS`` (channel-major, sub-projections contiguous; needed for hetero TP)
+    or ``SD`` (row-major)."""
+
+    DS = "DS"
+    SD = "SD"
+
+
+def _parse_enum(cls: type[Enum], value: Any, name: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        raise ConfigError(name, f"unknown value {value!r}; known: {[m.value for m in cls]}", value=value) from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine rank's cache configuration.
+
+    ``block_size`` is the scheduler's (logical) block in tokens; ``kernel_block_size`` the page the
+    attention kernel uses inside it (default: the logical block). ``num_blocks`` counts logical blocks
+    in the pool. ``kv_split`` stores K and V as two regions per layer instead of one packed K|V page.
+    """
+
+    tp_size: int
+    block_size: int
+    num_blocks: int
+    tp_rank: int = 0
+    kernel_block_size: int | None = None
+    kv_layout: KVLayout = KVLayout.HEAD_MAJOR
+    kv_split: bool = False
+    conv_layout: ConvLayout = ConvLayout.DS
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}", value=value)
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(
+                "tp_rank", f"{self.tp_rank} is outside [0, tp_size={self.tp_size})", value=self.tp_rank,
+                expected=self.tp_size,
+            )
+        kernel = self.kernel_block_size if self.kernel_block_size is not None else self.block_size
+        if not isinstance(kernel, int) or kernel <= 0 or self.block_size % kernel:
+            raise ConfigError(
+                "kernel_block_size",
+                f"{kernel!r} must be a positive divisor of block_size {self.block_size}",
+                value=kernel,
+                expected=self.block_size,
+            )
+        object.__setattr__(self, "kernel_block_size", kernel)
+        object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
+        object.__setattr__(self, "conv_layout", _parse_enum(ConvLayout, self.conv_layout, "conv_layout"))
+
+    @property
+    def kernel(self) -> int:
+        """The kernel block size in tokens."""
+        return self.kernel_block_size or self.block_size
+
+    @property
+    def ppl(self) -> int:
+        """Physical (kernel) blocks per logical block."""
+        return self.block_size // self.kernel
+
+    def with_rank(self, rank: int) -> EngineConfig:
+        return EngineConfig(**{**self._fields(), "tp_rank": rank})
+
+    def _fields(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kv_layout"] = self.kv_layout.value
+        d["conv_layout"] = self.conv_layout.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EngineConfig:
+        if not isinstance(d, dict):
+            raise ConfigError("engine", f"must be an object, got {type(d).__name__}", value=d)
+        try:
+            return cls(**d)
+        except TypeError as exc:
+            raise ConfigError("engine", f"malformed engine config: {exc}", value=d) from None

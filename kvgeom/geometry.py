@@ -1,0 +1,324 @@
+"""The geometry of one engine rank: KV-cache groups, registered regions and SSM state layout.
+
+``rank_geometry(model, engine)`` derives, as immutable values, what vLLM's hybrid KV-cache manager and
+NIXL connector would allocate and register on that rank:
+
+* **groups** -- layers of one spec type, at most ``group_size`` each (vLLM HMA grouping: the smallest
+  per-type layer count; every group of a hybrid model views the same tensors);
+* **regions** -- one per registered tensor: for a single-group model one per layer (two with split
+  K/V), for a hybrid model one per shared tensor, viewed by layer ``i`` of every group;
+* the **SSM layout** -- conv sub-projection offsets and (conv, temporal) sizes within a state page.
+
+All sizes are bytes. Regions are kernel-granular: ``block_len`` is one kernel block's transferable
+bytes, ``block_stride`` the distance between kernel blocks, ``num_blocks`` the kernel block count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from .dtypes import dtype_size
+from .engine import EngineConfig
+from .errors import ConfigError, SpecError
+from .spec import AttentionSpec, LayerKind, LayerSpec, MambaSpec, MLASpec, ModelSpec
+
+__all__ = ["Group", "Region", "SSMLayout", "RankGeometry", "rank_geometry", "align_hybrid_block_size"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A KV-cache group: layers of one spec, sharing one block table per request."""
+
+    index: int
+    spec: LayerSpec
+    layers: tuple[str, ...]
+
+    @property
+    def kind(self) -> LayerKind:
+        return self.spec.kind
+
+    @property
+    def is_ssm(self) -> bool:
+        return self.kind.is_ssm
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kind is LayerKind.MLA
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered memory span with a uniform kernel-block geometry.
+
+    ``members`` are ``(group index, layer name)`` pairs viewing this span; ``part`` is ``"kv"`` for a
+    packed K|V page, ``"k"`` / ``"v"`` for split K/V regions, ``"state"`` for an SSM-only region.
+    """
+
+    index: int
+    name: str
+    block_len: int
+    block_stride: int
+    num_blocks: int
+    is_mla: bool
+    members: tuple[tuple[int, str], ...]
+    part: str = "kv"
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_stride
+
+    def member_of(self, group: int) -> str | None:
+        for g, name in self.members:
+            if g == group:
+                return name
+        return None
+
+
+@dataclass(frozen=True)
+class SSMLayout:
+    """Where an SSM state lives in a page: conv pieces then the temporal state, per rank."""
+
+    spec: MambaSpec
+    conv_offsets: tuple[tuple[int, int], ...]
+    conv_bytes: int
+    ssm_bytes: int
+    region_indices: tuple[int, ...]
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return (self.conv_bytes, self.ssm_bytes)
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.conv_offsets)
+
+
+def _page_bytes(spec: LayerSpec, block_size: int, tp: int) -> int:
+    """Real bytes of one logical block of ``spec`` on one rank."""
+    if isinstance(spec, MambaSpec):
+        return spec.state_bytes(tp)
+    return block_size * spec.token_bytes(tp)
+
+
+def align_hybrid_block_size(model: ModelSpec, tp: int, block_size: int, kernel_alignment: int = 16) -> int:
+    """The smallest multiple of ``max(kernel_alignment, block_size)`` whose attention page holds the SSM
+    state (vLLM's hybrid alignment, using per-rank KV heads, hence TP-dependent)."""
+    ssm = model.ssm_spec
+    attn = [la.spec for la in model.layers if not la.kind.is_ssm]
+    if ssm is None or not attn:
+        return block_size
+    a = max(kernel_alignment, block_size)
+    per_token = max(s.token_bytes(tp) for s in attn)  # type: ignore[union-attr]
+    return a * math.ceil(ssm.state_bytes(tp) / (a * per_token))
+
+
+def _spec_key(spec: LayerSpec) -> tuple[object, ...]:
+    return (type(spec).__name__, spec)
+
+
+def _make_groups(model: ModelSpec) -> tuple[Group, ...]:
+    """vLLM HMA grouping: one group per spec if the model is uniform, else chunks of the smallest
+    per-spec layer count; attention-like groups first, SSM groups after, each in layer order."""
+    by_spec: dict[tuple[object, ...], list[str]] = {}
+    specs: dict[tuple[object, ...], LayerSpec] = {}
+    for layer in model.layers:
+        key = _spec_key(layer.spec)
+        by_spec.setdefault(key, []).append(layer.name)
+        specs[key] = layer.spec
+    keys = sorted(by_spec, key=lambda k: specs[k].kind.is_ssm)  # stable: keeps first-appearance order
+    size = min(len(v) for v in by_spec.values())
+    groups: list[Group] = []
+    for key in keys:
+        names = by_spec[key]
+        for start in range(0, len(names), size):
+            groups.append(Group(len(groups), specs[key], tuple(names[start:start + size])))
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
+class RankGeometry:
+    """Everything about one engine rank's cache that a transfer needs, address-free."""
+
+    model: ModelSpec
+    engine: EngineConfig
+    groups: tuple[Group, ...]
+    regions: tuple[Region, ...]
+    page_bytes: int
+    ssm: SSMLayout | None
+
+    # -- engine numbers -----------------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.engine.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.engine.tp_rank
+
+    @property
+    def block_size(self) -> int:
+        """Kernel block size in tokens (what vLLM's connector calls ``block_size``)."""
+        return self.engine.kernel
+
+    @property
+    def logical_block_size(self) -> int:
+        return self.engine.block_size
+
+    @property
+    def ppl(self) -> int:
+        return self.engine.ppl
+
+    @property
+    def logical_num_blocks(self) -> int:
+        return self.engine.num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        """Kernel blocks per region."""
+        return self.engine.num_blocks * self.engine.ppl
+
+    # -- model numbers ------------------------------------------------------------------------------
+    @property
+    def is_mla(self) -> bool:
+        return self.model.is_mla
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.num_kv_heads
+
+    @cached_property
+    def group_is_ssm(self) -> tuple[bool, ...]:
+        return tuple(g.is_ssm for g in self.groups)
+
+    @property
+    def has_ssm(self) -> bool:
+        return self.ssm is not None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Regions are shared by one layer of every group (vLLM HMA)."""
+        return len(self.groups) > 1
+
+    @cached_property
+    def region_is_mla(self) -> tuple[bool, ...]:
+        return tuple(r.is_mla for r in self.regions)
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.regions)
+
+    @property
+    def ssm_region_indices(self) -> tuple[int, ...]:
+        return self.ssm.region_indices if self.ssm else ()
+
+    @property
+    def num_fa_descs(self) -> int:
+        """Descriptors of the attention part of the whole-region dlist (the FA/SSM boundary)."""
+        return self.num_regions * self.num_blocks
+
+    def group_layer_in_region(self, group: int, region: int) -> str | None:
+        return self.regions[region].member_of(group)
+
+    def describe(self) -> str:
+        lines = [
+            f"{self.model.name}: TP{self.tp_size} rank {self.tp_rank}, block {self.logical_block_size} tokens "
+            f"(kernel {self.block_size}, ppl {self.ppl}), {self.logical_num_blocks} logical blocks, "
+            f"layout {self.engine.kv_layout.value}",
+        ]
+        for g in self.groups:
+            lines.append(f"  group {g.index}: {g.kind.value} x{len(g.layers)} ({g.layers[0]} ...)")
+        for r in self.regions:
+            lines.append(
+                f"  region {r.index} {r.name}: block_len {r.block_len} B, stride {r.block_stride} B, "
+                f"{r.num_blocks} kernel blocks, {'MLA ' if r.is_mla else ''}{len(r.members)} member(s)"
+            )
+        if self.ssm:
+            lines.append(f"  ssm: conv {self.ssm.conv_bytes} B in pieces {list(self.ssm.conv_offsets)}, "
+                         f"temporal {self.ssm.ssm_bytes} B, in regions {list(self.ssm.region_indices)}")
+        return "\n".join(lines)
+
+
+def _check_tp(model: ModelSpec, tp: int) -> None:
+    for layer in model.layers:
+        spec = layer.spec
+        if isinstance(spec, AttentionSpec):
+            spec.heads.check_tp(tp, f"{layer.name}.num_kv_heads")
+        elif isinstance(spec, MambaSpec):
+            spec.check_tp(tp)
+
+
+def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
+    """Derive the geometry of ``engine``'s rank for ``model`` (see the module docstring)."""
+    tp = engine.tp_size
+    _check_tp(model, tp)
+    groups = _make_groups(model)
+    ppl = engine.ppl
+    nb_kernel = engine.num_blocks * ppl
+    ssm_spec = model.ssm_spec
+    if len(groups) == 1 and not ssm_spec:
+        regions = _uniform_regions(groups[0], engine, nb_kernel)
+        page = sum(r.block_stride for r in regions if r.name.startswith(groups[0].layers[0])) * ppl
+        return RankGeometry(model, engine, groups, regions, page, None)
+
+    if engine.kv_split:
+        raise ConfigError("kv_split", "split K/V regions are not supported for hybrid (multi-group) models",
+                          value=True)
+    pages = {g.index: _page_bytes(g.spec, engine.block_size, tp) for g in groups}
+    page = max(pages.values())
+    attn_pages = {pages[g.index] for g in groups if not g.is_ssm}
+    if attn_pages and attn_pages != {page}:
+        suggestion = align_hybrid_block_size(model, tp, engine.block_size)
+        raise ConfigError(
+            "block_size",
+            f"attention pages {sorted(attn_pages)} B do not all equal the unified page {page} B at block "
+            f"size {engine.block_size} (TP{tp}); an SSM state must fit one attention page: use block size "
+            f"{suggestion} (align_hybrid_block_size)",
+            value=engine.block_size,
+            expected=suggestion,
+        )
+    if page % ppl:
+        raise ConfigError("kernel_block_size", f"page {page} B is not divisible into {ppl} kernel blocks",
+                          value=engine.kernel, expected=engine.block_size)
+    count = max(len(g.layers) for g in groups)
+    regions = []
+    for i in range(count):
+        members = tuple((g.index, g.layers[i]) for g in groups if i < len(g.layers))
+        is_mla = any(groups[gi].is_mla for gi, _ in members)
+        part = "state" if all(groups[gi].is_ssm for gi, _ in members) else "kv"
+        regions.append(Region(i, members[0][1], page // ppl, page // ppl, nb_kernel, is_mla, members, part))
+    ssm = None
+    if ssm_spec is not None:
+        offs, pos = [], 0
+        for size in ssm_spec.piece_bytes(tp):
+            offs.append((pos, size))
+            pos += size
+        ssm_regions = tuple(r.index for r in regions if any(groups[g].is_ssm for g, _ in r.members))
+        ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), ssm_regions)
+    return RankGeometry(model, engine, groups, tuple(regions), page, ssm)
+
+
+def _uniform_regions(group: Group, engine: EngineConfig, nb_kernel: int) -> tuple[Region, ...]:
+    """Regions of a single-group attention model: one per layer (two if K and V are split)."""
+    spec = group.spec
+    tp = engine.tp_size
+    kernel = engine.kernel
+    if isinstance(spec, MLASpec):
+        parts: list[tuple[str, int]] = [("kv", kernel * spec.token_bytes(tp))]
+    elif isinstance(spec, AttentionSpec):
+        e = dtype_size(spec.dtype)
+        h = spec.heads_per_rank(tp)
+        if engine.kv_split:
+            parts = [("k", kernel * h * spec.head_size * e), ("v", kernel * h * spec.v_size * e)]
+        else:
+            parts = [("kv", kernel * spec.token_bytes(tp))]
+    else:  # pragma: no cover - SSM-only single groups go through the hybrid path
+        raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
+    regions = []
+    for name in group.layers:
+        for part, length in parts:
+            idx = len(regions)
+            regions.append(Region(idx, name if part == "kv" else f"{name}.{part}", length, length, nb_kernel,
+                                  isinstance(spec, MLASpec), ((group.index, name),), part))
+    return tuple(regions)

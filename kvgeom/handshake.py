@@ -1,0 +1,169 @@
+"""Handshake validation: can this local rank exchange a request's bytes with that remote engine?
+
+:func:`check_pair` applies vLLM's handshake rules (primer B.3.2, B.6.8) plus the checks kvgeom adds
+where vLLM would silently corrupt (replicated Mamba2 B/C, SD conv layouts across TP sizes). Every
+refusal is an :class:`~kvgeom.errors.IncompatiblePairError` (or ``UnsupportedError`` for cases kvgeom
+refuses on purpose) naming the field and both sides' values, and both sides reach the same verdict
+because every rule is symmetric in the data it reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import IncompatiblePairError, RatioError, UnsupportedError
+from .geometry import RankGeometry
+from .spec import AttentionSpec
+from .tp import tp_ratio as _tp_ratio
+
+__all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio"]
+
+Compat = str  # "vllm" (refuse what vLLM 0.33.0 refuses) or "kvgeom" (lift refusals the oracle proves safe)
+
+
+@dataclass(frozen=True)
+class PairShape:
+    """The ratios a valid pair is planned with, from the local side."""
+
+    tp_ratio: int
+    bsr: int
+    remote_split: int  # > 1: the remote's blocks are read as this many finer blocks (vLLM B.6.7)
+
+
+def _err(field: str, what: str, local: object, remote: object) -> IncompatiblePairError:
+    return IncompatiblePairError(field, f"{what} (local {local!r}, remote {remote!r})", local=local, remote=remote)
+
+
+def block_size_ratio(local: RankGeometry, remote: RankGeometry, mode: str) -> tuple[int, int]:
+    """``(bsr, remote_split)`` for a pair: ``bsr = local kernel block // remote kernel block``.
+
+    Pull of a hybrid MLA + SSM model may use non-dividing sizes: both are cut to ``gcd`` units, the
+    remote's blocks read as ``remote_split`` pieces (vLLM B.6.7); everything else must divide.
+    """
+    lbs, rbs = local.block_size, remote.block_size
+    if lbs % rbs == 0:
+        return lbs // rbs, 1
+    mla_ssm = local.is_mla and local.has_ssm and all(local.region_is_mla)
+    if mode == "pull" and mla_ssm:
+        u = math.gcd(lbs, rbs)
+        split = rbs // u
+        lens_ok = all(x % split == 0 for r in remote.regions for x in (r.block_len,))
+        strides_ok = all(r.block_len == r.block_stride for r in remote.regions)
+        if max(split, lbs // u) <= 128 and lens_ok and strides_ok:
+            return lbs // u, split
+    raise RatioError(
+        "block_size",
+        f"Local block size {lbs} is not divisible by remote block size {rbs} (kernel tokens; "
+        f"{'P' if mode == 'push' else 'D'} is local); pick kernel block sizes that divide",
+        local=lbs,
+        remote=rbs,
+    )
+
+
+def _first_model_difference(local: RankGeometry, remote: RankGeometry) -> str | None:
+    a, b = local.model.to_json(), remote.model.to_json()
+    if len(a["layers"]) != len(b["layers"]):
+        return f"model.layers: {len(a['layers'])} vs {len(b['layers'])} cache-holding layers"
+    for i, (x, y) in enumerate(zip(a["layers"], b["layers"])):
+        if x != y:
+            for key in sorted(set(x["spec"]) | set(y["spec"])):
+                if x["spec"].get(key) != y["spec"].get(key):
+                    return f"model.layers[{i}].spec.{key}: {x['spec'].get(key)!r} vs {y['spec'].get(key)!r}"
+            return f"model.layers[{i}]: {x['name']!r} vs {y['name']!r}"
+    return None
+
+
+def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", compat: Compat = "kvgeom",
+               prefix_caching: bool = False) -> PairShape:
+    """Validate a local rank against one remote rank; return the pair's ratios or raise."""
+    if compat not in ("vllm", "kvgeom"):
+        raise IncompatiblePairError("compat", f"must be 'vllm' or 'kvgeom', got {compat!r}", value=compat)
+    diff = _first_model_difference(local, remote)
+    if diff:
+        raise IncompatiblePairError("model", f"P and D run different models: {diff}", local=local.model.name,
+                                    remote=remote.model.name)
+    ratio = _tp_ratio(local.tp_size, remote.tp_size)
+    bsr, split = block_size_ratio(local, remote, mode)
+    if local.num_regions != remote.num_regions:
+        raise _err("num_regions", "both sides must register the same regions", local.num_regions,
+                   remote.num_regions)
+    if local.engine.kv_split != remote.engine.kv_split:
+        raise _err("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
+    attn = local.model.attention_spec
+    if attn is not None and local.engine.kv_layout != remote.engine.kv_layout:
+        raise _err("kv_layout", "KV layouts differ (no permute support)", local.engine.kv_layout.value,
+                   remote.engine.kv_layout.value)
+    head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
+    k = local.num_kv_heads
+    if attn is not None and not local.is_mla and abs(ratio) != 1:
+        if local.engine.kv_layout.value != "head_major" and head_split:
+            raise _err("kv_layout", "heterogeneous TP splits heads, which needs a head-major layout",
+                       local.engine.kv_layout.value, remote.engine.kv_layout.value)
+        if ratio < 0 and remote.tp_size > k and not local.has_ssm:
+            raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
+                       "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
+    _check_block_lens(local, remote, bsr, split)
+    if local.has_ssm:
+        _check_ssm(local, remote, ratio, prefix_caching)
+    if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
+        raise UnsupportedError(
+            "block_size",
+            "Head-sharded attention reads with P_TP > D_TP and heterogeneous block sizes are not supported "
+            f"in vLLM-compatible mode (bsr {bsr}, tp_ratio {ratio}); kvgeom mode plans it",
+            local=local.block_size, remote=remote.block_size,
+        )
+    if mode == "push" and bsr > 1 and not local.is_mla and attn is not None \
+            and local.engine.kv_layout.value == "head_major" and _heads(attn, remote.tp_size) > 1:
+        raise UnsupportedError(
+            "block_size",
+            f"push with P kernel blocks larger than D's (ratio {bsr}) on a head-major layout would "
+            "interleave heads in D's blocks; use equal kernel block sizes or pull",
+            local=local.block_size, remote=remote.block_size,
+        )
+    return PairShape(ratio, bsr, split)
+
+
+def _heads(spec: AttentionSpec, tp: int) -> int:
+    return spec.heads_per_rank(tp)
+
+
+def _check_block_lens(local: RankGeometry, remote: RankGeometry, bsr: int, split: int) -> None:
+    attn = local.model.attention_spec
+    lh = attn.heads_per_rank(local.tp_size) if attn else 1
+    rh = attn.heads_per_rank(remote.tp_size) if attn else 1
+    for i, (lr, rr) in enumerate(zip(local.regions, remote.regions)):
+        rlen = rr.block_len // split
+        if lr.is_mla != rr.is_mla:
+            raise _err(f"regions[{i}].is_mla", "region kinds differ", lr.is_mla, rr.is_mla)
+        want = (lr.block_len if lr.is_mla or not attn else lr.block_len * rh // lh) // bsr
+        if local.is_mla and local.has_ssm and lr.block_len != rlen * bsr:
+            raise _err(f"regions[{i}].block_len", "Hybrid MLA kernel-granularity block lengths must match "
+                       "between P and D", lr.block_len, rr.block_len)
+        if rlen != want:
+            raise _err(f"regions[{i}].block_len", f"remote block length should be {want} B for this pair",
+                       lr.block_len, rr.block_len)
+
+
+def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, prefix_caching: bool) -> None:
+    spec = local.model.ssm_spec
+    if spec is None:
+        return
+    if local.ppl != remote.ppl and prefix_caching:
+        raise _err("ppl", "Mamba hybrids with different kernel blocks per logical block cannot use prefix "
+                   "caching: disable prefix caching", local.ppl, remote.ppl)
+    if ratio != 1:
+        if local.engine.conv_layout.value != "DS" or remote.engine.conv_layout.value != "DS":
+            raise _err("conv_layout", "heterogeneous TP needs the DS (channel-major) conv layout on both sides",
+                       local.engine.conv_layout.value, remote.engine.conv_layout.value)
+        lrep = spec.replicated_pieces(local.tp_size)
+        rrep = spec.replicated_pieces(remote.tp_size)
+        if any(lrep) or any(rrep) or spec.temporal.replicated(max(local.tp_size, remote.tp_size)):
+            names = [n for n, a, b in zip(spec.piece_names, lrep, rrep) if a or b]
+            raise UnsupportedError(
+                "tp_size",
+                f"conv pieces {names} are replicated across ranks at this TP (e.g. Mamba2 n_groups < TP); "
+                "scaling them by the TP ratio would read the wrong bytes (vLLM issue 55208), so kvgeom refuses "
+                "heterogeneous TP for this model",
+                local=local.tp_size, remote=remote.tp_size,
+            )

@@ -1,0 +1,273 @@
+"""Per-request transfer plans (pull and push) and the consumer's post-receive step.
+
+``plan_request(pairing, local_ids, remote_ids)`` returns a :class:`RequestPlan`: a plain value naming,
+for every remote rank, the local table to use (whole, or this source's split), the local and remote
+descriptor ids, and the notification; the ranks that only get a notification; how many notifications
+the other side should expect; and what the consumer does after the bytes land (``regroup`` for
+head-major pages received as finer remote blocks, then ``zero`` ranges for bytes nothing wrote).
+
+Block ids are logical and per KV-cache group; the plan follows vLLM 0.33.0's NIXL connector (primer
+B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descriptor ids are vLLM's.
+``RequestPlan.moves`` resolves a plan into byte moves for the oracle and for humans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .blocks import BlockIds, apply_prefix_caching, as_group_ids, logical_to_kernel, map_block_ids_for_block_size_ratio
+from .descids import compute_desc_ids
+from .dlist import EngineView
+from .engine import KVLayout
+from .errors import BlockIdError, PlanError
+from .geometry import RankGeometry
+from .pairing import LocalKey, Pairing
+from .spec import AttentionSpec
+
+__all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "MOVE_COLUMNS"]
+
+MOVE_COLUMNS = ("src_rank", "src_region", "src_offset", "dst_rank", "dst_region", "dst_offset", "length")
+
+
+@dataclass(frozen=True, eq=False)
+class Transfer:
+    """One NIXL transfer: ``local_ids`` of local table ``local_table`` paired with ``remote_ids`` of the
+    remote rank's table, carrying ``notif``."""
+
+    remote_rank: int
+    local_table: LocalKey
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+    notif: str
+
+    def __len__(self) -> int:
+        return int(self.local_ids.size)
+
+
+@dataclass(frozen=True, eq=False)
+class Regroup:
+    """Post-receive regroup of head-major kernel blocks that arrived as ``bsr`` finer remote pages:
+    view each block of ``regions`` as ``[bsr, heads, tokens // bsr, head_bytes]`` and store it as
+    ``[heads, tokens, head_bytes]`` (vLLM B.3.9 step 2)."""
+
+    regions: tuple[int, ...]
+    blocks: np.ndarray
+    bsr: int
+    heads: int
+    tokens: int
+    head_bytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class RequestPlan:
+    """Everything one rank does for one request. ``zero`` rows are ``(region, offset, length)`` of the
+    consumer rank ``consumer_rank`` (this rank in pull; in push, the D ranks zero their own)."""
+
+    request_id: str
+    mode: str
+    transfers: tuple[Transfer, ...]
+    notify_only: tuple[int, ...]
+    expected_notifications: int
+    consumer_rank: int
+    regroup: tuple[Regroup, ...] = ()
+    zero: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+
+    @property
+    def op(self) -> str:
+        return "READ" if self.mode == "pull" else "WRITE"
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(len(t) for t in self.transfers)
+
+    def moves(self, pairing: Pairing) -> np.ndarray:
+        """Byte moves, one row per descriptor pair, columns :data:`MOVE_COLUMNS`."""
+        out = []
+        me = pairing.local.tp_rank
+        for t in self.transfers:
+            lrows = pairing.local_table(t.local_table).rows[t.local_ids]
+            rrows = pairing.remote_table(t.remote_rank).rows[t.remote_ids]
+            if np.any(lrows[:, 2] != rrows[:, 2]):
+                i = int(np.flatnonzero(lrows[:, 2] != rrows[:, 2])[0])
+                raise PlanError("descriptor length", f"pair {i} of the transfer to rank {t.remote_rank} has local "
+                                f"length {lrows[i, 2]} and remote length {rrows[i, 2]}", local=int(lrows[i, 2]),
+                                remote=int(rrows[i, 2]))
+            src, dst = (rrows, lrows) if self.mode == "pull" else (lrows, rrows)
+            src_rank, dst_rank = (t.remote_rank, me) if self.mode == "pull" else (me, t.remote_rank)
+            m = np.empty((len(t), 7), dtype=np.int64)
+            m[:, 0], m[:, 1], m[:, 2] = src_rank, src[:, 0], src[:, 1]
+            m[:, 3], m[:, 4], m[:, 5] = dst_rank, dst[:, 0], dst[:, 1]
+            m[:, 6] = src[:, 2]
+            out.append(m)
+        return np.concatenate(out) if out else np.zeros((0, 7), dtype=np.int64)
+
+    def describe(self, pairing: Pairing | None = None) -> str:
+        lines = [f"request {self.request_id!r}: {self.mode} ({self.op}), {len(self.transfers)} transfer(s), "
+                 f"{self.num_descriptors} descriptor pairs"]
+        for t in self.transfers:
+            which = "whole" if t.local_table[1] < 0 else f"split for source #{t.local_table[1]}"
+            line = (f"  rank {t.remote_rank}: {len(t)} descs, local table {which} at ratio {t.local_table[0]}, "
+                    f"notif {t.notif!r}")
+            if pairing is not None:
+                nbytes = int(pairing.local_table(t.local_table).rows[t.local_ids, 2].sum())
+                line += f", {nbytes} B"
+            lines.append(line)
+        if self.notify_only:
+            lines.append(f"  notify only: ranks {list(self.notify_only)}")
+        lines.append(f"  the other side expects {self.expected_notifications} notification(s) per rank")
+        for r in self.regroup:
+            lines.append(f"  regroup {r.blocks.size} block(s) in regions {list(r.regions)[:4]}... "
+                         f"([{r.bsr},{r.heads},{r.tokens // r.bsr},*] -> [{r.heads},{r.tokens},*])")
+        if len(self.zero):
+            lines.append(f"  zero on rank {self.consumer_rank}: {len(self.zero)} range(s), "
+                         f"{int(self.zero[:, 2].sum())} B")
+        return "\n".join(lines)
+
+
+def _select(ids: list[np.ndarray], groups: Sequence[bool]) -> list[np.ndarray]:
+    return [g if keep else g[:0] for g, keep in zip(ids, groups)]
+
+
+def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
+    for g, x in enumerate(ids):
+        if x.size and int(x.max()) >= geom.logical_num_blocks:
+            raise BlockIdError(f"{side}_ids[{g}]", f"block id {int(x.max())} is past the {side} pool of "
+                               f"{geom.logical_num_blocks} logical blocks", value=int(x.max()),
+                               expected=geom.logical_num_blocks)
+
+
+def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, request_id: str = "req",
+                 remote_request_id: str | None = None) -> RequestPlan:
+    """Plan one request. ``local_ids`` / ``remote_ids``: logical block ids per group on each side (in
+    pull, local = D's blocks to fill, remote = P's blocks; in push the reverse). An empty local list
+    as a whole means nothing to transfer here (notification only)."""
+    local, mode = pairing.local, pairing.mode
+    kinds = local.group_is_ssm
+    any_local = bool(local_ids) and any(len(x) for x in local_ids)
+    lids = as_group_ids(local_ids if local_ids else [[] for _ in kinds], kinds, "local_ids")
+    rids = as_group_ids(remote_ids, kinds, "remote_ids")
+    _check_ids(lids, local, "local")
+    first_remote = pairing.remotes[pairing.targets[0]]
+    _check_ids(rids, first_remote, "remote")
+    rview = pairing.remote_view(pairing.targets[0])
+    lk = logical_to_kernel(lids, local.ppl, kinds)
+    rk = logical_to_kernel(rids, rview.ppl, kinds)
+    tag = remote_request_id if remote_request_id is not None else request_id
+    m = pairing.mapping
+    bsr, ratio = pairing.bsr, pairing.tp_ratio
+    if mode == "pull":
+        expected = max(1, ratio)  # P frees after D_TP / P_TP reads when D_TP > P_TP
+        notif = f"{tag}:{expected}"
+        ranks = m.all_source_ranks
+    else:
+        expected = max(1, ratio)  # D finishes after P_TP / D_TP writes when P_TP > D_TP
+        notif = f"{tag}:{local.tp_size}"
+        pure_mla = local.is_mla and not local.has_ssm
+        ranks = pairing.targets if pure_mla and ratio < 0 else m.all_source_ranks
+    transfers = []
+    for p_idx, rank in enumerate(ranks):
+        if mode == "pull" or not (local.is_mla and ratio < 0):
+            keep = [rank in srcs for srcs in m.source_ranks_per_group]
+        else:
+            keep = [(not ssm) or rank in srcs for ssm, srcs in zip(kinds, m.source_ranks_per_group)]
+        lg, rg = _select(lk, keep), _select(rk, keep)
+        if not any_local:
+            continue
+        if bsr > 1:
+            lg, rg = map_block_ids_for_block_size_ratio(lg, rg, bsr, kinds)
+            if not lg or not any(x.size for x in lg):
+                continue
+        if not any(x.size for x in lg):
+            continue
+        if mode == "pull":
+            lg, rg = apply_prefix_caching(lg, rg, local.ppl, rview.ppl, kinds)
+        else:
+            rg, lg = apply_prefix_caching(rg, lg, rview.ppl, local.ppl, kinds)
+        for g, (a, b) in enumerate(zip(lg, rg)):
+            if a.size != b.size:
+                raise PlanError(f"block_ids[{g}]", f"{a.size} local and {b.size} remote blocks cannot be paired",
+                                local=int(a.size), remote=int(b.size))
+        rv = pairing.remote_view(rank)
+        r_desc = compute_desc_ids(rg, rv.num_blocks, rv.num_regions, None, rv.ppl, kinds,
+                                  rv.ssm_region_indices or None, rv.num_conv_pieces or 3)
+        l_desc = compute_desc_ids(lg, local.num_blocks, local.num_regions, bsr, local.ppl, kinds,
+                                  local.ssm_region_indices or None, local.ssm.num_pieces if local.ssm else 3)
+        if r_desc.size != l_desc.size:
+            raise PlanError("descriptor ids", f"{l_desc.size} local ids vs {r_desc.size} remote ids",
+                            local=int(l_desc.size), remote=int(r_desc.size))
+        key = pairing.local_key(p_idx)
+        for side, ids, n in (("local", l_desc, len(pairing.local_table(key))),
+                             ("remote", r_desc, len(pairing.remote_table(rank)))):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+                raise PlanError(f"{side} descriptor ids", f"id outside the {n}-row table", value=int(ids.max()),
+                                expected=n)
+        transfers.append(Transfer(rank, key, l_desc, r_desc, notif))
+    sent = {t.remote_rank for t in transfers}
+    notify_only = tuple(r for r in pairing.targets if r not in sent)
+    regroup: tuple[Regroup, ...] = ()
+    zero = np.zeros((0, 3), dtype=np.int64)
+    if mode == "pull" and any_local:
+        regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
+    return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
+                       local.tp_rank if mode == "pull" else -1, regroup, zero)
+
+
+def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_ids: list[np.ndarray],
+                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom") -> tuple[tuple[Regroup, ...], np.ndarray]:
+    """The consumer's post-receive step (vLLM B.3.9 / B.6.11): regroup head-major blocks that arrived as
+    ``bsr`` finer remote pages, then zero what the transfer did not write.
+
+    Per attention group ``g`` with kernel ids ``L`` (consumer) and ``R`` (the producer's full list):
+    ``covered = min(|L| * bsr, |R|)`` remote-block units; the tokens past ``covered mod bsr`` units of
+    block ``L[covered div bsr]`` and all of ``L[ceil(covered / bsr):]`` are zeroed, in the regions that
+    hold a layer of group ``g``. vLLM only runs this when ``bsr > 1`` or the two ppl differ;
+    ``compat="kvgeom"`` always runs it (it zeroes nothing when everything was covered).
+    """
+    if compat == "vllm" and bsr == 1 and consumer.ppl == producer.ppl:
+        return (), np.zeros((0, 3), dtype=np.int64)
+    regroups: list[Regroup] = []
+    zero: list[np.ndarray] = []
+    tokens = consumer.block_size
+    for group, L, R in zip(consumer.groups, consumer_kernel_ids, producer_kernel_ids):
+        if group.is_ssm or not L.size:
+            continue
+        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
+        spec = group.spec
+        heads = spec.heads_per_rank(consumer.tp_size) if isinstance(spec, AttentionSpec) else 1
+        head_major = consumer.engine.kv_layout is KVLayout.HEAD_MAJOR
+        if bsr > 1 and not group.is_mla and head_major and heads > 1:
+            for part in {r.part for r in regions}:
+                rs = tuple(r.index for r in regions if r.part == part)
+                block_len = consumer.regions[rs[0]].block_len
+                regroups.append(Regroup(rs, L.copy(), bsr, heads, tokens, block_len // (heads * tokens)))
+        covered = min(L.size * bsr, R.size)
+        full, sub = divmod(covered, bsr)
+        first_stale = full + (1 if sub else 0)
+        for r in regions:
+            stale = L[first_stale:]
+            if stale.size:
+                rows = np.empty((stale.size, 3), dtype=np.int64)
+                rows[:, 0] = r.index
+                rows[:, 1] = stale * r.block_stride
+                rows[:, 2] = r.block_len
+                zero.append(rows)
+            if sub:
+                zero.append(_token_tail(r.index, int(L[full]) * r.block_stride, r.block_len, tokens,
+                                        sub * tokens // bsr, heads if (head_major and not group.is_mla) else 1))
+    rows = np.concatenate(zero) if zero else np.zeros((0, 3), dtype=np.int64)
+    return tuple(regroups), rows
+
+
+def _token_tail(region: int, block_start: int, block_len: int, tokens: int, first: int, heads: int) -> np.ndarray:
+    """Rows zeroing tokens ``[first, tokens)`` of one kernel block: one run per head when head-major
+    (``[heads, tokens, C]``), one run when token-major or MLA (``[tokens, ...]``)."""
+    per_head = block_len // heads
+    tok = per_head // tokens
+    rows = np.empty((heads, 3), dtype=np.int64)
+    rows[:, 0] = region
+    rows[:, 1] = block_start + np.arange(heads, dtype=np.int64) * per_head + first * tok
+    rows[:, 2] = (tokens - first) * tok
+    return rows

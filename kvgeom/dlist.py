@@ -14,8 +14,8 @@ All tables are built with numpy broadcasting (no Python loop per descriptor).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

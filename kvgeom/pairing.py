@@ -8,9 +8,9 @@ plans (:mod:`kvgeom.plan`) only pick rows of these tables.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping, Sequence
 
 from .card import GeometryCard
 from .conv import remote_conv_offsets

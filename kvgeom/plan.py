@@ -13,12 +13,18 @@ B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
-from .blocks import BlockIds, apply_prefix_caching, as_group_ids, logical_to_kernel, map_block_ids_for_block_size_ratio
+from .blocks import (
+    BlockIds,
+    apply_prefix_caching,
+    as_group_ids,
+    logical_to_kernel,
+    map_block_ids_for_block_size_ratio,
+)
 from .descids import compute_desc_ids
 from .dlist import EngineView
 from .engine import KVLayout
@@ -27,7 +33,7 @@ from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
 from .spec import AttentionSpec
 
-__all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "MOVE_COLUMNS"]
+__all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "MOVE_COLUMNS"]
 
 MOVE_COLUMNS = ("src_rank", "src_region", "src_offset", "dst_rank", "dst_region", "dst_offset", "length")
 
@@ -215,13 +221,30 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
 
 
+def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: BlockIds,
+                 producer_ids: BlockIds) -> tuple[tuple[Regroup, ...], np.ndarray]:
+    """The post-receive step of a D rank that was written to (push): regroup and zero ranges of its own
+    blocks, from D's logical ids and P's logical ids of the request. vLLM never zeroes in push (B.6.1
+    item 9); kvgeom does, so that a D block P did not fully cover holds zeros, not stale bytes."""
+    kinds = consumer.group_is_ssm
+    dk = logical_to_kernel(as_group_ids(consumer_ids, kinds, "consumer_ids"), consumer.ppl, kinds)
+    pk = logical_to_kernel(as_group_ids(producer_ids, kinds, "producer_ids"), producer.ppl, kinds)
+    if producer.block_size % consumer.block_size:
+        raise PlanError("block_size", "push needs P kernel blocks that are multiples of D's",
+                        local=consumer.block_size, remote=producer.block_size)
+    q = producer.block_size // consumer.block_size
+    return post_receive(consumer, EngineView.of(producer), dk, pk, 1, "kvgeom", producer_units=q)
+
+
 def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_ids: list[np.ndarray],
-                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom") -> tuple[tuple[Regroup, ...], np.ndarray]:
+                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom",
+                 producer_units: int = 1) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The consumer's post-receive step (vLLM B.3.9 / B.6.11): regroup head-major blocks that arrived as
     ``bsr`` finer remote pages, then zero what the transfer did not write.
 
     Per attention group ``g`` with kernel ids ``L`` (consumer) and ``R`` (the producer's full list):
-    ``covered = min(|L| * bsr, |R|)`` remote-block units; the tokens past ``covered mod bsr`` units of
+    ``covered = min(|L| * bsr, |R| * producer_units)`` units of the finer block (``producer_units`` > 1
+    when a producer block spans several consumer blocks, push); the tokens past ``covered mod bsr`` units of
     block ``L[covered div bsr]`` and all of ``L[ceil(covered / bsr):]`` are zeroed, in the regions that
     hold a layer of group ``g``. vLLM only runs this when ``bsr > 1`` or the two ppl differ;
     ``compat="kvgeom"`` always runs it (it zeroes nothing when everything was covered).
@@ -243,7 +266,7 @@ def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_i
                 rs = tuple(r.index for r in regions if r.part == part)
                 block_len = consumer.regions[rs[0]].block_len
                 regroups.append(Regroup(rs, L.copy(), bsr, heads, tokens, block_len // (heads * tokens)))
-        covered = min(L.size * bsr, R.size)
+        covered = min(L.size * bsr, R.size * producer_units)
         full, sub = divmod(covered, bsr)
         first_stale = full + (1 if sub else 0)
         for r in regions:

@@ -1,0 +1,37 @@
+# kvgeom developer entry points. Every target creates .venv on first use (Python >= 3.10 as python3).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvgeom-installed
+
+.PHONY: demo test plan bench lint clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[nixl,dev]'
+	@touch $(STAMP)
+
+## The main job: a real NIXL transfer of a Mamba2-hybrid request between P and D processes, verified.
+demo: $(STAMP)
+	$(PY) -m kvgeom demo
+
+## The whole test suite (what CI runs).
+test: $(STAMP)
+	$(PY) -m pytest
+
+## Plan one request of the shipped example pair and print it.
+plan: $(STAMP)
+	$(PY) -m kvgeom plan examples/nemotron-h-8b_p2_d1_pull.json --tokens 3000
+
+bench: $(STAMP)
+	$(PY) bench/bench_plan.py
+	$(PY) bench/bench_pull.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvgeom adapters tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -100,7 +100,7 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
         if local.engine.kv_layout.value != "head_major" and head_split:
             raise _err("kv_layout", "heterogeneous TP splits heads, which needs a head-major layout",
                        local.engine.kv_layout.value, remote.engine.kv_layout.value)
-        if ratio < 0 and remote.tp_size > k and not local.has_ssm:
+        if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
     _check_block_lens(local, remote, bsr, split)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Union
+from typing import Any
 
 from .dtypes import dtype_size
 from .errors import SpecError
@@ -264,7 +264,7 @@ class MambaSpec:
         return tuple(p.replicated(tp) for p in self.conv_pieces)
 
 
-LayerSpec = Union[AttentionSpec, MLASpec, MambaSpec]
+LayerSpec = AttentionSpec | MLASpec | MambaSpec
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Cards are data (see ``SOURCE.md``); this module only reads their config fields.
 from __future__ import annotations
 
 import json
-from functools import cache, lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 

@@ -1,5 +1,56 @@
-"""kvgeom: KV-cache and SSM-state transfer geometry for disaggregated (P/D) LLM serving."""
+"""kvgeom: KV-cache and SSM-state transfer geometry for disaggregated (P/D) LLM serving.
 
-from .errors import *  # noqa: F401,F403
+Data flows one way: model spec -> rank geometry -> TP mapping -> plan -> descriptors -> transport.
+
+>>> from kvgeom import presets, EngineConfig, card_of, Pairing, plan_request
+>>> model = presets.load("nemotron-h-8b")
+>>> d = card_of("decode", model, EngineConfig(tp_size=1, block_size=1056, kernel_block_size=32, num_blocks=64))
+>>> p = [card_of("prefill", model, EngineConfig(tp_size=2, tp_rank=r, block_size=528, kernel_block_size=16,
+...                                             num_blocks=64)) for r in range(2)]
+>>> pairing = Pairing.create(d, p, mode="pull")          # handshake: validated, tables built lazily
+>>> plan = plan_request(pairing, [[0], [1], [2], [3], [4], [5], [6]], [[0, 1], [2], [3], [4], [5], [6], [7]])
+>>> [t.remote_rank for t in plan.transfers]
+[0, 1]
+"""
+
+from .card import CARD_VERSION, GeometryCard, card_of
+from .dlist import Dlist, EngineView
+from .engine import ConvLayout, EngineConfig, KVLayout
+from .errors import (
+    BlockIdError,
+    CardError,
+    ConfigError,
+    GroupMismatchError,
+    IncompatiblePairError,
+    KvgeomError,
+    PlanError,
+    RatioError,
+    SpecError,
+    UnsupportedError,
+)
+from .geometry import Group, RankGeometry, Region, SSMLayout, align_hybrid_block_size, rank_geometry
+from .handshake import PairShape, check_pair
+from .pairing import Pairing
+from .plan import MOVE_COLUMNS, Regroup, RequestPlan, Transfer, plan_request, post_receive, receive_step
+from .spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from .tp import TPMapping, compute_tp_mapping, tp_ratio
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CARD_VERSION", "GeometryCard", "card_of", "Dlist", "EngineView", "ConvLayout", "EngineConfig", "KVLayout",
+    "BlockIdError", "CardError", "ConfigError", "GroupMismatchError", "IncompatiblePairError", "KvgeomError",
+    "PlanError", "RatioError", "SpecError", "UnsupportedError", "Group", "RankGeometry", "Region", "SSMLayout",
+    "align_hybrid_block_size", "rank_geometry", "PairShape", "check_pair", "Pairing", "MOVE_COLUMNS", "Regroup",
+    "RequestPlan", "Transfer", "plan_request", "post_receive", "receive_step", "AttentionSpec", "Layer",
+    "LayerKind", "MambaSpec", "MLASpec", "ModelSpec", "Shard", "TPMapping", "compute_tp_mapping", "tp_ratio",
+    "presets",
+]
+
+
+def __getattr__(name: str):  # presets load lazily (they read JSON files)
+    if name == "presets":
+        import importlib
+
+        return importlib.import_module(".presets", __name__)
+    raise AttributeError(name)

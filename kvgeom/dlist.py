@@ -180,11 +180,12 @@ def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
     return Dlist(np.concatenate([fa, ssm]), fa.shape[0])
 
 
-def remote_dlist(local: EngineView, remote: EngineView, bsr: int, tp_ratio: int, attn_reads: int,
-                 rank_offset_factor: int, remote_conv_offsets: Sequence[tuple[int, int]] | None) -> Dlist:
+def remote_dlist(local: EngineView, remote: EngineView, bsr: int, attn_reads: int, rank_offset_factor: int,
+                 ssm_pieces: Sequence[tuple[int, int]] | None) -> Dlist:
     """A remote rank's table as this rank reads it (vLLM B.2.4): every attention row cut to this rank's
-    share (``attn_reads`` sources split a SPLIT row; MLA rows are read whole), SSM rows at the remote
-    conv offsets for this rank (``remote_conv_offsets``) and the matching temporal slice."""
+    share (``attn_reads`` sources split a SPLIT row; MLA rows are read whole), then per SSM region one
+    row per logical block for each of ``ssm_pieces`` (``(offset, length)`` in the remote state page of
+    every conv piece and the temporal state, as this rank reads them)."""
     if local.num_regions != remote.num_regions:
         raise PlanError("num_regions", f"local has {local.num_regions} regions, remote {remote.num_regions}",
                         local=local.num_regions, remote=remote.num_regions)
@@ -201,13 +202,10 @@ def remote_dlist(local: EngineView, remote: EngineView, bsr: int, tp_ratio: int,
     rows[..., 2] = length[:, None]
     fa = rows.reshape(-1, 3)
     ssm = np.zeros((0, 3), dtype=np.int64)
-    if local.ssm_sizes is not None and remote.ssm_sizes is not None and remote_conv_offsets is not None:
+    if ssm_pieces is not None:
         regions = np.asarray(local.ssm_region_indices, dtype=np.int64)
         page = rstride[regions] * remote.ppl
-        local_offset = local.tp_rank % max(tp_ratio, 1)
-        ssm_read = local.ssm_sizes[1] if tp_ratio >= 1 else remote.ssm_sizes[1]
-        pieces = list(remote_conv_offsets) + [(remote.ssm_sizes[0] + local_offset * ssm_read, ssm_read)]
-        ssm = _ssm_rows(regions, page, remote.logical_num_blocks, pieces)
+        ssm = _ssm_rows(regions, page, remote.logical_num_blocks, ssm_pieces)
     return Dlist(np.concatenate([fa, ssm]), fa.shape[0])
 
 

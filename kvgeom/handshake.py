@@ -105,7 +105,7 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
     _check_block_lens(local, remote, bsr, split)
     if local.has_ssm:
-        _check_ssm(local, remote, ratio, prefix_caching)
+        _check_ssm(local, remote, ratio, compat, prefix_caching)
     if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
         raise UnsupportedError(
             "block_size",
@@ -145,7 +145,7 @@ def _check_block_lens(local: RankGeometry, remote: RankGeometry, bsr: int, split
                        lr.block_len, rr.block_len)
 
 
-def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, prefix_caching: bool) -> None:
+def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, compat: Compat, prefix_caching: bool) -> None:
     spec = local.model.ssm_spec
     if spec is None:
         return
@@ -158,12 +158,13 @@ def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, prefix_cac
                        local.engine.conv_layout.value, remote.engine.conv_layout.value)
         lrep = spec.replicated_pieces(local.tp_size)
         rrep = spec.replicated_pieces(remote.tp_size)
-        if any(lrep) or any(rrep) or spec.temporal.replicated(max(local.tp_size, remote.tp_size)):
+        replicated = any(lrep) or any(rrep) or spec.temporal.replicated(max(local.tp_size, remote.tp_size))
+        if replicated and compat == "vllm":
             names = [n for n, a, b in zip(spec.piece_names, lrep, rrep) if a or b]
             raise UnsupportedError(
                 "tp_size",
                 f"conv pieces {names} are replicated across ranks at this TP (e.g. Mamba2 n_groups < TP); "
-                "scaling them by the TP ratio would read the wrong bytes (vLLM issue 55208), so kvgeom refuses "
-                "heterogeneous TP for this model",
+                "scaling them by the TP ratio would read the wrong bytes (vLLM issue 55208); vLLM-compatible mode "
+                "refuses the pair, kvgeom mode plans it from the sharding rule",
                 local=local.tp_size, remote=remote.tp_size,
             )

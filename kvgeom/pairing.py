@@ -19,6 +19,7 @@ from .dtypes import dtype_size
 from .errors import IncompatiblePairError
 from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
+from .shards import ssm_piece_reads
 from .splits import build_local_splits, expand_strided
 from .tp import TPMapping, compute_tp_mapping, handshake_targets, needs_split_local_handles
 
@@ -133,16 +134,27 @@ class Pairing:
         key = ("remote", rank)
         if key not in self._cache:
             view = self.remote_view(rank)
-            conv = None
-            ssm = self.local.ssm
-            if ssm is not None:
-                local_offset = self.local.tp_rank % max(self.tp_ratio, 1)
-                conv = remote_conv_offsets(ssm.spec.piece_channels(self.local.tp_size), ssm.spec.conv_rows,
-                                           dtype_size(ssm.spec.conv_dtype), local_offset, self.tp_ratio)
             attn_reads = len(self._first_sources(ssm=False)) or 1
-            self._cache[key] = remote_dlist(self.local_view, view, self.bsr, self.tp_ratio, attn_reads,
-                                            self.mapping.rank_offset_factor, conv)
+            self._cache[key] = remote_dlist(self.local_view, view, self.bsr, attn_reads,
+                                            self.mapping.rank_offset_factor, self._ssm_pieces(rank, view))
         return self._cache[key]
+
+    def _ssm_pieces(self, rank: int, view: EngineView) -> tuple[tuple[int, int], ...] | None:
+        """What remote rank ``rank`` sends of each SSM piece: vLLM's TP-ratio scaling in ``vllm`` mode,
+        the sharding rule (:mod:`kvgeom.shards`, right for replicated pieces too) in ``kvgeom`` mode."""
+        ssm, local = self.local.ssm, self.local_view
+        if ssm is None or view.ssm_sizes is None or local.ssm_sizes is None:
+            return None
+        if self.compat == "kvgeom":
+            sources = self._first_sources(ssm=True)
+            p = sources.index(rank) if rank in sources else 0
+            return ssm_piece_reads(ssm.spec, self.local.tp_rank, self.local.tp_size, rank, self.remote_tp, p,
+                                   max(len(sources), 1) if self.tp_ratio < 0 else 1)
+        local_offset = self.local.tp_rank % max(self.tp_ratio, 1)
+        conv = remote_conv_offsets(ssm.spec.piece_channels(self.local.tp_size), ssm.spec.conv_rows,
+                                   dtype_size(ssm.spec.conv_dtype), local_offset, self.tp_ratio)
+        ssm_read = local.ssm_sizes[1] if self.tp_ratio >= 1 else view.ssm_sizes[1]
+        return tuple(conv) + ((view.ssm_sizes[0] + local_offset * ssm_read, ssm_read),)
 
     def local_key(self, source_index: int) -> LocalKey:
         return (self.bsr, source_index if self.needs_split else -1)

@@ -558,8 +558,23 @@ class Endpoint:
         if self._closed:
             raise AdapterError(f"endpoint {self.name!r} is closed", stage="closed")
 
+    def _drain(self, seconds: float) -> None:
+        """Drive progress (by polling notifications) for ``seconds``; keeps what arrives."""
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                for peer, msgs in self._agent.get_new_notifs().items():
+                    peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+                    self._notifs.setdefault(peer, Counter()).update(bytes(m) for m in msgs)
+            except Exception:
+                pass
+            if time.monotonic() >= end:
+                return
+            time.sleep(0.001)
+
     def close(self) -> None:
         """Cancel/release live transfers, release prepared handles, drop peers, deregister memory.
+        Drives progress for ``config.close_drain_s`` on the way (see :class:`TransportConfig`).
         Idempotent; never raises for NIXL cleanup failures."""
         if self._closed:
             return
@@ -567,6 +582,9 @@ class Endpoint:
             x._fail()
         for p in list(self._prepped):
             p.release()
+        half = self.config.close_drain_s / 2
+        if half:
+            self._drain(half)
         for h in self._leaked:
             try:
                 h.release()
@@ -579,6 +597,8 @@ class Endpoint:
             except Exception:
                 pass
         self._peers.clear()
+        if half:
+            self._drain(half)
         while self._regs:
             reg, _, _ = self._regs.pop()
             try:

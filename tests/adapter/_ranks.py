@@ -242,8 +242,9 @@ def _decode_kill(ep, link, local, ids, perm, port, mode, to_parent, inbox) -> di
             out["errors"].append(("post", type(e).__name__, time.monotonic() - t0))
         return out
     # kill_during: keep READs in flight until the peer dies under us
+    ep.post("READ", local, ids, link.remote, perm, b"").wait(timeout_s=5.0)
+    n_ok = 1
     to_parent.put(("D", "looping", None))
-    n_ok = 0
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
         try:

@@ -155,3 +155,35 @@ def test_push_mirrors_pull_for_gqa() -> None:
     assert plan.op == "WRITE" and plan.transfers[0].notif == "req:4"
     assert moves == [(2, 0, 32, 0, 0, 6 * 128 + 2 * 32, 32)]
     assert np.array_equal(plan.moves(pairing)[:, 6], [32])
+
+
+FALCON_LIKE = ModelSpec.from_layers("m2-one-group", [
+    AttentionSpec(2, 2, "float16"),
+    MambaSpec.mamba2(num_heads=2, head_dim=2, n_groups=1, state_size=2, conv_kernel=2, conv_dtype="float16"),
+])
+
+
+def test_mamba2_one_group_p_tp1_to_d_tp2_reads_the_replicated_b_and_c_whole() -> None:
+    # TP1 page: x (0,8) B (8,4) C (12,4) temporal (16,16); TP2 page: x (0,4) B (4,4) C (8,4) temporal (12,8).
+    # n_groups 1 < TP 2: both D ranks hold the whole B and C. D rank 1 reads x head 1 at 4, B at 8, C at 12,
+    # temporal head 1 at 24 (vLLM would read P's C as B: issue 55208, refused in vllm mode).
+    p, d = dict(tp_size=1, block_size=4, num_blocks=8), dict(tp_size=2, block_size=4, num_blocks=8)
+    pairing = _pair(FALCON_LIKE, p, d, rank=1)
+    _, moves = _moves(pairing, [[], [3]], [[], [5]])
+    assert moves == [(0, 0, 5 * 64 + 4, 1, 0, 96 + 0, 4), (0, 0, 5 * 64 + 8, 1, 0, 96 + 4, 4),
+                     (0, 0, 5 * 64 + 12, 1, 0, 96 + 8, 4), (0, 0, 5 * 64 + 24, 1, 0, 96 + 12, 8)]
+    with pytest.raises(UnsupportedError, match="55208"):
+        _pair(FALCON_LIKE, p, d, rank=1, compat="vllm")
+
+
+def test_mamba2_one_group_p_tp2_to_d_tp1_gathers_b_and_c_in_halves_from_identical_copies() -> None:
+    # D (TP1) gathers from P0 and P1: x head p whole into +4p; B and C (held whole by both) in 2-byte
+    # chunks, chunk p from P_p's copy; temporal head p into 16 + 8p.
+    pairing = _pair(FALCON_LIKE, dict(tp_size=2, block_size=4, num_blocks=8), dict(tp_size=1, block_size=4,
+                                                                                   num_blocks=8))
+    _, moves = _moves(pairing, [[], [2]], [[], [6]])
+    want = []
+    for q in range(2):
+        want += [(q, 0, 192 + 0, 0, 0, 128 + 4 * q, 4), (q, 0, 192 + 4 + 2 * q, 0, 0, 128 + 8 + 2 * q, 2),
+                 (q, 0, 192 + 8 + 2 * q, 0, 0, 128 + 12 + 2 * q, 2), (q, 0, 192 + 12, 0, 0, 128 + 16 + 8 * q, 8)]
+    assert moves == sorted(want)

@@ -1,0 +1,176 @@
+"""Where each logical coordinate of a request lives on one engine rank: an independent model.
+
+This module restates kvgeom's physical layout from first principles, per element, for clarity. It
+reads from :func:`~kvgeom.geometry.rank_geometry` only what is *allocated* (region sizes, which layer
+views which region, the groups) and uses the specs' sharding rules (:class:`~kvgeom.spec.Shard`); it
+never calls the planner's address arithmetic (dlists, descriptor ids, plans).
+
+Layout facts (kernel block ``kb``, ``ppl = block_size // kb``):
+
+* attention token ``t`` of group ``g`` is in the request's logical block ``i = (t - first) // B``,
+  pool id ``ids[g][i]``, kernel block ``id * ppl + ((t - first) % B) // kb``, position ``n = t % kb``;
+  kernel block ``b`` of a region starts at byte ``b * block_stride``;
+* packed K|V page: head-major ``[H, kb, C]`` or token-major ``[kb, H, C]`` with
+  ``C = (head_size + head_size_v) * e`` bytes per token-head, K bytes first; split K/V regions hold
+  ``[H, kb, head_size * e]`` (or token-major) each; local head ``j`` is global head
+  ``first_unit(rank, tp) + j``;
+* MLA page ``[kb, latent * e]``;
+* an SSM state sits in its slot ``s`` at byte ``s * page`` (``page = block_stride * ppl``): the conv
+  pieces in order (DS: channel-major, ``conv_kernel - 1`` rows per channel; SD: row-major over all
+  channels), then the temporal state at ``conv_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dtypes import dtype_size
+from ..engine import ConvLayout, KVLayout
+from ..geometry import RankGeometry, Region
+from ..spec import AttentionSpec, MambaSpec, MLASpec
+from ._coords import CoordSpace
+
+__all__ = ["OUTSIDE", "PADDING", "NEEDED", "OPTIONAL", "RankImage", "rank_image", "LayoutError"]
+
+OUTSIDE, PADDING, NEEDED, OPTIONAL = 0, 1, 2, 3
+"""Byte roles: outside the request's blocks; padding inside them (no coordinate); a coordinate the
+request needs; a coordinate it may hold or not (tokens at or past ``num_tokens``)."""
+
+
+class LayoutError(ValueError):
+    """The oracle's layout model and the allocated geometry disagree (content past a block or page)."""
+
+
+@dataclass
+class RankImage:
+    """One rank's bytes for one request: per region, the coordinate tag each byte should hold
+    (``-1``: none) and its role."""
+
+    rank: int
+    tags: list[np.ndarray]
+    role: list[np.ndarray]
+
+    @classmethod
+    def empty(cls, geom: RankGeometry) -> RankImage:
+        sizes = [r.nbytes for r in geom.regions]
+        return cls(geom.tp_rank, [np.full(n, -1, dtype=np.int64) for n in sizes],
+                   [np.zeros(n, dtype=np.int8) for n in sizes])
+
+    def put(self, region: int, offsets: np.ndarray, tags: np.ndarray, role: np.ndarray | int) -> None:
+        offsets, tags = np.broadcast_arrays(offsets, tags)
+        role = np.broadcast_to(role, offsets.shape)
+        if offsets.size and int(offsets.max()) >= self.tags[region].size:
+            raise LayoutError(f"rank {self.rank} region {region}: content at byte {int(offsets.max())} "
+                              f"past the region's {self.tags[region].size} bytes")
+        self.tags[region][offsets] = tags
+        self.role[region][offsets] = role
+
+    def claim(self, region: int, start: int, length: int) -> None:
+        """Mark ``[start, start + length)`` as part of the request (padding until content is put)."""
+        view = self.role[region][start:start + length]
+        view[view == OUTSIDE] = PADDING
+
+
+def _regions_of(geom: RankGeometry, layer: str) -> list[Region]:
+    found = [r for r in geom.regions if any(name == layer for _, name in r.members)]
+    if not found:
+        raise LayoutError(f"layer {layer!r} views no region of rank {geom.tp_rank}")
+    return found
+
+
+def rank_image(geom: RankGeometry, space: CoordSpace, ids: Sequence[Sequence[int]], first_token: int,
+               num_tokens: int) -> RankImage:
+    """Expected bytes of rank ``geom`` holding a request whose attention blocks ``ids[g]`` start at token
+    ``first_token`` (a multiple of the logical block) and whose SSM groups hold one slot ``ids[g][0]``."""
+    img = RankImage.empty(geom)
+    for group, gids in zip(geom.groups, ids, strict=True):
+        blocks = np.asarray(gids, dtype=np.int64)
+        for layer in group.layers:
+            spec = next(la.spec for la in geom.model.layers if la.name == layer)
+            for region in _regions_of(geom, layer):
+                if isinstance(spec, MambaSpec):
+                    for slot in blocks:
+                        _place_state(img, geom, spec, layer, region, int(slot), space)
+                else:
+                    _place_tokens(img, geom, spec, layer, region, blocks, first_token, num_tokens, space)
+    return img
+
+
+def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLASpec, layer: str, region: Region,
+                  blocks: np.ndarray, first_token: int, num_tokens: int, space: CoordSpace) -> None:
+    eng = geom.engine
+    bs, kb, ppl = eng.block_size, eng.kernel, eng.ppl
+    for kblock in (blocks[:, None] * ppl + np.arange(ppl)[None, :]).reshape(-1):
+        img.claim(region.index, int(kblock) * region.block_stride, region.block_stride)
+    pos = np.arange(blocks.size * bs, dtype=np.int64)  # position within the request's blocks
+    tokens = first_token + pos
+    kblock = blocks[pos // bs] * ppl + (pos % bs) // kb
+    n = pos % kb
+    role = np.where(tokens < num_tokens, NEEDED, OPTIONAL)[:, None]
+    block_start = kblock * region.block_stride
+    if isinstance(spec, MLASpec):
+        width = spec.latent_size * dtype_size(spec.dtype)
+        _check_fits(region, kb * width)
+        b = np.arange(width)
+        img.put(region.index, (block_start + n * width)[:, None] + b[None, :],
+                space.tag(layer, "latent", tokens[:, None], b[None, :]), role)
+        return
+    e = dtype_size(spec.dtype)
+    k_bytes, v_bytes = spec.head_size * e, spec.v_size * e
+    parts = {"kv": [(0, 0, k_bytes), (1, k_bytes, v_bytes)], "k": [(0, 0, k_bytes)], "v": [(1, 0, v_bytes)]}
+    pieces = parts[region.part]
+    c = sum(size for _, _, size in pieces)  # bytes per token-head in this region
+    heads = spec.heads.units_per_rank(geom.tp_size)
+    first_head = spec.heads.first_unit(geom.tp_rank, geom.tp_size)
+    _check_fits(region, heads * kb * c)
+    for j in range(heads):
+        if eng.kv_layout is KVLayout.HEAD_MAJOR:
+            within = j * kb * c + n * c
+        else:
+            within = n * heads * c + j * c
+        for kv, inner, size in pieces:
+            b = np.arange(size)
+            img.put(region.index, (block_start + within + inner)[:, None] + b[None, :],
+                    space.tag(layer, "kv", tokens[:, None], first_head + j, kv, b[None, :]), role)
+
+
+def _check_fits(region: Region, content: int) -> None:
+    if content > region.block_len:
+        raise LayoutError(f"region {region.index} ({region.name}): {content} content bytes per kernel block "
+                          f"exceed block_len {region.block_len}")
+
+
+def _place_state(img: RankImage, geom: RankGeometry, spec: MambaSpec, layer: str, region: Region, slot: int,
+                 space: CoordSpace) -> None:
+    tp, rank = geom.tp_size, geom.tp_rank
+    page = region.block_stride * geom.ppl
+    base = slot * page
+    img.claim(region.index, base, page)
+    e = dtype_size(spec.conv_dtype)
+    rows = spec.conv_rows
+    channels = [p.elems_per_rank(tp) for p in spec.conv_pieces]
+    conv_dim = sum(channels)
+    r = np.arange(rows)[None, :, None]
+    b = np.arange(e)[None, None, :]
+    start = 0
+    for name, piece, count in zip(spec.piece_names, spec.conv_pieces, channels):
+        c = np.arange(count)[:, None, None]
+        global_channel = piece.first_unit(rank, tp) * piece.unit_elems + c
+        if geom.engine.conv_layout is ConvLayout.DS:
+            offsets = (start + c) * rows * e + r * e + b
+        else:
+            offsets = r * conv_dim * e + (start + c) * e + b
+        img.put(region.index, base + offsets, space.tag(layer, name, global_channel, r, b), NEEDED)
+        start += count
+    conv_bytes = conv_dim * rows * e
+    es = dtype_size(spec.ssm_dtype)
+    count = spec.temporal.elems_per_rank(tp)
+    if conv_bytes + count * es > page:
+        raise LayoutError(f"{layer}: a {conv_bytes + count * es}-byte state does not fit its {page}-byte page")
+    i = np.arange(count)[:, None]
+    b2 = np.arange(es)[None, :]
+    global_elem = spec.temporal.first_unit(rank, tp) * spec.temporal.unit_elems + i
+    img.put(region.index, base + conv_bytes + i * es + b2, space.tag(layer, "temporal", global_elem, b2), NEEDED)

@@ -1,0 +1,402 @@
+"""The byte oracle (primer Part D): execute a request's transfer on tagged byte arrays and check I1-I6.
+
+Every byte of every rank's regions carries an ``int64`` *tag* (:mod:`kvgeom.testing._coords`):
+
+* on P, a byte of the request's blocks holds the tag of its logical coordinate; every other P byte
+  (neighbours' blocks, page padding) a *location* tag naming itself, so a read from the wrong place
+  is caught, not just a missing one;
+* on D, the request's destination blocks start as ``POISON``; every other D byte holds its own
+  location tag, so any change outside the request is caught.
+
+The expected D content comes from :mod:`kvgeom.testing._layout`, an independent per-element model of
+the layout (never the planner's address arithmetic). Moves are executed as plain copies, then the
+consumer's post-receive step (regroup, then zero ranges), then :meth:`Oracle.report` checks:
+
+* **I1** every D byte outside the request's blocks is unchanged;
+* **I2** every written content byte holds the coordinate D's layout expects; descriptor pairs have equal
+  lengths;
+* **I3** every needed byte (tokens in ``[prefix tokens, num_tokens)``, the whole SSM state) holds it;
+* **I4** every other content byte of the destination blocks holds its coordinate or ``ZERO``;
+* **I5** no byte is written twice with different tags;
+* **I6** every move, zero range and regroup lies inside its region (and every descriptor id inside its table).
+
+``run_pull`` / ``run_push`` plan a request with kvgeom for every rank and run it; ``check_moves``
+checks arbitrary moves (a connector's, e.g. recorded with :mod:`kvgeom.testing.nixl_double`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..engine import EngineConfig
+from ..geometry import RankGeometry, rank_geometry
+from ..pairing import Pairing
+from ..plan import Regroup, RequestPlan, plan_request, receive_step
+from ..spec import ModelSpec
+from ._coords import POISON, ZERO, CoordSpace, describe_tag, location_tags
+from ._layout import NEEDED, OPTIONAL, OUTSIDE, RankImage, rank_image
+from ._report import Report, Violation
+
+__all__ = [
+    "Request", "RequestError", "Oracle", "RankPlan", "engine_geometries", "pull_plans", "push_plans",
+    "run", "run_pull", "run_push", "check_moves", "POISON", "ZERO",
+]
+
+_UNWRITTEN = np.iinfo(np.int64).min
+P_SIDE, D_SIDE = 0, 1
+
+
+class RequestError(ValueError):
+    """A :class:`Request` does not fit the engines (wrong block counts, overlapping or out-of-pool ids)."""
+
+
+def _ids(x: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(i) for i in g) for g in x)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request to move from P to D.
+
+    ``p_ids[g]`` are P's logical block ids of group ``g`` (attention groups: ``ceil(num_tokens / P block)``
+    blocks covering every token; SSM groups: one state slot); ``d_ids[g]`` the same on D, without D's
+    ``prefix_blocks`` leading blocks that are already cached (their tokens are not transferred). All
+    groups of one engine share one pool: ids are distinct across groups on one side.
+    """
+
+    num_tokens: int
+    p_ids: tuple[tuple[int, ...], ...]
+    d_ids: tuple[tuple[int, ...], ...]
+    prefix_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "p_ids", _ids(self.p_ids))
+        object.__setattr__(self, "d_ids", _ids(self.d_ids))
+        if self.num_tokens < 1 or self.prefix_blocks < 0:
+            raise RequestError(f"num_tokens must be >= 1 and prefix_blocks >= 0, got {self.num_tokens}, "
+                               f"{self.prefix_blocks}")
+
+    @classmethod
+    def simple(cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, num_tokens: int,
+               prefix_blocks: int = 0, first_id: int = 1) -> Request:
+        """Consecutive ids from ``first_id`` on both sides (block 0 stays free as a neighbour)."""
+        sides = []
+        for engine, prefix in ((p_engine, 0), (d_engine, prefix_blocks)):
+            groups = engine_geometries(model, engine)[0].groups
+            nxt, ids = first_id, []
+            for g in groups:
+                n = 1 if g.is_ssm else math.ceil(num_tokens / engine.block_size) - prefix
+                ids.append(tuple(range(nxt, nxt + n)))
+                nxt += n
+            sides.append(tuple(ids))
+        return cls(num_tokens, sides[0], sides[1], prefix_blocks)
+
+
+def _check_side(name: str, ids: tuple[tuple[int, ...], ...], geom: RankGeometry, want: int) -> None:
+    if len(ids) != len(geom.groups):
+        raise RequestError(f"{name}: {len(ids)} groups of ids, the model has {len(geom.groups)} groups")
+    seen: set[int] = set()
+    for g, (group, gids) in enumerate(zip(geom.groups, ids)):
+        n = 1 if group.is_ssm else want
+        if len(gids) != n:
+            raise RequestError(f"{name}[{g}] ({group.kind.value}): {len(gids)} ids, expected {n}")
+        bad = [i for i in gids if not 0 <= i < geom.logical_num_blocks]
+        if bad:
+            raise RequestError(f"{name}[{g}]: ids {bad} outside the pool of {geom.logical_num_blocks} blocks")
+        if seen & set(gids) or len(set(gids)) != len(gids):
+            raise RequestError(f"{name}[{g}]: ids repeat within the engine's pool")
+        seen |= set(gids)
+
+
+@lru_cache(maxsize=512)
+def _geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
+    return rank_geometry(model, engine)
+
+
+def engine_geometries(model: ModelSpec, engine: EngineConfig) -> list[RankGeometry]:
+    """Every rank of the engine ``engine`` (its ``tp_rank`` is ignored)."""
+    return [_geometry(model, engine.with_rank(r)) for r in range(engine.tp_size)]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """The plan kvgeom made on one local rank (D in pull, P in push), with its pairing."""
+
+    rank: int
+    pairing: Pairing
+    plan: RequestPlan
+
+
+class Oracle:
+    """Tagged byte arrays of every P and D rank for one request, and the checks I1-I6."""
+
+    def __init__(self, model: ModelSpec, p_geoms: Sequence[RankGeometry], d_geoms: Sequence[RankGeometry],
+                 request: Request, limit: int = 20) -> None:
+        self.model, self.request = model, request
+        self.p, self.d = list(p_geoms), list(d_geoms)
+        for side, geoms in (("P", self.p), ("D", self.d)):
+            if [g.tp_rank for g in geoms] != list(range(len(geoms))):
+                raise RequestError(f"{side} geometries must be ranks 0..{len(geoms) - 1} in order")
+        n = request.num_tokens
+        pb, db = self.p[0].logical_block_size, self.d[0].logical_block_size
+        _check_side("p_ids", request.p_ids, self.p[0], math.ceil(n / pb))
+        _check_side("d_ids", request.d_ids, self.d[0], math.ceil(n / db) - request.prefix_blocks)
+        self.prefix_tokens = request.prefix_blocks * db
+        attn = [g for g in self.p[0].groups if not g.is_ssm]
+        max_tokens = max([n, *(len(request.p_ids[g.index]) * pb for g in attn),
+                          *(self.prefix_tokens + len(request.d_ids[g.index]) * db for g in attn)])
+        self.space = CoordSpace(model, max_tokens)
+        p_images = [rank_image(g, self.space, request.p_ids, 0, n) for g in self.p]
+        self.d_images: list[RankImage] = [rank_image(g, self.space, request.d_ids, self.prefix_tokens, n)
+                                          for g in self.d]
+        self.src = [[np.where(t >= 0, t, location_tags(P_SIDE, img.rank, r, np.arange(t.size)))
+                     for r, t in enumerate(img.tags)] for img in p_images]
+        self.dst = [[np.where(role == OUTSIDE, location_tags(D_SIDE, img.rank, r, np.arange(role.size)), POISON)
+                     for r, role in enumerate(img.role)] for img in self.d_images]
+        self.writer = [[np.full(a.size, _UNWRITTEN, dtype=np.int64) for a in regions] for regions in self.dst]
+        self.result = Report(limit=limit)
+
+    @classmethod
+    def for_engines(cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig,
+                    request: Request) -> Oracle:
+        return cls(model, engine_geometries(model, p_engine), engine_geometries(model, d_engine), request)
+
+    # -- executing ----------------------------------------------------------------------------------
+    def _region(self, side: int, rank: int, region: int) -> np.ndarray | None:
+        arrays = self.src if side == P_SIDE else self.dst
+        if 0 <= rank < len(arrays) and 0 <= region < len(arrays[rank]):
+            return arrays[rank][region]
+        return None
+
+    def _bounds(self, side: int, rank: int, region: int, start: int, length: int, what: str) -> bool:
+        arr = self._region(side, rank, region)
+        size = None if arr is None else arr.size
+        if size is not None and start >= 0 and length >= 0 and start + length <= size:
+            return True
+        where = "no such rank/region" if size is None else f"a {size}-byte region"
+        self.result.add(Violation("I6", "PD"[side], rank, region, start, start + max(length, 0),
+                                  f"a range inside {where}", f"[{start}, {start + length})", what),
+                        count=max(length, 1))
+        return False
+
+    def execute(self, moves: np.ndarray, label: str = "move") -> None:
+        """Copy ``moves`` (N x 7 :data:`~kvgeom.plan.MOVE_COLUMNS`, or N x 8 with separate source and
+        destination lengths) from P ranks' arrays to D ranks' arrays."""
+        moves = np.asarray(moves, dtype=np.int64)
+        if moves.size == 0:
+            return
+        if moves.ndim != 2 or moves.shape[1] not in (7, 8):
+            raise ValueError(f"moves must be an N x 7 or N x 8 array, got shape {moves.shape}")
+        for i, row in enumerate(moves.tolist()):
+            sr, sreg, soff, dr, dreg, doff, slen = row[:7]
+            dlen = row[7] if len(row) == 8 else slen
+            what = f"{label} #{i}"
+            self.result.descriptors += 1
+            if slen != dlen:
+                self.result.add(Violation("I2", "D", dr, dreg, doff, doff + dlen, f"{dlen} bytes from the source",
+                                          f"a {slen}-byte source descriptor", f"{what}: unequal lengths"),
+                                count=max(abs(slen - dlen), 1))
+            n = min(slen, dlen)
+            if not (self._bounds(P_SIDE, sr, sreg, soff, slen, f"{what} source")
+                    & self._bounds(D_SIDE, dr, dreg, doff, dlen, f"{what} destination")):
+                continue
+            data = self.src[sr][sreg][soff:soff + n]
+            seen = self.writer[dr][dreg][doff:doff + n]
+            clash = (seen != _UNWRITTEN) & (seen != data)
+            for a, b in _runs(clash):
+                self.result.add(Violation("I5", "D", dr, dreg, doff + a, doff + b, self._name(seen[a]),
+                                          self._name(data[a]), f"{what} overwrites an earlier write"))
+            seen[:] = data
+            self.dst[dr][dreg][doff:doff + n] = data
+            self.result.bytes_moved += n
+
+    def zero(self, rank: int, rows: np.ndarray, label: str = "zero") -> None:
+        """Apply zero ranges ``(region, offset, length)`` on D rank ``rank``."""
+        for i, (region, offset, length) in enumerate(np.asarray(rows, dtype=np.int64).reshape(-1, 3).tolist()):
+            if self._bounds(D_SIDE, rank, region, offset, length, f"{label} #{i}"):
+                self.dst[rank][region][offset:offset + length] = ZERO
+                self.result.bytes_zeroed += length
+
+    def regroup(self, rank: int, step: Regroup, label: str = "regroup") -> None:
+        """Apply a :class:`~kvgeom.plan.Regroup` on D rank ``rank``, per element from its documented
+        meaning: a block viewed as ``[bsr, heads, tokens // bsr, head_bytes]`` is stored as
+        ``[heads, tokens, head_bytes]``."""
+        if step.bsr < 1 or step.tokens % step.bsr:
+            self.result.add(Violation("I6", "D", rank, -1, 0, 0, "tokens divisible by bsr",
+                                      f"tokens {step.tokens}, bsr {step.bsr}", label))
+            return
+        n = step.tokens // step.bsr
+        h = np.arange(step.heads)[:, None, None]
+        t = np.arange(step.tokens)[None, :, None]
+        x = np.arange(step.head_bytes)[None, None, :]
+        dest = ((h * step.tokens + t) * step.head_bytes + x).reshape(-1)
+        source = (((t // n * step.heads + h) * n + t % n) * step.head_bytes + x).reshape(-1)
+        length = step.heads * step.tokens * step.head_bytes
+        for region in step.regions:
+            if not 0 <= rank < len(self.d) or not 0 <= region < len(self.d[rank].regions):
+                self._bounds(D_SIDE, rank, region, 0, length, label)
+                continue
+            stride = self.d[rank].regions[region].block_stride
+            for block in np.asarray(step.blocks, dtype=np.int64).tolist():
+                start = block * stride
+                if length > stride:
+                    self.result.add(Violation("I6", "D", rank, region, start, start + length,
+                                              f"at most one {stride}-byte block", f"{length} bytes", label))
+                    continue
+                if self._bounds(D_SIDE, rank, region, start, length, label):
+                    arr = self.dst[rank][region]
+                    arr[start + dest] = arr[start + source].copy()
+                    self.result.regrouped_blocks += 1
+
+    def run_plan(self, rank_plan: RankPlan) -> None:
+        """Execute one rank's plan; in pull also its post-receive step (regroup, then zero)."""
+        plan, pairing = rank_plan.plan, rank_plan.pairing
+        label = f"{plan.mode} plan of {'D' if plan.mode == 'pull' else 'P'} rank {rank_plan.rank}"
+        self.execute(self._resolve(plan, pairing, label), label)
+        if plan.mode == "pull":
+            self.receive(rank_plan.rank, plan.regroup, plan.zero, label)
+
+    def receive(self, rank: int, regroups: Sequence[Regroup], zero: np.ndarray, label: str = "receive") -> None:
+        """D rank ``rank``'s post-receive step: every regroup, then the zero ranges."""
+        for step in regroups:
+            self.regroup(rank, step, f"{label} regroup")
+        self.zero(rank, zero, f"{label} zero")
+
+    def _resolve(self, plan: RequestPlan, pairing: Pairing, label: str) -> np.ndarray:
+        """Moves of a plan, N x 8 (both lengths kept, so unequal pairs are reported, not raised)."""
+        me = pairing.local.tp_rank
+        out = [np.zeros((0, 8), dtype=np.int64)]
+        for k, t in enumerate(plan.transfers):
+            tables = (pairing.local_table(t.local_table).rows, pairing.remote_table(t.remote_rank).rows)
+            ids = (np.asarray(t.local_ids, dtype=np.int64), np.asarray(t.remote_ids, dtype=np.int64))
+            ok = np.ones(ids[0].size, dtype=bool) if ids[0].size == ids[1].size else None
+            if ok is None:
+                self.result.add(Violation("I2", "D", -1, -1, 0, 0, "as many local as remote ids",
+                                          f"{ids[0].size} local, {ids[1].size} remote", f"{label} transfer {k}"),
+                                count=1)
+                continue
+            for side, table, x in zip(("local", "remote"), tables, ids):
+                bad = (x < 0) | (x >= len(table))
+                for i in np.flatnonzero(bad)[:3].tolist():
+                    self.result.add(Violation("I6", "table", -1, -1, int(x[i]), int(x[i]) + 1,
+                                              f"an id below {len(table)}", str(int(x[i])),
+                                              f"{label} transfer {k}: {side} id #{i}"), count=1)
+                ok &= ~bad
+            local, remote = tables[0][ids[0][ok]], tables[1][ids[1][ok]]
+            src, dst = (remote, local) if plan.mode == "pull" else (local, remote)
+            src_rank, dst_rank = (t.remote_rank, me) if plan.mode == "pull" else (me, t.remote_rank)
+            m = np.empty((src.shape[0], 8), dtype=np.int64)
+            m[:, 0], m[:, 1], m[:, 2] = src_rank, src[:, 0], src[:, 1]
+            m[:, 3], m[:, 4], m[:, 5] = dst_rank, dst[:, 0], dst[:, 1]
+            m[:, 6], m[:, 7] = src[:, 2], dst[:, 2]
+            out.append(m)
+        return np.concatenate(out)
+
+    # -- checking -----------------------------------------------------------------------------------
+    def _name(self, tag: int) -> str:
+        return describe_tag(int(tag), self.space)
+
+    def report(self) -> Report:
+        """Check I1-I4 on the final D bytes (I5, I6 and unequal lengths were checked while executing)."""
+        res = self.result
+        for img in self.d_images:
+            for region, (want, role) in enumerate(zip(img.tags, img.role)):
+                got = self.dst[img.rank][region]
+                resident = location_tags(D_SIDE, img.rank, region, np.arange(got.size))
+                unset = (got == POISON) | (got == ZERO)
+                checks = (
+                    ("I1", (role == OUTSIDE) & (got != resident), resident),
+                    ("I2", ((role == NEEDED) | (role == OPTIONAL)) & (got != want) & ~unset, want),
+                    ("I3", (role == NEEDED) & unset, want),
+                    ("I4", (role == OPTIONAL) & (got == POISON), want),
+                )
+                for inv, mask, expected in checks:
+                    for a, b in _runs(mask):
+                        detail = "or ZERO (token past num_tokens)" if inv == "I4" else ""
+                        res.add(Violation(inv, "D", img.rank, region, a, b, self._name(expected[a]),
+                                          self._name(got[a]), detail))
+        return res
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs ``[start, stop)`` of True in a 1-D boolean array."""
+    if not mask.any():
+        return []
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.view(np.int8), [0]))))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
+# -- planning every rank with kvgeom -----------------------------------------------------------------
+def pull_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
+               compat: str = "kvgeom") -> list[RankPlan]:
+    """Every D rank paired with the P ranks (pull) and its plan for ``request``."""
+    p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
+    out = []
+    for d in d_geoms:
+        pairing = Pairing.create(d, p_geoms, "pull", compat)
+        out.append(RankPlan(d.tp_rank, pairing, plan_request(pairing, request.d_ids, request.p_ids)))
+    return out
+
+
+def push_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
+               compat: str = "kvgeom") -> list[RankPlan]:
+    """Every P rank paired with the D ranks (push) and its plan for ``request``."""
+    p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
+    out = []
+    for p in p_geoms:
+        pairing = Pairing.create(p, d_geoms, "push", compat)
+        out.append(RankPlan(p.tp_rank, pairing, plan_request(pairing, request.p_ids, request.d_ids)))
+    return out
+
+
+def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
+              plans: Sequence[RankPlan]) -> Report:
+    """Execute ``plans`` (from :func:`pull_plans` or :func:`push_plans`, possibly altered) and check them.
+    After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.receive_step`."""
+    oracle = Oracle.for_engines(model, p_engine, d_engine, request)
+    for rp in plans:
+        oracle.run_plan(rp)
+    if plans and plans[0].plan.mode == "push":
+        for d in oracle.d:
+            regroups, zero = receive_step(d, oracle.p[0], request.d_ids, request.p_ids)
+            oracle.receive(d.tp_rank, regroups, zero, f"push receive step of D rank {d.tp_rank}")
+    return oracle.report()
+
+
+def run_pull(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
+             compat: str = "kvgeom") -> Report:
+    """Plan ``request`` on every D rank (pull), execute every plan and its post-receive step, check.
+    A pair or request kvgeom refuses raises its :class:`~kvgeom.errors.KvgeomError`."""
+    return run_plans(model, p_engine, d_engine, request, pull_plans(model, p_engine, d_engine, request, compat))
+
+
+def run_push(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
+             compat: str = "kvgeom") -> Report:
+    """Plan ``request`` on every P rank (push), execute the writes, run every D rank's receive step, check."""
+    return run_plans(model, p_engine, d_engine, request, push_plans(model, p_engine, d_engine, request, compat))
+
+
+def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request, mode: str = "pull",
+        compat: str = "kvgeom") -> Report:
+    """:func:`run_pull` or :func:`run_push` by ``mode``."""
+    if mode not in ("pull", "push"):
+        raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}")
+    return (run_pull if mode == "pull" else run_push)(model, p_engine, d_engine, request, compat)
+
+
+def check_moves(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
+                moves: np.ndarray, zero: Mapping[int, np.ndarray] | None = None,
+                regroup: Mapping[int, Sequence[Regroup]] | None = None) -> Report:
+    """Check arbitrary moves (e.g. a connector's, recorded with the NIXL double) for ``request``:
+    execute ``moves``, then per D rank its ``regroup`` steps and ``zero`` ranges, and check I1-I6."""
+    oracle = Oracle.for_engines(model, p_engine, d_engine, request)
+    oracle.execute(moves, "move")
+    for rank in range(len(oracle.d)):
+        oracle.receive(rank, (regroup or {}).get(rank, ()), (zero or {}).get(rank, np.zeros((0, 3), np.int64)),
+                       f"D rank {rank}")
+    return oracle.report()

@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import load_table  # tests/golden/conftest.py (rootdir-relative import)
 
 from kvgeom import KvgeomError
 from kvgeom.card import GeometryCard, card_of
@@ -19,8 +20,6 @@ from kvgeom.geometry import rank_geometry
 from kvgeom.pairing import Pairing
 from kvgeom.plan import plan_request
 from kvgeom.spec import LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
-
-from conftest import load_table  # tests/golden/conftest.py (rootdir-relative import)
 
 CASES = load_table("e2e_pull", "run_mla_kda_pull")
 

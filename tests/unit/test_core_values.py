@@ -18,8 +18,8 @@ from kvgeom import (
     KvgeomError,
     RatioError,
     SpecError,
+    presets,
 )
-from kvgeom import presets
 from kvgeom.card import GeometryCard, card_of
 from kvgeom.engine import EngineConfig
 from kvgeom.geometry import align_hybrid_block_size, rank_geometry

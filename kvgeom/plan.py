@@ -33,7 +33,8 @@ from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
 from .spec import AttentionSpec
 
-__all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "MOVE_COLUMNS"]
+__all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "check_writes",
+           "MOVE_COLUMNS"]
 
 MOVE_COLUMNS = ("src_rank", "src_region", "src_offset", "dst_rank", "dst_region", "dst_offset", "length")
 
@@ -294,3 +295,36 @@ def _token_tail(region: int, block_start: int, block_len: int, tokens: int, firs
     rows[:, 1] = block_start + np.arange(heads, dtype=np.int64) * per_head + first * tok
     rows[:, 2] = (tokens - first) * tok
     return rows
+
+
+def check_writes(plan: RequestPlan, pairing: Pairing, dst_ids: BlockIds) -> None:
+    """Refuse a plan that would write outside the destination request's own blocks (invariant I1).
+
+    ``dst_ids`` are the logical ids of the side that is written (the local ids in pull, the remote ids
+    in push). Run it before posting: a peer's card is untrusted input, and NIXL only checks that a
+    descriptor lies inside *some* registered region, not inside this request's blocks.
+    """
+    dst_geom = pairing.local if plan.mode == "pull" else pairing.remotes[pairing.targets[0]]
+    kinds = dst_geom.group_is_ssm
+    ids = as_group_ids(dst_ids, kinds, "dst_ids")
+    kernel = logical_to_kernel(ids, dst_geom.ppl, kinds)
+    ppl = dst_geom.ppl
+    # attention ids are kernel ids already; an SSM slot's page spans ppl kernel blocks
+    ok_blocks = np.unique(np.concatenate([np.zeros(0, np.int64)] + [
+        k if not ssm else (k[:, None] * ppl + np.arange(ppl)).ravel() for k, ssm in zip(kernel, kinds)]))
+    moves = plan.moves(pairing)
+    if not len(moves):
+        return
+    strides = np.asarray([r.block_stride for r in dst_geom.regions], dtype=np.int64)
+    region, off, length = moves[:, 4], moves[:, 5], moves[:, 6]
+    if np.any((region < 0) | (region >= strides.size)):
+        raise PlanError("destination region", "a move targets a region the destination does not have",
+                        value=int(region.max()), expected=strides.size)
+    first = off // strides[region]
+    last = (off + np.maximum(length, 1) - 1) // strides[region]
+    bad = ~np.isin(first, ok_blocks) | ~np.isin(last, ok_blocks) | (last - first >= ppl) | (off < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError("destination", f"move {i} writes region {int(region[i])} bytes [{int(off[i])}, "
+                        f"{int(off[i] + length[i])}) outside the request's blocks {sorted(ok_blocks.tolist())[:8]}",
+                        value=(int(region[i]), int(off[i]), int(length[i])))

@@ -44,7 +44,7 @@ from ._report import Report, Violation
 
 __all__ = [
     "Request", "RequestError", "Oracle", "RankPlan", "engine_geometries", "pull_plans", "push_plans",
-    "run", "run_pull", "run_push", "check_moves", "POISON", "ZERO",
+    "run", "run_plans", "run_pull", "run_push", "check_moves", "POISON", "ZERO",
 ]
 
 _UNWRITTEN = np.iinfo(np.int64).min

@@ -100,7 +100,8 @@ def test_peer_killed_before_post_is_reported_not_hung():
 
 def test_peer_killed_while_transferring_is_reported_not_hung():
     with ProcGroup() as g:
-        events, _, _ = _start(g, _spec("serve"), _spec("kill_during", nbytes=64 << 20, block=1 << 20, perm=list(range(64))))
+        big = {"nbytes": 64 << 20, "block": 1 << 20, "perm": list(range(64))}  # ~15 ms per READ
+        events, _, _ = _start(g, _spec("serve", **big), _spec("kill_during", **big))
         _expect(g, events, "D", "looping")
         time.sleep(0.2)  # let a few READs complete
         t_kill = time.monotonic()

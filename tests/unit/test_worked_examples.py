@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom import UnsupportedError
+from kvgeom import KvgeomError, UnsupportedError
 from kvgeom.engine import EngineConfig
 from kvgeom.geometry import rank_geometry
 from kvgeom.pairing import Pairing
@@ -187,3 +187,13 @@ def test_mamba2_one_group_p_tp2_to_d_tp1_gathers_b_and_c_in_halves_from_identica
         want += [(q, 0, 192 + 0, 0, 0, 128 + 4 * q, 4), (q, 0, 192 + 4 + 2 * q, 0, 0, 128 + 8 + 2 * q, 2),
                  (q, 0, 192 + 8 + 2 * q, 0, 0, 128 + 12 + 2 * q, 2), (q, 0, 192 + 12, 0, 0, 128 + 16 + 8 * q, 8)]
     assert moves == sorted(want)
+
+
+def test_check_writes_accepts_plans_and_refuses_a_lying_remote() -> None:
+    from kvgeom.plan import check_writes
+
+    pairing = _pair(MAMBA2, dict(tp_size=4, block_size=4, num_blocks=8), dict(tp_size=1, block_size=8, num_blocks=4))
+    plan = plan_request(pairing, [[3], [1]], [[5, 2], [7]])
+    check_writes(plan, pairing, [[3], [1]])
+    with pytest.raises(KvgeomError, match="outside the request"):
+        check_writes(plan, pairing, [[2], [1]])  # block 3 is not this request's

@@ -53,7 +53,12 @@ class Pairing:
         if mode not in ("pull", "push"):
             raise IncompatiblePairError("mode", f"must be 'pull' or 'push', got {mode!r}", value=mode)
         lg = _as_geometry(local)
-        items = remotes.items() if isinstance(remotes, Mapping) else enumerate(remotes)
+        items = list(remotes.items() if isinstance(remotes, Mapping) else enumerate(remotes))
+        for rank, x in [(-1, local), *items]:
+            if isinstance(x, GeometryCard) and x.mode != mode:
+                raise IncompatiblePairError("mode", f"{'local' if rank < 0 else f'remote rank {rank}'} card is "
+                                            f"for {x.mode}, the pair is planned for {mode}", local=mode,
+                                            remote=x.mode)
         rg = {int(k): _as_geometry(v) for k, v in items}
         if not rg:
             raise IncompatiblePairError("remotes", "no remote rank given", value=0)

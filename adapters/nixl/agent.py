@@ -109,7 +109,8 @@ def _as_ids(ids: Any, count: int, what: str) -> np.ndarray:
         if lo < 0 or hi >= count:
             raise TransferError(
                 f"{what}: ids must lie in [0, {count}), got min {lo} max {hi}",
-                stage="make", status="NIXL_ERR_INVALID_PARAM",
+                stage="make",
+                status="NIXL_ERR_INVALID_PARAM",
             )
     return np.ascontiguousarray(arr, dtype=np.int32)
 
@@ -120,7 +121,9 @@ class Prepped:
 
     __slots__ = ("_endpoint", "_handle", "peer", "mem_type", "count", "generation", "_released")
 
-    def __init__(self, endpoint: Endpoint, handle: Any, peer: str | None, mem_type: str, count: int, generation: int):
+    def __init__(
+        self, endpoint: Endpoint, handle: Any, peer: str | None, mem_type: str, count: int, generation: int
+    ):
         self._endpoint = endpoint
         self._handle = handle
         self.peer = peer
@@ -152,7 +155,9 @@ class Transfer:
     """A posted READ or WRITE. Call :meth:`wait` exactly once; it releases the NIXL handle whatever
     happens (done, error, timeout)."""
 
-    def __init__(self, endpoint: Endpoint, handle: Any, op: str, peer: str, count: int, t_post: float, state: str):
+    def __init__(
+        self, endpoint: Endpoint, handle: Any, op: str, peer: str, count: int, t_post: float, state: str
+    ):
         self._endpoint = endpoint
         self._handle = handle
         self.op = op
@@ -175,7 +180,9 @@ class Transfer:
             self._state = self._endpoint._agent.check_xfer_state(self._handle)
         except Exception as e:
             self._fail()
-            raise _wrap(e, f"{self.op} of {self.count} descriptors failed", stage="wait", peer=self.peer) from e
+            raise _wrap(
+                e, f"{self.op} of {self.count} descriptors failed", stage="wait", peer=self.peer
+            ) from e
         return self._state
 
     def wait(self, deadline: float | None = None, *, timeout_s: float | None = None) -> Telemetry:
@@ -185,8 +192,12 @@ class Transfer:
         if self._telemetry is not None:
             return self._telemetry
         if self._released:
-            raise TransferError(f"transfer already ended in state {self._state}", stage="wait", peer=self.peer,
-                                status=self._state)
+            raise TransferError(
+                f"transfer already ended in state {self._state}",
+                stage="wait",
+                peer=self.peer,
+                status=self._state,
+            )
         cfg = self._endpoint.config
         end = _deadline(deadline, timeout_s, cfg.transfer_timeout_s)
         pause = cfg.poll_interval_s
@@ -197,7 +208,9 @@ class Transfer:
             if state == "ERR":
                 self._fail()
                 raise TransferError(
-                    f"{self.op} of {self.count} descriptors ended in state ERR", stage="wait", peer=self.peer,
+                    f"{self.op} of {self.count} descriptors ended in state ERR",
+                    stage="wait",
+                    peer=self.peer,
                     status="ERR",
                 )
             now = time.monotonic()
@@ -205,7 +218,10 @@ class Transfer:
                 self._fail()
                 raise TransferError(
                     f"{self.op} of {self.count} descriptors not done after {now - self._t_post:.3f}s "
-                    "(deadline passed; cancelled)", stage="wait", peer=self.peer, status="TIMEOUT",
+                    "(deadline passed; cancellation requested, but the bytes and the notification may still reach the peer)",
+                    stage="wait",
+                    peer=self.peer,
+                    status="TIMEOUT",
                 )
             if pause:
                 time.sleep(min(pause, max(0.0, end - now)))
@@ -268,14 +284,18 @@ class Endpoint:
         try:
             self._agent = nixl_agent(self.name, cfg)
         except Exception as e:
-            raise AdapterError(f"cannot create NIXL agent {self.name!r}: {type(e).__name__}: {e}",
-                               stage="agent") from e
+            raise AdapterError(
+                f"cannot create NIXL agent {self.name!r}: {type(e).__name__}: {e}", stage="agent"
+            ) from e
         missing = [b for b in self.config.backends if b not in self._agent.backends]
         if missing:
-            raise AdapterError(f"backend(s) {missing} not available; plugins: {self._agent.get_plugin_list()}",
-                               stage="agent")
+            raise AdapterError(
+                f"backend(s) {missing} not available; plugins: {self._agent.get_plugin_list()}", stage="agent"
+            )
         self.generation = 0
-        self._regs: list[tuple[Any, list[Any], list[Region]]] = []  # (nixlRegDList, tensors kept alive, regions)
+        self._regs: list[
+            tuple[Any, list[Any], list[Region]]
+        ] = []  # (nixlRegDList, tensors kept alive, regions)
         self._peers: dict[str, bytes] = {}
         self._peer_gen: dict[str, int] = {}
         self._prepped: set[Prepped] = set()
@@ -331,8 +351,11 @@ class Endpoint:
             try:
                 reg = self._agent.register_memory(arr, mem)
             except Exception as e:
-                raise AdapterError(f"register_memory of {len(items)} {mem} region(s) failed: {e}",
-                                   stage="register", status=_status_of(e)) from e
+                raise AdapterError(
+                    f"register_memory of {len(items)} {mem} region(s) failed: {e}",
+                    stage="register",
+                    status=_status_of(e),
+                ) from e
             self._regs.append((reg, [tensors[i] for i, _ in items], [r for _, r in items]))
         self.generation += 1
         return [r for r in out if r is not None]
@@ -379,15 +402,21 @@ class Endpoint:
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except Exception as e:
-            raise AdapterError(f"add_remote_agent failed: {type(e).__name__}: {e}", stage="add_peer",
-                               peer=name, status=_status_of(e)) from e
+            raise AdapterError(
+                f"add_remote_agent failed: {type(e).__name__}: {e}",
+                stage="add_peer",
+                peer=name,
+                status=_status_of(e),
+            ) from e
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
             try:
                 self._agent.remove_remote_agent(loaded)
             except Exception:
                 pass
-            raise StaleMetadata(f"metadata is of agent {loaded!r}, expected {name!r}", stage="add_peer", peer=name)
+            raise StaleMetadata(
+                f"metadata is of agent {loaded!r}, expected {name!r}", stage="add_peer", peer=name
+            )
         self._peers[name] = metadata
         self._peer_gen[name] = self._peer_gen.get(name, 0) + 1
         return name
@@ -414,8 +443,12 @@ class Endpoint:
         """Prepare the peer's side, checked against the peer's metadata we hold (nothing else checks:
         an address outside the peer's registrations fails here with ``NIXL_ERR_NOT_FOUND``)."""
         if peer not in self._peers:
-            raise TransferError(f"unknown peer {peer!r}; add_peer() it first", stage="prep_remote", peer=peer,
-                                status="NIXL_ERR_NOT_FOUND")
+            raise TransferError(
+                f"unknown peer {peer!r}; add_peer() it first",
+                stage="prep_remote",
+                peer=peer,
+                status="NIXL_ERR_NOT_FOUND",
+            )
         return self._prep(peer, descs, mem_type)
 
     def _prep(self, peer: str | None, descs: Any, mem_type: str) -> Prepped:
@@ -427,9 +460,15 @@ class Endpoint:
         try:
             h = self._agent.prep_xfer_dlist("" if peer is None else peer, arr, mem_type)
         except Exception as e:
-            where = "our registrations" if peer is None else f"{peer}'s registrations (as we last loaded them)"
-            raise _wrap(e, f"{arr.shape[0]} {mem_type} descriptor(s) not all covered by {where}",
-                        stage=stage, peer=peer) from e
+            where = (
+                "our registrations" if peer is None else f"{peer}'s registrations (as we last loaded them)"
+            )
+            raise _wrap(
+                e,
+                f"{arr.shape[0]} {mem_type} descriptor(s) not all covered by {where}",
+                stage=stage,
+                peer=peer,
+            ) from e
         gen = self.generation if peer is None else self._peer_gen[peer]
         p = Prepped(self, h, peer, mem_type, int(arr.shape[0]), gen)
         self._prepped.add(p)
@@ -456,21 +495,35 @@ class Endpoint:
         peer = remote.peer
         for p, what in ((local, "local"), (remote, "remote")):
             if p.released:
-                raise StaleMetadata(f"{what} prepared list was released (peer re-loaded or closed); prep again",
-                                    stage="post", peer=peer)
+                raise StaleMetadata(
+                    f"{what} prepared list was released (peer re-loaded or closed); prep again",
+                    stage="post",
+                    peer=peer,
+                )
         if self._peer_gen.get(peer) != remote.generation:
-            raise StaleMetadata(f"remote list was prepared against older metadata of {peer}", stage="post",
-                                peer=peer, expected=remote.generation, seen=self._peer_gen.get(peer))
+            raise StaleMetadata(
+                f"remote list was prepared against older metadata of {peer}",
+                stage="post",
+                peer=peer,
+                expected=remote.generation,
+                seen=self._peer_gen.get(peer),
+            )
         lids = _as_ids(local_ids, local.count, "local_ids")
         rids = _as_ids(remote_ids, remote.count, "remote_ids")
         if lids.size != rids.size or lids.size == 0:
-            raise TransferError(f"need equal, non-zero id counts, got local {lids.size} remote {rids.size}",
-                                stage="make", peer=peer, status="NIXL_ERR_INVALID_PARAM")
+            raise TransferError(
+                f"need equal, non-zero id counts, got local {lids.size} remote {rids.size}",
+                stage="make",
+                peer=peer,
+                status="NIXL_ERR_INVALID_PARAM",
+            )
         notif = notif.encode() if isinstance(notif, str) else bytes(notif)
         try:
             h = self._agent.make_prepped_xfer(op, local._handle, lids, remote._handle, rids, notif)
         except Exception as e:
-            raise _wrap(e, f"make_prepped_xfer({op}, {lids.size} descriptors)", stage="make", peer=peer) from e
+            raise _wrap(
+                e, f"make_prepped_xfer({op}, {lids.size} descriptors)", stage="make", peer=peer
+            ) from e
         t0 = time.monotonic()
         try:
             state = self._agent.transfer(h)
@@ -479,8 +532,9 @@ class Endpoint:
             raise _wrap(e, f"posting {op} of {lids.size} descriptors", stage="post", peer=peer) from e
         if state == "ERR":
             _release_quietly(h, self._leaked)
-            raise TransferError(f"posting {op} of {lids.size} descriptors returned ERR", stage="post", peer=peer,
-                                status="ERR")
+            raise TransferError(
+                f"posting {op} of {lids.size} descriptors returned ERR", stage="post", peer=peer, status="ERR"
+            )
         xfer = Transfer(self, h, op, peer, int(lids.size), t0, state)
         self._transfers.add(xfer)
         return xfer
@@ -539,7 +593,9 @@ class Endpoint:
                 have = sum(n for _, _, n in matches)
                 raise NotifTimeout(
                     f"{have} of {count} notification(s) with prefix {tag_prefix!r} arrived before the deadline",
-                    stage="notif", peer=peer, status="TIMEOUT",
+                    stage="notif",
+                    peer=peer,
+                    status="TIMEOUT",
                 )
             if pause:
                 time.sleep(min(pause, max(0.0, end - now)))
@@ -615,8 +671,10 @@ class Endpoint:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Endpoint({self.name!r}, regions={len(self.regions)}, peers={list(self._peers)}, "
-                f"generation={self.generation}, closed={self._closed})")
+        return (
+            f"Endpoint({self.name!r}, regions={len(self.regions)}, peers={list(self._peers)}, "
+            f"generation={self.generation}, closed={self._closed})"
+        )
 
 
 def _release_quietly(handle: Any, leaked: list[Any]) -> None:

@@ -60,9 +60,10 @@ class NotifTimeout(TransferError):
     """The expected notifications did not arrive before the deadline."""
 
 
-class PeerGone(AdapterError):
+class PeerGone(TransferError):
     """The peer is no longer reachable: NIXL reports a remote disconnect, or the peer's side channel
-    refuses connections after a successful handshake (the process has exited)."""
+    refuses connections after a successful handshake (the process has exited). A
+    :class:`TransferError`, so that ``except TransferError`` covers everything a transfer can raise."""
 
 
 class StaleMetadata(AdapterError):

@@ -55,18 +55,22 @@ class Result:
 
 def _child_main(target: Callable[..., Any], args: tuple, kwargs: dict, name: str, results: Any) -> None:
     t0 = time.monotonic()
+
+    def failure(err: str, exc: BaseException) -> tuple:
+        cls = type(exc)
+        etype = f"{cls.__module__}.{cls.__qualname__}"
+        return (name, False, None, err, etype, traceback.format_exc(), time.monotonic() - t0)
+
     try:
         value = target(*args, **kwargs)
-        msg = (name, True, pickle.dumps(value), None, None, None, time.monotonic() - t0)
     except BaseException as e:  # report everything, including SystemExit/KeyboardInterrupt
-        cls = type(e)
-        msg = (name, False, None, repr(e), f"{cls.__module__}.{cls.__qualname__}", traceback.format_exc(),
-               time.monotonic() - t0)
-    try:
-        results.put(msg)
-    except Exception as e:  # e.g. an unpicklable value: report that instead
-        results.put((name, False, None, f"cannot send result: {e!r}", type(e).__qualname__,
-                     traceback.format_exc(), time.monotonic() - t0))
+        msg = failure(repr(e), e)
+    else:
+        try:  # pickle here, not in the queue's feeder thread, so that a failure is reported
+            msg = (name, True, pickle.dumps(value), None, None, None, time.monotonic() - t0)
+        except Exception as e:
+            msg = failure(f"cannot send result: {e!r}", e)
+    results.put(msg)
     results.close()
     results.join_thread()  # make sure the message left this process before it exits
 
@@ -124,8 +128,12 @@ def spawn(
     name = name or getattr(target, "__name__", "child")
     if results is None:
         results = _CTX.Queue()
-    p = _CTX.Process(target=_child_main, args=(target, tuple(args), dict(kwargs or {}), name, results),
-                     name=name, daemon=daemon)
+    p = _CTX.Process(
+        target=_child_main,
+        args=(target, tuple(args), dict(kwargs or {}), name, results),
+        name=name,
+        daemon=daemon,
+    )
     p.start()
     return Proc(p, name)
 
@@ -158,8 +166,14 @@ class ProcGroup:
         self._queues.append(q)
         return q
 
-    def spawn(self, target: Callable[..., Any], args: Sequence[Any] = (), name: str | None = None, *,
-              kwargs: dict[str, Any] | None = None) -> Proc:
+    def spawn(
+        self,
+        target: Callable[..., Any],
+        args: Sequence[Any] = (),
+        name: str | None = None,
+        *,
+        kwargs: dict[str, Any] | None = None,
+    ) -> Proc:
         name = name or getattr(target, "__name__", "child")
         if name in self.procs:
             raise ValueError(f"a child named {name!r} already exists in this group")
@@ -178,23 +192,35 @@ class ProcGroup:
             try:
                 value = pickle.loads(blob)
             except Exception as e:
-                self.results[name] = Result(name, False, error=f"cannot unpickle result: {e!r}",
-                                            error_type=type(e).__qualname__, elapsed_s=elapsed)
+                self.results[name] = Result(
+                    name,
+                    False,
+                    error=f"cannot unpickle result: {e!r}",
+                    error_type=type(e).__qualname__,
+                    elapsed_s=elapsed,
+                )
                 return
             self.results[name] = Result(name, True, value=value, elapsed_s=elapsed)
         else:
-            self.results[name] = Result(name, False, error=err, error_type=etype, traceback=tb, elapsed_s=elapsed)
+            self.results[name] = Result(
+                name, False, error=err, error_type=etype, traceback=tb, elapsed_s=elapsed
+            )
 
     def _drain(self, timeout_s: float) -> bool:
         try:
-            msg = self._results_q.get(timeout=max(0.0, timeout_s)) if timeout_s > 0 else self._results_q.get_nowait()
+            msg = (
+                self._results_q.get(timeout=max(0.0, timeout_s))
+                if timeout_s > 0
+                else self._results_q.get_nowait()
+            )
         except queue_mod.Empty:
             return False
         self._record(msg)
         return True
 
-    def collect(self, timeout_s: float, names: Iterable[str] | None = None, *,
-                dead_grace_s: float = 0.3) -> dict[str, Result]:
+    def collect(
+        self, timeout_s: float, names: Iterable[str] | None = None, *, dead_grace_s: float = 0.3
+    ) -> dict[str, Result]:
         """Wait up to ``timeout_s`` for the results of ``names`` (default: every child). A child that
         exited without a result (after ``dead_grace_s`` for its message to arrive) and one still
         running at the deadline get an ``ok=False`` result saying so. Never raises for child failures."""
@@ -215,13 +241,22 @@ class ProcGroup:
                     continue
                 first = dead_since.setdefault(n, now)
                 if now - first >= dead_grace_s:
-                    self.results[n] = Result(n, False, error=f"exited with code {p.exitcode} without a result",
-                                             exitcode=p.exitcode, elapsed_s=now - self._t0[n])
+                    self.results[n] = Result(
+                        n,
+                        False,
+                        error=f"exited with code {p.exitcode} without a result",
+                        exitcode=p.exitcode,
+                        elapsed_s=now - self._t0[n],
+                    )
             if now >= deadline:
                 for n in pending:
                     if n not in self.results:
-                        self.results[n] = Result(n, False, error=f"no result within {timeout_s:.3g}s (still running)",
-                                                 elapsed_s=now - self._t0[n])
+                        self.results[n] = Result(
+                            n,
+                            False,
+                            error=f"no result within {timeout_s:.3g}s (still running)",
+                            elapsed_s=now - self._t0[n],
+                        )
                 break
             self._drain(min(0.05, deadline - now))
         out = {}

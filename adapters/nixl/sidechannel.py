@@ -118,7 +118,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def _recv_message(sock: socket.socket) -> dict[str, Any]:
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if n > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"announced message of {n} bytes exceeds {MAX_MESSAGE_BYTES}", stage="sidechannel")
+        raise ProtocolError(
+            f"announced message of {n} bytes exceeds {MAX_MESSAGE_BYTES}", stage="sidechannel"
+        )
     return decode(_recv_exact(sock, n))
 
 
@@ -243,9 +245,7 @@ class SideChannelServer:
     # -- thread
     def start(self) -> SideChannelServer:
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._serve, name=f"sidechannel:{self.port}", daemon=True
-            )
+            self._thread = threading.Thread(target=self._serve, name=f"sidechannel:{self.port}", daemon=True)
             self._thread.start()
         return self
 
@@ -321,6 +321,10 @@ class SideChannelServer:
 _RETRYABLE = (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
+class _DeadlinePassed(TimeoutError):
+    """The deadline passed before an attempt could start (keeps the previous attempt's error)."""
+
+
 def _request(host: str, port: int, msg: Mapping[str, Any], deadline: float) -> dict[str, Any]:
     """One connection, one request, one reply; socket timeouts follow the absolute ``deadline``."""
     data = encode(msg)
@@ -328,7 +332,7 @@ def _request(host: str, port: int, msg: Mapping[str, Any], deadline: float) -> d
     def left() -> float:
         rem = deadline - time.monotonic()
         if rem <= 0:
-            raise TimeoutError("deadline passed")
+            raise _DeadlinePassed("deadline passed")
         return rem
 
     with socket.create_connection((host, port), timeout=left()) as sock:
@@ -337,8 +341,11 @@ def _request(host: str, port: int, msg: Mapping[str, Any], deadline: float) -> d
         sock.settimeout(left())
         reply = _recv_message(sock)
     if reply.get("ok") is not True:
-        raise ProtocolError(f"{host}:{port} refused the request: {reply.get('error')!r}", stage="sidechannel",
-                            peer=f"{host}:{port}")
+        raise ProtocolError(
+            f"{host}:{port} refused the request: {reply.get('error')!r}",
+            stage="sidechannel",
+            peer=f"{host}:{port}",
+        )
     return reply
 
 
@@ -368,7 +375,10 @@ def fetch(
         attempts += 1
         try:
             reply = _request(host, port, msg, deadline)
-        except TimeoutError as e:
+        except _DeadlinePassed as e:
+            last = last or e
+            break
+        except TimeoutError as e:  # connected (or connecting) but no answer before the deadline
             last = e
             break
         except _RETRYABLE as e:
@@ -398,11 +408,14 @@ def query_generation(host: str, port: int, timeout_s: float = 2.0) -> int:
     :class:`PeerGone`; one that does not answer in time raises :class:`HandshakeTimeout`."""
     where = f"{host}:{port}"
     try:
-        reply = _request(host, port, {"v": PROTOCOL_VERSION, "op": "generation"}, time.monotonic() + timeout_s)
+        reply = _request(
+            host, port, {"v": PROTOCOL_VERSION, "op": "generation"}, time.monotonic() + timeout_s
+        )
     except TimeoutError:
         raise HandshakeTimeout(
             f"side channel {where} did not answer a generation query within {timeout_s:.3g}s",
-            stage="generation", peer=where,
+            stage="generation",
+            peer=where,
         ) from None
     except OSError as e:
         raise PeerGone(
@@ -420,6 +433,9 @@ def check_generation(host: str, port: int, expected: int, timeout_s: float = 2.0
     if seen != expected:
         raise StaleMetadata(
             f"peer {host}:{port} re-registered: generation {seen}, our metadata is of generation {expected}",
-            stage="generation", peer=f"{host}:{port}", expected=expected, seen=seen,
+            stage="generation",
+            peer=f"{host}:{port}",
+            expected=expected,
+            seen=seen,
         )
     return seen

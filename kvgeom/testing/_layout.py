@@ -69,7 +69,7 @@ class RankImage:
         self.role[region][offsets] = role
 
     def claim(self, region: int, start: int, length: int) -> None:
-        """Mark ``[start, start + length)`` as part of the request (padding until content is put)."""
+        """Mark ``[start, start + length)`` as the request's (padding until content is put there)."""
         view = self.role[region][start:start + length]
         view[view == OUTSIDE] = PADDING
 
@@ -86,6 +86,11 @@ def rank_image(geom: RankGeometry, space: CoordSpace, ids: Sequence[Sequence[int
     """Expected bytes of rank ``geom`` holding a request whose attention blocks ``ids[g]`` start at token
     ``first_token`` (a multiple of the logical block) and whose SSM groups hold one slot ``ids[g][0]``."""
     img = RankImage.empty(geom)
+    ppl = geom.ppl
+    for gids in ids:  # a pool id belongs to the request in every region, whichever layers view it
+        for block in gids:
+            for region in geom.regions:
+                img.claim(region.index, block * ppl * region.block_stride, ppl * region.block_stride)
     for group, gids in zip(geom.groups, ids, strict=True):
         blocks = np.asarray(gids, dtype=np.int64)
         for layer in group.layers:
@@ -103,8 +108,6 @@ def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLAS
                   blocks: np.ndarray, first_token: int, num_tokens: int, space: CoordSpace) -> None:
     eng = geom.engine
     bs, kb, ppl = eng.block_size, eng.kernel, eng.ppl
-    for kblock in (blocks[:, None] * ppl + np.arange(ppl)[None, :]).reshape(-1):
-        img.claim(region.index, int(kblock) * region.block_stride, region.block_stride)
     pos = np.arange(blocks.size * bs, dtype=np.int64)  # position within the request's blocks
     tokens = first_token + pos
     kblock = blocks[pos // bs] * ppl + (pos % bs) // kb
@@ -148,7 +151,6 @@ def _place_state(img: RankImage, geom: RankGeometry, spec: MambaSpec, layer: str
     tp, rank = geom.tp_size, geom.tp_rank
     page = region.block_stride * geom.ppl
     base = slot * page
-    img.claim(region.index, base, page)
     e = dtype_size(spec.conv_dtype)
     rows = spec.conv_rows
     channels = [p.elems_per_rank(tp) for p in spec.conv_pieces]

@@ -17,7 +17,7 @@ consumer's post-receive step (regroup, then zero ranges), then :meth:`Oracle.rep
   lengths;
 * **I3** every needed byte (tokens in ``[prefix tokens, num_tokens)``, the whole SSM state) holds it;
 * **I4** every other content byte of the destination blocks holds its coordinate or ``ZERO``;
-* **I5** no byte is written twice with different tags;
+* **I5** no content byte is written twice with different tags (padding may take any bytes);
 * **I6** every move, zero range and regroup lies inside its region (and every descriptor id inside its table).
 
 ``run_pull`` / ``run_push`` plan a request with kvgeom for every rank and run it; ``check_moves``
@@ -39,7 +39,7 @@ from ..pairing import Pairing
 from ..plan import Regroup, RequestPlan, plan_request, receive_step
 from ..spec import ModelSpec
 from ._coords import POISON, ZERO, CoordSpace, describe_tag, location_tags
-from ._layout import NEEDED, OPTIONAL, OUTSIDE, RankImage, rank_image
+from ._layout import NEEDED, OPTIONAL, OUTSIDE, PADDING, RankImage, rank_image
 from ._report import Report, Violation
 
 __all__ = [
@@ -207,7 +207,8 @@ class Oracle:
                 continue
             data = self.src[sr][sreg][soff:soff + n]
             seen = self.writer[dr][dreg][doff:doff + n]
-            clash = (seen != _UNWRITTEN) & (seen != data)
+            padding = self.d_images[dr].role[dreg][doff:doff + n] == PADDING  # no coordinate: any bytes do
+            clash = (seen != _UNWRITTEN) & (seen != data) & ~padding
             for a, b in _runs(clash):
                 self.result.add(Violation("I5", "D", dr, dreg, doff + a, doff + b, self._name(seen[a]),
                                           self._name(data[a]), f"{what} overwrites an earlier write"))
@@ -332,24 +333,30 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
 
 
 # -- planning every rank with kvgeom -----------------------------------------------------------------
+def _prefix_caching(request: Request, prefix_caching: bool | None) -> bool:
+    return request.prefix_blocks > 0 if prefix_caching is None else prefix_caching
+
+
 def pull_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-               compat: str = "kvgeom") -> list[RankPlan]:
-    """Every D rank paired with the P ranks (pull) and its plan for ``request``."""
+               compat: str = "kvgeom", prefix_caching: bool | None = None) -> list[RankPlan]:
+    """Every D rank paired with the P ranks (pull) and its plan for ``request``. The pairs are made with
+    ``prefix_caching`` (default: whether the request has a prefix hit)."""
     p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
     out = []
     for d in d_geoms:
-        pairing = Pairing.create(d, p_geoms, "pull", compat)
+        pairing = Pairing.create(d, p_geoms, "pull", compat, _prefix_caching(request, prefix_caching))
         out.append(RankPlan(d.tp_rank, pairing, plan_request(pairing, request.d_ids, request.p_ids)))
     return out
 
 
 def push_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-               compat: str = "kvgeom") -> list[RankPlan]:
-    """Every P rank paired with the D ranks (push) and its plan for ``request``."""
+               compat: str = "kvgeom", prefix_caching: bool | None = None) -> list[RankPlan]:
+    """Every P rank paired with the D ranks (push) and its plan for ``request`` (``prefix_caching`` as
+    in :func:`pull_plans`)."""
     p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
     out = []
     for p in p_geoms:
-        pairing = Pairing.create(p, d_geoms, "push", compat)
+        pairing = Pairing.create(p, d_geoms, "push", compat, _prefix_caching(request, prefix_caching))
         out.append(RankPlan(p.tp_rank, pairing, plan_request(pairing, request.p_ids, request.d_ids)))
     return out
 
@@ -369,24 +376,27 @@ def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, 
 
 
 def run_pull(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-             compat: str = "kvgeom") -> Report:
+             compat: str = "kvgeom", prefix_caching: bool | None = None) -> Report:
     """Plan ``request`` on every D rank (pull), execute every plan and its post-receive step, check.
-    A pair or request kvgeom refuses raises its :class:`~kvgeom.errors.KvgeomError`."""
-    return run_plans(model, p_engine, d_engine, request, pull_plans(model, p_engine, d_engine, request, compat))
+    A pair or request kvgeom refuses raises its :class:`~kvgeom.errors.KvgeomError`. The pairs are made
+    with ``prefix_caching`` (default: whether the request has a prefix hit)."""
+    plans = pull_plans(model, p_engine, d_engine, request, compat, prefix_caching)
+    return run_plans(model, p_engine, d_engine, request, plans)
 
 
 def run_push(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-             compat: str = "kvgeom") -> Report:
+             compat: str = "kvgeom", prefix_caching: bool | None = None) -> Report:
     """Plan ``request`` on every P rank (push), execute the writes, run every D rank's receive step, check."""
-    return run_plans(model, p_engine, d_engine, request, push_plans(model, p_engine, d_engine, request, compat))
+    plans = push_plans(model, p_engine, d_engine, request, compat, prefix_caching)
+    return run_plans(model, p_engine, d_engine, request, plans)
 
 
 def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request, mode: str = "pull",
-        compat: str = "kvgeom") -> Report:
+        compat: str = "kvgeom", prefix_caching: bool | None = None) -> Report:
     """:func:`run_pull` or :func:`run_push` by ``mode``."""
     if mode not in ("pull", "push"):
         raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}")
-    return (run_pull if mode == "pull" else run_push)(model, p_engine, d_engine, request, compat)
+    return (run_pull if mode == "pull" else run_push)(model, p_engine, d_engine, request, compat, prefix_caching)
 
 
 def check_moves(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,

@@ -18,6 +18,7 @@ import numpy as np
 from adapters.nixl import (
     AdapterError,
     Endpoint,
+    HandshakeTimeout,
     PeerGone,
     SideChannelServer,
     StaleMetadata,
@@ -167,6 +168,13 @@ def decode_rank(spec: dict, to_parent: Any, inbox: Any) -> dict:
         regions = ep.register_tensors(dst)
         me = _payload(ep, "decode", regions, ep.generation)
         port = _get(inbox, "port")["port"]
+        if spec["mode"] == "silent":  # the peer's side channel accepts but never answers
+            t0 = time.monotonic()
+            try:
+                fetch(HOST, port, me, timeout_s=spec["handshake_timeout_s"])
+            except HandshakeTimeout as e:
+                return {"error": type(e).__name__, "message": str(e), "elapsed_s": time.monotonic() - t0}
+            return {"error": None}
         link = _Link(ep, port, blk, me)
         out["handshake_s"] = link.handshake_s
         local = ep.prep_local(block_descs(regions[0].addr, nblk, blk))
@@ -251,7 +259,7 @@ def _decode_kill(ep, link, local, ids, perm, port, mode, to_parent, inbox) -> di
             ep.post("READ", local, ids, link.remote, perm, b"").wait(timeout_s=5.0)
             n_ok += 1
         except (PeerGone, TransferError) as e:
-            out["errors"].append(("loop", type(e).__name__, time.monotonic()))
+            out["errors"].append((f"loop:{e.stage}", type(e).__name__, time.monotonic()))
             out["status"] = e.status
             break
     out["n_ok"] = n_ok
@@ -262,10 +270,18 @@ def _decode_bad(ep, link, local, ids, perm, regions, blk) -> dict:
     out: dict[str, Any] = {}
     end = link.base + link.nbytes
     cases = {
-        "remote_tail_oob": lambda: ep.prep_remote(link.name, np.array([[end - blk // 2, blk, 0]], dtype=np.uint64)),
-        "remote_unregistered": lambda: ep.prep_remote(link.name, np.array([[end + (1 << 30), blk, 0]], dtype=np.uint64)),
-        "local_oob": lambda: ep.prep_local(np.array([[regions[0].addr + regions[0].nbytes, blk, 0]], dtype=np.uint64)),
-        "remote_vram": lambda: ep.prep_remote(link.name, np.array([[link.base, blk, 0]], dtype=np.uint64), "VRAM"),
+        "remote_tail_oob": lambda: ep.prep_remote(
+            link.name, np.array([[end - blk // 2, blk, 0]], dtype=np.uint64)
+        ),
+        "remote_unregistered": lambda: ep.prep_remote(
+            link.name, np.array([[end + (1 << 30), blk, 0]], dtype=np.uint64)
+        ),
+        "local_oob": lambda: ep.prep_local(
+            np.array([[regions[0].addr + regions[0].nbytes, blk, 0]], dtype=np.uint64)
+        ),
+        "remote_vram": lambda: ep.prep_remote(
+            link.name, np.array([[link.base, blk, 0]], dtype=np.uint64), "VRAM"
+        ),
         "bad_ids": lambda: ep.post("READ", local, ids, link.remote, ids + 1, b""),
         "unequal_ids": lambda: ep.post("READ", local, ids[:2], link.remote, ids[:3], b""),
     }

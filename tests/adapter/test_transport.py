@@ -8,6 +8,7 @@ notifications, handshakes) has a deadline.
 from __future__ import annotations
 
 import queue
+import socket
 import time
 
 import numpy as np
@@ -44,7 +45,7 @@ def _expect(g: ProcGroup, events, who: str, event: str, timeout_s: float = EVENT
             dead = [n for n, p in g.procs.items() if not p.is_alive()]
             if dead:
                 res = g.collect(2.0, dead)
-                raise AssertionError(f"child died while waiting for {who}:{event}: {res}")
+                raise AssertionError(f"child died while waiting for {who}:{event}: {res}") from None
             continue
         assert (w, ev) == (who, event), f"expected {who}:{event}, got {w}:{ev} ({data})"
         return data
@@ -81,6 +82,24 @@ def test_write_push_and_notification():
     assert d["ok"], "decode received wrong bytes"
     assert p["telemetry"].total_bytes == NBYTES
     assert p["notifs"] == [("D", b"verified")]
+
+
+def test_silent_side_channel_is_a_bounded_handshake_timeout():
+    silent = socket.socket()  # listens (the kernel accepts into the backlog) but never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    port = silent.getsockname()[1]
+    try:
+        with ProcGroup() as g:
+            to_d = g.queue()
+            g.spawn(decode_rank, (_spec("silent", handshake_timeout_s=1.0), g.queue(), to_d), "D")
+            to_d.put(("parent", "port", {"port": port}))
+            res = g.collect(RESULT_S)
+    finally:
+        silent.close()
+    d = res["D"].unwrap()
+    assert d["error"] == "HandshakeTimeout" and f"127.0.0.1:{port}" in d["message"]
+    assert 0.95 < d["elapsed_s"] < 2.0
 
 
 def test_peer_killed_before_post_is_reported_not_hung():

@@ -1,0 +1,293 @@
+"""Hypothesis strategies of models, P/D engine pairs and requests, for property-testing transfer plans.
+
+Every strategy shrinks towards small, plain examples (one dense attention layer, TP1, small blocks):
+choices are ``sampled_from`` lists in order of simplicity and small integers are drawn first.
+
+* :func:`model_specs` -- dense attention (optionally with sliding-window layers), MLA, and hybrids of
+  attention or MLA with Mamba1 / Mamba2 / GDN / KDA layers, or SSM-only models; head counts include
+  fewer KV heads than ranks; several dtypes;
+* :func:`engine_configs` -- one engine for a model (TP size, logical and kernel block sizes, pool size,
+  layouts); a hybrid's block size comes from :func:`~kvgeom.geometry.align_hybrid_block_size`, so the
+  attention page holds the SSM state (TP-dependent, as in vLLM);
+* :func:`pd_pairs` -- a :class:`PDPair` (model, P engine, D engine, mode, compat) that
+  :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank;
+* :func:`requests` -- a :class:`~kvgeom.testing.oracle.Request` for a pair: token count, sparse and
+  shuffled block ids, prefix hits on D;
+* :func:`cases` -- a :class:`Case` (pair + request); ``case.run()`` returns the oracle's report.
+
+Example::
+
+    from hypothesis import given
+    from kvgeom.testing import strategies as kst
+
+    @given(kst.cases(mode="pull"))
+    def test_pull_plans_are_correct(case):
+        assert case.run().ok
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hypothesis import assume
+from hypothesis import strategies as st
+
+from ..engine import ConvLayout, EngineConfig, KVLayout
+from ..errors import KvgeomError
+from ..geometry import align_hybrid_block_size
+from ..pairing import Pairing
+from ..spec import AttentionSpec, LayerSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from ._report import Report
+from .oracle import Request, engine_geometries, run
+
+__all__ = [
+    "TP_SIZES", "PDPair", "Case", "attention_specs", "mla_specs", "ssm_specs", "model_specs", "valid_tp_sizes",
+    "engine_configs", "pd_pairs", "requests", "cases",
+]
+
+TP_SIZES = (1, 2, 4, 8)
+MODES = ("pull", "push")
+COMPATS = ("kvgeom", "vllm")
+_DTYPES = ("float16", "float32", "fp8")
+_SSM_DTYPES = ("float16", "float32")
+
+
+# -- layer specs ------------------------------------------------------------------------------------
+@st.composite
+def attention_specs(draw: st.DrawFn) -> AttentionSpec:
+    """Small attention specs; 1-8 KV heads (fewer than ranks at high TP), optional distinct V size."""
+    heads = draw(st.sampled_from((2, 1, 4, 8)))
+    head_size = draw(st.sampled_from((2, 4, 8)))
+    v = draw(st.sampled_from((None, 2, 4)))
+    return AttentionSpec(heads, head_size, draw(st.sampled_from(_DTYPES)), v)
+
+
+@st.composite
+def mla_specs(draw: st.DrawFn) -> MLASpec:
+    return MLASpec(draw(st.sampled_from((4, 6, 8, 12))), draw(st.sampled_from(_DTYPES)))
+
+
+@st.composite
+def ssm_specs(draw: st.DrawFn) -> MambaSpec:
+    """Small Mamba1 / Mamba2 / GDN / KDA states (Mamba2 ``n_groups`` may be below TP: replicated B/C)."""
+    family = draw(st.sampled_from(("mamba2", "mamba1", "gdn", "kda")))
+    kernel = draw(st.sampled_from((2, 3, 4)))
+    conv, ssm = draw(st.sampled_from(_SSM_DTYPES)), draw(st.sampled_from(_SSM_DTYPES))
+    small = st.sampled_from((1, 2))
+    heads = st.sampled_from((2, 4, 8, 1))
+    if family == "mamba1":
+        return MambaSpec.mamba1(draw(st.sampled_from((2, 4, 8))), draw(small), kernel, conv, ssm)
+    if family == "mamba2":
+        return MambaSpec.mamba2(draw(heads), draw(small), draw(st.sampled_from((2, 1, 4))), draw(small), kernel,
+                                conv, ssm)
+    if family == "gdn":
+        return MambaSpec.gdn(draw(heads), draw(small), draw(heads), draw(small), kernel, conv, ssm)
+    return MambaSpec.kda(draw(heads), draw(small), kernel, conv, ssm)
+
+
+def _windowed(spec: AttentionSpec | MLASpec, window: int) -> AttentionSpec | MLASpec:
+    if isinstance(spec, MLASpec):
+        return MLASpec(spec.latent_size, spec.dtype, window)
+    return AttentionSpec(spec.num_kv_heads, spec.head_size, spec.dtype, spec.head_size_v, window)
+
+
+@st.composite
+def model_specs(draw: st.DrawFn, families: tuple[str, ...] | None = None) -> ModelSpec:
+    """Small models of one family: ``dense`` (attention, maybe with sliding-window layers), ``mla``,
+    ``attn+ssm``, ``mla+ssm`` or ``ssm`` (restrict with ``families``)."""
+    family = draw(st.sampled_from(families or ("dense", "mla", "attn+ssm", "mla+ssm", "ssm")))
+    layers: list[LayerSpec] = []
+    if family != "ssm":
+        base: AttentionSpec | MLASpec = draw(attention_specs() if family in ("dense", "attn+ssm") else mla_specs())
+        n = draw(st.integers(1, 3))
+        plain = [False] * n
+        windowed = draw(st.lists(st.booleans(), min_size=n, max_size=n)) if family in ("dense", "mla") else plain
+        layers += [_windowed(base, 8) if w else base for w in windowed]
+    if family in ("attn+ssm", "mla+ssm", "ssm"):
+        ssm = draw(ssm_specs())
+        layers += [ssm] * draw(st.integers(1, 3))
+        layers = draw(st.permutations(layers)) if family != "ssm" else layers
+    return ModelSpec.from_layers(family, layers)
+
+
+# -- engines ----------------------------------------------------------------------------------------
+def _shards(model: ModelSpec) -> list[Shard]:
+    out: list[Shard] = []
+    for layer in model.layers:
+        spec = layer.spec
+        if isinstance(spec, AttentionSpec):
+            out.append(spec.heads)
+        elif isinstance(spec, MambaSpec):
+            out += [*spec.conv_pieces, spec.temporal]
+    return out
+
+
+def valid_tp_sizes(model: ModelSpec) -> tuple[int, ...]:
+    """TP sizes of :data:`TP_SIZES` at which every sharded unit splits into whole units per rank."""
+    return tuple(tp for tp in TP_SIZES if all(s.units % tp == 0 or tp % s.units == 0 for s in _shards(model)))
+
+
+def _is_hybrid(model: ModelSpec) -> bool:
+    return model.has_ssm and any(not la.kind.is_ssm for la in model.layers)
+
+
+def _divisors(n: int, most: int = 8) -> list[int]:
+    """Divisors ``d`` of ``n`` with ``n // d <= most`` (kernel blocks), largest first (ppl 1 first)."""
+    return [n // p for p in range(1, most + 1) if n % p == 0]
+
+
+@st.composite
+def _block_size(draw: st.DrawFn, model: ModelSpec, tp: int) -> int:
+    if _is_hybrid(model):
+        return align_hybrid_block_size(model, tp, draw(st.sampled_from((4, 1, 2, 8))),
+                                       draw(st.sampled_from((4, 1, 2, 8, 16))))
+    return draw(st.sampled_from((4, 2, 1, 8, 16)))
+
+
+def _engine(model: ModelSpec, tp: int, block: int, kernel: int, num_blocks: int, layout: KVLayout,
+            kv_split: bool, conv: ConvLayout) -> EngineConfig:
+    return EngineConfig(tp_size=tp, block_size=block, num_blocks=num_blocks, kernel_block_size=kernel,
+                        kv_layout=layout, kv_split=kv_split, conv_layout=conv)
+
+
+def _group_count(model: ModelSpec) -> int:
+    counts: dict[object, int] = {}
+    for la in model.layers:
+        counts[la.spec] = counts.get(la.spec, 0) + 1
+    size = min(counts.values())
+    return sum(math.ceil(c / size) for c in counts.values())
+
+
+@st.composite
+def _layouts(draw: st.DrawFn, model: ModelSpec) -> tuple[KVLayout, bool, ConvLayout]:
+    single_attention = not model.has_ssm and not model.is_mla and _group_count(model) == 1
+    layout = draw(st.sampled_from((KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR)))
+    kv_split = draw(st.booleans()) if single_attention else False
+    conv = draw(st.sampled_from((ConvLayout.DS, ConvLayout.SD))) if model.has_ssm else ConvLayout.DS
+    return layout, kv_split, conv
+
+
+@st.composite
+def engine_configs(draw: st.DrawFn, model: ModelSpec, tp: int | None = None) -> EngineConfig:
+    """One engine for ``model``: TP size, logical block (hybrid: aligned), kernel block, pool, layouts."""
+    tp = tp or draw(st.sampled_from(valid_tp_sizes(model)))
+    block = draw(_block_size(model, tp))
+    kernel = draw(st.sampled_from(_divisors(block)))
+    groups = _group_count(model)
+    layout, kv_split, conv = draw(_layouts(model))
+    return _engine(model, tp, block, kernel, draw(st.integers(groups + 1, 3 * groups + 6)), layout, kv_split, conv)
+
+
+# -- P/D pairs --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PDPair:
+    """A model with a P and a D engine that kvgeom pairs in ``mode`` under ``compat``."""
+
+    model: ModelSpec
+    p_engine: EngineConfig
+    d_engine: EngineConfig
+    mode: str = "pull"
+    compat: str = "kvgeom"
+    prefix_caching: bool = False
+
+    def run(self, request: Request) -> Report:
+        return run(self.model, self.p_engine, self.d_engine, request, self.mode, self.compat, self.prefix_caching)
+
+    def check(self) -> None:
+        """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair."""
+        p_geoms = engine_geometries(self.model, self.p_engine)
+        d_geoms = engine_geometries(self.model, self.d_engine)
+        local, remote = (d_geoms, p_geoms) if self.mode == "pull" else (p_geoms, d_geoms)
+        for g in local:
+            Pairing.create(g, remote, self.mode, self.compat, self.prefix_caching)
+
+    def __str__(self) -> str:
+        def eng(e: EngineConfig) -> str:
+            return (f"TP{e.tp_size} block {e.block_size}/kernel {e.kernel} x{e.num_blocks}"
+                    f"{' ' + e.kv_layout.value if e.kv_layout is not KVLayout.HEAD_MAJOR else ''}"
+                    f"{' kv_split' if e.kv_split else ''}{' SD' if e.conv_layout is ConvLayout.SD else ''}")
+        kinds = ",".join(la.kind.value for la in self.model.layers)
+        pc = " prefix-caching" if self.prefix_caching else ""
+        return f"{self.mode}/{self.compat}{pc} {kinds}: P {eng(self.p_engine)} -> D {eng(self.d_engine)}"
+
+
+@st.composite
+def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
+             models: st.SearchStrategy[ModelSpec] | None = None) -> PDPair:
+    """A P/D pair kvgeom accepts. Block sizes are drawn so that the local kernel block (D in pull, P in
+    push) is usually a multiple of the remote one; pairs kvgeom refuses are rejected (``assume``)."""
+    model = draw(models if models is not None else model_specs())
+    mode = mode or draw(st.sampled_from(MODES))
+    compat = compat or draw(st.sampled_from(COMPATS))
+    tps = valid_tp_sizes(model)
+    p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
+    p_block, d_block = draw(_block_size(model, p_tp)), draw(_block_size(model, d_tp))
+    local_block, remote_block = (d_block, p_block) if mode == "pull" else (p_block, d_block)
+    remote_kernel = draw(st.sampled_from(_divisors(remote_block)))
+    fitting = [k for k in _divisors(local_block) if k % remote_kernel == 0]
+    local_kernel = draw(st.sampled_from(fitting or _divisors(local_block)))
+    p_kernel, d_kernel = (remote_kernel, local_kernel) if mode == "pull" else (local_kernel, remote_kernel)
+    layout, kv_split, conv = draw(_layouts(model))
+    groups = _group_count(model)
+    p_nb, d_nb = (draw(st.integers(groups + 1, 3 * groups + 6)) for _ in range(2))
+    pair = PDPair(model, _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv),
+                  _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv), mode, compat,
+                  draw(st.booleans()))
+    try:
+        pair.check()
+    except KvgeomError:
+        assume(False)
+    return pair
+
+
+# -- requests ---------------------------------------------------------------------------------------
+@st.composite
+def requests(draw: st.DrawFn, pair: PDPair) -> Request:
+    """A request fitting both pools: token count, P and D ids drawn as shuffled, sparse pool slices
+    (SSM groups one slot each), and, if the pair caches prefixes, a hit on some leading D blocks."""
+    p_geom = engine_geometries(pair.model, pair.p_engine)[0]
+    d_geom = engine_geometries(pair.model, pair.d_engine)[0]
+    ssm = [g.is_ssm for g in p_geom.groups]
+    n_attn, n_ssm = ssm.count(False), ssm.count(True)
+    pb, db = p_geom.logical_block_size, d_geom.logical_block_size
+    if n_attn:
+        most = min((p_geom.logical_num_blocks - n_ssm) // n_attn * pb, (d_geom.logical_num_blocks - n_ssm) // n_attn * db)
+        num_tokens = draw(st.integers(1, most))
+    else:
+        num_tokens = draw(st.integers(1, 64))
+    d_blocks = math.ceil(num_tokens / db)
+    hit = draw(st.integers(0, d_blocks - 1)) if pair.prefix_caching and n_attn else 0
+    sides = []
+    for geom, count in ((p_geom, math.ceil(num_tokens / pb)), (d_geom, d_blocks - hit)):
+        pool = draw(st.permutations(range(geom.logical_num_blocks)))
+        ids, used = [], 0
+        for is_ssm in ssm:
+            n = 1 if is_ssm else count
+            ids.append(tuple(pool[used:used + n]))
+            used += n
+        sides.append(tuple(ids))
+    return Request(num_tokens, sides[0], sides[1], hit)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A pair and a request: ``run()`` plans it with kvgeom on every rank and returns the oracle's report."""
+
+    pair: PDPair
+    request: Request
+
+    def run(self) -> Report:
+        return self.pair.run(self.request)
+
+    def __str__(self) -> str:
+        r = self.request
+        return f"{self.pair}; {r.num_tokens} tokens, prefix {r.prefix_blocks}, P ids {r.p_ids}, D ids {r.d_ids}"
+
+
+@st.composite
+def cases(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
+          models: st.SearchStrategy[ModelSpec] | None = None) -> Case:
+    """A :class:`Case`: a pair from :func:`pd_pairs` and a request from :func:`requests`."""
+    pair = draw(pd_pairs(mode, compat, models))
+    return Case(pair, draw(requests(pair)))

@@ -1,0 +1,224 @@
+"""Side channel alone: in-process server threads and clients, no NIXL."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from adapters.nixl import (
+    AdapterError,
+    HandshakeTimeout,
+    PeerGone,
+    ProtocolError,
+    SideChannelServer,
+    StaleMetadata,
+    check_generation,
+    fetch,
+    make_payload,
+    query_generation,
+)
+from adapters.nixl.sidechannel import MAX_MESSAGE_BYTES, decode, encode
+
+HOST = "127.0.0.1"
+
+
+def _payload(name: str = "P", gen: int = 1, md: bytes = b"\x00md\xff" * 10) -> dict:
+    return make_payload(
+        engine_id="eng-" + name,
+        rank=3,
+        agent_name=name,
+        agent_metadata=md,
+        card={"version": 1, "layers": [{"kind": "attn", "heads": 8}]},
+        regions=[(2**47 + 4096, 1 << 30, 0), (2**63 + 5, 7, 1)],
+        device_id=1,
+        generation=gen,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def test_encode_decode_roundtrip_bytes_nested_and_numpy():
+    msg = {"a": b"\x00\x01", "b": [b"x", {"c": b""}], "n": np.int64(5), "arr": np.arange(3, dtype=np.uint64)}
+    frame = encode(msg)
+    assert int.from_bytes(frame[:4], "big") == len(frame) - 4
+    assert decode(frame[4:]) == {"a": b"\x00\x01", "b": [b"x", {"c": b""}], "n": 5, "arr": [0, 1, 2]}
+
+
+def test_decode_rejects_garbage():
+    with pytest.raises(ProtocolError):
+        decode(b"\xff\xfe")
+    with pytest.raises(ProtocolError):
+        decode(b"[1, 2]")
+    with pytest.raises(ProtocolError):
+        decode(b'{"x": {"$b64": "!!!"}}')
+
+
+def test_get_exchange_and_generation():
+    mine = _payload("D", gen=4, md=b"decode-md")
+    with SideChannelServer(HOST, 0, _payload()) as server:
+        got = fetch(HOST, server.port, timeout_s=2)
+        assert got == _payload()
+        assert got["regions"][1][0] == 2**63 + 5  # 64-bit addresses survive JSON
+        assert query_generation(HOST, server.port) == 1
+        assert fetch(HOST, server.port, mine, timeout_s=2) == _payload()
+        assert server.wait_peer("D", timeout_s=1) == mine
+        assert server.peers() == {"D": mine}
+        assert check_generation(HOST, server.port, 1) == 1
+        server.update(_payload(gen=2, md=b"new"))
+        assert server.generation == 2
+        with pytest.raises(StaleMetadata) as ei:
+            check_generation(HOST, server.port, 1)
+        assert (ei.value.expected, ei.value.seen) == (1, 2)
+        assert fetch(HOST, server.port, timeout_s=2)["agent_metadata"] == b"new"
+
+
+def test_many_concurrent_clients():
+    with SideChannelServer(HOST, 0, _payload()) as server:
+        out: list = []
+
+        def client(i: int) -> None:
+            out.append(fetch(HOST, server.port, _payload(f"D{i}"), timeout_s=5)["agent_name"])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert out == ["P"] * 16
+        assert set(server.peers()) == {f"D{i}" for i in range(16)}
+
+
+def test_fetch_retries_until_peer_comes_up():
+    port = _free_port()
+    box: dict = {}
+
+    def late_server() -> None:
+        time.sleep(0.4)
+        box["server"] = SideChannelServer(HOST, port, _payload()).start()
+
+    t = threading.Thread(target=late_server)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        assert fetch(HOST, port, timeout_s=5)["agent_name"] == "P"
+        assert 0.3 < time.monotonic() - t0 < 3
+    finally:
+        t.join(5)
+        if "server" in box:
+            box["server"].close()
+
+
+def test_nothing_listening_times_out_naming_the_address():
+    port = _free_port()
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeTimeout) as ei:
+        fetch(HOST, port, timeout_s=0.5)
+    assert 0.45 < time.monotonic() - t0 < 1.5
+    assert f"{HOST}:{port}" in str(ei.value) and "ConnectionRefusedError" in str(ei.value)
+    assert isinstance(ei.value, AdapterError) and isinstance(ei.value, RuntimeError)
+
+
+@pytest.mark.parametrize("accepting", [False, True])
+def test_peer_that_never_answers_times_out(accepting: bool):
+    """A socket that listens but never accepts (backlog), or accepts and stays silent."""
+    lsock = socket.socket()
+    lsock.bind((HOST, 0))
+    lsock.listen(8)
+    port = lsock.getsockname()[1]
+    held: list = []
+    stop = threading.Event()
+
+    def accept_and_hold() -> None:
+        lsock.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                held.append(lsock.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept_and_hold, daemon=True)
+    if accepting:
+        t.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeTimeout):
+            fetch(HOST, port, _payload("D"), timeout_s=0.6)
+        assert 0.55 < time.monotonic() - t0 < 1.5
+        with pytest.raises(HandshakeTimeout):
+            query_generation(HOST, port, timeout_s=0.3)
+    finally:
+        stop.set()
+        if accepting:
+            t.join(2)
+        for c in held:
+            c.close()
+        lsock.close()
+
+
+def test_closed_server_means_peer_gone():
+    server = SideChannelServer(HOST, 0, _payload()).start()
+    port = server.port
+    assert query_generation(HOST, port) == 1
+    server.close()
+    with pytest.raises(PeerGone):
+        query_generation(HOST, port, timeout_s=1)
+
+
+def test_bad_replies_are_protocol_errors():
+    lsock = socket.socket()
+    lsock.bind((HOST, 0))
+    lsock.listen(8)
+    port = lsock.getsockname()[1]
+    replies = [b"\x00\x00\x00\x03abc", (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big")]
+
+    def serve() -> None:
+        for r in replies:
+            c, _ = lsock.accept()
+            c.recv(65536)
+            c.sendall(r)
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        for _ in replies:
+            with pytest.raises(ProtocolError):
+                fetch(HOST, port, timeout_s=2)
+    finally:
+        t.join(2)
+        lsock.close()
+
+
+def test_server_refuses_unknown_ops_and_versions():
+    with SideChannelServer(HOST, 0, _payload()) as server:
+        for msg in ({"v": 1, "op": "nope"}, {"v": 99, "op": "get"}, {"v": 1, "op": "exchange", "payload": 3}):
+            with socket.create_connection((HOST, server.port), timeout=2) as s:
+                s.sendall(encode(msg))
+                n = int.from_bytes(s.recv(4), "big")
+                reply = decode(s.recv(n))
+            assert reply["ok"] is False and reply["error"]
+        # a client that sends garbage and hangs up does not disturb the server
+        with socket.create_connection((HOST, server.port), timeout=2) as s:
+            s.sendall(b"\xff\xff")
+        assert query_generation(HOST, server.port) == 1
+
+
+def test_server_rejects_bad_payloads():
+    with pytest.raises(TypeError):
+        SideChannelServer(HOST, 0, {"generation": "1"})
+    with pytest.raises(TypeError):
+        SideChannelServer(HOST, 0, {"x": object()})
+    with SideChannelServer(HOST, 0, _payload()) as server:
+        with pytest.raises(TypeError):
+            server.update({"generation": 1.5})
+        assert server.generation == 1
+        with pytest.raises(HandshakeTimeout):
+            server.wait_peer("nobody", timeout_s=0.1)

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import presets
 from .errors import KvgeomError
+from .plan import contiguous_runs
 from .scenario import Scenario
 
 _ALIASES = {"tp": "tp_size", "rank": "tp_rank", "block": "block_size", "kernel": "kernel_block_size",
@@ -84,23 +85,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         pairing = sc.pairings[rank]
         print(f"\n{sc.local_side} rank {rank}:\n{pairing.describe()}\n{plan.describe(pairing)}")
         moves = plan.moves(pairing)
-        runs = _runs(moves)
+        runs = contiguous_runs(moves)
         print(f"  {len(moves)} byte moves ({int(moves[:, 6].sum())} B), {runs} contiguous runs after coalescing")
         if args.moves:
             print("  src_rank src_region src_offset -> dst_rank dst_region dst_offset length")
             for m in moves[: args.moves]:
                 print("  " + " ".join(f"{int(x):>10d}" for x in m))
     return 0
-
-
-def _runs(moves: np.ndarray) -> int:
-    """Contiguous runs left after merging moves adjacent on both sides (what NIXL merges)."""
-    if not len(moves):
-        return 0
-    m = moves[np.lexsort((moves[:, 2], moves[:, 1], moves[:, 0], moves[:, 5], moves[:, 4], moves[:, 3]))]
-    same = (m[1:, [0, 1, 3, 4]] == m[:-1, [0, 1, 3, 4]]).all(axis=1)
-    adj = same & (m[1:, 2] == m[:-1, 2] + m[:-1, 6]) & (m[1:, 5] == m[:-1, 5] + m[:-1, 6])
-    return int(len(m) - adj.sum())
 
 
 def cmd_draw(args: argparse.Namespace) -> int:

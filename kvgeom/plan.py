@@ -34,7 +34,7 @@ from .pairing import LocalKey, Pairing
 from .spec import AttentionSpec
 
 __all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "check_writes",
-           "MOVE_COLUMNS"]
+           "contiguous_runs", "MOVE_COLUMNS"]
 
 MOVE_COLUMNS = ("src_rank", "src_region", "src_offset", "dst_rank", "dst_region", "dst_offset", "length")
 
@@ -295,6 +295,17 @@ def _token_tail(region: int, block_start: int, block_len: int, tokens: int, firs
     rows[:, 1] = block_start + np.arange(heads, dtype=np.int64) * per_head + first * tok
     rows[:, 2] = (tokens - first) * tok
     return rows
+
+
+def contiguous_runs(moves: np.ndarray) -> int:
+    """How many contiguous runs ``moves`` coalesce into (moves adjacent on both sides merged): the
+    fewest descriptors a transport could post for them."""
+    if not len(moves):
+        return 0
+    m = moves[np.lexsort((moves[:, 5], moves[:, 4], moves[:, 3], moves[:, 2], moves[:, 1], moves[:, 0]))]
+    same = (m[1:, [0, 1, 3, 4]] == m[:-1, [0, 1, 3, 4]]).all(axis=1)
+    adj = same & (m[1:, 2] == m[:-1, 2] + m[:-1, 6]) & (m[1:, 5] == m[:-1, 5] + m[:-1, 6])
+    return int(len(m) - adj.sum())
 
 
 def check_writes(plan: RequestPlan, pairing: Pairing, dst_ids: BlockIds) -> None:

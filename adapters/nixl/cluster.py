@@ -122,18 +122,21 @@ def _serve_pull(sc: Scenario, kv: KVRank, engine: str, mine: list[dict], space: 
     expected = max(1, sc.decode.tp_size // sc.prefill.tp_size)
     released: dict[str, int] = {}
     deadline = time.monotonic() + 10 * STEP_S
+    exiting = False
     while time.monotonic() < deadline:
-        seen = kv.ep.notifications()  # drives progress (no progress thread) and collects releases
-        for counter in seen.values():
+        released = {}
+        for counter in kv.ep.notifications().values():  # drives progress (no progress thread)
             for msg, n in counter.items():
                 rid = msg.decode().split(":")[0]
                 released[rid] = released.get(rid, 0) + n
+        if exiting and all(released.get(r["id"], 0) >= expected for r in mine):
+            break  # every request was released (notifications may trail the consumer's completion)
         try:
             cmd, data = inbox.get(timeout=0.002)
         except queue_mod.Empty:
             continue
         if cmd == "exit":
-            break
+            exiting, deadline = True, min(deadline, time.monotonic() + 5.0)  # bounded wait for stragglers
         if cmd == "reregister":
             kv.reregister()
             for t in kv.tensors:

@@ -285,7 +285,7 @@ def _next_event(events: Any, deadline: float, group: ProcGroup) -> tuple:
             dead = [n for n, p in group.procs.items() if not p.is_alive() and p.exitcode not in (0, None, -9)]
             if dead:
                 res = group.collect(1.0, dead)
-                raise RuntimeError(f"rank(s) {dead} died: {[res[d].error for d in dead]}")
+                raise RuntimeError(f"rank(s) {dead} died: {[res[d].error for d in dead]}") from None
     raise TimeoutError("the cluster did not finish in time")
 
 

@@ -138,3 +138,19 @@ def test_reregistered_prefill_is_detected_as_stale_then_reconnected() -> None:
                faults={"reregister": {"engine": "prefill", "after": "r0"}})
     (r1,) = _assert_failed_then_recovered(out, ["r1"], bound_s=5.0)
     assert "StaleMetadata" in r1["error"]  # r2 re-handshakes with the new registration and succeeds
+
+
+def test_incompatible_pair_fails_on_both_sides_with_the_same_readable_error() -> None:
+    scenario = dict(DENSE, decode=dict(DENSE["decode"], kv_layout="token_major"))
+    t0 = time.monotonic()
+    out = _run(scenario, [50])
+    assert time.monotonic() - t0 < 60
+    rows = [rep["results"][0] for rep in _decode_reports(out)]
+    assert len(rows) == 2
+    for row in rows:
+        assert not row["ok"] and "IncompatiblePairError" in row["error"] and "kv_layout" in row["error"]
+    producer = next(v for k, v in out["results"].items() if k.startswith("prefill"))
+    verdicts = list(producer["rejected"].values())  # P checked each D card it was sent: same rule, same words
+    assert len(verdicts) == 2
+    for verdict, row in zip(verdicts, rows):
+        assert "kv_layout" in verdict and verdict.split(": ", 1)[1] in row["error"]

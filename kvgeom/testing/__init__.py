@@ -15,7 +15,7 @@ from typing import Any
 from ._coords import POISON, ZERO, CoordSpace, describe_tag
 from ._layout import LayoutError
 from ._report import INVARIANTS, Report, Violation
-
+from .nixl_double import NixlFabric, RecordingAgent
 from .oracle import (
     Oracle,
     RankPlan,

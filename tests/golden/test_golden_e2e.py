@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import load_table  # tests/golden/conftest.py (rootdir-relative import)
+from _golden import load_table  # tests/golden/_golden.py
 
 from kvgeom import KvgeomError
 from kvgeom.card import GeometryCard, card_of

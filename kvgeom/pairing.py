@@ -172,7 +172,7 @@ class Pairing:
             f"{f', remote blocks read in {self.shape.remote_split} parts' if self.shape.remote_split > 1 else ''})",
             f"  sources per group: {[list(s) for s in m.source_ranks_per_group]}; all: {list(m.all_source_ranks)}; "
             f"rank offset factor {m.rank_offset_factor}; split local tables: {self.needs_split}",
-            f"  local table: {len(self.local_table(self.local_key(-1) if not self.needs_split else (self.bsr, -1)))}"
+            f"  local table: {len(self.local_table((self.bsr, -1)))}"
             f" descriptors; remote tables: "
             + ", ".join(f"rank {r}: {len(self.remote_table(r))}" for r in self.targets),
         ]

@@ -362,10 +362,10 @@ def push_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig,
 
 
 def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-              plans: Sequence[RankPlan]) -> Report:
+              plans: Sequence[RankPlan], oracle: Oracle | None = None) -> Report:
     """Execute ``plans`` (from :func:`pull_plans` or :func:`push_plans`, possibly altered) and check them.
     After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.receive_step`."""
-    oracle = Oracle.for_engines(model, p_engine, d_engine, request)
+    oracle = oracle or Oracle.for_engines(model, p_engine, d_engine, request)
     for rp in plans:
         oracle.run_plan(rp)
     if plans and plans[0].plan.mode == "push":
@@ -380,15 +380,17 @@ def run_pull(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, r
     """Plan ``request`` on every D rank (pull), execute every plan and its post-receive step, check.
     A pair or request kvgeom refuses raises its :class:`~kvgeom.errors.KvgeomError`. The pairs are made
     with ``prefix_caching`` (default: whether the request has a prefix hit)."""
+    oracle = Oracle.for_engines(model, p_engine, d_engine, request)  # checks the request first
     plans = pull_plans(model, p_engine, d_engine, request, compat, prefix_caching)
-    return run_plans(model, p_engine, d_engine, request, plans)
+    return run_plans(model, p_engine, d_engine, request, plans, oracle)
 
 
 def run_push(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
              compat: str = "kvgeom", prefix_caching: bool | None = None) -> Report:
     """Plan ``request`` on every P rank (push), execute the writes, run every D rank's receive step, check."""
+    oracle = Oracle.for_engines(model, p_engine, d_engine, request)
     plans = push_plans(model, p_engine, d_engine, request, compat, prefix_caching)
-    return run_plans(model, p_engine, d_engine, request, plans)
+    return run_plans(model, p_engine, d_engine, request, plans, oracle)
 
 
 def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request, mode: str = "pull",

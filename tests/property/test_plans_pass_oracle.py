@@ -1,0 +1,149 @@
+"""Every plan kvgeom makes for a pair it accepts passes the byte oracle (I1-I6), in pull and in push, in
+``compat="kvgeom"`` and ``compat="vllm"`` mode; plus worked examples of the cases the primer names.
+
+Cases kvgeom refuses (a :class:`~kvgeom.errors.KvgeomError` at handshake or plan time) are rejected, as
+are cases that hit a known, reported core bug (``_known_core_bugs.py``). Profiles: ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import event, given, reject
+
+from kvgeom import KvgeomError, UnsupportedError
+from kvgeom.engine import EngineConfig
+from kvgeom.geometry import align_hybrid_block_size
+from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.testing import Report, Request, run
+from kvgeom.testing import strategies as kst
+
+from _known_core_bugs import known_core_bug  # tests/property/ (rootdir-relative import)
+
+
+def _check(case: kst.Case) -> None:
+    bug = known_core_bug(case)
+    if bug:
+        event(f"skipped: known core bug {bug}")
+        reject()
+    try:
+        report = case.run()
+    except KvgeomError as exc:
+        event(f"refused: {type(exc).__name__} {exc.field}")
+        reject()
+    event(f"ran: {case.pair.model.name}")
+    assert report.ok, f"{case}\n{report}"
+
+
+@given(kst.cases(mode="pull", compat="kvgeom"))
+def test_pull_plans_pass_oracle_kvgeom(case: kst.Case) -> None:
+    _check(case)
+
+
+@given(kst.cases(mode="pull", compat="vllm"))
+def test_pull_plans_pass_oracle_vllm(case: kst.Case) -> None:
+    _check(case)
+
+
+@given(kst.cases(mode="push", compat="kvgeom"))
+def test_push_plans_pass_oracle_kvgeom(case: kst.Case) -> None:
+    _check(case)
+
+
+@given(kst.cases(mode="push", compat="vllm"))
+def test_push_plans_pass_oracle_vllm(case: kst.Case) -> None:
+    _check(case)
+
+
+# -- worked examples --------------------------------------------------------------------------------
+def _engine(tp: int, block: int, kernel: int | None = None, blocks: int = 12) -> EngineConfig:
+    return EngineConfig(tp_size=tp, block_size=block, kernel_block_size=kernel, num_blocks=blocks)
+
+
+def _ok(model: ModelSpec, p: EngineConfig, d: EngineConfig, request: Request, mode: str, compat: str) -> Report:
+    report = run(model, p, d, request, mode, compat)
+    assert report.ok, str(report)
+    assert report.bytes_moved > 0
+    return report
+
+
+GQA = ModelSpec.from_layers("gqa-8", [AttentionSpec(8, 16, "bfloat16")] * 2)
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 4), (4, 1)])
+def test_dense_gqa_8_kv_heads(p_tp: int, d_tp: int, mode: str, compat: str) -> None:
+    p, d = _engine(p_tp, 16), _engine(d_tp, 16)
+    request = Request(37, [[7, 2, 9]], [[4, 0, 11]])  # 3 blocks, the last one part-filled, shuffled ids
+    report = _ok(GQA, p, d, request, mode, compat)
+    per_token = 2 * 8 * 16 * 2 * 2  # layers * heads * (K + V) * head_size * bytes
+    assert report.bytes_moved == 3 * 16 * per_token  # every token slot of every block, exactly once
+
+
+MLA = ModelSpec.from_layers("mla", [MLASpec(576, "bfloat16")] * 2)
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_mla_p_tp8_to_d_tp2_pull(compat: str) -> None:
+    report = _ok(MLA, _engine(8, 16), _engine(2, 16), Request(20, [[3, 5]], [[1, 6]]), "pull", compat)
+    assert report.bytes_moved == 2 * 2 * 2 * 16 * 576 * 2  # D ranks * layers * blocks * tokens * latent bytes
+
+
+def test_mla_p_tp8_to_d_tp2_push_with_larger_p_blocks() -> None:
+    _ok(MLA, _engine(8, 32), _engine(2, 16), Request(40, [[3, 5]], [[1, 6, 2]]), "push", "kvgeom")
+
+
+MAMBA2 = MambaSpec.mamba2(num_heads=4, head_dim=2, n_groups=4, state_size=4)
+MAMBA2_HYBRID = ModelSpec.from_layers("mamba2-hybrid", [AttentionSpec(2, 4, "bfloat16"), MAMBA2, MAMBA2,
+                                                         AttentionSpec(2, 4, "bfloat16")])
+
+
+def test_mamba2_hybrid_p_tp4_to_d_tp1_block_ratio_2() -> None:
+    p_block = align_hybrid_block_size(MAMBA2_HYBRID, 4, 8, 8)
+    d_block = align_hybrid_block_size(MAMBA2_HYBRID, 1, 8, 8)
+    assert (p_block, d_block) == (8, 16)  # per-rank KV heads make the aligned block TP-dependent
+    request = Request(21, [[1, 4, 9], [2]], [[3, 5], [7]])  # 21 tokens: D's 2nd block part-filled
+    p, d = _engine(4, p_block), _engine(1, d_block)
+    report = _ok(MAMBA2_HYBRID, p, d, request, "pull", "kvgeom")
+    assert report.regrouped_blocks > 0 and report.bytes_zeroed > 0
+    with pytest.raises(UnsupportedError, match="Head-sharded"):  # vLLM refuses this composition (B.3.11)
+        run(MAMBA2_HYBRID, p, d, request, "pull", "vllm")
+
+
+def test_mamba2_hybrid_p_tp4_to_d_tp1_push_with_equal_kernels() -> None:
+    request = Request(21, [[1, 4, 9], [2]], [[3, 5], [7]])
+    _ok(MAMBA2_HYBRID, _engine(4, 8), _engine(1, 16, kernel=8), request, "push", "kvgeom")
+
+
+GDN = MambaSpec.gdn(num_k_heads=2, k_head_dim=4, num_v_heads=4, v_head_dim=4)
+GDN_HYBRID = ModelSpec.from_layers("gdn-hybrid", [GDN, GDN, GDN, AttentionSpec(2, 8, "bfloat16")])
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_gdn_hybrid_kernel_blocks_smaller_than_logical_on_one_side(mode: str, compat: str) -> None:
+    block = align_hybrid_block_size(GDN_HYBRID, 2, 16)
+    assert block % 4 == 0
+    p, d = _engine(2, block, kernel=block // 4), _engine(2, block)  # P: 4 kernel blocks per logical block
+    if mode == "push":
+        p, d = _engine(2, block), _engine(2, block, kernel=block // 4)
+    request = Request(block + 3, [[5, 2], [8], [0], [10]], [[1, 6], [3], [9], [11]])  # 1 attention, 3 GDN groups
+    _ok(GDN_HYBRID, p, d, request, mode, compat)
+
+
+KDA = MambaSpec.kda(num_heads=4, head_dim=4)
+MLA_KDA = ModelSpec.from_layers("mla-kda", [MLASpec(32, "bfloat16"), KDA, KDA, MLASpec(32, "bfloat16"), KDA, KDA])
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_mla_kda_hybrid(p_tp: int, d_tp: int, mode: str) -> None:
+    p_block = align_hybrid_block_size(MLA_KDA, p_tp, 16)
+    d_block = align_hybrid_block_size(MLA_KDA, d_tp, 16)
+    p, d = _engine(p_tp, p_block), _engine(d_tp, d_block)
+    n = max(p_block, d_block) + 5
+    request = Request.simple(MLA_KDA, p, d, n)
+    try:
+        _ok(MLA_KDA, p, d, request, mode, "kvgeom")
+    except KvgeomError as exc:  # a refusal must say why; only block-size direction refusals are expected
+        assert "block size" in str(exc), exc

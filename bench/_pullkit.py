@@ -42,15 +42,15 @@ def blocks_needed(model: Any, engine: Any, tokens: int) -> int:
 
 
 def sized(scenario: dict[str, Any], tokens: list[int], slack: float) -> dict[str, Any]:
-    """``scenario`` with each engine's ``num_blocks`` set to what ``tokens`` (disjoint requests) need,
-    times ``slack`` (> 1 leaves free blocks so that shuffled ids scatter)."""
+    """``scenario`` with each engine's ``num_blocks`` raised, if needed, to what ``tokens`` (disjoint
+    requests) take times ``slack`` (> 1 leaves free blocks so that shuffled ids scatter)."""
     from kvgeom.scenario import Scenario
 
     sc = Scenario.from_json(scenario)
     out = dict(scenario)
     for side, eng in (("prefill", sc.prefill), ("decode", sc.decode)):
         need = sum(blocks_needed(sc.model, eng, n) for n in tokens)
-        out[side] = dict(scenario[side], num_blocks=math.ceil(need * slack))
+        out[side] = dict(scenario[side], num_blocks=max(eng.num_blocks, math.ceil(need * slack)))
     return out
 
 

@@ -12,8 +12,10 @@ same run and on the same byte ranges (the plan's moves):
   does): iovec pairs in plan order, up to 1024 per syscall, one pass per source rank;
 * memcpy: numpy slice copies of the same moves from local arrays holding the P ranks' content;
 
-each the median of ``--reps`` after one warm-up, each checked byte for byte against P's content. The
-same three then move the same number of bytes as large contiguous chunks: the bandwidth ceilings.
+and the same three again moving the same number of bytes as contiguous pieces of up to 16 MiB (the
+bandwidth ceilings). Each method runs once into a zeroed D and every moved byte is checked against P's
+content; then the six are timed interleaved (so that drift on a shared machine hits all alike), and
+the median of ``--reps`` is reported.
 Also reported: NIXL's posted descriptor count (telemetry, after its merging) against the plan's
 descriptor pairs and against ``contiguous_runs(moves)`` (the fewest possible), and planning time.
 Peak memory of the run: P caches + D cache + D's local copy of P's content (~3.7 GiB by default).
@@ -108,9 +110,11 @@ class VmReader:
             want = int(local[lo:lo + k, 1].sum())
             got = self.fn(pid, lp + 16 * lo, k, rp + 16 * lo, k, 0)
             calls += 1
-            if got != want:
+            if got < 0:
                 err = ctypes.get_errno()
-                raise OSError(err, f"process_vm_readv from pid {pid}: {got} of {want} bytes ({os.strerror(err)})")
+                raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+            if got != want:  # the kernel stops at the first iovec it cannot read
+                raise OSError(f"process_vm_readv from pid {pid}: short read, {got} of {want} bytes")
         return calls
 
 
@@ -197,78 +201,82 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
         pids = {r: pid for r, (_, pid) in ranks.items()}
         contig = contiguous_moves(per_rank, {r: [a.size for a in src[r]] for r in src}, [a.size for a in dst], CHUNK)
 
-        def zero() -> None:
-            for t in kv.tensors:
-                t.zero_()
-
         # -- NIXL, the plan's own transfers
         tables = LocalTables(kv, "prefill")
-        zero()
-        times, tels = [], []
-        for i in range(reps + 1):
-            p = plan(i + 1)
-            dt, tel = timed_pull(kv, "prefill", p, tables, cfg.transfer_timeout_s)
-            if i:  # the first pull wires up the connections
-                times.append(dt)
-                tels.append(tel)
-        posted = [sum(t.desc_count or 0 for t in tel) for tel in tels]
-        out["nixl"] = _row(nbytes, times, moves, mismatches(dst, src, moves), desc_count=posted[-1],
-                           desc_counts=sorted(set(posted)),
-                           nixl_xfer_us=statistics.median(sum(t.xfer_us or 0 for t in tel) for tel in tels))
+        serial = iter(range(1, 1 << 30))
 
-        # -- NIXL, the same bytes in large contiguous descriptors
-        zero()
-        times, posted = _nixl_moves(kv, contig, src_bases, dst_bases, reps, cfg)
-        out["nixl_contig"] = _row(nbytes, times, contig, mismatches(dst, src, contig), desc_count=posted)
+        def nixl_plan() -> dict:  # re-plans the request (untimed), then times post -> done
+            dt, tel = timed_pull(kv, "prefill", plan(next(serial)), tables, cfg.transfer_timeout_s)
+            return {"seconds": dt, "desc_count": sum(t.desc_count or 0 for t in tel),
+                    "nixl_xfer_us": sum(t.xfer_us or 0 for t in tel)}
 
-        # -- process_vm_readv
         reader = VmReader()
-        for name, mv in (("pvr", moves), ("pvr_contig", contig)):
+
+        def pvr(mv: np.ndarray) -> Any:
             vecs = iovecs(mv, src_bases, dst_bases)
-            calls = [0]
+            return _timed(lambda: {"syscalls": sum(reader.read(pids[r], loc, rem) for r, (loc, rem) in vecs.items())})
 
-            def read_all(vecs: dict = vecs, calls: list = calls) -> None:
-                calls[0] = sum(reader.read(pids[r], loc, rem) for r, (loc, rem) in vecs.items())
-
-            zero()
-            t, ts = median_time(read_all, reps)
-            out[name] = _row(nbytes, ts, mv, mismatches(dst, src, mv), syscalls=calls[0])
-
-        # -- memcpy in this process
-        for name, mv in (("memcpy", moves), ("memcpy_contig", contig)):
+        def memcpy(mv: np.ndarray) -> Any:
             rows = mv.tolist()
-            zero()
-            t, ts = median_time(lambda rows=rows: memcpy_moves(dst, src, rows), reps)
-            out[name] = _row(nbytes, ts, mv, mismatches(dst, src, mv))
+            return _timed(lambda: memcpy_moves(dst, src, rows))
+
+        contig_nixl = NixlMoves(kv, contig, src_bases, dst_bases, cfg.transfer_timeout_s)
+        methods = {"nixl": (moves, nixl_plan), "pvr": (moves, pvr(moves)), "memcpy": (moves, memcpy(moves)),
+                   "nixl_contig": (contig, _timed(contig_nixl)), "pvr_contig": (contig, pvr(contig)),
+                   "memcpy_contig": (contig, memcpy(contig))}
+        # warm-up: each method once into a zeroed D, then every moved byte checked against P's content
+        info, bad = {}, {}
+        for name, (mv, fn) in methods.items():
+            for t in kv.tensors:
+                t.zero_()
+            info[name] = fn()
+            bad[name] = mismatches(dst, src, mv)
+        # timed: the methods interleaved, so that drift on this shared machine hits all of them alike
+        samples: dict[str, list[float]] = {name: [] for name in methods}
+        for _ in range(reps):
+            for name, (_, fn) in methods.items():
+                info[name] = fn()
+                samples[name].append(info[name].pop("seconds"))
+        contig_nixl.release()
+        for name, (mv, _) in methods.items():
+            out[name] = _row(nbytes, samples[name], mv, bad[name], **info[name])
         out["maxrss_mib"] = _maxrss_mib()
     return out
 
 
-def _nixl_moves(kv: Any, moves: np.ndarray, src_bases: dict[int, list[int]], dst_bases: list[int], reps: int,
-                cfg: Any) -> tuple[list[float], int]:
-    """Time NIXL READs of arbitrary moves: per source rank, one descriptor per move, ids in order.
-    Returns the times and NIXL's posted descriptor count (telemetry) of the last pull."""
-    vecs = iovecs(moves, src_bases, dst_bases)
-    dev = kv.regions[0].device_id
-    handles = []
-    for r, (loc, rem) in vecs.items():
-        col = np.full((len(loc), 1), dev, dtype=np.uint64)
-        lp = kv.ep.prep_local(np.hstack([loc, col]), kv.mem_type)
-        rp = kv.ep.prep_remote(kv.links["prefill"][r].agent, np.hstack([rem, col]), kv.mem_type)
-        handles.append((lp, rp, np.arange(len(loc), dtype=np.int32)))
+def _timed(fn: Any) -> Any:
+    """``fn`` wrapped to return ``{"seconds": wall, **whatever fn returned}``."""
+    def run() -> dict:
+        t0 = time.perf_counter()
+        extra = fn()
+        return {"seconds": time.perf_counter() - t0, **(extra or {})}
 
-    count = [0]
+    return run
 
-    def pull() -> None:
-        deadline = time.monotonic() + cfg.transfer_timeout_s
-        posted = [kv.ep.post("READ", lp, ids, rp, ids, b"contig:1") for lp, rp, ids in handles]
-        count[0] = sum(x.wait(deadline).desc_count or 0 for x in posted)
 
-    _, times = median_time(pull, reps)
-    for lp, rp, _ in handles:
-        lp.release()
-        rp.release()
-    return times, count[0]
+class NixlMoves:
+    """NIXL READs of arbitrary moves: per source rank one prepared descriptor per move (ids in order),
+    one transfer per rank. Calling it pulls once and returns NIXL's posted descriptor count."""
+
+    def __init__(self, kv: Any, moves: np.ndarray, src_bases: dict[int, list[int]], dst_bases: list[int],
+                 timeout_s: float) -> None:
+        self.kv, self.timeout_s, self.handles = kv, timeout_s, []
+        dev = kv.regions[0].device_id
+        for r, (loc, rem) in iovecs(moves, src_bases, dst_bases).items():
+            col = np.full((len(loc), 1), dev, dtype=np.uint64)
+            lp = kv.ep.prep_local(np.hstack([loc, col]), kv.mem_type)
+            rp = kv.ep.prep_remote(kv.links["prefill"][r].agent, np.hstack([rem, col]), kv.mem_type)
+            self.handles.append((lp, rp, np.arange(len(loc), dtype=np.int32)))
+
+    def __call__(self) -> dict:
+        deadline = time.monotonic() + self.timeout_s
+        posted = [self.kv.ep.post("READ", lp, ids, rp, ids, b"contig:1") for lp, rp, ids in self.handles]
+        return {"desc_count": sum(x.wait(deadline).desc_count or 0 for x in posted)}
+
+    def release(self) -> None:
+        for lp, rp, _ in self.handles:
+            lp.release()
+            rp.release()
 
 
 def _row(nbytes: int, times: list[float], moves: np.ndarray, bad: int, **extra: Any) -> dict:
@@ -290,7 +298,7 @@ def report(res: dict, args: argparse.Namespace, sc: Scenario, wall: float) -> st
              f"{len(q['bytes_per_rank'])} P rank(s) in {q['descriptor_pairs']} descriptor pairs "
              f"({q['transfers']} transfers); move lengths {q['move_lengths']}",
              f"NIXL: UCX, progress thread {'on' if args.progress_thread else 'off'}; median of {args.reps} "
-             f"after 1 warm-up; every method checked against P's bytes",
+             f"(methods interleaved) after 1 warm-up that is checked against P's bytes",
              "",
              f"{'method':44s} {'seconds':>9s} {'GB/s':>7s}  {'moves':>7s}  notes"]
 
@@ -334,12 +342,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", default=EXAMPLE, help="scenario JSON (pull); num_blocks are sized to --tokens")
     ap.add_argument("--tokens", type=int, default=32768, help="length of the request pulled")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per method (median reported)")
+    ap.add_argument("--reps", type=int, default=7, help="timed repetitions per method (median reported)")
     ap.add_argument("--ids", choices=("shuffled", "sequential"), default="shuffled",
                     help="block ids drawn shuffled from the pool (realistic) or in order (best case for merging)")
     ap.add_argument("--slack", type=float, default=1.25, help="pool size / blocks the request needs")
     ap.add_argument("--progress-thread", action="store_true", help="enable NIXL's progress thread in every rank")
-    ap.add_argument("--serve-poll-us", type=float, default=500.0, help="P ranks' sleep between notification polls")
+    ap.add_argument("--serve-poll-us", type=float, default=1000.0,
+                    help="P ranks' sleep between notification polls (the target of a READ must poll)")
     ap.add_argument("--timeout", type=float, default=300.0, help="bound of the whole run in seconds")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()

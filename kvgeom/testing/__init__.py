@@ -15,7 +15,7 @@ from typing import Any
 from ._coords import POISON, ZERO, CoordSpace, describe_tag
 from ._layout import LayoutError
 from ._report import INVARIANTS, Report, Violation
-from .nixl_double import NixlFabric, RecordingAgent
+from .nixl_double import NixlFabric, RecordingAgent, fake_bases
 from .oracle import (
     Oracle,
     RankPlan,
@@ -34,7 +34,7 @@ from .oracle import (
 __all__ = [
     "INVARIANTS", "POISON", "ZERO", "CoordSpace", "LayoutError", "NixlFabric", "Oracle", "RankPlan",
     "RecordingAgent", "Report", "Request", "RequestError", "Violation", "check_moves", "describe_tag",
-    "engine_geometries", "pull_plans", "push_plans", "run", "run_plans", "run_pull", "run_push", "strategies",
+    "engine_geometries", "fake_bases", "pull_plans", "push_plans", "run", "run_plans", "run_pull", "run_push", "strategies",
 ]
 
 

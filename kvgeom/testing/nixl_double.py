@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "NixlFabric", "RecordingAgent", "ExecutedTransfer", "XferDList", "nixlNotFoundError", "nixlInvalidParamError",
+    "NixlFabric", "RecordingAgent", "ExecutedTransfer", "XferDList", "fake_bases", "nixlNotFoundError",
+    "nixlInvalidParamError",
 ]
 
 MEM_TYPES = {"DRAM": "DRAM", "VRAM": "VRAM", "FILE": "FILE", "BLOCK": "BLOCK", "OBJ": "OBJ", "cpu": "DRAM",
@@ -113,6 +114,16 @@ class XferTelemetry:
     startTime: int = 0  # noqa: N815
     postDuration: int = 0  # noqa: N815
     xferDuration: int = 0  # noqa: N815
+
+
+def fake_bases(region_sizes: Sequence[int], slot: int, gap: int = 4096) -> list[int]:
+    """Made-up base addresses for regions of ``region_sizes`` bytes, in the private address window
+    ``slot`` (``slot << 40``), ``gap`` bytes apart: for tests in which nothing is really copied."""
+    bases, at = [], (slot + 1) << 40
+    for size in region_sizes:
+        bases.append(at)
+        at += (int(size) + gap + gap - 1) // gap * gap
+    return bases
 
 
 def _as_bytes(msg: bytes | str) -> bytes:

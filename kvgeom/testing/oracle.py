@@ -256,11 +256,16 @@ class Oracle:
 
     def run_plan(self, rank_plan: RankPlan) -> None:
         """Execute one rank's plan; in pull also its post-receive step (regroup, then zero)."""
-        plan, pairing = rank_plan.plan, rank_plan.pairing
-        label = f"{plan.mode} plan of {'D' if plan.mode == 'pull' else 'P'} rank {rank_plan.rank}"
-        self.execute(self._resolve(plan, pairing, label), label)
+        plan = rank_plan.plan
+        label = self._label(rank_plan)
+        self.execute(self.moves_of(rank_plan), label)
         if plan.mode == "pull":
             self.receive(rank_plan.rank, plan.regroup, plan.zero, label)
+
+    @staticmethod
+    def _label(rank_plan: RankPlan) -> str:
+        mode = rank_plan.plan.mode
+        return f"{mode} plan of {'D' if mode == 'pull' else 'P'} rank {rank_plan.rank}"
 
     def receive(self, rank: int, regroups: Sequence[Regroup], zero: np.ndarray, label: str = "receive") -> None:
         """D rank ``rank``'s post-receive step: every regroup, then the zero ranges."""
@@ -268,8 +273,11 @@ class Oracle:
             self.regroup(rank, step, f"{label} regroup")
         self.zero(rank, zero, f"{label} zero")
 
-    def _resolve(self, plan: RequestPlan, pairing: Pairing, label: str) -> np.ndarray:
-        """Moves of a plan, N x 8 (both lengths kept, so unequal pairs are reported, not raised)."""
+    def moves_of(self, rank_plan: RankPlan) -> np.ndarray:
+        """A plan's moves, N x 8: :data:`~kvgeom.plan.MOVE_COLUMNS` with the source and destination lengths
+        both kept, so that an unequal pair is reported (I2), not raised; ids outside their descriptor table
+        are reported (I6) and left out."""
+        plan, pairing, label = rank_plan.plan, rank_plan.pairing, self._label(rank_plan)
         me = pairing.local.tp_rank
         out = [np.zeros((0, 8), dtype=np.int64)]
         for k, t in enumerate(plan.transfers):

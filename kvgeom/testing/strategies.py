@@ -214,26 +214,39 @@ class PDPair:
 
 @st.composite
 def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
-             models: st.SearchStrategy[ModelSpec] | None = None) -> PDPair:
-    """A P/D pair kvgeom accepts. Block sizes are drawn so that the local kernel block (D in pull, P in
-    push) is usually a multiple of the remote one; pairs kvgeom refuses are rejected (``assume``)."""
+             models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False) -> PDPair:
+    """A P/D pair kvgeom accepts. Choices are steered towards pairs kvgeom can plan (the local kernel
+    block, D's in pull and P's in push, a multiple of the remote one; head-major layouts when TP splits
+    heads; DS conv layouts across TP sizes; no prefix caching for Mamba hybrids whose kernel blocks per
+    logical block differ); a pair kvgeom still refuses is rejected (``assume``). ``equal_blocks``: P and
+    D use the same logical block size (for a hybrid, a common multiple of both aligned sizes); kernel
+    blocks may still differ."""
     model = draw(models if models is not None else model_specs())
     mode = mode or draw(st.sampled_from(MODES))
     compat = compat or draw(st.sampled_from(COMPATS))
     tps = valid_tp_sizes(model)
     p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
     p_block, d_block = draw(_block_size(model, p_tp)), draw(_block_size(model, d_tp))
+    if equal_blocks:
+        p_block = d_block = math.lcm(p_block, d_block)
     local_block, remote_block = (d_block, p_block) if mode == "pull" else (p_block, d_block)
-    remote_kernel = draw(st.sampled_from(_divisors(remote_block)))
+    usable = [k for k in _divisors(remote_block) if any(x % k == 0 for x in _divisors(local_block))]
+    remote_kernel = draw(st.sampled_from(usable or _divisors(remote_block)))
     fitting = [k for k in _divisors(local_block) if k % remote_kernel == 0]
     local_kernel = draw(st.sampled_from(fitting or _divisors(local_block)))
     p_kernel, d_kernel = (remote_kernel, local_kernel) if mode == "pull" else (local_kernel, remote_kernel)
-    layout, kv_split, conv = draw(_layouts(model))
+    attn = model.attention_spec
+    head_split = attn is not None and attn.heads_per_rank(p_tp) != attn.heads_per_rank(d_tp)
+    layout = KVLayout.HEAD_MAJOR if head_split else draw(st.sampled_from((KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR)))
+    single_attention = not model.has_ssm and not model.is_mla and _group_count(model) == 1
+    kv_split = draw(st.booleans()) if single_attention else False
+    conv = draw(st.sampled_from((ConvLayout.DS, ConvLayout.SD))) if model.has_ssm and p_tp == d_tp else ConvLayout.DS
     groups = _group_count(model)
     p_nb, d_nb = (draw(st.integers(groups + 1, 3 * groups + 6)) for _ in range(2))
-    pair = PDPair(model, _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv),
-                  _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv), mode, compat,
-                  draw(st.booleans()))
+    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv)
+    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv)
+    prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
+    pair = PDPair(model, p, d, mode, compat, prefix_caching)
     try:
         pair.check()
     except KvgeomError:
@@ -253,7 +266,8 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     pb, db = p_geom.logical_block_size, d_geom.logical_block_size
     if n_attn:
         most = min((p_geom.logical_num_blocks - n_ssm) // n_attn * pb, (d_geom.logical_num_blocks - n_ssm) // n_attn * db)
-        num_tokens = draw(st.integers(1, most))
+        least = db + 1 if pair.prefix_caching and most > db else 1  # room for a prefix hit
+        num_tokens = draw(st.integers(least, most))
     else:
         num_tokens = draw(st.integers(1, 64))
     d_blocks = math.ceil(num_tokens / db)
@@ -287,7 +301,7 @@ class Case:
 
 @st.composite
 def cases(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
-          models: st.SearchStrategy[ModelSpec] | None = None) -> Case:
-    """A :class:`Case`: a pair from :func:`pd_pairs` and a request from :func:`requests`."""
-    pair = draw(pd_pairs(mode, compat, models))
+          models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False) -> Case:
+    """A :class:`Case`: a pair from :func:`pd_pairs` (same arguments) and a request from :func:`requests`."""
+    pair = draw(pd_pairs(mode, compat, models, equal_blocks))
     return Case(pair, draw(requests(pair)))

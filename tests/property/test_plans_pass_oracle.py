@@ -8,6 +8,7 @@ are cases that hit a known, reported core bug (``_known_core_bugs.py``). Profile
 from __future__ import annotations
 
 import pytest
+from _known_core_bugs import known_core_bug  # tests/property/ (rootdir-relative import)
 from hypothesis import event, given, reject
 
 from kvgeom import KvgeomError, UnsupportedError
@@ -16,8 +17,6 @@ from kvgeom.geometry import align_hybrid_block_size
 from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Report, Request, run
 from kvgeom.testing import strategies as kst
-
-from _known_core_bugs import known_core_bug  # tests/property/ (rootdir-relative import)
 
 
 def _check(case: kst.Case) -> None:
@@ -30,8 +29,30 @@ def _check(case: kst.Case) -> None:
     except KvgeomError as exc:
         event(f"refused: {type(exc).__name__} {exc.field}")
         reject()
-    event(f"ran: {case.pair.model.name}")
+    for feature in _features(case):
+        event(f"ran: {feature}")
     assert report.ok, f"{case}\n{report}"
+
+
+def _features(case: kst.Case) -> list[str]:
+    """What a case exercises (shown by ``pytest --hypothesis-show-statistics``)."""
+    p, d = case.pair.p_engine, case.pair.d_engine
+    out = [case.pair.model.name]
+    if p.tp_size != d.tp_size:
+        out.append("P_TP > D_TP" if p.tp_size > d.tp_size else "P_TP < D_TP")
+    if p.kernel != d.kernel:
+        out.append("kernel blocks differ")
+    if p.block_size != d.block_size:
+        out.append("logical blocks differ")
+    if p.ppl > 1 or d.ppl > 1:
+        out.append("kernel < logical block")
+    if case.request.prefix_blocks:
+        out.append("prefix hit")
+    if p.kv_layout.value != "head_major" and case.pair.model.attention_spec is not None:
+        out.append("token-major")
+    if p.kv_split:
+        out.append("split K/V")
+    return out
 
 
 @given(kst.cases(mode="pull", compat="kvgeom"))
@@ -135,15 +156,20 @@ KDA = MambaSpec.kda(num_heads=4, head_dim=4)
 MLA_KDA = ModelSpec.from_layers("mla-kda", [MLASpec(32, "bfloat16"), KDA, KDA, MLASpec(32, "bfloat16"), KDA, KDA])
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2)])
-@pytest.mark.parametrize("mode", ["pull", "push"])
-def test_mla_kda_hybrid(p_tp: int, d_tp: int, mode: str) -> None:
-    p_block = align_hybrid_block_size(MLA_KDA, p_tp, 16)
-    d_block = align_hybrid_block_size(MLA_KDA, d_tp, 16)
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (2, 4), (1, 4), (4, 1)])
+def test_mla_kda_hybrid_pull_with_non_dividing_block_sizes(p_tp: int, d_tp: int) -> None:
+    """Aligned to single tokens, the blocks are 9, 5 and 3 tokens at TP1, 2, 4: kvgeom reads both in
+    gcd-sized units (vLLM B.6.7) and zeroes what the last unit leaves."""
+    p_block = align_hybrid_block_size(MLA_KDA, p_tp, 1, 1)
+    d_block = align_hybrid_block_size(MLA_KDA, d_tp, 1, 1)
+    assert p_block != d_block  # 3, 5 or 9 tokens: often not dividing each other
     p, d = _engine(p_tp, p_block), _engine(d_tp, d_block)
-    n = max(p_block, d_block) + 5
-    request = Request.simple(MLA_KDA, p, d, n)
-    try:
-        _ok(MLA_KDA, p, d, request, mode, "kvgeom")
-    except KvgeomError as exc:  # a refusal must say why; only block-size direction refusals are expected
-        assert "block size" in str(exc), exc
+    _ok(MLA_KDA, p, d, Request.simple(MLA_KDA, p, d, max(p_block, d_block) + 5), "pull", "kvgeom")
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (4, 2), (2, 4), (1, 4)])
+def test_mla_kda_hybrid_push(p_tp: int, d_tp: int) -> None:
+    p_block = align_hybrid_block_size(MLA_KDA, p_tp, 8, 8)
+    d_block = align_hybrid_block_size(MLA_KDA, d_tp, 8, 8)
+    p, d = _engine(p_tp, p_block), _engine(d_tp, d_block)
+    _ok(MLA_KDA, p, d, Request.simple(MLA_KDA, p, d, 2 * max(p_block, d_block) - 3), "push", "kvgeom")

@@ -236,3 +236,36 @@ def split_dlists(whole: Dlist, bsr: int, slots: Sequence[int], fa_splits: int, s
             r[ssm, 2] = chunk
         out.append(Dlist(r, whole.num_fa))
     return out
+
+
+def routed_tables(local: EngineView, remote: EngineView, bsr: int, fa: Sequence[tuple[int, int, int]],
+                  ssm: Sequence[tuple[int, int, int]] | None) -> tuple[Dlist, Dlist]:
+    """kvgeom mode: the local and remote tables of one remote rank, every row cut by its slice
+    (``(local offset, remote offset, length)`` per attention region and per SSM piece, from
+    :func:`kvgeom.route.route`). Row counts and orders are those of :func:`local_dlist` and
+    :func:`remote_dlist`, so descriptor ids are unchanged."""
+    lo, ro, ln = (np.asarray([s[i] for s in fa], dtype=np.int64) for i in range(3))
+    llen = np.asarray(local.block_lens, dtype=np.int64)
+    lstride = np.asarray(local.block_strides, dtype=np.int64)
+    rstride = np.asarray(remote.block_strides, dtype=np.int64)
+    base = _fa_rows(llen, lstride, local.num_blocks, bsr)
+    per_region = local.num_blocks * bsr
+    base[:, 1] += np.repeat(lo, per_region)
+    base[:, 2] = np.repeat(ln, per_region)
+    rrows = np.empty((local.num_regions, remote.num_blocks, 3), dtype=np.int64)
+    rrows[..., 0] = np.arange(local.num_regions)[:, None]
+    rrows[..., 1] = ro[:, None] + rstride[:, None] * np.arange(remote.num_blocks, dtype=np.int64)[None, :]
+    rrows[..., 2] = ln[:, None]
+    lssm = rssm = np.zeros((0, 3), dtype=np.int64)
+    if local.ssm_sizes is not None and local.conv_offsets is not None and remote.ssm_sizes is not None:
+        regions = np.asarray(local.ssm_region_indices, dtype=np.int64)
+        if ssm is None:  # this rank sends no state: whole pieces on each side (in bounds, never referenced)
+            lpieces = list(local.conv_offsets) + [(local.ssm_sizes[0], local.ssm_sizes[1])]
+            rpieces = list(remote.conv_offsets or local.conv_offsets) + [(remote.ssm_sizes[0], remote.ssm_sizes[1])]
+        else:
+            lpieces = [(s[0], s[2]) for s in ssm]
+            rpieces = [(s[1], s[2]) for s in ssm]
+        lssm = _ssm_rows(regions, lstride[regions] * local.ppl, local.logical_num_blocks, lpieces)
+        rssm = _ssm_rows(regions, rstride[regions] * remote.ppl, remote.logical_num_blocks, rpieces)
+    fa_rows = rrows.reshape(-1, 3)
+    return Dlist(np.concatenate([base, lssm]), base.shape[0]), Dlist(np.concatenate([fa_rows, rssm]), fa_rows.shape[0])

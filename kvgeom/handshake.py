@@ -114,7 +114,7 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             local=local.block_size, remote=remote.block_size,
         )
     if mode == "push" and bsr > 1 and not local.is_mla and attn is not None \
-            and local.engine.kv_layout.value == "head_major" and _heads(attn, remote.tp_size) > 1:
+            and local.engine.kv_layout.value == "head_major" and _heads(attn, local.tp_size) > 1:
         raise UnsupportedError(
             "block_size",
             f"push with P kernel blocks larger than D's (ratio {bsr}) on a head-major layout would "
@@ -132,6 +132,8 @@ def _check_block_lens(local: RankGeometry, remote: RankGeometry, bsr: int, split
     attn = local.model.attention_spec
     lh = attn.heads_per_rank(local.tp_size) if attn else 1
     rh = attn.heads_per_rank(remote.tp_size) if attn else 1
+    if attn is None and not local.is_mla:
+        return  # an attention-free (pure SSM) model: state pages scale with TP, no length rule applies
     for i, (lr, rr) in enumerate(zip(local.regions, remote.regions)):
         rlen = rr.block_len // split
         if lr.is_mla != rr.is_mla:

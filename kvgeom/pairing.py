@@ -14,18 +14,18 @@ from functools import cached_property
 
 from .card import GeometryCard
 from .conv import remote_conv_offsets
-from .dlist import Dlist, EngineView, local_dlist, remote_dlist
+from .dlist import Dlist, EngineView, local_dlist, remote_dlist, routed_tables
 from .dtypes import dtype_size
 from .errors import IncompatiblePairError
 from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
-from .shards import ssm_piece_reads
+from .route import Route, route
 from .splits import build_local_splits, expand_strided
 from .tp import TPMapping, compute_tp_mapping, handshake_targets, needs_split_local_handles
 
 __all__ = ["Pairing", "LocalKey"]
 
-LocalKey = tuple[int, int]  # (bsr, source index or -1 for the whole table)
+LocalKey = tuple[int, int]  # (bsr, remote rank the table is cut for, or -1 for the whole table)
 
 
 def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
@@ -42,6 +42,7 @@ class Pairing:
     compat: Compat
     shape: PairShape
     mapping: TPMapping
+    prefix_caching: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -79,7 +80,7 @@ class Pairing:
                                         expected=list(targets))
         mapping = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
                                      lg.group_is_ssm)
-        return cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping)
+        return cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching)
 
     # -- ratios -------------------------------------------------------------------------------------
     @property
@@ -119,50 +120,85 @@ class Pairing:
                 return ranks
         return ()
 
-    def local_table(self, key: LocalKey) -> Dlist:
-        """The local table ``(bsr, -1)`` (whole) or ``(bsr, p)`` (split for source index ``p``)."""
+    def route(self, rank: int) -> Route:
+        """kvgeom mode: what this rank exchanges with remote rank ``rank`` (:mod:`kvgeom.route`)."""
+        key = ("route", rank)
         if key not in self._cache:
-            bsr, p = key
-            whole = self._cache.get((bsr, -1)) or local_dlist(self.local_view, bsr)
-            self._cache[(bsr, -1)] = whole
-            if p >= 0:
+            self._cache[key] = route(self.local, self.remotes[rank], rank, self.mode, self.bsr,
+                                     self.remote_view(rank).block_lens)
+        return self._cache[key]
+
+    @property
+    def transfer_ranks(self) -> tuple[int, ...]:
+        """The remote ranks a request's transfers go to (the others are only notified)."""
+        if self.compat == "kvgeom":
+            return tuple(r for r in self.targets if any(self.route(r).groups))
+        pure_mla = self.local.is_mla and not self.local.has_ssm
+        if self.mode == "push" and pure_mla and self.tp_ratio < 0:
+            return self.targets  # vLLM writes the replicated latent to every D rank
+        return self.mapping.all_source_ranks
+
+    def group_mask(self, rank: int) -> tuple[bool, ...]:
+        """Which groups' ids travel to/from remote rank ``rank``."""
+        if self.compat == "kvgeom":
+            return self.route(rank).groups
+        srcs = self.mapping.source_ranks_per_group
+        if self.mode == "push" and self.local.is_mla and self.tp_ratio < 0:
+            return tuple((not ssm) or rank in s for ssm, s in zip(self.local.group_is_ssm, srcs))
+        return tuple(rank in s for s in srcs)
+
+    def local_key(self, rank: int) -> LocalKey:
+        """The local table a transfer to/from remote rank ``rank`` uses."""
+        if self.compat == "kvgeom":
+            return (self.bsr, rank)
+        return (self.bsr, rank if self.needs_split else -1)
+
+    def local_table(self, key: LocalKey) -> Dlist:
+        """The local table ``(bsr, -1)`` (whole) or ``(bsr, rank)`` (cut for remote rank ``rank``)."""
+        if key not in self._cache:
+            bsr, rank = key
+            if rank < 0:
+                self._cache[key] = local_dlist(self.local_view, bsr)
+            elif self.compat == "kvgeom":
+                self._routed(rank)
+            else:
+                whole = self.local_table((bsr, -1))
                 splits = build_local_splits(
                     whole.pseudo_addresses(), self.mapping, whole.num_fa, bsr, self.local.group_is_ssm,
-                    self.local.region_is_mla, [self.local.num_blocks] * self.local.num_regions,
-                    allow_sharded_ratio=self.compat == "kvgeom")
-                for i, s in enumerate(splits):
-                    self._cache[(bsr, i)] = Dlist.from_pseudo(expand_strided(s), whole.num_fa)
+                    self.local.region_is_mla, [self.local.num_blocks] * self.local.num_regions)
+                for src, rows in zip(self.mapping.all_source_ranks, splits):
+                    self._cache[(bsr, src)] = Dlist.from_pseudo(expand_strided(rows), whole.num_fa)
         return self._cache[key]
 
     def remote_table(self, rank: int) -> Dlist:
-        """Remote rank ``rank``'s table, attention rows cut to this local rank's share (vLLM B.2.4)."""
+        """Remote rank ``rank``'s table, every row cut to what this rank exchanges with it."""
         key = ("remote", rank)
         if key not in self._cache:
-            view = self.remote_view(rank)
-            attn_reads = len(self._first_sources(ssm=False)) or 1
-            self._cache[key] = remote_dlist(self.local_view, view, self.bsr, attn_reads,
-                                            self.mapping.rank_offset_factor, self._ssm_pieces(rank, view))
+            if self.compat == "kvgeom":
+                self._routed(rank)
+            else:
+                attn_reads = len(self._first_sources(ssm=False)) or 1
+                self._cache[key] = remote_dlist(self.local_view, self.remote_view(rank), self.bsr, attn_reads,
+                                                self.mapping.rank_offset_factor,
+                                                self._vllm_ssm_pieces(self.remote_view(rank)))
         return self._cache[key]
 
-    def _ssm_pieces(self, rank: int, view: EngineView) -> tuple[tuple[int, int], ...] | None:
-        """What remote rank ``rank`` sends of each SSM piece: vLLM's TP-ratio scaling in ``vllm`` mode,
-        the sharding rule (:mod:`kvgeom.shards`, right for replicated pieces too) in ``kvgeom`` mode."""
+    def _routed(self, rank: int) -> None:
+        r = self.route(rank)
+        local, remote = routed_tables(self.local_view, self.remote_view(rank), self.bsr, r.fa, r.ssm)
+        self._cache[(self.bsr, rank)] = local
+        self._cache[("remote", rank)] = remote
+
+    def _vllm_ssm_pieces(self, view: EngineView) -> tuple[tuple[int, int], ...] | None:
+        """vLLM's remote SSM reads: conv pieces scaled by the TP ratio, then the temporal slice (B.2.4)."""
         ssm, local = self.local.ssm, self.local_view
         if ssm is None or view.ssm_sizes is None or local.ssm_sizes is None:
             return None
-        if self.compat == "kvgeom":
-            sources = self._first_sources(ssm=True)
-            p = sources.index(rank) if rank in sources else 0
-            return ssm_piece_reads(ssm.spec, self.local.tp_rank, self.local.tp_size, rank, self.remote_tp, p,
-                                   max(len(sources), 1) if self.tp_ratio < 0 else 1)
         local_offset = self.local.tp_rank % max(self.tp_ratio, 1)
         conv = remote_conv_offsets(ssm.spec.piece_channels(self.local.tp_size), ssm.spec.conv_rows,
                                    dtype_size(ssm.spec.conv_dtype), local_offset, self.tp_ratio)
         ssm_read = local.ssm_sizes[1] if self.tp_ratio >= 1 else view.ssm_sizes[1]
         return tuple(conv) + ((view.ssm_sizes[0] + local_offset * ssm_read, ssm_read),)
-
-    def local_key(self, source_index: int) -> LocalKey:
-        return (self.bsr, source_index if self.needs_split else -1)
 
     def describe(self) -> str:
         m = self.mapping

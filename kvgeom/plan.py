@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .align import consumer_zero_rows, list_starts, overlap
 from .blocks import (
     BlockIds,
     apply_prefix_caching,
     as_group_ids,
+    get_mapped_blocks,
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
 )
@@ -147,52 +149,36 @@ def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
 
 
 def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, request_id: str = "req",
-                 remote_request_id: str | None = None) -> RequestPlan:
+                 remote_request_id: str | None = None, num_tokens: int | None = None) -> RequestPlan:
     """Plan one request. ``local_ids`` / ``remote_ids``: logical block ids per group on each side (in
     pull, local = D's blocks to fill, remote = P's blocks; in push the reverse). An empty local list
-    as a whole means nothing to transfer here (notification only)."""
+    as a whole means nothing to transfer here (notification only). ``num_tokens`` (the request's
+    length) lets kvgeom mode align blocks by token when the two sides' block sizes differ and a prefix
+    hit or sliding window is possible (see :mod:`kvgeom.align`); vLLM mode pairs by counts."""
     local, mode = pairing.local, pairing.mode
     kinds = local.group_is_ssm
     any_local = bool(local_ids) and any(len(x) for x in local_ids)
     lids = as_group_ids(local_ids if local_ids else [[] for _ in kinds], kinds, "local_ids")
     rids = as_group_ids(remote_ids, kinds, "remote_ids")
     _check_ids(lids, local, "local")
-    first_remote = pairing.remotes[pairing.targets[0]]
-    _check_ids(rids, first_remote, "remote")
+    _check_ids(rids, pairing.remotes[pairing.targets[0]], "remote")
     rview = pairing.remote_view(pairing.targets[0])
     lk = logical_to_kernel(lids, local.ppl, kinds)
     rk = logical_to_kernel(rids, rview.ppl, kinds)
     tag = remote_request_id if remote_request_id is not None else request_id
-    m = pairing.mapping
     bsr, ratio = pairing.bsr, pairing.tp_ratio
-    if mode == "pull":
-        expected = max(1, ratio)  # P frees after D_TP / P_TP reads when D_TP > P_TP
-        notif = f"{tag}:{expected}"
-        ranks = m.all_source_ranks
-    else:
-        expected = max(1, ratio)  # D finishes after P_TP / D_TP writes when P_TP > D_TP
-        notif = f"{tag}:{local.tp_size}"
-        pure_mla = local.is_mla and not local.has_ssm
-        ranks = pairing.targets if pure_mla and ratio < 0 else m.all_source_ranks
+    expected = max(1, ratio)  # pull: P frees after D_TP/P_TP reads; push: D ends after P_TP/D_TP writes
+    notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
+    aligned = _aligned(pairing, lids, rids, lk, rk, num_tokens) if pairing.compat == "kvgeom" else None
     transfers = []
-    for p_idx, rank in enumerate(ranks):
-        if mode == "pull" or not (local.is_mla and ratio < 0):
-            keep = [rank in srcs for srcs in m.source_ranks_per_group]
+    for rank in pairing.transfer_ranks if any_local else ():
+        keep = pairing.group_mask(rank)
+        if aligned is not None:
+            lg, rg = _select(aligned[0], keep), _select(aligned[1], keep)
         else:
-            keep = [(not ssm) or rank in srcs for ssm, srcs in zip(kinds, m.source_ranks_per_group)]
-        lg, rg = _select(lk, keep), _select(rk, keep)
-        if not any_local:
+            lg, rg = _vllm_pair(pairing, _select(lk, keep), _select(rk, keep), rview)
+        if not lg or not any(x.size for x in lg):
             continue
-        if bsr > 1:
-            lg, rg = map_block_ids_for_block_size_ratio(lg, rg, bsr, kinds)
-            if not lg or not any(x.size for x in lg):
-                continue
-        if not any(x.size for x in lg):
-            continue
-        if mode == "pull":
-            lg, rg = apply_prefix_caching(lg, rg, local.ppl, rview.ppl, kinds)
-        else:
-            rg, lg = apply_prefix_caching(rg, lg, rview.ppl, local.ppl, kinds)
         for g, (a, b) in enumerate(zip(lg, rg)):
             if a.size != b.size:
                 raise PlanError(f"block_ids[{g}]", f"{a.size} local and {b.size} remote blocks cannot be paired",
@@ -205,7 +191,7 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
         if r_desc.size != l_desc.size:
             raise PlanError("descriptor ids", f"{l_desc.size} local ids vs {r_desc.size} remote ids",
                             local=int(l_desc.size), remote=int(r_desc.size))
-        key = pairing.local_key(p_idx)
+        key = pairing.local_key(rank)
         for side, ids, n in (("local", l_desc, len(pairing.local_table(key))),
                              ("remote", r_desc, len(pairing.remote_table(rank)))):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
@@ -217,35 +203,144 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     regroup: tuple[Regroup, ...] = ()
     zero = np.zeros((0, 3), dtype=np.int64)
     if mode == "pull" and any_local:
-        regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
+        if aligned is not None:
+            regroup, zero = _regroups(local, lk, bsr), _zero_rows(local, lk, bsr, aligned[2])
+        else:
+            regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
 
 
+def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rview: EngineView
+               ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """vLLM's pairing of one source's lists: block-size-ratio map, then prefix trimming (B.3.5, B.3.6)."""
+    local, kinds, bsr = pairing.local, pairing.local.group_is_ssm, pairing.bsr
+    if bsr > 1:
+        lg, rg = map_block_ids_for_block_size_ratio(lg, rg, bsr, kinds)
+        if not lg or not any(x.size for x in lg):
+            return [], []
+    if not any(x.size for x in lg):
+        return [], []
+    if pairing.mode == "pull":
+        return apply_prefix_caching(lg, rg, local.ppl, rview.ppl, kinds)
+    rg, lg = apply_prefix_caching(rg, lg, rview.ppl, local.ppl, kinds)
+    return lg, rg
+
+
+def _align_groups(consumer: RankGeometry, c_logical: list[np.ndarray], c_fine: list[np.ndarray],
+                  producer_block: int, p_logical: list[np.ndarray], p_fine: list[np.ndarray], fine_tokens: int,
+                  num_tokens: int | None, prefix_caching: bool) -> list[tuple[int, int, int]]:
+    """Per group, ``(consumer position, producer position, count)`` of the fine units both hold (SSM
+    groups: ``(0, 0, 0)``, they are paired by slot)."""
+    out = []
+    for g, group in enumerate(consumer.groups):
+        if group.is_ssm:
+            out.append((0, 0, 0))
+            continue
+        sliding = getattr(group.spec, "sliding_window", None) is not None
+        c0, p0 = list_starts(c_logical[g].size, consumer.logical_block_size, p_logical[g].size, producer_block,
+                             num_tokens, prefix_caching, sliding, g)
+        out.append(overlap(c0 // fine_tokens, c_fine[g].size, p0 // fine_tokens, p_fine[g].size))
+    return out
+
+
+def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], lk: list[np.ndarray],
+             rk: list[np.ndarray], num_tokens: int | None
+             ) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[int, int, int]]]:
+    """kvgeom mode: the local and remote fine ids of every group, paired by token (attention) or by
+    state slot (SSM, vLLM's slot rule), and each attention group's coverage on the consumer."""
+    local, kinds, bsr, pull = pairing.local, pairing.local.group_is_ssm, pairing.bsr, pairing.mode == "pull"
+    remote = pairing.remotes[pairing.targets[0]]
+    rview = pairing.remote_view(pairing.targets[0])
+    lfine = [k if ssm else get_mapped_blocks(k, bsr) for k, ssm in zip(lk, kinds)]
+    rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
+    if pull:
+        spans = _align_groups(local, lids, lfine, rblock, rids, rk, rview.block_size, num_tokens,
+                              pairing.prefix_caching)
+    else:
+        spans = _align_groups(remote, rids, rk, local.logical_block_size, lids, lfine, rview.block_size,
+                              num_tokens, pairing.prefix_caching)
+    empty = [x[:0] for x in lk]
+    ssm_l, ssm_r = (_select(lk, kinds), _select(rk, kinds))
+    if pull:
+        ssm_l, ssm_r = apply_prefix_caching(ssm_l, ssm_r, local.ppl, rview.ppl, kinds)
+    else:
+        ssm_r, ssm_l = apply_prefix_caching(ssm_r, ssm_l, rview.ppl, local.ppl, kinds)
+    lsel, rsel = list(empty), list(empty)
+    for g, (ssm, (cpos, ppos, n)) in enumerate(zip(kinds, spans)):
+        if ssm:
+            lsel[g], rsel[g] = ssm_l[g], ssm_r[g]
+        elif pull:
+            lsel[g], rsel[g] = lfine[g][cpos:cpos + n], rk[g][ppos:ppos + n]
+        else:
+            lsel[g], rsel[g] = lfine[g][ppos:ppos + n], rk[g][cpos:cpos + n]
+    return lsel, rsel, spans
+
+
+def _heads(consumer: RankGeometry, group: int) -> int:
+    """Runs per kernel block when zeroing a token range: one per local head on head-major pages."""
+    spec = consumer.groups[group].spec
+    if isinstance(spec, AttentionSpec) and consumer.engine.kv_layout is KVLayout.HEAD_MAJOR:
+        return spec.heads_per_rank(consumer.tp_size)
+    return 1
+
+
+def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int) -> tuple[Regroup, ...]:
+    """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9)."""
+    out = []
+    for group, L in zip(consumer.groups, kernel_ids):
+        heads = _heads(consumer, group.index)
+        if group.is_ssm or group.is_mla or not L.size or bsr == 1 or heads == 1:
+            continue
+        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
+        for part in sorted({r.part for r in regions}):
+            rs = tuple(r.index for r in regions if r.part == part)
+            block_len = consumer.regions[rs[0]].block_len
+            out.append(Regroup(rs, L.copy(), bsr, heads, consumer.block_size,
+                               block_len // (heads * consumer.block_size)))
+    return tuple(out)
+
+
+def _zero_rows(consumer: RankGeometry, kernel_ids: list[np.ndarray], units: int,
+               spans: list[tuple[int, int, int]]) -> np.ndarray:
+    """Zero every byte of the consumer's attention blocks outside the units the transfer covered."""
+    rows = [np.zeros((0, 3), dtype=np.int64)]
+    for group, L, (cpos, _, n) in zip(consumer.groups, kernel_ids, spans):
+        if group.is_ssm or not L.size:
+            continue
+        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
+        rows.append(consumer_zero_rows(regions, L, units, cpos, n, consumer.block_size, _heads(consumer, group.index)))
+    return np.concatenate(rows)
+
+
 def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: BlockIds,
-                 producer_ids: BlockIds) -> tuple[tuple[Regroup, ...], np.ndarray]:
-    """The post-receive step of a D rank that was written to (push): regroup and zero ranges of its own
-    blocks, from D's logical ids and P's logical ids of the request. vLLM never zeroes in push (B.6.1
-    item 9); kvgeom does, so that a D block P did not fully cover holds zeros, not stale bytes."""
+                 producer_ids: BlockIds, num_tokens: int | None = None, prefix_caching: bool = False
+                 ) -> tuple[tuple[Regroup, ...], np.ndarray]:
+    """The post-receive step of a D rank that was written to (push): zero ranges of its own blocks,
+    from D's and P's logical ids of the request, aligned by token like the writer's plan. vLLM never
+    zeroes in push (B.6.1 item 9); kvgeom does, so no D block holds stale bytes."""
     kinds = consumer.group_is_ssm
-    dk = logical_to_kernel(as_group_ids(consumer_ids, kinds, "consumer_ids"), consumer.ppl, kinds)
-    pk = logical_to_kernel(as_group_ids(producer_ids, kinds, "producer_ids"), producer.ppl, kinds)
+    dl = as_group_ids(consumer_ids, kinds, "consumer_ids")
+    pl = as_group_ids(producer_ids, kinds, "producer_ids")
+    dk = logical_to_kernel(dl, consumer.ppl, kinds)
+    pk = logical_to_kernel(pl, producer.ppl, kinds)
     if producer.block_size % consumer.block_size:
         raise PlanError("block_size", "push needs P kernel blocks that are multiples of D's",
                         local=consumer.block_size, remote=producer.block_size)
     q = producer.block_size // consumer.block_size
-    return post_receive(consumer, EngineView.of(producer), dk, pk, 1, "kvgeom", producer_units=q)
+    pfine = [k if ssm else get_mapped_blocks(k, q) for k, ssm in zip(pk, kinds)]
+    spans = _align_groups(consumer, dl, dk, producer.logical_block_size, pl, pfine, consumer.block_size,
+                          num_tokens, prefix_caching)
+    return (), _zero_rows(consumer, dk, 1, spans)
 
 
 def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_ids: list[np.ndarray],
-                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom",
-                 producer_units: int = 1) -> tuple[tuple[Regroup, ...], np.ndarray]:
+                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom") -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The consumer's post-receive step (vLLM B.3.9 / B.6.11): regroup head-major blocks that arrived as
     ``bsr`` finer remote pages, then zero what the transfer did not write.
 
     Per attention group ``g`` with kernel ids ``L`` (consumer) and ``R`` (the producer's full list):
-    ``covered = min(|L| * bsr, |R| * producer_units)`` units of the finer block (``producer_units`` > 1
-    when a producer block spans several consumer blocks, push); the tokens past ``covered mod bsr`` units of
+    ``covered = min(|L| * bsr, |R|)`` remote-block units; the tokens past ``covered mod bsr`` units of
     block ``L[covered div bsr]`` and all of ``L[ceil(covered / bsr):]`` are zeroed, in the regions that
     hold a layer of group ``g``. vLLM only runs this when ``bsr > 1`` or the two ppl differ;
     ``compat="kvgeom"`` always runs it (it zeroes nothing when everything was covered).
@@ -267,7 +362,7 @@ def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_i
                 rs = tuple(r.index for r in regions if r.part == part)
                 block_len = consumer.regions[rs[0]].block_len
                 regroups.append(Regroup(rs, L.copy(), bsr, heads, tokens, block_len // (heads * tokens)))
-        covered = min(L.size * bsr, R.size * producer_units)
+        covered = min(L.size * bsr, R.size)
         full, sub = divmod(covered, bsr)
         first_stale = full + (1 if sub else 0)
         for r in regions:

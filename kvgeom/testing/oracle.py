@@ -29,18 +29,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from ..engine import EngineConfig
-from ..geometry import RankGeometry, rank_geometry
+from ..geometry import RankGeometry
 from ..pairing import Pairing
 from ..plan import Regroup, RequestPlan, plan_request, receive_step
 from ..spec import ModelSpec
 from ._coords import POISON, ZERO, CoordSpace, describe_tag, location_tags
 from ._layout import NEEDED, OPTIONAL, OUTSIDE, PADDING, RankImage, rank_image
 from ._report import Report, Violation
+from ._request import Request, RequestError, check_side, engine_geometries
 
 __all__ = [
     "Request", "RequestError", "Oracle", "RankPlan", "engine_geometries", "pull_plans", "push_plans",
@@ -49,78 +49,6 @@ __all__ = [
 
 _UNWRITTEN = np.iinfo(np.int64).min
 P_SIDE, D_SIDE = 0, 1
-
-
-class RequestError(ValueError):
-    """A :class:`Request` does not fit the engines (wrong block counts, overlapping or out-of-pool ids)."""
-
-
-def _ids(x: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(i) for i in g) for g in x)
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request to move from P to D.
-
-    ``p_ids[g]`` are P's logical block ids of group ``g`` (attention groups: ``ceil(num_tokens / P block)``
-    blocks covering every token; SSM groups: one state slot); ``d_ids[g]`` the same on D, without D's
-    ``prefix_blocks`` leading blocks that are already cached (their tokens are not transferred). All
-    groups of one engine share one pool: ids are distinct across groups on one side.
-    """
-
-    num_tokens: int
-    p_ids: tuple[tuple[int, ...], ...]
-    d_ids: tuple[tuple[int, ...], ...]
-    prefix_blocks: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "p_ids", _ids(self.p_ids))
-        object.__setattr__(self, "d_ids", _ids(self.d_ids))
-        if self.num_tokens < 1 or self.prefix_blocks < 0:
-            raise RequestError(f"num_tokens must be >= 1 and prefix_blocks >= 0, got {self.num_tokens}, "
-                               f"{self.prefix_blocks}")
-
-    @classmethod
-    def simple(cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, num_tokens: int,
-               prefix_blocks: int = 0, first_id: int = 1) -> Request:
-        """Consecutive ids from ``first_id`` on both sides (block 0 stays free as a neighbour)."""
-        sides = []
-        for engine, prefix in ((p_engine, 0), (d_engine, prefix_blocks)):
-            groups = engine_geometries(model, engine)[0].groups
-            nxt, ids = first_id, []
-            for g in groups:
-                n = 1 if g.is_ssm else math.ceil(num_tokens / engine.block_size) - prefix
-                ids.append(tuple(range(nxt, nxt + n)))
-                nxt += n
-            sides.append(tuple(ids))
-        return cls(num_tokens, sides[0], sides[1], prefix_blocks)
-
-
-def _check_side(name: str, ids: tuple[tuple[int, ...], ...], geom: RankGeometry, want: int) -> None:
-    if len(ids) != len(geom.groups):
-        raise RequestError(f"{name}: {len(ids)} groups of ids, the model has {len(geom.groups)} groups")
-    seen: set[int] = set()
-    for g, (group, gids) in enumerate(zip(geom.groups, ids)):
-        n = 1 if group.is_ssm else want
-        if len(gids) != n:
-            raise RequestError(f"{name}[{g}] ({group.kind.value}): {len(gids)} ids, expected {n}")
-        bad = [i for i in gids if not 0 <= i < geom.logical_num_blocks]
-        if bad:
-            raise RequestError(f"{name}[{g}]: ids {bad} outside the pool of {geom.logical_num_blocks} blocks")
-        if seen & set(gids) or len(set(gids)) != len(gids):
-            raise RequestError(f"{name}[{g}]: ids repeat within the engine's pool")
-        seen |= set(gids)
-
-
-@lru_cache(maxsize=512)
-def _geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
-    return rank_geometry(model, engine)
-
-
-def engine_geometries(model: ModelSpec, engine: EngineConfig) -> list[RankGeometry]:
-    """Every rank of the engine ``engine`` (its ``tp_rank`` is ignored)."""
-    return [_geometry(model, engine.with_rank(r)) for r in range(engine.tp_size)]
 
 
 @dataclass(frozen=True)
@@ -144,8 +72,8 @@ class Oracle:
                 raise RequestError(f"{side} geometries must be ranks 0..{len(geoms) - 1} in order")
         n = request.num_tokens
         pb, db = self.p[0].logical_block_size, self.d[0].logical_block_size
-        _check_side("p_ids", request.p_ids, self.p[0], math.ceil(n / pb))
-        _check_side("d_ids", request.d_ids, self.d[0], math.ceil(n / db) - request.prefix_blocks)
+        check_side("p_ids", request.p_ids, self.p[0], math.ceil(n / pb))
+        check_side("d_ids", request.d_ids, self.d[0], math.ceil(n / db) - request.prefix_blocks)
         self.prefix_tokens = request.prefix_blocks * db
         attn = [g for g in self.p[0].groups if not g.is_ssm]
         max_tokens = max([n, *(len(request.p_ids[g.index]) * pb for g in attn),

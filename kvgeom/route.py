@@ -1,0 +1,115 @@
+"""kvgeom mode: what one local rank exchanges with one remote rank, derived from the sharding rule.
+
+vLLM cuts rows by TP ratios (split handles, ``rank_offset_factor``, ``remote_conv_offsets``), which is
+right only when every unit is sharded, never replicated, and only from the reader's side. kvgeom
+derives every slice from the *consumer's* needs instead: the consumer (D) needs units
+``[cu0, cu0 + cn)`` of each sharded piece (KV heads, conv pieces, the temporal state) and gathers them
+from its ``n`` sources (the consumer's own TP mapping); source ``j`` supplies consumer bytes
+``[j*c, (j+1)*c)`` (``c = cn*ub / n``), which sit at ``cu0*ub + j*c - pu0*ub`` in the producer's copy.
+A replicated unit is then read in chunks from identical copies (pull) or written whole to every
+replica (push) -- the cases vLLM gets wrong (Mamba2 ``n_groups < TP``, push into replicated KV heads).
+
+``route(...)`` returns, per remote rank, which groups the transfer carries and the ``(local offset,
+remote offset, length)`` of each attention region's (sub-)block and of each SSM piece of a state page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dtypes import dtype_size
+from .errors import UnsupportedError
+from .geometry import RankGeometry
+from .spec import MambaSpec, Shard
+from .tp import compute_tp_mapping
+
+__all__ = ["Slice", "Route", "route"]
+
+Slice = tuple[int, int, int]  # (local offset, remote offset, length) within a (sub-)block or state page
+
+
+@dataclass(frozen=True)
+class Route:
+    """What the local rank exchanges with ``remote_rank``: ``groups[g]`` says whether group ``g``'s ids
+    travel; ``fa[r]`` slices region ``r``'s attention rows; ``ssm`` the conv pieces then the temporal
+    state (``None`` without SSM)."""
+
+    remote_rank: int
+    groups: tuple[bool, ...]
+    fa: tuple[Slice, ...]
+    ssm: tuple[Slice, ...] | None
+
+
+def _unit_slice(shard: Shard, unit_bytes: int, c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int,
+                what: str) -> tuple[int, int, int]:
+    """``(consumer offset, producer offset, length)`` of what producer ``p_rank`` (source ``j`` of ``n``)
+    gives consumer ``c_rank`` of one sharded piece, offsets relative to each side's piece start."""
+    cu0, cn = shard.first_unit(c_rank, c_tp), shard.units_per_rank(c_tp)
+    pu0, pn = shard.first_unit(p_rank, p_tp), shard.units_per_rank(p_tp)
+    need = cn * unit_bytes
+    if need % n:
+        raise UnsupportedError(what, f"{need} B cannot be gathered from {n} sources in equal chunks", value=need,
+                               expected=n)
+    chunk = need // n
+    c_off = j * chunk
+    p_off = cu0 * unit_bytes + c_off - pu0 * unit_bytes
+    if p_off < 0 or p_off + chunk > pn * unit_bytes:
+        raise UnsupportedError(what, f"consumer units [{cu0}, {cu0 + cn}) are not held by producer rank {p_rank} "
+                               f"(units [{pu0}, {pu0 + pn}))", local=(cu0, cn), remote=(pu0, pn))
+    return c_off, p_off, chunk
+
+
+def _ssm_slices(spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int
+                ) -> list[tuple[int, int, int]]:
+    """Per conv piece then the temporal state: (consumer, producer) offsets in the page, and length."""
+    row = spec.conv_rows * dtype_size(spec.conv_dtype)
+    out, c_base, p_base = [], 0, 0
+    for name, piece in zip(spec.piece_names, spec.conv_pieces):
+        c, p, ln = _unit_slice(piece, piece.unit_elems * row, c_rank, c_tp, p_rank, p_tp, j, n, f"conv piece {name}")
+        out.append((c_base + c, p_base + p, ln))
+        c_base += piece.elems_per_rank(c_tp) * row
+        p_base += piece.elems_per_rank(p_tp) * row
+    t = spec.temporal
+    c, p, ln = _unit_slice(t, t.unit_elems * dtype_size(spec.ssm_dtype), c_rank, c_tp, p_rank, p_tp, j, n,
+                           "temporal state")
+    out.append((c_base + c, p_base + p, ln))
+    return out
+
+
+def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str, bsr: int,
+          remote_block_lens: tuple[int, ...]) -> Route:
+    """The route between ``local`` and remote rank ``remote_rank`` (``remote``: any rank of that engine).
+    ``remote_block_lens``: the remote rows' lengths as planned (after a non-dividing rescale)."""
+    pull = mode == "pull"
+    c_geom, p_geom = (local, remote) if pull else (remote, local)
+    c_rank = local.tp_rank if pull else remote_rank
+    p_rank = remote_rank if pull else local.tp_rank
+    c_tp, p_tp = c_geom.tp_size, p_geom.tp_size
+    kinds = local.group_is_ssm
+    cmap = compute_tp_mapping(c_rank, c_tp, p_tp, local.num_kv_heads, local.is_mla, kinds)
+    groups = tuple(p_rank in srcs for srcs in cmap.source_ranks_per_group)
+    attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
+    spec = local.model.attention_spec
+    fa = []
+    for r, (region, rlen) in enumerate(zip(local.regions, remote_block_lens)):
+        llen = region.block_len // bsr  # local rows are bsr sub-blocks
+        c_len, p_len = (llen, rlen) if pull else (rlen, llen)
+        whole = region.is_mla or spec is None or p_rank not in attn_src or (
+            spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
+        if whole:  # the row as it is: a replicated latent, or the same heads on both sides
+            if c_len != p_len and p_rank in attn_src and spec is not None:
+                raise UnsupportedError(f"regions[{r}].block_len", "rows of different lengths cannot be paired",
+                                       local=llen, remote=rlen)
+            fa.append((0, 0, min(c_len, p_len)))
+            continue
+        heads = spec.heads_per_rank(c_tp)
+        c, p, ln = _unit_slice(spec.heads, c_len // heads, c_rank, c_tp, p_rank, p_tp, attn_src.index(p_rank),
+                               len(attn_src), f"regions[{r}] heads")
+        fa.append((c, p, ln) if pull else (p, c, ln))
+    ssm = None
+    if local.ssm is not None:
+        ssm_src = next((s for s, is_ssm in zip(cmap.source_ranks_per_group, kinds) if is_ssm), ())
+        if p_rank in ssm_src:
+            slices = _ssm_slices(local.ssm.spec, c_rank, c_tp, p_rank, p_tp, ssm_src.index(p_rank), len(ssm_src))
+            ssm = tuple((c, p, ln) if pull else (p, c, ln) for c, p, ln in slices)
+    return Route(remote_rank, groups, tuple(fa), ssm)

@@ -159,7 +159,7 @@ def _produce_push(spec: dict, sc: Scenario, kv: KVRank, engine: str, mine: list[
     except (AdapterError, KvgeomError) as exc:
         return {"engine": engine, "rank": kv.rank, "error": f"{type(exc).__name__}: {exc}", "results": []}
     for r in mine:
-        res = kv.push("decode", r["p_ids"], r["d_ids"], r["id"], r["id"])
+        res = kv.push("decode", r["p_ids"], r["d_ids"], r["id"], r["id"], num_tokens=r["tokens"])
         results.append(res.__dict__ | {"telemetry": None})
     _wait_cmd(inbox, "exit")
     return {"engine": engine, "rank": kv.rank, "results": results}
@@ -200,11 +200,12 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                 if sc.mode == "pull":
                     if r["engine"] not in kv.pairings:
                         kv.connect(r["engine"], ports[r["engine"]], mode="pull", compat=sc.compat)
-                    res = kv.pull(r["engine"], r["d_ids"], r["p_ids"], r["id"], r["id"])
+                    res = kv.pull(r["engine"], r["d_ids"], r["p_ids"], r["id"], r["id"], num_tokens=r["tokens"])
                 else:
                     producer = GeometryCard(r["engine"], sc.model, sc.prefill, "push")
                     expected = max(1, sc.prefill.tp_size // sc.decode.tp_size)
-                    res = kv.wait_received(producer, r["d_ids"], r["p_ids"], r["id"], expected)
+                    res = kv.wait_received(producer, r["d_ids"], r["p_ids"], r["id"], expected,
+                                           num_tokens=r["tokens"])
                 row = res.__dict__ | {"telemetry": None}
             except (AdapterError, KvgeomError) as exc:
                 from .kvrank import _zero_rows

@@ -209,8 +209,10 @@ class KVRank:
         return self._local[(engine_id, key)]
 
     # -- transfers -------------------------------------------------------------------------------------
-    def plan(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str) -> RequestPlan:
-        return plan_request(self.pairings[engine_id], local_ids, remote_ids, request_id, remote_request_id)
+    def plan(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
+             num_tokens: int | None = None) -> RequestPlan:
+        return plan_request(self.pairings[engine_id], local_ids, remote_ids, request_id, remote_request_id,
+                            num_tokens)
 
     def _execute(self, engine_id: str, plan: RequestPlan, dst_ids, timeout_s: float | None) -> RequestResult:
         pairing, links = self.pairings[engine_id], self.links[engine_id]
@@ -232,11 +234,11 @@ class KVRank:
                              0, sum(t.desc_count for t in tels), contiguous_runs(moves), time.monotonic() - t0, None, tels)
 
     def pull(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
-             timeout_s: float | None = None) -> RequestResult:
+             timeout_s: float | None = None, num_tokens: int | None = None) -> RequestResult:
         """Read a request's blocks from the remote engine into ours, then regroup and zero. On any
         failure the request's blocks are zeroed and the error is raised (bounded by ``timeout_s``)."""
         try:
-            plan = self.plan(engine_id, local_ids, remote_ids, request_id, remote_request_id)
+            plan = self.plan(engine_id, local_ids, remote_ids, request_id, remote_request_id, num_tokens)
             result = self._execute(engine_id, plan, local_ids, timeout_s)
             result.bytes_zeroed = apply_post_receive(self.tensors, self.card, plan.regroup, plan.zero)
             return result
@@ -245,13 +247,13 @@ class KVRank:
             raise
 
     def push(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
-             timeout_s: float | None = None) -> RequestResult:
+             timeout_s: float | None = None, num_tokens: int | None = None) -> RequestResult:
         """Write a request's blocks into the remote (D) engine's blocks ``remote_ids``."""
-        plan = self.plan(engine_id, local_ids, remote_ids, request_id, remote_request_id)
+        plan = self.plan(engine_id, local_ids, remote_ids, request_id, remote_request_id, num_tokens)
         return self._execute(engine_id, plan, remote_ids, timeout_s)
 
     def wait_received(self, producer: GeometryCard, local_ids, producer_ids, request_id: str, expected: int,
-                      timeout_s: float | None = None) -> RequestResult:
+                      timeout_s: float | None = None, num_tokens: int | None = None) -> RequestResult:
         """D in push mode: wait for ``expected`` write notifications of ``request_id``, then apply
         kvgeom's post-receive step (vLLM never zeroes in push). Zeroes the blocks on timeout."""
         t0 = time.monotonic()
@@ -261,7 +263,7 @@ class KVRank:
         except AdapterError:
             _zero_rows(self.tensors, request_block_rows(self.card, local_ids))
             raise
-        regroups, zero = receive_step(self.card.geometry, producer.geometry, local_ids, producer_ids)
+        regroups, zero = receive_step(self.card.geometry, producer.geometry, local_ids, producer_ids, num_tokens)
         zeroed = apply_post_receive(self.tensors, self.card, regroups, zero)
         return RequestResult(request_id, True, bytes_zeroed=zeroed, seconds=time.monotonic() - t0)
 

@@ -274,67 +274,74 @@ def _prefix_caching(request: Request, prefix_caching: bool | None) -> bool:
 
 
 def pull_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-               compat: str = "kvgeom", prefix_caching: bool | None = None) -> list[RankPlan]:
+               compat: str = "kvgeom", prefix_caching: bool | None = None, *,
+               tell_num_tokens: bool = True) -> list[RankPlan]:
     """Every D rank paired with the P ranks (pull) and its plan for ``request``. The pairs are made with
-    ``prefix_caching`` (default: whether the request has a prefix hit)."""
+    ``prefix_caching`` (default: whether the request has a prefix hit); the planner is told the request's
+    ``num_tokens`` unless ``tell_num_tokens`` is false."""
     p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
+    n = request.num_tokens if tell_num_tokens else None
     out = []
     for d in d_geoms:
         pairing = Pairing.create(d, p_geoms, "pull", compat, _prefix_caching(request, prefix_caching))
-        out.append(RankPlan(d.tp_rank, pairing, plan_request(pairing, request.d_ids, request.p_ids)))
+        out.append(RankPlan(d.tp_rank, pairing, plan_request(pairing, request.d_ids, request.p_ids, num_tokens=n)))
     return out
 
 
 def push_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-               compat: str = "kvgeom", prefix_caching: bool | None = None) -> list[RankPlan]:
-    """Every P rank paired with the D ranks (push) and its plan for ``request`` (``prefix_caching`` as
-    in :func:`pull_plans`)."""
+               compat: str = "kvgeom", prefix_caching: bool | None = None, *,
+               tell_num_tokens: bool = True) -> list[RankPlan]:
+    """Every P rank paired with the D ranks (push) and its plan for ``request`` (options as in
+    :func:`pull_plans`)."""
     p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
+    n = request.num_tokens if tell_num_tokens else None
     out = []
     for p in p_geoms:
         pairing = Pairing.create(p, d_geoms, "push", compat, _prefix_caching(request, prefix_caching))
-        out.append(RankPlan(p.tp_rank, pairing, plan_request(pairing, request.p_ids, request.d_ids)))
+        out.append(RankPlan(p.tp_rank, pairing, plan_request(pairing, request.p_ids, request.d_ids, num_tokens=n)))
     return out
 
 
 def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-              plans: Sequence[RankPlan], oracle: Oracle | None = None) -> Report:
+              plans: Sequence[RankPlan], oracle: Oracle | None = None, *, tell_num_tokens: bool = True) -> Report:
     """Execute ``plans`` (from :func:`pull_plans` or :func:`push_plans`, possibly altered) and check them.
-    After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.receive_step`."""
+    After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.receive_step` (told ``num_tokens``
+    unless ``tell_num_tokens`` is false, and the pairs' ``prefix_caching``)."""
     oracle = oracle or Oracle.for_engines(model, p_engine, d_engine, request)
     for rp in plans:
         oracle.run_plan(rp)
     if plans and plans[0].plan.mode == "push":
+        n = request.num_tokens if tell_num_tokens else None
+        caching = plans[0].pairing.prefix_caching
         for d in oracle.d:
-            regroups, zero = receive_step(d, oracle.p[0], request.d_ids, request.p_ids)
+            regroups, zero = receive_step(d, oracle.p[0], request.d_ids, request.p_ids, n, caching)
             oracle.receive(d.tp_rank, regroups, zero, f"push receive step of D rank {d.tp_rank}")
     return oracle.report()
 
 
-def run_pull(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-             compat: str = "kvgeom", prefix_caching: bool | None = None) -> Report:
-    """Plan ``request`` on every D rank (pull), execute every plan and its post-receive step, check.
-    A pair or request kvgeom refuses raises its :class:`~kvgeom.errors.KvgeomError`. The pairs are made
-    with ``prefix_caching`` (default: whether the request has a prefix hit)."""
+def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request, mode: str = "pull",
+        compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True) -> Report:
+    """Plan ``request`` with kvgeom on every local rank (D in pull, P in push), execute the plans and the
+    D ranks' post-receive steps, and check I1-I6. A pair or request kvgeom refuses raises its
+    :class:`~kvgeom.errors.KvgeomError`. Options as in :func:`pull_plans`."""
+    if mode not in ("pull", "push"):
+        raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}")
     oracle = Oracle.for_engines(model, p_engine, d_engine, request)  # checks the request first
-    plans = pull_plans(model, p_engine, d_engine, request, compat, prefix_caching)
-    return run_plans(model, p_engine, d_engine, request, plans, oracle)
+    make = pull_plans if mode == "pull" else push_plans
+    plans = make(model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens=tell_num_tokens)
+    return run_plans(model, p_engine, d_engine, request, plans, oracle, tell_num_tokens=tell_num_tokens)
+
+
+def run_pull(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
+             compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True) -> Report:
+    """:func:`run` in pull mode: every D rank plans its reads, executes them, regroups and zeroes."""
+    return run(model, p_engine, d_engine, request, "pull", compat, prefix_caching, tell_num_tokens=tell_num_tokens)
 
 
 def run_push(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-             compat: str = "kvgeom", prefix_caching: bool | None = None) -> Report:
-    """Plan ``request`` on every P rank (push), execute the writes, run every D rank's receive step, check."""
-    oracle = Oracle.for_engines(model, p_engine, d_engine, request)
-    plans = push_plans(model, p_engine, d_engine, request, compat, prefix_caching)
-    return run_plans(model, p_engine, d_engine, request, plans, oracle)
-
-
-def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request, mode: str = "pull",
-        compat: str = "kvgeom", prefix_caching: bool | None = None) -> Report:
-    """:func:`run_pull` or :func:`run_push` by ``mode``."""
-    if mode not in ("pull", "push"):
-        raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}")
-    return (run_pull if mode == "pull" else run_push)(model, p_engine, d_engine, request, compat, prefix_caching)
+             compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True) -> Report:
+    """:func:`run` in push mode: every P rank plans its writes; then every D rank's receive step."""
+    return run(model, p_engine, d_engine, request, "push", compat, prefix_caching, tell_num_tokens=tell_num_tokens)
 
 
 def check_moves(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,

@@ -191,8 +191,9 @@ class PDPair:
     compat: str = "kvgeom"
     prefix_caching: bool = False
 
-    def run(self, request: Request) -> Report:
-        return run(self.model, self.p_engine, self.d_engine, request, self.mode, self.compat, self.prefix_caching)
+    def run(self, request: Request, tell_num_tokens: bool = True) -> Report:
+        return run(self.model, self.p_engine, self.d_engine, request, self.mode, self.compat, self.prefix_caching,
+                   tell_num_tokens=tell_num_tokens)
 
     def check(self) -> None:
         """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair."""
@@ -291,8 +292,8 @@ class Case:
     pair: PDPair
     request: Request
 
-    def run(self) -> Report:
-        return self.pair.run(self.request)
+    def run(self, tell_num_tokens: bool = True) -> Report:
+        return self.pair.run(self.request, tell_num_tokens)
 
     def __str__(self) -> str:
         r = self.request

@@ -1,7 +1,10 @@
-"""Reproducers of the core bugs the oracle found (strict xfail: they pass once the core is fixed, and then
-the ``xfail`` mark and the matching predicate in ``_known_core_bugs.py`` go).
+"""Reproducers of the core bugs the oracle found, each the smallest case hypothesis shrank to, written
+out by hand.
 
-Each reproducer is the smallest case hypothesis shrank to, written out by hand.
+* ``kvgeom`` mode: fixed in f9a4d68; these are now plain regression tests (planned right, or refused).
+* ``vllm`` mode: still open (strict xfail): the mode reproduces vLLM's count-based pairing, which
+  silently moves the wrong bytes. A fix may plan them right or refuse them with a ``KvgeomError``;
+  either turns the xfail into a pass, and then the mark and the predicate in ``_known_core_bugs.py`` go.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from __future__ import annotations
 import pytest
 from _known_core_bugs import known_core_bug  # tests/property/ (rootdir-relative import)
 
-from kvgeom import IncompatiblePairError, PlanError
+from kvgeom import KvgeomError, UnsupportedError
 from kvgeom.engine import EngineConfig
+from kvgeom.geometry import align_hybrid_block_size
 from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Request, run
 from kvgeom.testing.strategies import Case, PDPair
@@ -24,71 +28,111 @@ DENSE2 = ModelSpec.from_layers("dense", [AttentionSpec(2, 2, "float16")])
 DENSE4 = ModelSpec.from_layers("dense", [AttentionSpec(4, 2, "float16")])
 MLA = ModelSpec.from_layers("mla", [MLASpec(4, "float16")])
 MLA_MAMBA2 = ModelSpec.from_layers("mla+ssm", [MLASpec(4, "float16"), MambaSpec.mamba2(2, 1, 2, 1, 2, "float16")])
+ATTN1_MAMBA1 = ModelSpec.from_layers("attn+ssm", [AttentionSpec(1, 4, "float16"), MambaSpec.mamba1(4, 1, 2, "float16")])
 MAMBA1 = ModelSpec.from_layers("ssm", [MambaSpec.mamba1(4, 1, 2, "float16")])
+HYBRID_BLOCK = align_hybrid_block_size(ATTN1_MAMBA1, 1, 4, 4)
 
-# name -> (model, P engine, D engine, request, mode, known-bug id)
+OK, REFUSED = "ok", "refused"
+
+# name -> (model, P engine, D engine, request, mode, kvgeom-mode outcome, open vllm-mode bug or None)
 CASES = {
-    # K1: plan_request pairs blocks by count. P's 8-token block is 2 kernel blocks, D's 4-token block 1: the
-    # non-Mamba prefix trim keeps P's *last* kernel block, so D's token 0 receives P's token 4.
+    # K1: pairing blocks by count. P's 8-token block is 2 kernel blocks, D's 4-token block 1: the non-Mamba
+    # prefix trim keeps P's *last* kernel block, so D's token 0 received P's token 4.
     "K1 P blocks cover more tokens (pull)": (DENSE2, _engine(1, 8, 4), _engine(1, 4), Request(1, [[0]], [[0]]),
-                                             "pull", "K1 token span"),
+                                             "pull", OK, "K1 vllm token span"),
     "K1 P blocks cover more tokens (push)": (DENSE2, _engine(1, 8, 4), _engine(1, 4), Request(1, [[0]], [[0]]),
-                                             "push", "K1 token span"),
+                                             "push", OK, "K1 vllm token span"),
     # K1 with a prefix hit: D caches tokens 0-7 (one 8-token block); P's 4-token blocks 1, 2 (tokens 4-11)
-    # are paired with D's block of tokens 8-15.
+    # were paired with D's block of tokens 8-15.
     "K1 prefix hit, block sizes differ (pull)": (DENSE2, _engine(1, 4), _engine(1, 8, 4),
-                                                 Request(9, [[0, 1, 2]], [[1]], 1), "pull", "K1 token span"),
+                                                 Request(9, [[0, 1, 2]], [[1]], 1), "pull", OK, "K1 vllm token span"),
     "K1 prefix hit, block sizes differ (push)": (DENSE2, _engine(1, 4), _engine(1, 8, 4),
-                                                 Request(9, [[0, 1, 2]], [[1]], 1), "push", "K1 token span"),
-    # K2: push P TP1 -> D TP4 with 2 KV heads: D ranks 1 and 3 hold replicas of heads 0 and 1; P writes
-    # each head to the first D rank holding it only.
+                                                 Request(9, [[0, 1, 2]], [[1]], 1), "push", OK, "K1 vllm token span"),
+    # K1c: D's 4-token block is 2 kernel blocks, P sent one 2-token block: refused ('D has 2 uncomputed
+    # blocks but P sent only 1') instead of moving P's block and zeroing the rest (vllm mode: refused).
+    "K1c D blocks cover more tokens (pull)": (DENSE2, _engine(1, 2), _engine(1, 4, 2), Request(1, [[0]], [[0]]),
+                                              "pull", OK, None),
+    "K1c D blocks cover more tokens (push)": (DENSE2, _engine(1, 2), _engine(1, 4, 2), Request(1, [[0]], [[0]]),
+                                              "push", OK, None),
+    # K2: push P TP1 -> D TP4 with 2 KV heads: D ranks 1 and 3 hold replicas of heads 0 and 1; P wrote each
+    # head to the first D rank holding it only (vllm mode refuses this pair).
     "K2 push into replicated KV heads": (DENSE2, _engine(1, 4), _engine(4, 4), Request(1, [[0]], [[0]]), "push",
-                                         "K2 push replicated KV"),
-    # K3: push P TP1 -> D TP4 of a Mamba2 state with 2 groups (and 2 heads): D replicates every piece;
-    # P cuts each 4-byte piece in four 1-byte chunks (half an element each).
+                                         OK, None),
+    # K2 in a hybrid (1 KV head, P TP1 -> D TP2): vLLM's refusal exempts Mamba hybrids, so vllm mode still
+    # leaves D rank 1's attention unwritten.
+    "K2 hybrid push into a replicated KV head": (ATTN1_MAMBA1, _engine(1, HYBRID_BLOCK, blocks=3),
+                                                 _engine(2, HYBRID_BLOCK, blocks=3), Request(1, [[0], [1]], [[0], [1]]),
+                                                 "push", OK, "K2 vllm hybrid push replicated KV"),
+    # K3: push P TP1 -> D TP4 of a Mamba2 state with 2 groups (and 2 heads): D replicates every piece; P cut
+    # each 4-byte piece in four 1-byte chunks (half an element each). vllm mode refuses replicated pieces.
     "K3 push into a replicated SSM state": (MLA_MAMBA2, _engine(1, 4, blocks=3), _engine(4, 4, blocks=3),
-                                            Request(1, [[0], [1]], [[0], [1]]), "push", "K3 push replicated state"),
-    # K5: push with a prefix hit, P kernel 4 > D kernel 2: D's uncached block (tokens 4-7) gets P's first
+                                            Request(1, [[0], [1]], [[0], [1]]), "push", OK, None),
+    # K5: push with a prefix hit, P kernel 4 > D kernel 2: D's uncached block (tokens 4-7) got P's first
     # kernel block (tokens 0-3): P's expanded ids are clipped from the front.
     "K5 push prefix hit with P kernel > D kernel": (MLA, _engine(1, 4, blocks=3), _engine(1, 4, 2, blocks=3),
-                                                    Request(5, [[0, 1]], [[1]], 1), "push", "K5 push prefix ratio"),
+                                                    Request(5, [[0, 1]], [[1]], 1), "push", OK,
+                                                    "K5 vllm push prefix ratio"),
     # K6: push P TP1 (4 heads, kernel 4) -> D TP4 (1 head, kernel 2): the first half of P's head-major page
-    # is heads 0-1 of all tokens, not tokens 0-1 of all heads.
+    # is heads 0-1 of all tokens, not tokens 0-1 of all heads. Now refused in both modes.
     "K6 push ratio on a head-major page": (DENSE4, _engine(1, 4), _engine(4, 4, 2), Request(1, [[0]], [[0]]),
-                                           "push", "K6 push ratio head-major"),
+                                           "push", REFUSED, None),
+    # R1: an attention-free model could not change TP (the attention block_len rule was applied to the
+    # state region, or the plan failed with 'FA descriptors to split but no attention group').
+    "R1 pure Mamba P TP2 -> D TP1": (MAMBA1, _engine(2, 1, blocks=2), _engine(1, 1, blocks=2),
+                                     Request(1, [[0]], [[0]]), "pull", OK, None),
+    "R1 pure Mamba P TP1 -> D TP2": (MAMBA1, _engine(1, 1, blocks=2), _engine(2, 1, blocks=2),
+                                     Request(1, [[0]], [[0]]), "pull", OK, None),
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="core bug: see the case's comment in CASES")
-def test_known_core_bug_reproducer(name: str) -> None:
-    model, p, d, request, mode, _ = CASES[name]
-    report = run(model, p, d, request, mode)
+def _outcome(name: str, compat: str) -> str:
+    model, p, d, request, mode, *_ = CASES[name]
+    try:
+        report = run(model, p, d, request, mode, compat)
+    except KvgeomError:
+        return REFUSED
     assert report.ok, str(report)
+    return OK
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+def test_kvgeom_mode_plans_or_refuses(name: str) -> None:
+    assert _outcome(name, "kvgeom") == CASES[name][5]
+
+
+def _vllm_params() -> list:
+    out = []
+    for name in sorted(CASES):
+        bug = CASES[name][6]
+        marks = [pytest.mark.xfail(strict=True, raises=AssertionError,
+                                   reason=f"core bug ({bug}): vllm mode silently moves the wrong bytes")] if bug else []
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+@pytest.mark.parametrize("name", _vllm_params())
+def test_vllm_mode_never_moves_wrong_bytes(name: str) -> None:
+    """vllm mode may refuse what vLLM refuses (or more), but whatever it plans must pass the oracle."""
+    _outcome(name, "vllm")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if CASES[n][6]))
 def test_known_bug_predicates_match_their_reproducers(name: str) -> None:
     """``_known_core_bugs`` skips exactly these cases in the property tests (keep the two in sync)."""
-    model, p, d, request, mode, bug = CASES[name]
-    assert known_core_bug(Case(PDPair(model, p, d, mode, "kvgeom", request.prefix_blocks > 0), request)) == bug
+    model, p, d, request, mode, _, bug = CASES[name]
+    case = Case(PDPair(model, p, d, mode, "vllm", request.prefix_blocks > 0), request)
+    assert known_core_bug(case) == bug
 
 
-# -- refusals of valid input (typed errors, no corruption) -------------------------------------------
-@pytest.mark.xfail(strict=True, raises=PlanError, reason="core bug K1c: D's logical block spans more kernel "
-                   "blocks than P sent (D block 4 tokens / kernel 2, P block 2): 'D has 2 uncomputed blocks but P "
-                   "sent only 1' instead of transferring P's block and zeroing D's second kernel block")
+MLA_MAMBA1 = ModelSpec.from_layers("mla+ssm", [MLASpec(4, "float16"), MambaSpec.mamba1(2, 1, 2, "float16")])
+
+
+@pytest.mark.xfail(strict=True, raises=UnsupportedError, reason="core limitation R2: P TP8 replicates the 2 "
+                   "Mamba1 channels (ranks 0-3 hold channel 0, 4-7 channel 1); the pair is accepted at handshake but "
+                   "every request is refused at plan time ('conv piece x: 4 B cannot be gathered from 8 sources in "
+                   "equal chunks'), where reading each channel from one replica (P ranks 0 and 4) would do")
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_d_blocks_covering_more_tokens_than_p_blocks_are_planned(mode: str) -> None:
-    report = run(DENSE2, _engine(1, 2), _engine(1, 4, 2), Request(1, [[0]], [[0]]), mode)
-    assert report.ok, str(report)
-
-
-@pytest.mark.xfail(strict=True, raises=IncompatiblePairError, reason="core bug R1: an attention-free (pure "
-                   "Mamba) model cannot change TP: the handshake applies the attention block_len rule to the "
-                   "state region ('remote block length should be 16 B'), and where block sizes make the lengths "
-                   "agree the plan fails with GroupMismatchError ('FA descriptors to split but no attention group')")
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
-def test_pure_mamba_model_changes_tp(p_tp: int, d_tp: int) -> None:
-    report = run(MAMBA1, _engine(p_tp, 1, blocks=2), _engine(d_tp, 1, blocks=2), Request(1, [[0]], [[0]]), "pull")
+def test_p_side_replicated_state_into_fewer_d_ranks(mode: str) -> None:
+    report = run(MLA_MAMBA1, _engine(8, 4, blocks=3), _engine(1, 4, blocks=3), Request(1, [[0], [1]], [[0], [1]]),
+                 mode)
     assert report.ok, str(report)

@@ -19,13 +19,13 @@ from kvgeom.testing import Report, Request, run
 from kvgeom.testing import strategies as kst
 
 
-def _check(case: kst.Case) -> None:
+def _check(case: kst.Case, tell_num_tokens: bool = True) -> None:
     bug = known_core_bug(case)
     if bug:
         event(f"skipped: known core bug {bug}")
         reject()
     try:
-        report = case.run()
+        report = case.run(tell_num_tokens)
     except KvgeomError as exc:
         event(f"refused: {type(exc).__name__} {exc.field}")
         reject()
@@ -73,6 +73,12 @@ def test_push_plans_pass_oracle_kvgeom(case: kst.Case) -> None:
 @given(kst.cases(mode="push", compat="vllm"))
 def test_push_plans_pass_oracle_vllm(case: kst.Case) -> None:
     _check(case)
+
+
+@given(kst.cases(compat="kvgeom"))
+def test_plans_made_without_num_tokens_pass_oracle(case: kst.Case) -> None:
+    """A connector that does not tell the planner the request's length gets a correct plan or a refusal."""
+    _check(case, tell_num_tokens=False)
 
 
 # -- worked examples --------------------------------------------------------------------------------

@@ -17,6 +17,13 @@ def _example() -> dict:
     return namespace
 
 
+def test_docs_quick_start() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    block = re.search(r"## Checking one request\s*```python\n(.*?)```", text, re.S)
+    assert block, "docs/testing.md lost its quick start"
+    exec(compile(block.group(1), str(DOC), "exec"), {"__name__": "docs_quick_start"})  # noqa: S102
+
+
 def test_docs_example_worked_case() -> None:
     _example()["test_toy_connector_gqa_tp4_to_tp1"]()
 

@@ -69,10 +69,14 @@ def test_local_descriptor_id_off_by_one_writes_outside_the_request() -> None:
 
 def test_wrong_head_slot() -> None:
     plans = pull_plans(GQA, P1, D4, REQ)
-    rp = plans[1]
-    wrong = dataclasses.replace(rp.pairing.mapping, rank_offset_factor=2)  # rank 1 reads rank 2's heads
-    plans[1] = dataclasses.replace(rp, pairing=dataclasses.replace(rp.pairing, mapping=wrong, _cache={}))
-    report = _run(GQA, P1, D4, REQ, plans)
+    head = 4 * 16  # P TP1's head-major page: 8 heads x [4 tokens x (K 8 B + V 8 B)]
+
+    def slot_of_rank_2(rank: int, moves: np.ndarray) -> np.ndarray:
+        if rank == 1:  # D rank 1 holds heads 2-3: read P's heads 4-5 instead
+            moves[:, SRC_OFF] += 2 * head
+        return moves
+
+    report = _run(GQA, P1, D4, REQ, plans, slot_of_rank_2)
     assert report.invariants == {"I2"}
     v = report.of("I2")[0]
     assert v.rank == 1 and "head 2 " in v.expected and "head 4 " in v.found

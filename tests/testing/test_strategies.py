@@ -1,0 +1,83 @@
+"""The public strategies: what they draw is accepted and well-formed, and they shrink to small examples."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import HealthCheck, find, given, reject, settings
+
+from kvgeom import KvgeomError
+from kvgeom.engine import EngineConfig
+from kvgeom.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.testing import Oracle, pull_plans, push_plans
+from kvgeom.testing import strategies as kst
+
+FAST = settings(max_examples=100, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+FIND = settings(max_examples=2000, deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))
+
+
+@FAST
+@given(kst.model_specs())
+def test_models_have_a_geometry_at_every_valid_tp(model) -> None:
+    assert 1 in kst.valid_tp_sizes(model)
+    for tp in kst.valid_tp_sizes(model):
+        block = align_hybrid_block_size(model, tp, 4, 4)  # the block itself for non-hybrid models
+        rank_geometry(model, EngineConfig(tp_size=tp, tp_rank=tp - 1, block_size=block, num_blocks=2))
+
+
+@FAST
+@given(kst.model_specs().flatmap(lambda m: kst.engine_configs(m)))
+def test_engine_configs_build(engine) -> None:
+    assert engine.block_size % engine.kernel == 0
+
+
+@FAST
+@given(kst.cases())
+def test_cases_are_accepted_and_requests_fit(case) -> None:
+    case.pair.check()  # every local rank pairs
+    Oracle.for_engines(case.pair.model, case.pair.p_engine, case.pair.d_engine, case.request)  # RequestError if not
+    if case.request.prefix_blocks:
+        assert case.pair.prefix_caching
+        assert case.request.prefix_blocks < math.ceil(case.request.num_tokens / case.pair.d_engine.block_size)
+
+
+@FAST
+@given(kst.cases(equal_blocks=True))
+def test_equal_blocks(case) -> None:
+    assert case.pair.p_engine.block_size == case.pair.d_engine.block_size
+    rank_geometry(case.pair.model, case.pair.p_engine)
+
+
+def test_a_tp_change_shrinks_to_one_layer_and_tp_1_2() -> None:
+    case = find(kst.cases(), lambda c: c.pair.p_engine.tp_size != c.pair.d_engine.tp_size, settings=FIND)
+    assert len(case.pair.model.layers) == 1
+    assert {case.pair.p_engine.tp_size, case.pair.d_engine.tp_size} == {1, 2}
+    assert case.request.num_tokens <= 4 and case.request.prefix_blocks == 0
+
+
+def test_a_hybrid_with_heterogeneous_tp_shrinks_small() -> None:
+    def wanted(c: kst.Case) -> bool:
+        return c.pair.model.has_ssm and c.pair.p_engine.tp_size != c.pair.d_engine.tp_size
+
+    case = find(kst.cases(models=kst.model_specs(families=("attn+ssm",))), wanted, settings=FIND)
+    assert len(case.pair.model.layers) == 2 and {case.pair.p_engine.tp_size, case.pair.d_engine.tp_size} == {1, 2}
+    assert case.request.num_tokens == 1
+
+
+@FAST
+@given(kst.cases())
+def test_the_oracle_resolves_plans_like_the_core(case) -> None:
+    """``Oracle.moves_of`` (which reports bad ids instead of raising) agrees with ``RequestPlan.moves``."""
+    make = pull_plans if case.pair.mode == "pull" else push_plans
+    try:
+        plans = make(case.pair.model, case.pair.p_engine, case.pair.d_engine, case.request, case.pair.compat,
+                     case.pair.prefix_caching)
+    except KvgeomError:
+        reject()
+    oracle = Oracle.for_engines(case.pair.model, case.pair.p_engine, case.pair.d_engine, case.request)
+    for rp in plans:
+        mine = oracle.moves_of(rp)
+        assert (mine[:, 6] == mine[:, 7]).all()
+        assert mine[:, :7].tolist() == rp.plan.moves(rp.pairing).tolist()

@@ -16,7 +16,7 @@ from .card import GeometryCard
 from .conv import remote_conv_offsets
 from .dlist import Dlist, EngineView, local_dlist, remote_dlist, routed_tables
 from .dtypes import dtype_size
-from .errors import IncompatiblePairError
+from .errors import IncompatiblePairError, UnsupportedError
 from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
 from .route import Route, route
@@ -80,7 +80,28 @@ class Pairing:
                                         expected=list(targets))
         mapping = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
                                      lg.group_is_ssm)
-        return cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching)
+        pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching)
+        pairing._validate_routes()
+        return pairing
+
+    def _validate_routes(self) -> None:
+        """Handshake-time checks of what every remote rank exchanges: kvgeom mode derives each route (a
+        piece that cannot be gathered is refused now, not at the first request); vLLM mode builds its split
+        tables and refuses a pair where vLLM would leave a consumer's group unwritten (push into replicated
+        KV heads of a hybrid)."""
+        for rank in self.targets:
+            needed = self.route(rank).groups
+            if self.compat == "kvgeom":
+                continue
+            sent = self.group_mask(rank) if rank in self.transfer_ranks else tuple(False for _ in needed)
+            missing = [g for g, (a, b) in enumerate(zip(needed, sent)) if a and not b]
+            if missing:
+                raise UnsupportedError(
+                    "tp_size", f"vLLM 0.33.0 would never send groups {missing} to/from remote rank {rank} "
+                    f"({self.mode}, local TP{self.local.tp_size} vs remote TP{self.remote_tp}): that rank's copy "
+                    "would stay stale; kvgeom mode plans it", local=self.local.tp_size, remote=self.remote_tp)
+        if self.compat == "vllm" and self.needs_split:
+            self.local_table(self.local_key(self.mapping.all_source_ranks[0]))
 
     # -- ratios -------------------------------------------------------------------------------------
     @property

@@ -30,7 +30,7 @@ from .blocks import (
 from .descids import compute_desc_ids
 from .dlist import EngineView
 from .engine import KVLayout
-from .errors import BlockIdError, PlanError
+from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
 from .spec import AttentionSpec
@@ -169,7 +169,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     bsr, ratio = pairing.bsr, pairing.tp_ratio
     expected = max(1, ratio)  # pull: P frees after D_TP/P_TP reads; push: D ends after P_TP/D_TP writes
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
-    aligned = _aligned(pairing, lids, rids, lk, rk, num_tokens) if pairing.compat == "kvgeom" else None
+    exact = _aligned(pairing, lids, rids, lk, rk, num_tokens) if any_local else None
+    aligned = exact if pairing.compat == "kvgeom" else None
     transfers = []
     for rank in pairing.transfer_ranks if any_local else ():
         keep = pairing.group_mask(rank)
@@ -177,6 +178,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
             lg, rg = _select(aligned[0], keep), _select(aligned[1], keep)
         else:
             lg, rg = _vllm_pair(pairing, _select(lk, keep), _select(rk, keep), rview)
+            if exact is not None:
+                _same_tokens(lg, rg, _select(exact[0], keep), _select(exact[1], keep), kinds)
         if not lg or not any(x.size for x in lg):
             continue
         for g, (a, b) in enumerate(zip(lg, rg)):
@@ -225,6 +228,22 @@ def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rvi
         return apply_prefix_caching(lg, rg, local.ppl, rview.ppl, kinds)
     rg, lg = apply_prefix_caching(rg, lg, rview.ppl, local.ppl, kinds)
     return lg, rg
+
+
+def _same_tokens(lg: list[np.ndarray], rg: list[np.ndarray], el: list[np.ndarray], er: list[np.ndarray],
+                 kinds: Sequence[bool]) -> None:
+    """vLLM mode never reproduces a silent corruption: its count-based pairing of attention blocks must
+    pair the same tokens as kvgeom's token alignment, else the request is refused."""
+    for g, ssm in enumerate(kinds):
+        if ssm:
+            continue
+        a = lg[g] if lg else np.zeros(0, np.int64)
+        b = rg[g] if rg else np.zeros(0, np.int64)
+        if a.size and not (np.array_equal(a, el[g]) and np.array_equal(b, er[g])):
+            raise UnsupportedError(
+                f"block_ids[{g}]", "vLLM 0.33.0 pairs these blocks by count and would move the wrong tokens "
+                f"(local {a[:4].tolist()}... <- remote {b[:4].tolist()}..., by token: local {el[g][:4].tolist()}... "
+                f"<- remote {er[g][:4].tolist()}...); kvgeom mode plans it", local=a.tolist()[:8], remote=b.tolist()[:8])
 
 
 def _align_groups(consumer: RankGeometry, c_logical: list[np.ndarray], c_fine: list[np.ndarray],

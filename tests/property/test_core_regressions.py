@@ -1,23 +1,21 @@
 """Reproducers of the core bugs the oracle found, each the smallest case hypothesis shrank to, written
 out by hand.
 
-* ``kvgeom`` mode: fixed in f9a4d68; these are now plain regression tests (planned right, or refused).
-* ``vllm`` mode: still open (strict xfail): the mode reproduces vLLM's count-based pairing, which
-  silently moves the wrong bytes. A fix may plan them right or refuse them with a ``KvgeomError``;
-  either turns the xfail into a pass, and then the mark and the predicate in ``_known_core_bugs.py`` go.
+* ``kvgeom`` mode: planned right (token alignment, routing by units) or refused; regression tests.
+* ``vllm`` mode: vLLM's count-based pairing would move the wrong bytes in some of them; vllm mode checks
+  its pairing against the token alignment and its routes against the consumers' needs, and refuses
+  (a typed error) instead. Whatever it plans passes the oracle.
 """
 
 from __future__ import annotations
 
 import pytest
-from _known_core_bugs import known_core_bug  # tests/property/ (rootdir-relative import)
 
 from kvgeom import KvgeomError, UnsupportedError
 from kvgeom.engine import EngineConfig
 from kvgeom.geometry import align_hybrid_block_size
 from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Request, run
-from kvgeom.testing.strategies import Case, PDPair
 
 
 def _engine(tp: int, block: int, kernel: int | None = None, blocks: int = 4) -> EngineConfig:
@@ -34,20 +32,20 @@ HYBRID_BLOCK = align_hybrid_block_size(ATTN1_MAMBA1, 1, 4, 4)
 
 OK, REFUSED = "ok", "refused"
 
-# name -> (model, P engine, D engine, request, mode, kvgeom-mode outcome, open vllm-mode bug or None)
+# name -> (model, P engine, D engine, request, mode, kvgeom-mode outcome, vllm-mode outcome if vLLM would corrupt)
 CASES = {
     # K1: pairing blocks by count. P's 8-token block is 2 kernel blocks, D's 4-token block 1: the non-Mamba
     # prefix trim keeps P's *last* kernel block, so D's token 0 received P's token 4.
     "K1 P blocks cover more tokens (pull)": (DENSE2, _engine(1, 8, 4), _engine(1, 4), Request(1, [[0]], [[0]]),
-                                             "pull", OK, "K1 vllm token span"),
+                                             "pull", OK, "refused"),
     "K1 P blocks cover more tokens (push)": (DENSE2, _engine(1, 8, 4), _engine(1, 4), Request(1, [[0]], [[0]]),
-                                             "push", OK, "K1 vllm token span"),
+                                             "push", OK, "refused"),
     # K1 with a prefix hit: D caches tokens 0-7 (one 8-token block); P's 4-token blocks 1, 2 (tokens 4-11)
     # were paired with D's block of tokens 8-15.
     "K1 prefix hit, block sizes differ (pull)": (DENSE2, _engine(1, 4), _engine(1, 8, 4),
-                                                 Request(9, [[0, 1, 2]], [[1]], 1), "pull", OK, "K1 vllm token span"),
+                                                 Request(9, [[0, 1, 2]], [[1]], 1), "pull", OK, "refused"),
     "K1 prefix hit, block sizes differ (push)": (DENSE2, _engine(1, 4), _engine(1, 8, 4),
-                                                 Request(9, [[0, 1, 2]], [[1]], 1), "push", OK, "K1 vllm token span"),
+                                                 Request(9, [[0, 1, 2]], [[1]], 1), "push", OK, "refused"),
     # K1c: D's 4-token block is 2 kernel blocks, P sent one 2-token block: refused ('D has 2 uncomputed
     # blocks but P sent only 1') instead of moving P's block and zeroing the rest (vllm mode: refused).
     "K1c D blocks cover more tokens (pull)": (DENSE2, _engine(1, 2), _engine(1, 4, 2), Request(1, [[0]], [[0]]),
@@ -62,7 +60,7 @@ CASES = {
     # leaves D rank 1's attention unwritten.
     "K2 hybrid push into a replicated KV head": (ATTN1_MAMBA1, _engine(1, HYBRID_BLOCK, blocks=3),
                                                  _engine(2, HYBRID_BLOCK, blocks=3), Request(1, [[0], [1]], [[0], [1]]),
-                                                 "push", OK, "K2 vllm hybrid push replicated KV"),
+                                                 "push", OK, "refused"),
     # K3: push P TP1 -> D TP4 of a Mamba2 state with 2 groups (and 2 heads): D replicates every piece; P cut
     # each 4-byte piece in four 1-byte chunks (half an element each). vllm mode refuses replicated pieces.
     "K3 push into a replicated SSM state": (MLA_MAMBA2, _engine(1, 4, blocks=3), _engine(4, 4, blocks=3),
@@ -71,7 +69,7 @@ CASES = {
     # kernel block (tokens 0-3): P's expanded ids are clipped from the front.
     "K5 push prefix hit with P kernel > D kernel": (MLA, _engine(1, 4, blocks=3), _engine(1, 4, 2, blocks=3),
                                                     Request(5, [[0, 1]], [[1]], 1), "push", OK,
-                                                    "K5 vllm push prefix ratio"),
+                                                    "refused"),
     # K6: push P TP1 (4 heads, kernel 4) -> D TP4 (1 head, kernel 2): the first half of P's head-major page
     # is heads 0-1 of all tokens, not tokens 0-1 of all heads. Now refused in both modes.
     "K6 push ratio on a head-major page": (DENSE4, _engine(1, 4), _engine(4, 4, 2), Request(1, [[0]], [[0]]),
@@ -100,39 +98,26 @@ def test_kvgeom_mode_plans_or_refuses(name: str) -> None:
     assert _outcome(name, "kvgeom") == CASES[name][5]
 
 
-def _vllm_params() -> list:
-    out = []
-    for name in sorted(CASES):
-        bug = CASES[name][6]
-        marks = [pytest.mark.xfail(strict=True, raises=AssertionError,
-                                   reason=f"core bug ({bug}): vllm mode silently moves the wrong bytes")] if bug else []
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-@pytest.mark.parametrize("name", _vllm_params())
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_vllm_mode_never_moves_wrong_bytes(name: str) -> None:
-    """vllm mode may refuse what vLLM refuses (or more), but whatever it plans must pass the oracle."""
-    _outcome(name, "vllm")
-
-
-@pytest.mark.parametrize("name", sorted(n for n in CASES if CASES[n][6]))
-def test_known_bug_predicates_match_their_reproducers(name: str) -> None:
-    """``_known_core_bugs`` skips exactly these cases in the property tests (keep the two in sync)."""
-    model, p, d, request, mode, _, bug = CASES[name]
-    case = Case(PDPair(model, p, d, mode, "vllm", request.prefix_blocks > 0), request)
-    assert known_core_bug(case) == bug
+    """vllm mode may refuse what vLLM refuses (or more), but whatever it plans must pass the oracle; where
+    vLLM itself would move the wrong bytes, it refuses."""
+    outcome = _outcome(name, "vllm")
+    if CASES[name][6] is not None:
+        assert outcome == CASES[name][6]
 
 
 MLA_MAMBA1 = ModelSpec.from_layers("mla+ssm", [MLASpec(4, "float16"), MambaSpec.mamba1(2, 1, 2, "float16")])
 
 
-@pytest.mark.xfail(strict=True, raises=UnsupportedError, reason="core limitation R2: P TP8 replicates the 2 "
-                   "Mamba1 channels (ranks 0-3 hold channel 0, 4-7 channel 1); the pair is accepted at handshake but "
-                   "every request is refused at plan time ('conv piece x: 4 B cannot be gathered from 8 sources in "
-                   "equal chunks'), where reading each channel from one replica (P ranks 0 and 4) would do")
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_p_side_replicated_state_into_fewer_d_ranks(mode: str) -> None:
-    report = run(MLA_MAMBA1, _engine(8, 4, blocks=3), _engine(1, 4, blocks=3), Request(1, [[0], [1]], [[0], [1]]),
-                 mode)
-    assert report.ok, str(report)
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_p_side_replicated_state_into_fewer_d_ranks_is_refused_at_handshake(mode: str, compat: str) -> None:
+    """Limitation R2: P TP8 replicates the 2 Mamba1 channels (ranks 0-3 hold channel 0, 4-7 channel 1);
+    gathering 4 B from 8 sources in equal chunks is impossible, so the pair is refused at handshake (not at
+    the first request) with a typed error. Reading each channel from one replica would plan it."""
+    from kvgeom.testing import pull_plans, push_plans
+
+    make = pull_plans if mode == "pull" else push_plans
+    with pytest.raises(UnsupportedError, match="conv piece"):
+        make(MLA_MAMBA1, _engine(8, 4, blocks=3), _engine(1, 4, blocks=3), Request(1, [[0], [1]], [[0], [1]]), compat)

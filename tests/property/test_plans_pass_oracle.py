@@ -2,13 +2,12 @@
 ``compat="kvgeom"`` and ``compat="vllm"`` mode; plus worked examples of the cases the primer names.
 
 Cases kvgeom refuses (a :class:`~kvgeom.errors.KvgeomError` at handshake or plan time) are rejected, as
-are cases that hit a known, reported core bug (``_known_core_bugs.py``). Profiles: ``conftest.py``.
+Profiles: ``conftest.py``.
 """
 
 from __future__ import annotations
 
 import pytest
-from _known_core_bugs import known_core_bug  # tests/property/ (rootdir-relative import)
 from hypothesis import event, given, reject
 
 from kvgeom import KvgeomError, UnsupportedError
@@ -20,10 +19,6 @@ from kvgeom.testing import strategies as kst
 
 
 def _check(case: kst.Case, tell_num_tokens: bool = True) -> None:
-    bug = known_core_bug(case)
-    if bug:
-        event(f"skipped: known core bug {bug}")
-        reject()
     try:
         report = case.run(tell_num_tokens)
     except KvgeomError as exc:

@@ -133,13 +133,12 @@ def _paint(line: list[str], start: int, unit: int, off: int, length: int, ch: st
         line[min(i, w - 1)] = ch
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from adapters.nixl.demo import main as demo_main  # lazy: only the demo needs torch and nixl
-
-    return demo_main(args.demo_args)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["demo"]:  # the demo parses its own options (--mode, --tokens, ...)
+        from adapters.nixl.demo import main as demo_main  # lazy: only the demo needs torch and nixl
+
+        return demo_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="kvgeom", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -166,10 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.add_argument("--moves", type=int, default=0, help="print the first N byte moves")
         if name == "draw":
             p.add_argument("--width", type=int, default=64)
-    demo = sub.add_parser("demo", help="run a real NIXL transfer between P and D processes (needs the nixl extra)")
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
-    demo.set_defaults(fn=cmd_demo)
-    args = parser.parse_args(argv)
+    sub.add_parser("demo", help="run a real NIXL transfer between P and D processes (kvgeom demo --help)")
+    args = parser.parse_args(args_list)
     try:
         return int(args.fn(args))
     except KvgeomError as exc:

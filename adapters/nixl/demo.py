@@ -94,7 +94,10 @@ def _summary(out: dict, sc, wall: float) -> int:
     mismatches = [m for v in d_reports for m in v["mismatches"]]
     checked = sum(v["checked_bytes"] for v in d_reports)
     print("\nsummary")
-    print(f"  requests           : {len(ok)} ok / {len(rows)} planned-and-run ({sc.mode}, {sc.compat} mode)")
+    ids = sorted({r["request_id"] for r in rows})
+    n_ok = sum(all(r.get("ok") for r in rows if r["request_id"] == i) for i in ids)
+    print(f"  requests           : {n_ok} ok / {len(ids)} ({len(ok)} of {len(rows)} rank-transfers ok; {sc.mode}, "
+          f"{sc.compat} mode)")
     print(f"  bytes moved        : {_fmt_bytes(moved)} in {descs} descriptor pairs "
           f"({runs} contiguous runs; NIXL posted {posted} after merging)")
     print(f"  transfer time      : {xfer_s:.3f} s -> {moved / max(xfer_s, 1e-9) / 1e9:.2f} GB/s "

@@ -7,7 +7,8 @@ computed by :mod:`kvgeom.descids` index these tables directly.
 
 * :func:`local_dlist` -- this rank's whole-region table at a sub-block granularity ``bsr``;
 * :func:`remote_dlist` -- a remote rank's table, every attention row already cut to this rank's share;
-* :func:`split_dlists` -- per-source-rank slices of the local table when P_TP > D_TP.
+* :func:`routed_tables` -- kvgeom mode: both tables of one remote rank, every row cut by its route
+  (vLLM mode's per-source split tables come from :func:`kvgeom.splits.build_local_splits`).
 
 All tables are built with numpy broadcasting (no Python loop per descriptor).
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["Dlist", "EngineView", "local_dlist", "remote_dlist", "split_dlists"]
+__all__ = ["Dlist", "EngineView", "local_dlist", "remote_dlist", "routed_tables"]
 
 _REGION_SHIFT = 44  # pseudo-address = region << 44 | offset, for address-free reuse of address code
 
@@ -207,35 +208,6 @@ def remote_dlist(local: EngineView, remote: EngineView, bsr: int, attn_reads: in
         page = rstride[regions] * remote.ppl
         ssm = _ssm_rows(regions, page, remote.logical_num_blocks, ssm_pieces)
     return Dlist(np.concatenate([fa, ssm]), fa.shape[0])
-
-
-def split_dlists(whole: Dlist, bsr: int, slots: Sequence[int], fa_splits: int, ssm_splits: int,
-                 region_is_mla: Sequence[bool]) -> list[Dlist]:
-    """Per-source-rank slices of the local table for P_TP > D_TP (vLLM B.3.3 / B.6.9).
-
-    Source ``p`` (position in ``all_source_ranks``, attention slot ``slots[p]``) gets: SPLIT attention
-    rows ``length // fa_splits`` at ``+ slot * that``; MLA rows whole; SSM rows ``length // ssm_splits``
-    at ``+ p * that``. Every slice keeps the whole table's row count, so descriptor ids are shared.
-    """
-    rows = whole.rows
-    region = rows[:, 0]
-    is_fa = np.arange(len(whole)) < whole.num_fa
-    mla = np.asarray(region_is_mla, dtype=bool)[region] & is_fa
-    split_fa = is_fa & ~mla
-    out = []
-    for p, slot in enumerate(slots):
-        r = rows.copy()
-        if fa_splits > 1:
-            chunk = rows[split_fa, 2] // fa_splits
-            r[split_fa, 1] += slot * chunk
-            r[split_fa, 2] = chunk
-        if ssm_splits > 0:
-            ssm = ~is_fa
-            chunk = rows[ssm, 2] // ssm_splits
-            r[ssm, 1] += p * chunk
-            r[ssm, 2] = chunk
-        out.append(Dlist(r, whole.num_fa))
-    return out
 
 
 def routed_tables(local: EngineView, remote: EngineView, bsr: int, fa: Sequence[tuple[int, int, int]],

@@ -100,8 +100,10 @@ class Pairing:
                     "tp_size", f"vLLM 0.33.0 would never send groups {missing} to/from remote rank {rank} "
                     f"({self.mode}, local TP{self.local.tp_size} vs remote TP{self.remote_tp}): that rank's copy "
                     "would stay stale; kvgeom mode plans it", local=self.local.tp_size, remote=self.remote_tp)
-        if self.compat == "vllm" and self.needs_split:
-            self.local_table(self.local_key(self.mapping.all_source_ranks[0]))
+        local_bytes = [r.nbytes for r in self.local.regions]
+        for rank in self.transfer_ranks:  # invariant I6: every row lies inside its registered region
+            self.local_table(self.local_key(rank)).check_bounds(local_bytes, "local")
+            self.remote_table(rank).check_bounds(self.remote_view(rank).region_bytes(), f"remote rank {rank}")
 
     # -- ratios -------------------------------------------------------------------------------------
     @property

@@ -71,12 +71,13 @@ def consumer_zero_rows(regions: list, kernel_ids: np.ndarray, units: int, first:
     lo, hi = first, first + count
     blocks = np.arange(kernel_ids.size)
     whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
+    inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
     rows = []
     for r in regions:
         ids = kernel_ids[whole]
         rows.append(np.stack([np.full(ids.size, r.index), ids * r.block_stride, np.full(ids.size, r.block_len)],
                              axis=1))
-    for k in np.flatnonzero(~whole):
+    for k in np.flatnonzero(~whole & ~inside):  # at most the two blocks at the ends of the overlap
         start, end = int(k) * units, (int(k) + 1) * units
         gaps = [(start, max(start, lo)), (min(end, hi), end)]
         for a, b in gaps:

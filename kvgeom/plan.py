@@ -97,10 +97,11 @@ class RequestPlan:
         out = []
         me = pairing.local.tp_rank
         for t in self.transfers:
-            lrows = pairing.local_table(t.local_table).rows[t.local_ids]
-            rrows = pairing.remote_table(t.remote_rank).rows[t.remote_ids]
-            if np.any(lrows[:, 2] != rrows[:, 2]):
-                i = int(np.flatnonzero(lrows[:, 2] != rrows[:, 2])[0])
+            lrows = np.take(pairing.local_table(t.local_table).rows, t.local_ids, axis=0)
+            rrows = np.take(pairing.remote_table(t.remote_rank).rows, t.remote_ids, axis=0)
+            unequal = lrows[:, 2] != rrows[:, 2]
+            if unequal.any():
+                i = int(np.flatnonzero(unequal)[0])
                 raise PlanError("descriptor length", f"pair {i} of the transfer to rank {t.remote_rank} has local "
                                 f"length {lrows[i, 2]} and remote length {rrows[i, 2]}", local=int(lrows[i, 2]),
                                 remote=int(rrows[i, 2]))

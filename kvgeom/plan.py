@@ -367,49 +367,8 @@ def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_i
     """
     if compat == "vllm" and bsr == 1 and consumer.ppl == producer.ppl:
         return (), np.zeros((0, 3), dtype=np.int64)
-    regroups: list[Regroup] = []
-    zero: list[np.ndarray] = []
-    tokens = consumer.block_size
-    for group, L, R in zip(consumer.groups, consumer_kernel_ids, producer_kernel_ids):
-        if group.is_ssm or not L.size:
-            continue
-        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
-        spec = group.spec
-        heads = spec.heads_per_rank(consumer.tp_size) if isinstance(spec, AttentionSpec) else 1
-        head_major = consumer.engine.kv_layout is KVLayout.HEAD_MAJOR
-        if bsr > 1 and not group.is_mla and head_major and heads > 1:
-            for part in {r.part for r in regions}:
-                rs = tuple(r.index for r in regions if r.part == part)
-                block_len = consumer.regions[rs[0]].block_len
-                regroups.append(Regroup(rs, L.copy(), bsr, heads, tokens, block_len // (heads * tokens)))
-        covered = min(L.size * bsr, R.size)
-        full, sub = divmod(covered, bsr)
-        first_stale = full + (1 if sub else 0)
-        for r in regions:
-            stale = L[first_stale:]
-            if stale.size:
-                rows = np.empty((stale.size, 3), dtype=np.int64)
-                rows[:, 0] = r.index
-                rows[:, 1] = stale * r.block_stride
-                rows[:, 2] = r.block_len
-                zero.append(rows)
-            if sub:
-                zero.append(_token_tail(r.index, int(L[full]) * r.block_stride, r.block_len, tokens,
-                                        sub * tokens // bsr, heads if (head_major and not group.is_mla) else 1))
-    rows = np.concatenate(zero) if zero else np.zeros((0, 3), dtype=np.int64)
-    return tuple(regroups), rows
-
-
-def _token_tail(region: int, block_start: int, block_len: int, tokens: int, first: int, heads: int) -> np.ndarray:
-    """Rows zeroing tokens ``[first, tokens)`` of one kernel block: one run per head when head-major
-    (``[heads, tokens, C]``), one run when token-major or MLA (``[tokens, ...]``)."""
-    per_head = block_len // heads
-    tok = per_head // tokens
-    rows = np.empty((heads, 3), dtype=np.int64)
-    rows[:, 0] = region
-    rows[:, 1] = block_start + np.arange(heads, dtype=np.int64) * per_head + first * tok
-    rows[:, 2] = (tokens - first) * tok
-    return rows
+    spans = [(0, 0, min(L.size * bsr, R.size)) for L, R in zip(consumer_kernel_ids, producer_kernel_ids)]
+    return _regroups(consumer, consumer_kernel_ids, bsr), _zero_rows(consumer, consumer_kernel_ids, bsr, spans)
 
 
 def contiguous_runs(moves: np.ndarray) -> int:

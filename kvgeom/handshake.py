@@ -35,23 +35,36 @@ def _err(field: str, what: str, local: object, remote: object) -> IncompatiblePa
     return IncompatiblePairError(field, f"{what} (local {local!r}, remote {remote!r})", local=local, remote=remote)
 
 
-def block_size_ratio(local: RankGeometry, remote: RankGeometry, mode: str) -> tuple[int, int]:
+def _token_splittable(geom: RankGeometry) -> bool:
+    """Whether every kernel page of ``geom`` is token-major in bytes, so that a byte range of
+    ``1/k`` of a page is ``1/k`` of its tokens: MLA latents, token-major layouts, one head per rank."""
+    spec = geom.model.attention_spec
+    if spec is None or geom.engine.kv_layout.value == "token_major":
+        return True
+    return all(r.is_mla for r in geom.regions) or spec.heads_per_rank(geom.tp_size) == 1
+
+
+def block_size_ratio(local: RankGeometry, remote: RankGeometry, mode: str, compat: str = "vllm"
+                     ) -> tuple[int, int]:
     """``(bsr, remote_split)`` for a pair: ``bsr = local kernel block // remote kernel block``.
 
-    Pull of a hybrid MLA + SSM model may use non-dividing sizes: both are cut to ``gcd`` units, the
-    remote's blocks read as ``remote_split`` pieces (vLLM B.6.7); everything else must divide.
+    When the sizes do not divide, a pull may cut both to ``gcd`` units and read each remote block as
+    ``remote_split`` pieces: vLLM does it for hybrid MLA + SSM models (B.6.7; at most 128 pieces);
+    kvgeom mode for every remote whose pages split by token (:func:`_token_splittable`), which also
+    covers P blocks larger than D's (Part C item 2). Everything else must divide.
     """
     lbs, rbs = local.block_size, remote.block_size
     if lbs % rbs == 0:
         return lbs // rbs, 1
-    mla_ssm = local.is_mla and local.has_ssm and all(local.region_is_mla)
-    if mode == "pull" and mla_ssm:
-        u = math.gcd(lbs, rbs)
-        split = rbs // u
-        lens_ok = all(x % split == 0 for r in remote.regions for x in (r.block_len,))
-        strides_ok = all(r.block_len == r.block_stride for r in remote.regions)
-        if max(split, lbs // u) <= 128 and lens_ok and strides_ok:
-            return lbs // u, split
+    u = math.gcd(lbs, rbs)
+    split = rbs // u
+    lens_ok = all(r.block_len % split == 0 and r.block_len == r.block_stride for r in remote.regions)
+    if compat == "vllm":
+        ok = local.is_mla and local.has_ssm and all(local.region_is_mla) and max(split, lbs // u) <= 128
+    else:
+        ok = _token_splittable(remote)
+    if mode == "pull" and ok and lens_ok:
+        return lbs // u, split
     raise RatioError(
         "block_size",
         f"Local block size {lbs} is not divisible by remote block size {rbs} (kernel tokens; "
@@ -84,7 +97,7 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
         raise IncompatiblePairError("model", f"P and D run different models: {diff}", local=local.model.name,
                                     remote=remote.model.name)
     ratio = _tp_ratio(local.tp_size, remote.tp_size)
-    bsr, split = block_size_ratio(local, remote, mode)
+    bsr, split = block_size_ratio(local, remote, mode, compat)
     if local.num_regions != remote.num_regions:
         raise _err("num_regions", "both sides must register the same regions", local.num_regions,
                    remote.num_regions)

@@ -8,11 +8,12 @@ Profiles: ``conftest.py``.
 from __future__ import annotations
 
 import pytest
-from hypothesis import event, given, reject
+from hypothesis import event, given, reject, settings
+from hypothesis import strategies as st
 
 from kvgeom import KvgeomError, UnsupportedError
 from kvgeom.engine import EngineConfig
-from kvgeom.geometry import align_hybrid_block_size
+from kvgeom.geometry import align_hybrid_block_size, rank_geometry
 from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Report, Request, run
 from kvgeom.testing import strategies as kst
@@ -174,3 +175,25 @@ def test_mla_kda_hybrid_push(p_tp: int, d_tp: int) -> None:
     d_block = align_hybrid_block_size(MLA_KDA, d_tp, 8, 8)
     p, d = _engine(p_tp, p_block), _engine(d_tp, d_block)
     _ok(MLA_KDA, p, d, Request.simple(MLA_KDA, p, d, 2 * max(p_block, d_block) - 3), "push", "kvgeom")
+
+
+@st.composite
+def _free_kernel_pulls(draw: st.DrawFn) -> kst.Case:
+    """Pull pairs whose D kernel block is any divisor of D's block: P kernel blocks larger than D's, or
+    sizes that do not divide (kvgeom reads P blocks in token pieces where its pages allow)."""
+    pair = draw(kst.pd_pairs(mode="pull", compat="kvgeom"))
+    d = pair.d_engine
+    kernel = draw(st.sampled_from([k for k in range(1, d.block_size + 1) if d.block_size % k == 0][:8]))
+    d = EngineConfig(**{**d.to_json(), "kernel_block_size": kernel})
+    try:  # a kernel block that does not cut a hybrid's page evenly is refused by the geometry itself
+        rank_geometry(pair.model, d)
+    except KvgeomError:
+        reject()
+    pair = kst.PDPair(pair.model, pair.p_engine, d, "pull", "kvgeom", pair.prefix_caching)
+    return kst.Case(pair, draw(kst.requests(pair)))
+
+
+@given(_free_kernel_pulls())
+@settings(max_examples=300)
+def test_pulls_with_any_kernel_ratio_pass_the_oracle(case: kst.Case) -> None:
+    _check(case)

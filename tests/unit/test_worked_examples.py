@@ -197,3 +197,18 @@ def test_check_writes_accepts_plans_and_refuses_a_lying_remote() -> None:
     check_writes(plan, pairing, [[3], [1]])
     with pytest.raises(KvgeomError, match="outside the request"):
         check_writes(plan, pairing, [[2], [1]])  # block 3 is not this request's
+
+
+def test_pull_with_p_blocks_larger_than_d_blocks_reads_p_blocks_in_halves() -> None:
+    # MLA latent 2 fp16 = 4 B/token. P kernel block 32 tokens (128 B), D 16 (64 B): kvgeom mode reads each
+    # P block as two 16-token halves (vLLM refuses: the ratio must be >= 1). 40 tokens: P blocks [3, 1]
+    # -> halves [6, 7, 2, 3]; D blocks [5, 0, 7] take the first three halves, in token order.
+    model = ModelSpec.from_layers("mla", [MLASpec(2, "float16")])
+    p, d = dict(tp_size=1, block_size=32, num_blocks=8), dict(tp_size=1, block_size=16, num_blocks=8)
+    pairing = _pair(model, p, d)
+    assert (pairing.bsr, pairing.shape.remote_split) == (1, 2)
+    plan, moves = _moves(pairing, [[5, 0, 7]], [[3, 1]])
+    assert moves == sorted([(0, 0, 384, 0, 0, 320, 64), (0, 0, 448, 0, 0, 0, 64), (0, 0, 128, 0, 0, 448, 64)])
+    assert len(plan.zero) == 0
+    with pytest.raises(KvgeomError, match="not divisible"):
+        _pair(model, p, d, compat="vllm")

@@ -124,6 +124,7 @@ class RequestResult:
     nixl_desc_count: int = 0
     runs: int = 0
     seconds: float = 0.0
+    transfer_seconds: float = 0.0  # posted -> every transfer observed done (the NIXL part of ``seconds``)
     error: str | None = None
     telemetry: list[Telemetry] = field(default_factory=list)
 
@@ -222,6 +223,7 @@ class KVRank:
         for t in plan.transfers:
             link = links[t.remote_rank]
             check_generation(link.host, link.port, link.generation, timeout_s=max(0.1, deadline - time.monotonic()))
+        t_post = time.monotonic()  # CMA transfers complete inside post(): time from the first post
         posted = [self.ep.post(plan.op, self._local_handle(engine_id, t.local_table), t.local_ids,
                                links[t.remote_rank].prepped, t.remote_ids, t.notif.encode())
                   for t in plan.transfers]
@@ -229,9 +231,11 @@ class KVRank:
         for r in plan.notify_only:
             self.ep.send_notif(links[r].agent, (notif or f"{plan.request_id}:{plan.expected_notifications}").encode())
         tels = [x.wait(deadline) for x in posted]
+        t_done = time.monotonic()
         moves = plan.moves(pairing)
         return RequestResult(plan.request_id, True, plan.num_descriptors, int(moves[:, 6].sum()) if len(moves) else 0,
-                             0, sum(t.desc_count for t in tels), contiguous_runs(moves), time.monotonic() - t0, None, tels)
+                             0, sum(t.desc_count or 0 for t in tels), contiguous_runs(moves), time.monotonic() - t0,
+                             t_done - t_post, None, tels)
 
     def pull(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
              timeout_s: float | None = None, num_tokens: int | None = None) -> RequestResult:

@@ -210,24 +210,25 @@ def remote_dlist(local: EngineView, remote: EngineView, bsr: int, attn_reads: in
     return Dlist(np.concatenate([fa, ssm]), fa.shape[0])
 
 
-def routed_tables(local: EngineView, remote: EngineView, bsr: int, fa: Sequence[tuple[int, int, int]],
-                  ssm: Sequence[tuple[int, int, int]] | None) -> tuple[Dlist, Dlist]:
+def routed_tables(local: EngineView, remote: EngineView, local_rows: int, remote_rows: int,
+                  fa: Sequence[tuple[int, int, int]], ssm: Sequence[tuple[int, int, int]] | None) -> tuple[Dlist, Dlist]:
     """kvgeom mode: the local and remote tables of one remote rank, every row cut by its slice
     (``(local offset, remote offset, length)`` per attention region and per SSM piece, from
     :func:`kvgeom.route.route`). Row counts and orders are those of :func:`local_dlist` and
-    :func:`remote_dlist`, so descriptor ids are unchanged."""
+    :func:`remote_dlist` at ``local_rows`` / ``remote_rows`` rows per kernel block (1 remote row unless
+    token-major pages are cut per token)."""
     lo, ro, ln = (np.asarray([s[i] for s in fa], dtype=np.int64) for i in range(3))
     llen = np.asarray(local.block_lens, dtype=np.int64)
     lstride = np.asarray(local.block_strides, dtype=np.int64)
     rstride = np.asarray(remote.block_strides, dtype=np.int64)
-    base = _fa_rows(llen, lstride, local.num_blocks, bsr)
-    per_region = local.num_blocks * bsr
+    base = _fa_rows(llen, lstride, local.num_blocks, local_rows)
+    per_region = local.num_blocks * local_rows
     base[:, 1] += np.repeat(lo, per_region)
     base[:, 2] = np.repeat(ln, per_region)
-    rrows = np.empty((local.num_regions, remote.num_blocks, 3), dtype=np.int64)
-    rrows[..., 0] = np.arange(local.num_regions)[:, None]
-    rrows[..., 1] = ro[:, None] + rstride[:, None] * np.arange(remote.num_blocks, dtype=np.int64)[None, :]
-    rrows[..., 2] = ln[:, None]
+    rrows = _fa_rows(np.asarray(remote.block_lens, dtype=np.int64), rstride, remote.num_blocks, remote_rows)
+    per_remote = remote.num_blocks * remote_rows
+    rrows[:, 1] += np.repeat(ro, per_remote)
+    rrows[:, 2] = np.repeat(ln, per_remote)
     lssm = rssm = np.zeros((0, 3), dtype=np.int64)
     if local.ssm_sizes is not None and local.conv_offsets is not None and remote.ssm_sizes is not None:
         regions = np.asarray(local.ssm_region_indices, dtype=np.int64)
@@ -239,5 +240,4 @@ def routed_tables(local: EngineView, remote: EngineView, bsr: int, fa: Sequence[
             rpieces = [(s[1], s[2]) for s in ssm]
         lssm = _ssm_rows(regions, lstride[regions] * local.ppl, local.logical_num_blocks, lpieces)
         rssm = _ssm_rows(regions, rstride[regions] * remote.ppl, remote.logical_num_blocks, rpieces)
-    fa_rows = rrows.reshape(-1, 3)
-    return Dlist(np.concatenate([base, lssm]), base.shape[0]), Dlist(np.concatenate([fa_rows, rssm]), fa_rows.shape[0])
+    return Dlist(np.concatenate([base, lssm]), base.shape[0]), Dlist(np.concatenate([rrows, rssm]), rrows.shape[0])

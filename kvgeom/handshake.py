@@ -110,9 +110,9 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
-        if local.engine.kv_layout.value != "head_major" and head_split:
-            raise _err("kv_layout", "heterogeneous TP splits heads, which needs a head-major layout",
-                       local.engine.kv_layout.value, remote.engine.kv_layout.value)
+        if local.engine.kv_layout.value != "head_major" and head_split and compat == "vllm":
+            raise _err("kv_layout", "heterogeneous TP splits heads, which needs a head-major layout (kvgeom mode "
+                       "cuts token-major pages per token)", local.engine.kv_layout.value, remote.engine.kv_layout.value)
         if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)

@@ -25,7 +25,7 @@ from .tp import TPMapping, compute_tp_mapping, handshake_targets, needs_split_lo
 
 __all__ = ["Pairing", "LocalKey"]
 
-LocalKey = tuple[int, int]  # (bsr, remote rank the table is cut for, or -1 for the whole table)
+LocalKey = tuple[int, int]  # (rows per kernel block, remote rank the table is cut for, or -1: whole table)
 
 
 def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
@@ -114,6 +114,22 @@ class Pairing:
     def bsr(self) -> int:
         return self.shape.bsr
 
+    @cached_property
+    def token_rows(self) -> int:
+        """Rows per remote kernel block: 1, or its tokens when kvgeom mode cuts token-major pages whose
+        heads differ between the sides (a head slice is then one run per token: Part C item 3)."""
+        spec = self.local.model.attention_spec
+        if self.compat != "kvgeom" or spec is None or self.local.is_mla \
+                or self.local.engine.kv_layout.value != "token_major" \
+                or spec.heads_per_rank(self.local.tp_size) == spec.heads_per_rank(self.remote_tp):
+            return 1
+        return self.remote_view(self.targets[0]).block_size
+
+    @property
+    def local_rows(self) -> int:
+        """Rows per local kernel block in this pairing's local tables."""
+        return self.bsr * self.token_rows
+
     @property
     def remote_tp(self) -> int:
         return next(iter(self.remotes.values())).tp_size
@@ -147,8 +163,9 @@ class Pairing:
         """kvgeom mode: what this rank exchanges with remote rank ``rank`` (:mod:`kvgeom.route`)."""
         key = ("route", rank)
         if key not in self._cache:
-            self._cache[key] = route(self.local, self.remotes[rank], rank, self.mode, self.bsr,
-                                     self.remote_view(rank).block_lens)
+            rows = self.token_rows
+            self._cache[key] = route(self.local, self.remotes[rank], rank, self.mode, self.local_rows,
+                                     tuple(x // rows for x in self.remote_view(rank).block_lens))
         return self._cache[key]
 
     @property
@@ -173,7 +190,7 @@ class Pairing:
     def local_key(self, rank: int) -> LocalKey:
         """The local table a transfer to/from remote rank ``rank`` uses."""
         if self.compat == "kvgeom":
-            return (self.bsr, rank)
+            return (self.local_rows, rank)
         return (self.bsr, rank if self.needs_split else -1)
 
     def local_table(self, key: LocalKey) -> Dlist:
@@ -208,8 +225,9 @@ class Pairing:
 
     def _routed(self, rank: int) -> None:
         r = self.route(rank)
-        local, remote = routed_tables(self.local_view, self.remote_view(rank), self.bsr, r.fa, r.ssm)
-        self._cache[(self.bsr, rank)] = local
+        local, remote = routed_tables(self.local_view, self.remote_view(rank), self.local_rows, self.token_rows,
+                                      r.fa, r.ssm)
+        self._cache[(self.local_rows, rank)] = local
         self._cache[("remote", rank)] = remote
 
     def _vllm_ssm_pieces(self, view: EngineView) -> tuple[tuple[int, int], ...] | None:
@@ -231,7 +249,7 @@ class Pairing:
             f"{f', remote blocks read in {self.shape.remote_split} parts' if self.shape.remote_split > 1 else ''})",
             f"  sources per group: {[list(s) for s in m.source_ranks_per_group]}; all: {list(m.all_source_ranks)}; "
             f"rank offset factor {m.rank_offset_factor}; split local tables: {self.needs_split}",
-            f"  local table: {len(self.local_table((self.bsr, -1)))}"
+            f"  local table: {len(self.local_table((self.local_rows, -1)))}"
             f" descriptors; remote tables: "
             + ", ".join(f"rank {r}: {len(self.remote_table(r))}" for r in self.targets),
         ]

@@ -76,10 +76,11 @@ def _ssm_slices(spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int,
     return out
 
 
-def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str, bsr: int,
-          remote_block_lens: tuple[int, ...]) -> Route:
+def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str, local_rows: int,
+          remote_row_lens: tuple[int, ...]) -> Route:
     """The route between ``local`` and remote rank ``remote_rank`` (``remote``: any rank of that engine).
-    ``remote_block_lens``: the remote rows' lengths as planned (after a non-dividing rescale)."""
+    ``local_rows``: rows per local kernel block (the block-size ratio, times the tokens per remote block
+    when pages are cut per token); ``remote_row_lens``: the remote rows' lengths as planned."""
     pull = mode == "pull"
     c_geom, p_geom = (local, remote) if pull else (remote, local)
     c_rank = local.tp_rank if pull else remote_rank
@@ -91,8 +92,8 @@ def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str
     attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
     spec = local.model.attention_spec
     fa = []
-    for r, (region, rlen) in enumerate(zip(local.regions, remote_block_lens)):
-        llen = region.block_len // bsr  # local rows are bsr sub-blocks
+    for r, (region, rlen) in enumerate(zip(local.regions, remote_row_lens)):
+        llen = region.block_len // local_rows  # sub-blocks (or token rows) of a local kernel block
         c_len, p_len = (llen, rlen) if pull else (rlen, llen)
         whole = region.is_mla or spec is None or p_rank not in attn_src or (
             spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)

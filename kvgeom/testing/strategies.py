@@ -218,7 +218,7 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
              models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False) -> PDPair:
     """A P/D pair kvgeom accepts. Choices are steered towards pairs kvgeom can plan (the local kernel
     block, D's in pull and P's in push, a multiple of the remote one; head-major layouts when TP splits
-    heads; DS conv layouts across TP sizes; no prefix caching for Mamba hybrids whose kernel blocks per
+    heads in vllm mode; DS conv layouts across TP sizes; no prefix caching for Mamba hybrids whose kernel blocks per
     logical block differ); a pair kvgeom still refuses is rejected (``assume``). ``equal_blocks``: P and
     D use the same logical block size (for a hybrid, a common multiple of both aligned sizes); kernel
     blocks may still differ."""
@@ -238,7 +238,9 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
     p_kernel, d_kernel = (remote_kernel, local_kernel) if mode == "pull" else (local_kernel, remote_kernel)
     attn = model.attention_spec
     head_split = attn is not None and attn.heads_per_rank(p_tp) != attn.heads_per_rank(d_tp)
-    layout = KVLayout.HEAD_MAJOR if head_split else draw(st.sampled_from((KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR)))
+    # vllm mode needs head-major pages when TP splits heads; kvgeom mode cuts token-major pages per token
+    layout = KVLayout.HEAD_MAJOR if head_split and compat == "vllm" else \
+        draw(st.sampled_from((KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR)))
     single_attention = not model.has_ssm and not model.is_mla and _group_count(model) == 1
     kv_split = draw(st.booleans()) if single_attention else False
     conv = draw(st.sampled_from((ConvLayout.DS, ConvLayout.SD))) if model.has_ssm and p_tp == d_tp else ConvLayout.DS

@@ -212,3 +212,18 @@ def test_pull_with_p_blocks_larger_than_d_blocks_reads_p_blocks_in_halves() -> N
     assert len(plan.zero) == 0
     with pytest.raises(KvgeomError, match="not divisible"):
         _pair(model, p, d, compat="vllm")
+
+
+def test_token_major_with_heterogeneous_tp_is_cut_per_token() -> None:
+    # 2 KV heads of 2 fp16 (8 B per token-head), token-major pages: P TP1 [2 tokens, 2 heads, 8 B] = 32 B,
+    # D TP2 rank 1 [2 tokens, 1 head, 8 B] = 16 B. Head 1 of token t is 8 B at t*16 + 8 in P's block:
+    # one descriptor per token (vLLM refuses token-major layouts whose heads differ).
+    model = ModelSpec.from_layers("gqa2-nhd", [AttentionSpec(2, 2, "float16")])
+    p = dict(tp_size=1, block_size=2, num_blocks=8, kv_layout="token_major")
+    d = dict(tp_size=2, block_size=2, num_blocks=8, kv_layout="token_major")
+    pairing = _pair(model, p, d, rank=1)
+    assert pairing.token_rows == 2
+    plan, moves = _moves(pairing, [[5]], [[3]])
+    assert moves == [(0, 0, 104, 1, 0, 80, 8), (0, 0, 120, 1, 0, 88, 8)]
+    with pytest.raises(KvgeomError, match="head-major"):
+        _pair(model, p, d, rank=1, compat="vllm")

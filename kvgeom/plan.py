@@ -187,14 +187,14 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
             if a.size != b.size:
                 raise PlanError(f"block_ids[{g}]", f"{a.size} local and {b.size} remote blocks cannot be paired",
                                 local=int(a.size), remote=int(b.size))
-        rows = pairing.token_rows if aligned is not None else 1
+        rows = pairing.token_rows  # 1 unless kvgeom mode cuts token-major pages per token
         if rows > 1:  # token-major pages cut per token: every attention unit becomes its token rows
             lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
             rg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(rg, kinds)]
         rv = pairing.remote_view(rank)
         r_desc = compute_desc_ids(rg, rv.num_blocks, rv.num_regions, rows if rows > 1 else None, rv.ppl, kinds,
                                   rv.ssm_region_indices or None, rv.num_conv_pieces or 3)
-        l_desc = compute_desc_ids(lg, local.num_blocks, local.num_regions, bsr * rows, local.ppl, kinds,
+        l_desc = compute_desc_ids(lg, local.num_blocks, local.num_regions, pairing.local_rows, local.ppl, kinds,
                                   local.ssm_region_indices or None, local.ssm.num_pieces if local.ssm else 3)
         if r_desc.size != l_desc.size:
             raise PlanError("descriptor ids", f"{l_desc.size} local ids vs {r_desc.size} remote ids",

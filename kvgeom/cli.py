@@ -172,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvgeomError as exc:
         print(f"kvgeom: refused: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -33,7 +33,7 @@ from kvgeom.testing import CoordSpace
 from .config import TransportConfig
 from .content import BACKGROUND, POISON_BYTE, fill_source, verify
 from .errors import AdapterError, StaleMetadata
-from .kvrank import KVRank, request_block_rows
+from .kvrank import KVRank
 from .procs import ProcGroup
 
 __all__ = ["FAULTS", "assign_blocks", "run_cluster"]
@@ -208,9 +208,7 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                                            num_tokens=r["tokens"])
                 row = res.__dict__ | {"telemetry": None}
             except (AdapterError, KvgeomError) as exc:
-                from .kvrank import _zero_rows
-
-                _zero_rows(kv.tensors, request_block_rows(card, r["d_ids"]))
+                kv.invalidate(r["d_ids"])
                 if isinstance(exc, StaleMetadata):  # handshake again before the next request
                     kv.pairings.pop(r["engine"], None)
                 row = {"request_id": r["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}",

@@ -247,7 +247,7 @@ class KVRank:
             result.bytes_zeroed = apply_post_receive(self.tensors, self.card, plan.regroup, plan.zero)
             return result
         except (AdapterError, KvgeomError):
-            _zero_rows(self.tensors, request_block_rows(self.card, local_ids))
+            self.invalidate(local_ids)
             raise
 
     def push(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
@@ -265,11 +265,16 @@ class KVRank:
             self.ep.wait_notifications(None, f"{request_id}:".encode(), expected,
                                        timeout_s=timeout_s if timeout_s is not None else self.config.notif_timeout_s)
         except AdapterError:
-            _zero_rows(self.tensors, request_block_rows(self.card, local_ids))
+            self.invalidate(local_ids)
             raise
         regroups, zero = receive_step(self.card.geometry, producer.geometry, local_ids, producer_ids, num_tokens)
         zeroed = apply_post_receive(self.tensors, self.card, regroups, zero)
         return RequestResult(request_id, True, bytes_zeroed=zeroed, seconds=time.monotonic() - t0)
+
+    def invalidate(self, ids) -> int:
+        """Zero every block of a request on this rank (a failed receive must leave no partial or stale
+        bytes behind). Returns bytes zeroed."""
+        return _zero_rows(self.tensors, request_block_rows(self.card, ids))
 
     def wait_released(self, request_id: str, expected: int, timeout_s: float | None = None) -> int:
         """P in pull mode: wait until ``expected`` consumers said they are done with ``request_id``."""

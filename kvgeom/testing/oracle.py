@@ -273,19 +273,27 @@ def _prefix_caching(request: Request, prefix_caching: bool | None) -> bool:
     return request.prefix_blocks > 0 if prefix_caching is None else prefix_caching
 
 
+def _plans(mode: str, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
+           compat: str, prefix_caching: bool | None, tell_num_tokens: bool) -> list[RankPlan]:
+    """Every local rank (D in pull, P in push) paired with the other engine's ranks, and its plan."""
+    p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
+    local, remote = (d_geoms, p_geoms) if mode == "pull" else (p_geoms, d_geoms)
+    local_ids, remote_ids = (request.d_ids, request.p_ids) if mode == "pull" else (request.p_ids, request.d_ids)
+    n = request.num_tokens if tell_num_tokens else None
+    out = []
+    for geom in local:
+        pairing = Pairing.create(geom, remote, mode, compat, _prefix_caching(request, prefix_caching))
+        out.append(RankPlan(geom.tp_rank, pairing, plan_request(pairing, local_ids, remote_ids, num_tokens=n)))
+    return out
+
+
 def pull_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
                compat: str = "kvgeom", prefix_caching: bool | None = None, *,
                tell_num_tokens: bool = True) -> list[RankPlan]:
     """Every D rank paired with the P ranks (pull) and its plan for ``request``. The pairs are made with
     ``prefix_caching`` (default: whether the request has a prefix hit); the planner is told the request's
     ``num_tokens`` unless ``tell_num_tokens`` is false."""
-    p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
-    n = request.num_tokens if tell_num_tokens else None
-    out = []
-    for d in d_geoms:
-        pairing = Pairing.create(d, p_geoms, "pull", compat, _prefix_caching(request, prefix_caching))
-        out.append(RankPlan(d.tp_rank, pairing, plan_request(pairing, request.d_ids, request.p_ids, num_tokens=n)))
-    return out
+    return _plans("pull", model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens)
 
 
 def push_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
@@ -293,13 +301,7 @@ def push_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig,
                tell_num_tokens: bool = True) -> list[RankPlan]:
     """Every P rank paired with the D ranks (push) and its plan for ``request`` (options as in
     :func:`pull_plans`)."""
-    p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
-    n = request.num_tokens if tell_num_tokens else None
-    out = []
-    for p in p_geoms:
-        pairing = Pairing.create(p, d_geoms, "push", compat, _prefix_caching(request, prefix_caching))
-        out.append(RankPlan(p.tp_rank, pairing, plan_request(pairing, request.p_ids, request.d_ids, num_tokens=n)))
-    return out
+    return _plans("push", model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens)
 
 
 def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,

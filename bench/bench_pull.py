@@ -139,7 +139,7 @@ def memcpy_moves(dst: list[np.ndarray], src: dict[int, list[np.ndarray]], rows: 
 
 # ----------------------------------------------------------------------------------------- ranks
 def _config(spec: dict) -> Any:
-    from adapters.nixl.config import TransportConfig
+    from kvgeom_nixl.config import TransportConfig
 
     return TransportConfig(**spec["config"])
 
@@ -150,7 +150,7 @@ def _card(sc: Scenario, side: str, rank: int) -> GeometryCard:
 
 
 def _producer(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
-    from adapters.nixl.kvrank import KVRank
+    from kvgeom_nixl.kvrank import KVRank
 
     sc = Scenario.from_json(spec["scenario"])
     with KVRank(_card(sc, "prefill", rank), _config(spec)) as kv:
@@ -162,7 +162,7 @@ def _producer(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
 
 
 def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
-    from adapters.nixl.kvrank import KVRank
+    from kvgeom_nixl.kvrank import KVRank
 
     sc = Scenario.from_json(spec["scenario"])
     reps, cfg = spec["reps"], _config(spec)

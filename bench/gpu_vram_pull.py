@@ -1,6 +1,6 @@
 """VRAM pull on a GPU: scenario (a) of the e2e tests with CUDA tensors, verified, against a device copy.
 
-Scenario (a) (``tests/adapter/test_kv_e2e.py``, ``adapters.nixl.demo.DEFAULT_SCENARIO``): a Mamba2
+Scenario (a) (``tests/adapter/test_kv_e2e.py``, ``kvgeom_nixl.demo.DEFAULT_SCENARIO``): a Mamba2
 hybrid (3 attention + 9 Mamba2 layers), P TP2 with 32-token blocks -> D TP1 with 64-token blocks,
 pull. Each P rank and the D rank is a process with its own NIXL agent (UCX), all on GPU 0, every
 rank's cache a set of CUDA tensors registered as VRAM (``KVRank(card, device="cuda")``). The script:
@@ -8,7 +8,7 @@ rank's cache a set of CUDA tensors registered as VRAM (``KVRank(card, device="cu
 1. checks that every rank registered VRAM (device 0), and that D's handshake prepared VRAM tables;
 2. pulls the e2e requests (97, 1000, 31, 640 tokens) with ``KVRank.pull`` (plan, NIXL READ, regroup,
    zero ranges) and checks every byte of D's cache against the oracle's layout model
-   (``adapters.nixl.content``: fill and verify go through CPU copies of the CUDA tensors);
+   (``kvgeom_nixl.content``: fill and verify go through CPU copies of the CUDA tensors);
 3. times one large request (``--bench-tokens``, default 65,536: ~96 MiB, 4 KiB descriptors): NIXL
    post -> done of the plan's transfers, against device-to-device copies of the same bytes in the D
    process (torch ``index_select`` + ``index_copy_`` of the same moves, one ``copy_`` per move, and one
@@ -126,8 +126,8 @@ def _sync(device: str) -> Any:
 
 
 def _open_rank(spec: dict, side: str, rank: int) -> tuple[Scenario, GeometryCard, Any]:
-    from adapters.nixl.config import TransportConfig
-    from adapters.nixl.kvrank import KVRank
+    from kvgeom_nixl.config import TransportConfig
+    from kvgeom_nixl.kvrank import KVRank
 
     sc = Scenario.from_json(spec["scenario"])
     eng = sc.prefill if side == "prefill" else sc.decode
@@ -150,7 +150,7 @@ def _space(sc: Scenario, requests: list[dict]) -> CoordSpace:
 
 
 def _fill_producer(tensors: list, card: GeometryCard, space: CoordSpace, requests: list[dict]) -> None:
-    from adapters.nixl.content import BACKGROUND, fill_source
+    from kvgeom_nixl.content import BACKGROUND, fill_source
 
     for t in tensors:
         t.fill_(BACKGROUND)
@@ -178,7 +178,7 @@ def _producer(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
 def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
     import torch
 
-    from adapters.nixl.content import POISON_BYTE, verify
+    from kvgeom_nixl.content import POISON_BYTE, verify
 
     sc, card, kv = _open_rank(spec, "decode", 0)
     dev, reps, sync = spec["device"], spec["reps"], _sync(spec["device"])
@@ -314,8 +314,8 @@ def _timed(fn: Any, sync: Any) -> Any:
 
 # ----------------------------------------------------------------------------------------- parent
 def build_spec(args: argparse.Namespace) -> dict[str, Any]:
-    from adapters.nixl.cluster import assign_blocks
-    from adapters.nixl.demo import DEFAULT_SCENARIO
+    from kvgeom_nixl.cluster import assign_blocks
+    from kvgeom_nixl.demo import DEFAULT_SCENARIO
 
     base = json.load(open(args.scenario)) if args.scenario else dict(DEFAULT_SCENARIO)
     tokens = [*args.tokens, args.bench_tokens]

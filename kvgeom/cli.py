@@ -136,7 +136,7 @@ def _paint(line: list[str], start: int, unit: int, off: int, length: int, ch: st
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["demo"]:  # the demo parses its own options (--mode, --tokens, ...)
-        from adapters.nixl.demo import main as demo_main  # lazy: only the demo needs torch and nixl
+        from kvgeom_nixl.demo import main as demo_main  # lazy: only the demo needs torch and nixl
 
         return demo_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="kvgeom", description=__doc__.splitlines()[0])

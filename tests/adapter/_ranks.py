@@ -1,5 +1,5 @@
 """Rank programs for the NIXL transport tests. Each runs in its own ``spawn`` process (see
-``adapters.nixl.procs``), talks to the parent through queues of ``(who, event, data)`` tuples, and
+``kvgeom_nixl.procs``), talks to the parent through queues of ``(who, event, data)`` tuples, and
 returns a plain dict of observations that the test asserts on.
 
 Buffers: a rank's region is ``nbytes`` of int64, seen as ``nblocks`` blocks of ``block`` bytes. The
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters.nixl import (
+from kvgeom_nixl import (
     AdapterError,
     Endpoint,
     HandshakeTimeout,

@@ -1,11 +1,12 @@
-"""Make the repository root importable (``adapters`` is not installed as a package in every checkout;
-spawned rank processes inherit this ``sys.path``)."""
+"""Make the repository's packages importable in checkouts where kvgeom is not installed (``kvgeom`` at the
+root, ``kvgeom_nixl`` under ``adapters/``); spawned rank processes inherit this ``sys.path``."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+_ROOT = Path(__file__).resolve().parents[2]
+for _p in (str(_ROOT / "adapters"), str(_ROOT)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from adapters.nixl import AdapterError, Endpoint, Region, TransferError, TransportConfig  # noqa: E402
+from kvgeom_nixl import AdapterError, Endpoint, Region, TransferError, TransportConfig  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

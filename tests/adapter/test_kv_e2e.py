@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from adapters.nixl.cluster import run_cluster
-from adapters.nixl.demo import DEFAULT_SCENARIO
+from kvgeom_nixl.cluster import run_cluster
+from kvgeom_nixl.demo import DEFAULT_SCENARIO
 from kvgeom import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 
 pytestmark = pytest.mark.nixl

@@ -8,7 +8,7 @@ import time
 import pytest
 from _children import add, boom, die_hard, echo_queue, ignore_sigterm_and_sleep, sleep_forever, unpicklable
 
-from adapters.nixl import ChildFailed, ProcGroup, TransportConfig
+from kvgeom_nixl import ChildFailed, ProcGroup, TransportConfig
 
 
 def test_results_errors_deaths_and_timeouts_come_back_as_data():
@@ -94,7 +94,7 @@ def test_importing_the_adapter_is_cheap():
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    code = "import adapters.nixl, sys; print('torch' in sys.modules, 'nixl' in sys.modules)"
+    code = "import kvgeom_nixl, sys; print('torch' in sys.modules, 'nixl' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": root}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.stdout.split() == ["False", "False"], out.stderr

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from adapters.nixl import (
+from kvgeom_nixl import (
     AdapterError,
     HandshakeTimeout,
     PeerGone,
@@ -21,7 +21,7 @@ from adapters.nixl import (
     make_payload,
     query_generation,
 )
-from adapters.nixl.sidechannel import MAX_MESSAGE_BYTES, decode, encode
+from kvgeom_nixl.sidechannel import MAX_MESSAGE_BYTES, decode, encode
 
 HOST = "127.0.0.1"
 

@@ -19,7 +19,7 @@ pytest.importorskip("nixl")
 
 from _ranks import decode_rank, prefill_rank  # noqa: E402
 
-from adapters.nixl import ProcGroup  # noqa: E402
+from kvgeom_nixl import ProcGroup  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

@@ -20,7 +20,7 @@ __all__ = [
 
 
 class AdapterError(RuntimeError):
-    """Base class of every error raised by ``adapters.nixl``.
+    """Base class of every error raised by ``kvgeom_nixl``.
 
     Attributes: ``stage`` (e.g. ``"prep_remote"``, ``"post"``, ``"wait"``, ``"handshake"``),
     ``peer`` (agent name or ``host:port``, or ``None``), ``status`` (NIXL status name such as

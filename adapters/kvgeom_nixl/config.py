@@ -13,7 +13,7 @@ _ENV_PREFIX = "KVGEOM_NIXL_"
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """How an :class:`~adapters.nixl.agent.Endpoint` drives its NIXL agent.
+    """How an :class:`~kvgeom_nixl.agent.Endpoint` drives its NIXL agent.
 
     All durations are in seconds; every wait in the adapter is bounded by one of them.
     """

@@ -26,8 +26,8 @@ if str(ROOT) not in sys.path:  # run from a bare checkout (no editable install),
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-
 from kvgeom_nixl.procs import ProcGroup  # noqa: E402
+
 from kvgeom.geometry import rank_geometry  # noqa: E402
 
 STEP_S = 60.0  # bound of one coordination step (a rank starting, a port map arriving)

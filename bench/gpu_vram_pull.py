@@ -177,7 +177,6 @@ def _producer(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
 
 def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
     import torch
-
     from kvgeom_nixl.content import POISON_BYTE, verify
 
     sc, card, kv = _open_rank(spec, "decode", 0)

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 from kvgeom_nixl import (
     AdapterError,
     Endpoint,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from kvgeom_nixl.cluster import run_cluster
 from kvgeom_nixl.demo import DEFAULT_SCENARIO
+
 from kvgeom import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 
 pytestmark = pytest.mark.nixl

@@ -7,7 +7,6 @@ import time
 
 import pytest
 from _children import add, boom, die_hard, echo_queue, ignore_sigterm_and_sleep, sleep_forever, unpicklable
-
 from kvgeom_nixl import ChildFailed, ProcGroup, TransportConfig
 
 

@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-
 from kvgeom_nixl import (
     AdapterError,
     HandshakeTimeout,

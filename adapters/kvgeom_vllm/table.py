@@ -41,7 +41,8 @@ FEATURES = {
 class Entry:
     """One vLLM geometry function. ``module``/``qualname`` locate vLLM's object (``Class.method`` or a
     module function); ``answer`` names the adapter in :mod:`kvgeom_vllm.answers` (``None``: vLLM's own,
-    ``missing`` says which kvgeom feature it waits for); ``kvgeom`` names the kvgeom call(s) behind it;
+    ``missing`` says which kvgeom feature it waits for; the two card steps are wrappers in
+    :mod:`kvgeom_vllm.handshake`); ``kvgeom`` names the kvgeom call(s) behind it;
     ``raises`` is the exception class vLLM raises there, which kvgeom's refusal also derives from so
     vLLM's callers (and tests) see the type they expect. ``exercised``: vLLM's own connector tests reach
     this row (the test plugin fails a run where an exercised row got no call)."""
@@ -107,10 +108,10 @@ TABLE: tuple[Entry, ...] = (
           "kvgeom.dlist.remote_dlist (SSM rows) + kvgeom.conv.remote_conv_offsets"),
     Entry(BW, f"{W}._build_local_splits_from_plan", "build_local_splits_from_plan", "kvgeom.splits.build_local_splits"),
     # registration and handshake
-    Entry(BW, f"{W}.register_kv_caches", "register_kv_caches",
+    Entry(BW, f"{W}.register_kv_caches", "register_kv_caches_wrapper",
           "kvgeom.card_of + rank_geometry (the rank's geometry card, checked against the registration)"),
     # vLLM's tests pair hand-made metadata (no card); tests/vllm/test_integration.py pairs card-carrying workers
-    Entry(BW, f"{W}.add_remote_agent", "add_remote_agent",
+    Entry(BW, f"{W}.add_remote_agent", "add_remote_agent_wrapper",
           "kvgeom.GeometryCard.from_json + Pairing.create (the peer's card, checked on receipt)", raises="RuntimeError",
           exercised=False),
     # vLLM features kvgeom does not have yet: vLLM's own code answers (one line each to wire in)

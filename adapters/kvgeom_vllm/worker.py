@@ -151,6 +151,8 @@ class KvgeomPushConnectorWorker(KvgeomWorkerMixin, _PushWorker):
 # -- dispatchers for the module functions vLLM's worker calls by name ---------------------------------------
 _DISPATCH_LOCK = threading.Lock()
 _DISPATCHED = False
+#: the dispatchers installed in vLLM's modules, by table row (the test plugin replaces them outright)
+DISPATCHERS: dict[str, Callable[..., Any]] = {}
 
 
 def install_dispatchers() -> None:
@@ -172,6 +174,7 @@ def install_dispatchers() -> None:
             return original(transfer_topology, *args, **kwargs)
 
         base_worker.compute_tp_mapping = compute_tp_mapping
+        DISPATCHERS["compute_tp_mapping"] = compute_tp_mapping
         # The handshake decodes peers' metadata with this name: the subclass keeps their card (a plain vLLM
         # worker ignores the field, and reads None from a plain peer).
         from .handshake import KvgeomAgentMetadata, _PlainAgentMetadata

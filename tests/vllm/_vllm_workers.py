@@ -90,17 +90,22 @@ def kv_cache_config(block_size: int, num_blocks: int) -> tuple[KVCacheConfig, di
     return KVCacheConfig(num_blocks, tensors, [KVCacheGroupSpec(list(LAYERS), spec)]), caches
 
 
+def cpu_runtime() -> ExitStack:
+    """What a CPU process without a cluster lacks: NIXL's agent and the TP rank queries (TP1, rank 0)."""
+    stack = ExitStack()
+    stack.enter_context(patch.object(bw, "NixlWrapper", RecordingNixl))
+    stack.enter_context(patch.object(bw, "get_tensor_model_parallel_rank", return_value=0))
+    stack.enter_context(patch.object(bw, "get_tensor_model_parallel_world_size", return_value=1))
+    stack.enter_context(patch("threading.Thread"))
+    return stack
+
+
 def make_worker(worker_cls: type, engine_id: str, block_size: int = 32, num_blocks: int = 8,
-                extra: dict[str, Any] | None = None, stack: ExitStack | None = None) -> Any:
+                extra: dict[str, Any] | None = None) -> Any:
     """A registered worker of ``worker_cls`` (TP1) for opt-125m with ``num_blocks`` blocks."""
     config = vllm_config(block_size, extra)
     kvc, caches = kv_cache_config(block_size, num_blocks)
-    with ExitStack() as local:
-        s = stack or local
-        s.enter_context(patch.object(bw, "NixlWrapper", RecordingNixl))
-        s.enter_context(patch.object(bw, "get_tensor_model_parallel_rank", return_value=0))
-        s.enter_context(patch.object(bw, "get_tensor_model_parallel_world_size", return_value=1))
-        s.enter_context(patch("threading.Thread"))
+    with cpu_runtime():
         worker = worker_cls(config, engine_id, kvc)
         worker.register_kv_caches(caches)
     return worker

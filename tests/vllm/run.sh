@@ -109,7 +109,7 @@ run_kvgeom_tests() {  # kvgeom's own tests that need vLLM (tests/vllm), in the v
   echo "== kvgeom's tests/vllm in the vLLM venv"
   vllm_env
   local rc=0
-  KVGEOM_VLLM_TESTS=1 "$VENV/bin/python" -m pytest -p no:cacheprovider -q tests/vllm "$@" || rc=$?
+  KVGEOM_VLLM_TESTS=1 "$VENV/bin/python" -m pytest -p no:cacheprovider tests/vllm "$@" || rc=$?
   if [ "$rc" = 5 ]; then echo "(tests/vllm holds no tests yet)"; rc=0; fi
   return "$rc"
 }

@@ -9,7 +9,7 @@ import kvgeom_vllm
 import msgspec
 import numpy as np
 import pytest
-from _vllm_workers import make_worker, vllm_config
+from _vllm_workers import cpu_runtime, kv_cache_config, make_worker, vllm_config
 from kvgeom_vllm.table import ANSWERED, CALLS, TABLE
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import supports_hma
@@ -34,6 +34,23 @@ def test_connector_loads_by_module_path_from_the_kv_transfer_config() -> None:
 
     assert cls is KvgeomNixlConnector
     assert KVConnectorFactory.supports_hma_config(ktc) and supports_hma(cls)
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_connector_builds_kvgeom_workers_in_the_configured_mode(compat: str) -> None:
+    from kvgeom_vllm.connector import KvgeomNixlConnector
+    from kvgeom_vllm.worker import KvgeomPullConnectorWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = vllm_config(extra={"compat": compat})
+    config.kv_transfer_config.engine_id = "D"
+    kvc, caches = kv_cache_config(32, 8)
+    with cpu_runtime():
+        connector = KvgeomNixlConnector(config, KVConnectorRole.WORKER, kvc)
+        connector.register_kv_caches(caches)
+    worker = connector.connector_worker
+    assert isinstance(worker, KvgeomPullConnectorWorker) and worker.kvgeom_compat == compat
+    assert worker.kvgeom_card is not None and connector.get_handshake_metadata() is worker.xfer_handshake_metadata
 
 
 def test_unsupported_vllm_version_is_refused_in_one_line() -> None:

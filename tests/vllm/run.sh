@@ -20,8 +20,9 @@ SRC=$ROOT/.vllm-src
 VLLM_VERSION=0.33.0
 CONSTRAINTS=$ROOT/constraints-dev.txt
 PIP_QUIET=${PIP_QUIET:--q}
-# The light dependencies of the import chain vLLM's connector tests walk through (vLLM's own list minus
-# everything CUDA; found by running the tests in an isolated venv, not by installing what happens to fail).
+# The light dependencies of the import chain vLLM's connector tests walk through: vLLM's own requirements
+# minus everything CUDA, plus what a bare venv lacks for that chain (cloudpickle, requests, regex, ...).
+# Explicit and sufficient for the three test files; not minimised.
 LIGHT_DEPS=(
   numpy pydantic pytest psutil pyzmq "transformers>=5.16.1,<5.21.0" cbor2 aiohttp openai_harmony openai pillow
   pybase64 cachetools msgspec uvloop prometheus_client "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0"

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgeom-installed
 
-.PHONY: demo test plan bench lint clean venv
+.PHONY: demo test test-core test-vllm plan bench lint clean venv
 
 venv: $(STAMP)
 
@@ -18,9 +18,17 @@ $(STAMP): pyproject.toml constraints-dev.txt
 demo: $(STAMP)
 	$(PY) -m kvgeom demo
 
-## The whole test suite (what CI runs).
-test: $(STAMP)
+## The whole test suite (what CI runs): kvgeom's own tests, then vLLM's connector tests through kvgeom.
+test: test-core test-vllm
+
+test-core: $(STAMP)
 	$(PY) -m pytest
+
+## vLLM 0.33.0's own NIXL connector tests run through kvgeom_vllm, in a separate venv (.venv-vllm, vLLM
+## without CUDA) with vLLM's tests taken from its source package; then tests/vllm (KVGEOM_VLLM_TESTS=1).
+## Fast when .venv-vllm and .vllm-src exist (stamps).
+test-vllm:
+	PYTHON=$(PYTHON) bash tests/vllm/run.sh
 
 ## Plan one request of the shipped example pair and print it.
 plan: $(STAMP)
@@ -34,4 +42,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check kvgeom adapters tests bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .vllm-src .pytest_cache .ruff_cache .hypothesis

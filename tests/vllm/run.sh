@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# make test-vllm: vLLM 0.33.0's own NIXL connector tests run through kvgeom's integration (kvgeom_vllm),
+# then kvgeom's tests that need vLLM (tests/vllm, KVGEOM_VLLM_TESTS=1).
+#
+# Stages (each skipped when its stamp is newer than its inputs, so a second run only runs the tests):
+#   1. .venv-vllm: an isolated venv with vLLM 0.33.0 installed WITHOUT its dependencies (they would pull
+#      CUDA), torch pinned to the CPU build by constraints-dev.txt, the light dependencies vLLM's import chain
+#      needs (explicit list below), pytest, and kvgeom itself (editable).
+#   2. .vllm-src/: vLLM's own tests, taken from vLLM's source package (the wheel has none). pip downloads the
+#      sdist; its metadata step needs vLLM's build requirements, so a throw-away build venv is made and removed.
+#      Only tests/ and pyproject.toml are unpacked; nothing of it is committed (.gitignore).
+#   3. .vllm-src/hf: an offline Hugging Face cache holding facebook/opt-125m's config.json (tests/data).
+#   4. the tests: vLLM's three NIXL geometry test files with -p kvgeom_vllm.pytest_plugin, then tests/vllm.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+VENV=${KVGEOM_VLLM_VENV:-$ROOT/.venv-vllm}
+SRC=$ROOT/.vllm-src
+VLLM_VERSION=0.33.0
+CONSTRAINTS=$ROOT/constraints-dev.txt
+PIP_QUIET=${PIP_QUIET:--q}
+# The light dependencies of the import chain vLLM's connector tests walk through: vLLM's own requirements
+# minus everything CUDA, plus what a bare venv lacks for that chain (cloudpickle, requests, regex, ...).
+# Explicit and sufficient for the three test files; not minimised.
+LIGHT_DEPS=(
+  numpy pydantic pytest psutil pyzmq "transformers>=5.16.1,<5.21.0" cbor2 aiohttp openai_harmony openai pillow
+  pybase64 cachetools msgspec uvloop prometheus_client "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0"
+  partial-json-parser "llguidance>=1.7.0,<1.8.0" einops cloudpickle requests regex pyyaml sentencepiece
+  blake3 py-cpuinfo gguf diskcache lark tiktoken
+)
+TIMEFORMAT='%R'
+
+stamp_fresh() {  # stamp_fresh STAMP INPUT... : the stamp exists and is newer than every input
+  local stamp=$1; shift
+  [ -f "$stamp" ] || return 1
+  local f; for f in "$@"; do [ "$f" -nt "$stamp" ] && return 1; done
+  return 0
+}
+
+setup_venv() {
+  local stamp=$VENV/.kvgeom-vllm-installed
+  stamp_fresh "$stamp" tests/vllm/run.sh "$CONSTRAINTS" pyproject.toml && return 0
+  echo "== .venv-vllm: vLLM $VLLM_VERSION without CUDA (isolated venv)"
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install $PIP_QUIET --upgrade pip
+  "$VENV/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" torch==2.13.0
+  "$VENV/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" --no-deps "vllm==$VLLM_VERSION"
+  "$VENV/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" "${LIGHT_DEPS[@]}"
+  "$VENV/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" --no-deps -e .
+  if "$VENV/bin/python" -m pip list 2>/dev/null | grep -i '^nvidia-'; then
+    echo "error: CUDA packages (nvidia-*) were installed into $VENV" >&2; exit 1
+  fi
+  touch "$stamp"
+}
+
+fetch_tests() (  # a subshell: its EXIT trap removes the throw-away build venv, also on failure
+  stamp=$SRC/.unpacked-$VLLM_VERSION
+  stamp_fresh "$stamp" tests/vllm/run.sh && exit 0
+  echo "== .vllm-src: vLLM $VLLM_VERSION's tests from its source package"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  "$PYTHON" -m venv "$tmp/build"
+  "$tmp/build/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" torch==2.13.0 cmake ninja packaging \
+    setuptools setuptools-rust setuptools-scm wheel jinja2
+  # The version override keeps the metadata build from naming itself 0.33.0+empty (which pip would reject).
+  VLLM_VERSION_OVERRIDE=$VLLM_VERSION "$tmp/build/bin/python" -m pip download $PIP_QUIET --no-deps \
+    --no-binary :all: --no-build-isolation "vllm==$VLLM_VERSION" -d "$tmp/sdist"
+  rm -rf "$SRC"; mkdir -p "$SRC"
+  tar -xzf "$tmp/sdist/vllm-$VLLM_VERSION.tar.gz" -C "$SRC" --strip-components=1 \
+    "vllm-$VLLM_VERSION/tests" "vllm-$VLLM_VERSION/pyproject.toml"
+  touch "$stamp"
+)
+
+setup_hf() {
+  local snap=$SRC/hf/hub/models--facebook--opt-125m
+  local rev=0000000000000000000000000000000000000000
+  mkdir -p "$snap/snapshots/$rev" "$snap/refs"
+  cp tests/data/hf/facebook--opt-125m/config.json "$snap/snapshots/$rev/config.json"
+  printf '%s' "$rev" > "$snap/refs/main"
+}
+
+# The one test of the three files that needs an accelerator and a model download (it starts a real LLM).
+GPU_ONLY="tests/v1/kv_connector/unit/test_nixl_connector_hma.py::test_fewer_blocks_with_hma[google/gemma-3-1b-it-512]"
+VLLM_TESTS=(
+  tests/v1/kv_connector/unit/test_tp_mapping.py
+  tests/v1/kv_connector/unit/test_nixl_desc_geometry.py
+  tests/v1/kv_connector/unit/test_nixl_connector_hma.py
+)
+
+vllm_env() {  # the environment vLLM's CPU code path needs (see docs/vllm.md)
+  export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_SSM_CONV_STATE_LAYOUT=DS
+  export HF_HOME=$SRC/hf
+}
+
+run_vllm_tests() {  # vLLM's own tests, its NIXL geometry replaced by kvgeom_vllm (plugin)
+  echo "== vLLM $VLLM_VERSION's NIXL connector tests through kvgeom"
+  vllm_env
+  (cd "$SRC" && "$VENV/bin/python" -m pytest -p kvgeom_vllm.pytest_plugin --kvgeom-gaps="$ROOT/tests/vllm/known_gaps.txt" \
+    --rootdir=. -c pyproject.toml --confcutdir=tests/v1/kv_connector/unit -p no:cacheprovider -q "${VLLM_TESTS[@]}" --deselect "$GPU_ONLY" "$@")
+}
+
+run_vllm_baseline() {  # the same tests on unmodified vLLM (for comparison; not part of make test-vllm)
+  vllm_env
+  (cd "$SRC" && "$VENV/bin/python" -m pytest --confcutdir=tests/v1/kv_connector/unit -p no:cacheprovider -q \
+    "${VLLM_TESTS[@]}" "$@")
+}
+
+run_kvgeom_tests() {  # kvgeom's own tests that need vLLM (tests/vllm), in the vLLM venv
+  echo "== kvgeom's tests/vllm in the vLLM venv"
+  vllm_env
+  local rc=0
+  KVGEOM_VLLM_TESTS=1 "$VENV/bin/python" -m pytest -p no:cacheprovider tests/vllm "$@" || rc=$?
+  if [ "$rc" = 5 ]; then echo "(tests/vllm holds no tests yet)"; rc=0; fi
+  return "$rc"
+}
+
+all() {
+  local t0=$SECONDS
+  setup_venv
+  fetch_tests
+  setup_hf
+  local t1=$SECONDS
+  run_vllm_tests
+  run_kvgeom_tests
+  echo "test-vllm: set-up $((t1 - t0))s, tests $((SECONDS - t1))s"
+}
+
+"${@:-all}"

@@ -1,0 +1,173 @@
+"""kvgeom_vllm inside real vLLM 0.33.0: loading by configuration, the version policy, the table, and the
+geometry card in vLLM's handshake (run by ``make test-vllm`` in the vLLM venv)."""
+
+from __future__ import annotations
+
+import importlib
+
+import kvgeom_vllm
+import msgspec
+import numpy as np
+import pytest
+from _vllm_workers import cpu_runtime, kv_cache_config, make_worker, vllm_config
+from kvgeom_vllm.table import ANSWERED, CALLS, TABLE
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1 import supports_hma
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata as PlainMetadata
+
+from kvgeom import GeometryCard, IncompatiblePairError, KvgeomError
+from kvgeom.errors import ConfigError
+
+
+def _workers() -> object:
+    from kvgeom_vllm import worker
+
+    return worker
+
+
+# -- loading and version -----------------------------------------------------------------------------------
+def test_connector_loads_by_module_path_from_the_kv_transfer_config() -> None:
+    ktc = vllm_config().kv_transfer_config
+    cls = KVConnectorFactory.get_connector_class(ktc)
+    from kvgeom_vllm.connector import KvgeomNixlConnector
+
+    assert cls is KvgeomNixlConnector
+    assert KVConnectorFactory.supports_hma_config(ktc) and supports_hma(cls)
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_connector_builds_kvgeom_workers_in_the_configured_mode(compat: str) -> None:
+    from kvgeom_vllm.connector import KvgeomNixlConnector
+    from kvgeom_vllm.worker import KvgeomPullConnectorWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = vllm_config(extra={"compat": compat})
+    config.kv_transfer_config.engine_id = "D"
+    kvc, caches = kv_cache_config(32, 8)
+    with cpu_runtime():
+        connector = KvgeomNixlConnector(config, KVConnectorRole.WORKER, kvc)
+        connector.register_kv_caches(caches)
+    worker = connector.connector_worker
+    assert isinstance(worker, KvgeomPullConnectorWorker) and worker.kvgeom_compat == compat
+    assert worker.kvgeom_card is not None and connector.get_handshake_metadata() is worker.xfer_handshake_metadata
+
+
+def test_unsupported_vllm_version_is_refused_in_one_line() -> None:
+    with pytest.raises(kvgeom_vllm.VllmVersionError) as info:
+        kvgeom_vllm.check_vllm_version("0.34.0")
+    message = str(info.value)
+    assert "\n" not in message and "0.34.0" in message and "0.33.0" in message
+    assert isinstance(info.value, ImportError) and isinstance(info.value, KvgeomError)
+    assert kvgeom_vllm.check_vllm_version() == "0.33.0"
+
+
+def test_bad_compat_mode_is_refused_naming_the_field() -> None:
+    from kvgeom_vllm.connector import compat_of
+
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.compat"):
+        compat_of(vllm_config(extra={"compat": "fast"}))
+    assert compat_of(vllm_config()) == "vllm" and compat_of(vllm_config(extra={"compat": "kvgeom"})) == "kvgeom"
+
+
+def test_every_table_row_names_a_vllm_0_33_function_and_an_adapter() -> None:
+    from kvgeom_vllm import answers, handshake
+
+    for e in TABLE:
+        obj = importlib.import_module(e.module)
+        for part in e.qualname.split("."):
+            obj = getattr(obj, part)
+        assert callable(obj), e.qualname
+        if e.answer is not None:
+            assert callable(getattr(answers, e.answer, None) or getattr(handshake, e.answer)), e.answer
+        else:
+            assert e.missing in kvgeom_vllm.FEATURES
+
+
+# -- the module-function dispatcher keeps plain vLLM workers on vLLM's code ------------------------------
+def test_compute_tp_mapping_dispatch_by_topology() -> None:
+    worker = _workers()
+    from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    def topo(cls: type) -> object:
+        t = object.__new__(cls)
+        t.tp_rank, t.tp_size, t.is_mla, t.total_num_kv_heads, t.dcp_size = 1, 4, False, 8, 1
+        return t
+
+    before = CALLS["compute_tp_mapping"]
+    plain = bw.compute_tp_mapping(topo(TransferTopology), 2, (FullAttentionSpec,))
+    assert CALLS["compute_tp_mapping"] == before
+    ours = bw.compute_tp_mapping(topo(worker.KvgeomTransferTopology), 2, (FullAttentionSpec,))
+    assert CALLS["compute_tp_mapping"] == before + 1
+    assert ours == plain  # D TP4 rank 1 reads P TP2 rank 0, second half of its heads
+    assert ours.all_source_ranks == (0,) and ours.rank_offset_factor == 1
+
+
+# -- registration: the card ----------------------------------------------------------------------------------
+def test_registration_builds_a_card_matching_vllms_regions_and_sends_it() -> None:
+    w = make_worker(_workers().KvgeomPullConnectorWorker, "D")
+    card = w.kvgeom_card
+    assert card is not None and w.kvgeom_card_error is None
+    geom = card.geometry
+    assert [r.block_len for r in geom.regions] == w.block_len_per_layer == [32 * 12 * 128 * 2] * 12
+    assert geom.num_blocks == w.num_blocks == 8
+    payload = w.xfer_handshake_metadata.agent_metadata_bytes
+    # a plain vLLM peer decodes our metadata (the extra field is ignored) ...
+    plain = msgspec.msgpack.decode(payload, type=PlainMetadata)
+    assert plain.block_lens == w.block_len_per_layer and not hasattr(plain, "kvgeom_card")
+    # ... and a kvgeom peer reads the card back, checked against itself
+    ours = msgspec.msgpack.decode(payload, type=bw.NixlAgentMetadata)
+    assert GeometryCard.from_json(ours.kvgeom_card).digest == card.digest
+
+
+def _metadata(worker: object) -> object:
+    return msgspec.msgpack.decode(worker.xfer_handshake_metadata.agent_metadata_bytes, type=bw.NixlAgentMetadata)
+
+
+def test_handshake_pairs_cards_then_prepares_vllms_descriptors() -> None:
+    wk = _workers()
+    p = make_worker(wk.KvgeomPullConnectorWorker, "P", num_blocks=6)
+    d = make_worker(wk.KvgeomPullConnectorWorker, "D", num_blocks=8)
+    before = CALLS["NixlBaseConnectorWorker.add_remote_agent"]
+    d.add_remote_agent(_metadata(p), remote_tp_rank=0, remote_tp_size=1)
+    assert CALLS["NixlBaseConnectorWorker.add_remote_agent"] == before + 1
+    pairing = d.kvgeom_pairings["P"]
+    assert pairing.remote_tp == 1 and pairing.bsr == 1
+    # the remote table vLLM prepared is kvgeom's remote table of P, bound to P's addresses
+    handle = d.dst_xfer_side_handles["P"][0]
+    prepared = d.nixl_wrapper.dlists[handle]
+    bases = p.kv_caches_base_addr["P"][0]
+    expected = pairing.remote_table(0).bind(bases, 0)
+    starts = prepared[:, 0][:, None] + prepared[:, 3][:, None] * np.arange(int(prepared[0, 4]))[None, :]
+    assert np.array_equal(np.sort(starts.ravel()), np.sort(expected[:, 0]))
+
+
+def test_handshake_refuses_an_incompatible_peer_before_preparing_anything() -> None:
+    wk = _workers()
+    p = make_worker(wk.KvgeomPullConnectorWorker, "P", block_size=96)
+    d = make_worker(wk.KvgeomPullConnectorWorker, "D", block_size=64)
+    prepared = len(d.nixl_wrapper.dlists)
+    with pytest.raises(RuntimeError) as info:
+        d.add_remote_agent(_metadata(p), remote_tp_rank=0, remote_tp_size=1)
+    assert isinstance(info.value, KvgeomError) and info.value.field == "block_size"
+    assert "64" in str(info.value) and "96" in str(info.value)
+    assert len(d.nixl_wrapper.dlists) == prepared and "P" not in d.dst_num_blocks
+
+
+def test_kvgeom_mode_refuses_a_peer_without_a_card() -> None:
+    wk = _workers()
+    p = make_worker(wk.KvgeomPullConnectorWorker, "P")
+    d = make_worker(wk.KvgeomPullConnectorWorker, "D", extra={"compat": "kvgeom"})
+    d.kvgeom_compat = "kvgeom"
+    plain = msgspec.msgpack.decode(p.xfer_handshake_metadata.agent_metadata_bytes, type=PlainMetadata)
+    with pytest.raises(IncompatiblePairError, match="kvgeom mode needs kvgeom_vllm on both sides"):
+        d.add_remote_agent(plain, remote_tp_rank=0, remote_tp_size=1)
+
+
+def test_every_answered_row_is_installed_on_the_workers() -> None:
+    wk = _workers()
+    for e in ANSWERED:
+        if e.owner == "NixlBaseConnectorWorker" and e.attr not in ("register_kv_caches", "add_remote_agent"):
+            for cls in (wk.KvgeomPullConnectorWorker, wk.KvgeomPushConnectorWorker):
+                assert getattr(cls, e.attr).__kvgeom_entry__ is e

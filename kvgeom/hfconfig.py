@@ -543,15 +543,28 @@ def load_config(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
-        raise SpecError("model", f"no such file: {p}", value=str(p)) from None
+        raise SpecError(
+            "model",
+            f"no such file: {p} (accepted: a preset name or its Hugging Face id, or the path "
+            "of a config.json or of its directory)",
+            value=str(p),
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError("model", f"cannot read {p}: {exc.__class__.__name__}", value=str(p)) from None
+        raise SpecError(
+            "model",
+            f"cannot read {p}: {exc.__class__.__name__} (accepted: a readable config.json)",
+            value=str(p),
+        ) from None
     except json.JSONDecodeError as exc:
         raise SpecError(
             "model", f"{p} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})", value=str(p)
         ) from None
     if not isinstance(data, dict):
-        raise SpecError("model", f"{p} must hold a JSON object, got {type(data).__name__}", value=str(p))
+        raise SpecError(
+            "model",
+            f"{p} must hold a JSON object, got {type(data).__name__} (accepted: a JSON object)",
+            value=str(p),
+        )
     return data
 
 

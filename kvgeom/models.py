@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import hfconfig, presets
-from .errors import SpecError
+from .errors import KvgeomError, SpecError, UnsupportedError
 from .spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec
 
 __all__ = ["TPRule", "Sharding", "ModelRef", "resolve", "preset_ids"]
@@ -153,7 +153,14 @@ def _heads(fields: Mapping[str, Any]) -> int | None:
 
 
 def _preset(name: str) -> ModelRef:
-    return ModelRef(presets.load(name), f"preset {name}", _heads(_cards()[name]["fields"]))
+    try:
+        spec = presets.load(name)
+    except KvgeomError as exc:
+        supported = [n for n in _cards() if n != name]
+        raise UnsupportedError(
+            "model", f"preset {name} is not supported: {exc} (accepted: {', '.join(supported)})", value=name
+        ) from None
+    return ModelRef(spec, f"preset {name}", _heads(_cards()[name]["fields"]))
 
 
 def resolve(ref: str | Mapping[str, Any], *, base: Path | None = None) -> ModelRef:

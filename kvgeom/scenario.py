@@ -31,7 +31,7 @@ from .hfconfig import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, apply_cache_dtypes
 from .models import ModelRef, resolve
 from .pairing import Pairing
 from .plan import RequestPlan, plan_request
-from .spec import ModelSpec
+from .spec import MambaSpec, ModelSpec
 
 __all__ = ["Scenario", "RequestIds", "SCENARIO_KEYS", "ENGINE_KEYS", "MAX_TP", "MAX_BLOCK_SIZE"]
 
@@ -87,7 +87,12 @@ def _choice(value: Any, field: str, choices: tuple[str, ...]) -> str:
 
 def _object(value: Any, field: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise ConfigError(field, f"must be a JSON object, got {type(value).__name__}", value=value)
+        keys = ", ".join(ENGINE_KEYS if field in ("prefill", "decode") else SCENARIO_KEYS)
+        raise ConfigError(
+            field,
+            f"must be a JSON object, got {type(value).__name__} (accepted: an object of {keys})",
+            value=value,
+        )
     unknown = sorted(
         k
         for k in value
@@ -330,9 +335,21 @@ class Scenario:
 
 def check_ranks(sc: Scenario) -> None:
     """Derive every rank's geometry of both engines (cheap: no tables); a geometry an engine cannot
-    have raises its :class:`KvgeomError` with the side prefixed to the field."""
+    have raises its :class:`KvgeomError` with the side prefixed to the field and what is accepted."""
     for side in ("prefill", "decode"):
+        eng = sc.engine(side)
         try:
-            rank_geometry(sc.model, sc.engine(side))
+            rank_geometry(sc.model, eng)
         except KvgeomError as exc:
-            raise type(exc)(f"{side}.{exc.field}", str(exc).split(": ", 1)[-1], **exc.values) from None
+            message = str(exc).split(": ", 1)[-1]
+            ssm = sc.model.ssm_spec
+            attn = [la.spec for la in sc.model.layers if not isinstance(la.spec, MambaSpec)]
+            if exc.field == "block_size" and ssm is not None and attn:
+                per_token = max(s.token_bytes(eng.tp_size) for s in attn)
+                least = math.ceil(ssm.state_bytes(eng.tp_size) / per_token)
+                message += (
+                    f" (accepted: auto, or a block of at least {least} tokens that the kernel block divides)"
+                )
+            elif "(accepted:" not in message:
+                message += " (accepted: see docs/cli.md)"
+            raise type(exc)(f"{side}.{exc.field}", message, **exc.values) from None

@@ -51,6 +51,8 @@ class _Parser(argparse.ArgumentParser):
         if message.startswith("argument "):
             name, _, message = message[len("argument ") :].partition(": ")
             field = name.split("/")[-1]
+        elif message.startswith("the following arguments are required: "):
+            field = message.split(": ", 1)[1]
         raise UsageError(field, message.rstrip("."), f"see {self.prog} --help")
 
 
@@ -89,7 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"kvgeom {__version__}", help="print kvgeom's version and exit"
     )
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(
+        dest="cmd",
+        required=True,
+        metavar="COMMAND",
+        parser_class=_Parser,
+        help="what to do (kvgeom COMMAND --help for its options)",
+    )
     p = sub.add_parser(
         "models",
         help="list the model presets (name, Hugging Face id, layers, TP sizes)",
@@ -178,6 +186,8 @@ def _emit_error(exc: KvgeomError, kind: str, as_json: bool, cmd: str | None, fla
     if isinstance(exc, PlanError) and exc.field == "num_tokens":
         field = "--tokens"
     message = str(exc).split(": ", 1)[-1] if str(exc).startswith(f"{exc.field}: ") else str(exc)
+    if kind == "usage" and "(accepted: " not in message:
+        message += f" (accepted: see kvgeom {cmd + ' ' if cmd else ''}--help and docs/cli.md)"
     status = 1 if kind == "refused" else 2
     label = "refused" if kind == "refused" else "error"
     print(f"kvgeom: {label}: {field}: {message}".replace("\n", " "), file=sys.stderr)

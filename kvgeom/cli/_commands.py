@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import io
 import json
 import os
@@ -284,7 +283,7 @@ def cmd_draw(args: argparse.Namespace) -> dict[str, Any]:
     if fmt != "text":
         if args.output is None:
             raise UsageError("--output", f"--format {fmt} needs a file to write", "--output FILE", value=None)
-        if importlib.util.find_spec("matplotlib") is None:
+        if not _have_matplotlib():
             raise UsageError(
                 "--format",
                 f"{fmt} pictures need matplotlib: pip install 'kvgeom[plot]'",
@@ -319,6 +318,14 @@ def cmd_draw(args: argparse.Namespace) -> dict[str, Any]:
         out["output"] = str(path)
         out["text"] = f"wrote {path} ({fmt}): {sc.describe()}, request of {tokens} tokens"
     return out
+
+
+def _have_matplotlib() -> bool:
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return False
+    return True
 
 
 # -- demo ------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import importlib
 import io
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -386,9 +387,11 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
         if args.progress_thread:
             argv.append("--progress-thread")
         run: Callable[[list[str]], int] = demo.main
-        if args.json:
+        if (
+            args.json
+        ):  # stdout carries only the JSON: the report is captured, the processes' logs go to stderr
             buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
+            with _stdout_to_stderr(), contextlib.redirect_stdout(buf):
                 status = _run_demo(run, argv)
             report = buf.getvalue().splitlines()
         else:
@@ -400,6 +403,20 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
         "report": report,
         "text": "",
     }
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr while the demo's processes run (they inherit it)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _run_demo(run: Callable[[list[str]], int], argv: list[str]) -> int:

@@ -119,7 +119,7 @@ def _merge_runs(moves: np.ndarray) -> np.ndarray:
     same = (m[1:, [0, 1, 3, 4]] == m[:-1, [0, 1, 3, 4]]).all(axis=1)
     cont = same & (m[1:, 2] == m[:-1, 2] + m[:-1, 6]) & (m[1:, 5] == m[:-1, 5] + m[:-1, 6])
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    runs = m[starts].copy()
+    runs: np.ndarray = m[starts].copy()
     runs[:, 6] = np.add.reduceat(m[:, 6], starts)
     return runs
 

@@ -47,4 +47,6 @@ def test_links_resolve_and_nothing_outside_is_cited() -> None:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
             if not re.match(r"[a-z]+://", target):
                 assert (path.parent / target).exists(), f"{path.name}: broken link {target}"
-        assert not re.search(r"primer|/work/shared|\.\./shared|nixl-notes|vllm-reference-env", text, re.I), path.name
+        assert not re.search(r"primer|/work/shared|\.\./shared|nixl-notes|vllm-reference-env", text, re.I), (
+            path.name
+        )

@@ -5,7 +5,8 @@ a shipped example, see ``kvgeom examples``), and/or flags that override it:
 ``--model nemotron-h-8b --prefill tp=2,block=auto --decode tp=1,block=1056``.
 
 Exit status: 0 the pair works (or the command succeeded), 1 kvgeom refuses the pair (the reason is
-printed), 2 bad input (one line naming the field and what is accepted). ``--json`` prints one JSON
+printed), 2 bad input (one line naming the field and what is accepted), 70 an internal error (a bug: one
+line; ``KVGEOM_DEBUG=1`` shows the traceback). ``--json`` prints one JSON
 object instead of text (schema: docs/cli.md). No input ever ends in a traceback.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -235,6 +237,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvgeom: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        print(
+            "kvgeom: error: memory: the pair needs more memory than this machine has (accepted: smaller pools, "
+            "--prefill/--decode blocks=N)",
+            file=sys.stderr,
+        )
+        return 2
+    # a bug in kvgeom: one line and a distinct status (KVGEOM_DEBUG=1 shows the traceback)
+    except Exception as exc:
+        if os.environ.get("KVGEOM_DEBUG"):
+            raise
+        print(
+            f"kvgeom: internal error: {type(exc).__name__}: {exc} (please report it; KVGEOM_DEBUG=1 shows the "
+            "traceback)".replace("\n", " "),
+            file=sys.stderr,
+        )
+        return 70
     status = int(out.pop("exit_status", 0))
     text = out.pop("text", "")
     try:

@@ -168,6 +168,7 @@ def cmd_explain(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
     sc = _scenario(args)
+    check_size(sc)  # the handshake checks build the tables
     with _refusals():
         pairings = sc.pairings
     ranks, text = [], [sc.describe()]

@@ -278,6 +278,8 @@ BAD = [
     (["plan", "--model", "qwen3-8b", "--prefill", "blocks=1e15"], "--prefill blocks"),
     (["plan", "--model", "qwen3-8b", "--prefill", "blocks=1000000000000000"], "--prefill blocks"),
     (["plan", "--model", "qwen3-8b", "--prefill", "blocks=1000000000"], "--prefill blocks"),
+    (["check", "--model", "qwen3-8b", "--prefill", "blocks=1000000000000"], "--prefill blocks"),
+    (["draw", "--model", "nemotron-h-8b", "--decode", "blocks=1000000000000"], "--decode blocks"),
     (["plan", "--model", "qwen3-8b", "--decode", "block=32,kernel=12"], "--decode kernel"),
     (["plan", "--model", "qwen3-8b", "--decode", "block=big"], "--decode block"),
     (["plan", "--model", "qwen3-8b", "--decode", "split=maybe"], "--decode split"),

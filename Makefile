@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgeom-installed
 
-.PHONY: demo test test-core test-vllm plan bench lint clean venv
+.PHONY: demo test test-core test-vllm plan bench lint dist clean venv
 
 venv: $(STAMP)
 
@@ -32,14 +32,22 @@ test-vllm:
 
 ## Plan one request of the shipped example pair and print it.
 plan: $(STAMP)
-	$(PY) -m kvgeom plan examples/nemotron-h-8b_p2_d1_pull.json --tokens 3000
+	$(PY) -m kvgeom plan nemotron-h-8b_p2_d1_pull --tokens 3000
 
 bench: $(STAMP)
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_pull.py
 
+## Style and types: ruff's lint rules and formatting, and mypy --strict on the core.
 lint: $(STAMP)
 	$(PY) -m ruff check kvgeom adapters tests bench
+	$(PY) -m ruff format --check kvgeom adapters tests bench
+	$(PY) -m mypy --strict kvgeom
+
+## The wheel and the source distribution, in dist/.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
 
 clean:
-	rm -rf $(VENV) .venv-vllm .vllm-src .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .vllm-src .pytest_cache .ruff_cache .hypothesis .mypy_cache build dist *.egg-info

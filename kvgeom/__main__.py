@@ -1,3 +1,5 @@
+"""``python -m kvgeom``: the command line (see :mod:`kvgeom.cli`)."""
+
 import sys
 
 from .cli import main

@@ -61,9 +61,15 @@ def as_ids(ids: IdsLike, field: str) -> np.ndarray:
 
 
 def as_group_ids(block_ids: BlockIds, group_is_ssm: Sequence[bool], field: str) -> list[np.ndarray]:
-    """Per-group ids as ``int64`` arrays; :class:`GroupMismatchError` if the group count differs."""
+    """Per-group ids as ``int64`` arrays; :class:`BlockIdError` unless ``block_ids`` holds one id list
+    per KV-cache group, :class:`GroupMismatchError` if the group count differs."""
+    shape = f"one id list per KV-cache group ({len(group_is_ssm)} groups, in geometry.groups order)"
     if isinstance(block_ids, np.ndarray) and block_ids.ndim == 1 and block_ids.dtype != object:
-        raise BlockIdError(field, "must be a list with one id list per KV-cache group, got a flat array")
+        raise BlockIdError(field, f"must be {shape}, got a flat array")
+    if not isinstance(block_ids, (Sequence, np.ndarray)) or isinstance(block_ids, (str, bytes)):
+        raise BlockIdError(field, f"must be {shape}, got {type(block_ids).__name__}", value=block_ids)
+    if any(isinstance(g, (int, np.integer)) for g in block_ids):
+        raise BlockIdError(field, f"must be {shape}, got a flat list of ids", value=list(block_ids)[:8])
     if len(block_ids) != len(group_is_ssm):
         raise GroupMismatchError(
             field,

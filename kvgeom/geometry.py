@@ -16,6 +16,7 @@ bytes, ``block_stride`` the distance between kernel blocks, ``num_blocks`` the k
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -102,16 +103,25 @@ def _page_bytes(spec: LayerSpec, block_size: int, tp: int) -> int:
     return block_size * spec.token_bytes(tp)
 
 
-def align_hybrid_block_size(model: ModelSpec, tp: int, block_size: int, kernel_alignment: int = 16) -> int:
-    """The smallest multiple of ``max(kernel_alignment, block_size)`` whose attention page holds the SSM
-    state (vLLM's hybrid alignment, using per-rank KV heads, hence TP-dependent)."""
+def align_hybrid_block_size(model: ModelSpec, tp: int, block_size: int, kernel_alignment: int = 16, *,
+                            kernel_block_sizes: Sequence[int] = (), mla_alignment: int = 1) -> int:
+    """vLLM's hybrid alignment (docs/vllm-behaviour.md B.2.1, B.6.1 item 10): the smallest multiple of
+    ``A = max(kernel_alignment, block_size)`` whose attention page holds the SSM state, using per-rank
+    KV heads (hence TP-dependent), then rounded up to a multiple of every attention backend's smallest
+    kernel block (``kernel_block_sizes``, their lcm). For MLA hybrids ``A`` is at least
+    ``mla_alignment`` (vLLM 0.33.0: 128). ``block_size`` is the size asked for (vLLM's
+    ``--block-size``); ``kernel_alignment`` the backend's smallest kernel block. The attention page
+    uses the attention specs' dtype: set it to the KV-cache dtype (e.g. fp8,
+    :func:`kvgeom.hfconfig.apply_cache_dtypes`); the SSM state keeps its own dtypes."""
     ssm = model.ssm_spec
     attn = [la.spec for la in model.layers if not la.kind.is_ssm]
     if ssm is None or not attn:
         return block_size
-    a = max(kernel_alignment, block_size)
+    a = max(kernel_alignment, block_size, mla_alignment if model.is_mla else 1)
     per_token = max(s.token_bytes(tp) for s in attn)  # type: ignore[union-attr]
-    return a * math.ceil(ssm.state_bytes(tp) / (a * per_token))
+    aligned = a * math.ceil(ssm.state_bytes(tp) / (a * per_token))
+    step = math.lcm(*kernel_block_sizes) if kernel_block_sizes else 1
+    return step * math.ceil(aligned / step)
 
 
 def _spec_key(spec: LayerSpec) -> tuple[object, ...]:

@@ -158,8 +158,9 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     hit or sliding window is possible (see :mod:`kvgeom.align`); vLLM mode pairs by counts."""
     local, mode = pairing.local, pairing.mode
     kinds = local.group_is_ssm
-    any_local = bool(local_ids) and any(len(x) for x in local_ids)
-    lids = as_group_ids(local_ids if local_ids else [[] for _ in kinds], kinds, "local_ids")
+    empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
+    lids = as_group_ids([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
+    any_local = any(x.size for x in lids)
     rids = as_group_ids(remote_ids, kinds, "remote_ids")
     _check_ids(lids, local, "local")
     _check_ids(rids, pairing.remotes[pairing.targets[0]], "remote")

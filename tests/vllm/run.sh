@@ -76,7 +76,7 @@ setup_hf() {
   local snap=$SRC/hf/hub/models--facebook--opt-125m
   local rev=0000000000000000000000000000000000000000
   mkdir -p "$snap/snapshots/$rev" "$snap/refs"
-  cp tests/data/hf/facebook--opt-125m/config.json "$snap/snapshots/$rev/config.json"
+  cp tests/data/vllm/facebook--opt-125m/config.json "$snap/snapshots/$rev/config.json"
   printf '%s' "$rev" > "$snap/refs/main"
 }
 

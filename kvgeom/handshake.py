@@ -17,7 +17,7 @@ from .geometry import RankGeometry
 from .spec import AttentionSpec
 from .tp import tp_ratio as _tp_ratio
 
-__all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio"]
+__all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio", "check_csa_linear_tp_layout"]
 
 Compat = str  # "vllm" (refuse what vLLM 0.33.0 refuses) or "kvgeom" (lift refusals the oracle proves safe)
 
@@ -135,6 +135,16 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             local=local.block_size, remote=remote.block_size,
         )
     return PairShape(ratio, bsr, split)
+
+
+def check_csa_linear_tp_layout(local_tp: int, remote_tp: int, total_kv_heads: int) -> None:
+    """CSA-linear models transfer their shared pages as whole blocks, so both sides must lay out the main
+    KV pages alike: both TP sizes below the KV head count (several heads per page) or both at or above it
+    (one head per page). vLLM ``_validate_csa_linear_tp_layout``; a pair across the boundary is an
+    :class:`IncompatiblePairError`."""
+    if (local_tp < total_kv_heads) != (remote_tp < total_kv_heads):
+        raise IncompatiblePairError("tp_size", f"CSA-linear pairs need both TP sizes on the same side of the KV-head "
+                                    f"sharding boundary ({total_kv_heads} KV heads)", local=local_tp, remote=remote_tp)
 
 
 def _heads(spec: AttentionSpec, tp: int) -> int:

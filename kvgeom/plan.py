@@ -150,12 +150,19 @@ def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
 
 
 def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, request_id: str = "req",
-                 remote_request_id: str | None = None, num_tokens: int | None = None) -> RequestPlan:
+                 remote_request_id: str | None = None, num_tokens: int | None = None,
+                 prefill_tokens: int | None = None) -> RequestPlan:
     """Plan one request. ``local_ids`` / ``remote_ids``: logical block ids per group on each side (in
     pull, local = D's blocks to fill, remote = P's blocks; in push the reverse). An empty local list
-    as a whole means nothing to transfer here (notification only). ``num_tokens`` (the request's
-    length) lets kvgeom mode align blocks by token when the two sides' block sizes differ and a prefix
-    hit or sliding window is possible (see :mod:`kvgeom.align`); vLLM mode pairs by counts."""
+    as a whole means nothing to transfer here (notification only).
+
+    The request's tokens (:mod:`kvgeom.align`): ``num_tokens`` is the number of tokens D holds blocks for
+    (the prompt length on D), ``prefill_tokens`` the number P computed and sends (vLLM's
+    ``remote_num_tokens``; fewer than ``num_tokens`` in the N-1 flow of Mamba hybrids, where D recomputes
+    the last token). Both modes place the lists on the token axis with them: kvgeom mode transfers the
+    overlap, vLLM mode pairs by counts as vLLM does and refuses where that would move the wrong tokens.
+    Either count may be omitted where the block counts determine it; otherwise the
+    :class:`~kvgeom.errors.PlanError` names the argument to pass."""
     local, mode = pairing.local, pairing.mode
     kinds = local.group_is_ssm
     any_local = bool(local_ids) and any(len(x) for x in local_ids)
@@ -170,7 +177,7 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     bsr, ratio = pairing.bsr, pairing.tp_ratio
     expected = max(1, ratio)  # pull: P frees after D_TP/P_TP reads; push: D ends after P_TP/D_TP writes
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
-    exact = _aligned(pairing, lids, rids, lk, rk, num_tokens) if any_local else None
+    exact = _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local else None
     aligned = exact if pairing.compat == "kvgeom" else None
     transfers = []
     for rank in pairing.transfer_ranks if any_local else ():
@@ -251,25 +258,31 @@ def _same_tokens(lg: list[np.ndarray], rg: list[np.ndarray], el: list[np.ndarray
                 f"<- remote {er[g][:4].tolist()}...); kvgeom mode plans it", local=a.tolist()[:8], remote=b.tolist()[:8])
 
 
+def _sliding(group) -> bool:  # noqa: ANN001 - a Group
+    return getattr(group.spec, "sliding_window", None) is not None
+
+
 def _align_groups(consumer: RankGeometry, c_logical: list[np.ndarray], c_fine: list[np.ndarray],
                   producer_block: int, p_logical: list[np.ndarray], p_fine: list[np.ndarray], fine_tokens: int,
-                  num_tokens: int | None, prefix_caching: bool) -> list[tuple[int, int, int]]:
+                  num_tokens: int | None, prefix_caching: bool, prefill_tokens: int | None = None
+                  ) -> list[tuple[int, int, int]]:
     """Per group, ``(consumer position, producer position, count)`` of the fine units both hold (SSM
     groups: ``(0, 0, 0)``, they are paired by slot)."""
+    full = [g.index for g in consumer.groups if not g.is_ssm and not _sliding(g) and p_logical[g.index].size]
+    hint = p_logical[full[0]].size * producer_block if full else None  # where P's computed tokens end
     out = []
     for g, group in enumerate(consumer.groups):
         if group.is_ssm:
             out.append((0, 0, 0))
             continue
-        sliding = getattr(group.spec, "sliding_window", None) is not None
         c0, p0 = list_starts(c_logical[g].size, consumer.logical_block_size, p_logical[g].size, producer_block,
-                             num_tokens, prefix_caching, sliding, g)
+                             num_tokens, prefix_caching, _sliding(group), g, prefill_tokens, p_end_hint=hint)
         out.append(overlap(c0 // fine_tokens, c_fine[g].size, p0 // fine_tokens, p_fine[g].size))
     return out
 
 
 def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], lk: list[np.ndarray],
-             rk: list[np.ndarray], num_tokens: int | None
+             rk: list[np.ndarray], num_tokens: int | None, prefill_tokens: int | None = None
              ) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[int, int, int]]]:
     """kvgeom mode: the local and remote fine ids of every group, paired by token (attention) or by
     state slot (SSM, vLLM's slot rule), and each attention group's coverage on the consumer."""
@@ -280,10 +293,10 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
     if pull:
         spans = _align_groups(local, lids, lfine, rblock, rids, rk, rview.block_size, num_tokens,
-                              pairing.prefix_caching)
+                              pairing.prefix_caching, prefill_tokens)
     else:
         spans = _align_groups(remote, rids, rk, local.logical_block_size, lids, lfine, rview.block_size,
-                              num_tokens, pairing.prefix_caching)
+                              num_tokens, pairing.prefix_caching, prefill_tokens)
     empty = [x[:0] for x in lk]
     ssm_l, ssm_r = (_select(lk, kinds), _select(rk, kinds))
     if pull:
@@ -338,11 +351,12 @@ def _zero_rows(consumer: RankGeometry, kernel_ids: list[np.ndarray], units: int,
 
 
 def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: BlockIds,
-                 producer_ids: BlockIds, num_tokens: int | None = None, prefix_caching: bool = False
-                 ) -> tuple[tuple[Regroup, ...], np.ndarray]:
+                 producer_ids: BlockIds, num_tokens: int | None = None, prefix_caching: bool = False,
+                 prefill_tokens: int | None = None) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The post-receive step of a D rank that was written to (push): zero ranges of its own blocks,
-    from D's and P's logical ids of the request, aligned by token like the writer's plan. vLLM never
-    zeroes in push (B.6.1 item 9); kvgeom does, so no D block holds stale bytes."""
+    from D's and P's logical ids of the request, aligned by token like the writer's plan (``num_tokens``
+    and ``prefill_tokens`` as in :func:`plan_request`). vLLM never zeroes in push (B.6.1 item 9); kvgeom
+    does, so no D block holds stale bytes."""
     kinds = consumer.group_is_ssm
     dl = as_group_ids(consumer_ids, kinds, "consumer_ids")
     pl = as_group_ids(producer_ids, kinds, "producer_ids")
@@ -354,7 +368,7 @@ def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: B
     q = producer.block_size // consumer.block_size
     pfine = [k if ssm else get_mapped_blocks(k, q) for k, ssm in zip(pk, kinds)]
     spans = _align_groups(consumer, dl, dk, producer.logical_block_size, pl, pfine, consumer.block_size,
-                          num_tokens, prefix_caching)
+                          num_tokens, prefix_caching, prefill_tokens)
     return (), _zero_rows(consumer, dk, 1, spans)
 
 

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 from ..engine import ConvLayout, EngineConfig, KVLayout
 from ..errors import KvgeomError
+from ..exchange import prefill_tokens
 from ..geometry import align_hybrid_block_size
 from ..pairing import Pairing
 from ..spec import AttentionSpec, LayerSpec, MambaSpec, MLASpec, ModelSpec, Shard
@@ -261,7 +262,9 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
 @st.composite
 def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     """A request fitting both pools: token count, P and D ids drawn as shuffled, sparse pool slices
-    (SSM groups one slot each), and, if the pair caches prefixes, a hit on some leading D blocks."""
+    (SSM groups one slot each), and, if the pair caches prefixes, a hit on some leading D blocks. P may
+    stop short of the last tokens (the N-1 flow: backoff 1 for SSM models as vLLM does, sometimes 0 or a
+    lookahead window; sometimes 1 for others), so D may hold a block more than P sent."""
     p_geom = engine_geometries(pair.model, pair.p_engine)[0]
     d_geom = engine_geometries(pair.model, pair.d_engine)[0]
     ssm = [g.is_ssm for g in p_geom.groups]
@@ -275,8 +278,10 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
         num_tokens = draw(st.integers(1, 64))
     d_blocks = math.ceil(num_tokens / db)
     hit = draw(st.integers(0, d_blocks - 1)) if pair.prefix_caching and n_attn else 0
+    backoff = draw(st.sampled_from((1, 0, 1, 3) if pair.model.has_ssm else (0, 0, 0, 1)))
+    computed = prefill_tokens(num_tokens, backoff)
     sides = []
-    for geom, count in ((p_geom, math.ceil(num_tokens / pb)), (d_geom, d_blocks - hit)):
+    for geom, count in ((p_geom, math.ceil(computed / pb)), (d_geom, d_blocks - hit)):
         pool = draw(st.permutations(range(geom.logical_num_blocks)))
         ids, used = [], 0
         for is_ssm in ssm:
@@ -284,7 +289,7 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
             ids.append(tuple(pool[used:used + n]))
             used += n
         sides.append(tuple(ids))
-    return Request(num_tokens, sides[0], sides[1], hit)
+    return Request(num_tokens, sides[0], sides[1], hit, computed if computed < num_tokens else None)
 
 
 @dataclass(frozen=True)
@@ -299,7 +304,9 @@ class Case:
 
     def __str__(self) -> str:
         r = self.request
-        return f"{self.pair}; {r.num_tokens} tokens, prefix {r.prefix_blocks}, P ids {r.p_ids}, D ids {r.d_ids}"
+        computed = f" (P computed {r.prefill_tokens})" if r.prefill_tokens is not None else ""
+        return (f"{self.pair}; {r.num_tokens} tokens{computed}, prefix {r.prefix_blocks}, P ids {r.p_ids}, "
+                f"D ids {r.d_ids}")
 
 
 @st.composite

@@ -96,6 +96,10 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     if diff:
         raise IncompatiblePairError("model", f"P and D run different models: {diff}", local=local.model.name,
                                     remote=remote.model.name)
+    if compat == "vllm" and all(local.group_is_ssm):
+        raise UnsupportedError("model", "vLLM 0.33.0's NIXL connector needs an attention group (it builds its "
+                               "attention tables from the first one and fails at handshake without); kvgeom mode "
+                               "plans attention-free models", local=local.model.name, remote=remote.model.name)
     ratio = _tp_ratio(local.tp_size, remote.tp_size)
     bsr, split = block_size_ratio(local, remote, mode, compat)
     if local.num_regions != remote.num_regions:
@@ -110,9 +114,10 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
-        if local.engine.kv_layout.value != "head_major" and head_split and compat == "vllm":
-            raise _err("kv_layout", "heterogeneous TP splits heads, which needs a head-major layout (kvgeom mode "
-                       "cuts token-major pages per token)", local.engine.kv_layout.value, remote.engine.kv_layout.value)
+        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and remote.tp_size <= k:
+            raise _err("kv_layout", "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP "
+                       "unless the remote replicates its KV heads (kvgeom mode cuts token-major pages per token)",
+                       local.engine.kv_layout.value, remote.engine.kv_layout.value)
         if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)

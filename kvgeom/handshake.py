@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .dcp import check_parallel_pair
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
 from .geometry import RankGeometry
 from .spec import AttentionSpec
@@ -101,6 +102,8 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
                                "attention tables from the first one and fails at handshake without); kvgeom mode "
                                "plans attention-free models", local=local.model.name, remote=remote.model.name)
     ratio = _tp_ratio(local.tp_size, remote.tp_size)
+    if local.dcp_size > 1 or remote.dcp_size > 1:
+        _check_dcp(local, remote, mode)
     bsr, split = block_size_ratio(local, remote, mode, compat)
     if local.num_regions != remote.num_regions:
         raise _err("num_regions", "both sides must register the same regions", local.num_regions,
@@ -140,6 +143,24 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             local=local.block_size, remote=remote.block_size,
         )
     return PairShape(ratio, bsr, split)
+
+
+def _check_dcp(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
+    """Decode context parallelism (:mod:`kvgeom.dcp`): pages are matched by global position, which kvgeom
+    plans for pulls of pure MLA models with equal page geometry on both sides (vLLM's push path does not
+    match DCP pages at all)."""
+    check_parallel_pair(1, local.dcp_size, 1, remote.dcp_size, local.has_ssm)
+    if mode != "pull":
+        raise UnsupportedError("dcp_size", "decode context parallelism is planned for pulls only (vLLM's push path "
+                               "pairs blocks without their DCP positions)", local=local.dcp_size,
+                               remote=remote.dcp_size)
+    if local.has_ssm or not all(local.region_is_mla):
+        raise UnsupportedError("dcp_size", "kvgeom plans decode context parallelism for pure MLA models (vLLM scopes "
+                               "it to MLA)", local=local.dcp_size, remote=remote.dcp_size)
+    if local.block_size != remote.block_size or local.ppl != remote.ppl:
+        raise UnsupportedError("block_size", "with decode context parallelism kvgeom needs equal kernel and logical "
+                               "block sizes on both sides", local=(local.logical_block_size, local.block_size),
+                               remote=(remote.logical_block_size, remote.block_size))
 
 
 def check_csa_linear_tp_layout(local_tp: int, remote_tp: int, total_kv_heads: int) -> None:

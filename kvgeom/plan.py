@@ -13,6 +13,7 @@ B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descri
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from .blocks import (
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
 )
+from .dcp import apply_dcp_prefix_caching, global_pages
 from .descids import compute_desc_ids
 from .dlist import EngineView
 from .engine import KVLayout
@@ -174,15 +176,23 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     lk = logical_to_kernel(lids, local.ppl, kinds)
     rk = logical_to_kernel(rids, rview.ppl, kinds)
     tag = remote_request_id if remote_request_id is not None else request_id
-    bsr, ratio = pairing.bsr, pairing.tp_ratio
-    expected = max(1, ratio)  # pull: P frees after D_TP/P_TP reads; push: D ends after P_TP/D_TP writes
+    bsr = pairing.bsr
+    # pull: P frees after the D ranks reading it have read (D_TP/P_TP, or DCP's count); push: D ends after P_TP
+    expected = pairing.mapping.local_consumers
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
-    exact = _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local else None
+    dcp = pairing.dcp_active
+    exact = _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local and not dcp else None
     aligned = exact if pairing.compat == "kvgeom" else None
     transfers = []
+    covered: list[np.ndarray] = []
     for rank in pairing.transfer_ranks if any_local else ():
         keep = pairing.group_mask(rank)
-        if aligned is not None:
+        if dcp:
+            lg, rg, pos = _dcp_lists(pairing, rank, _select(lids, keep), _select(rids, keep), num_tokens,
+                                     prefill_tokens)
+            covered.append(pos)
+            lg, rg = logical_to_kernel(lg, local.ppl, kinds), logical_to_kernel(rg, rview.ppl, kinds)
+        elif aligned is not None:
             lg, rg = _select(aligned[0], keep), _select(aligned[1], keep)
         else:
             lg, rg = _vllm_pair(pairing, _select(lk, keep), _select(rk, keep), rview)
@@ -218,12 +228,85 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     regroup: tuple[Regroup, ...] = ()
     zero = np.zeros((0, 3), dtype=np.int64)
     if mode == "pull" and any_local:
-        if aligned is not None:
+        if dcp:
+            zero = _dcp_zero_rows(local, lids, covered) if pairing.compat == "kvgeom" else zero
+        elif aligned is not None:
             regroup, zero = _regroups(local, lk, bsr), _zero_rows(local, lk, bsr, aligned[2])
         else:
             regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
+
+
+def _dcp_first(pairing: Pairing, n_local: int, num_tokens: int | None, group: int) -> int:
+    """D's first list position (its cached scheduler blocks) in a DCP pull."""
+    if num_tokens is not None:
+        first = math.ceil(num_tokens / pairing.local.scheduler_block) - n_local
+        if first < 0:
+            raise PlanError(f"block_ids[{group}]", f"D's {n_local} blocks are more than num_tokens={num_tokens} need",
+                            value=n_local)
+        return first
+    if not pairing.prefix_caching:
+        return 0
+    raise PlanError("num_tokens", f"group {group}: with prefix caching D's pages start after its cached ones: pass "
+                    "num_tokens (the tokens D holds blocks for) to place them", value=None)
+
+
+def _dcp_lists(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray], num_tokens: int | None,
+               prefill_tokens: int | None) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """The logical ids remote rank ``rank`` supplies with DCP, per group, and the local list positions they
+    fill (``group * 2**32 + position``). Pages pair by global position (:mod:`kvgeom.dcp`): kvgeom mode
+    intersects the pages both hold (those P computed), vLLM mode uses vLLM's closed form and refuses when
+    it would pair other pages or leave a page P computed unread."""
+    local, remote = pairing.local, pairing.remotes[rank]
+    ld, d, rd, rr = local.dcp_size, local.dcp_rank, remote.dcp_size, remote.dcp_rank
+    page = local.logical_block_size
+    out_l, out_r, positions = [], [], []
+    for g, (lo, ro) in enumerate(zip(lids, rids)):
+        if not lo.size:
+            out_l.append(lo), out_r.append(ro[:0])
+            continue
+        first = _dcp_first(pairing, lo.size, num_tokens, g)
+        lpages, rpages = global_pages(first, lo.size, ld, d), global_pages(0, ro.size, rd, rr)
+        tokens = prefill_tokens if prefill_tokens is not None else num_tokens
+        limit = math.ceil(tokens / page) if tokens is not None else int(rpages.max(initial=-1)) + 1
+        _, li, ri = np.intersect1d(lpages, rpages[rpages < limit], return_indices=True)
+        if pairing.compat == "kvgeom":
+            a, b = lo[li], ro[ri]
+        else:
+            a, b = apply_dcp_prefix_caching(lo, ro, rank, ld, d, rd, first)
+            idx = np.argsort(lo)
+            got_l = lpages[idx[np.searchsorted(lo, a, sorter=idx)]] if a.size else a
+            idx = np.argsort(ro)
+            got_r = rpages[idx[np.searchsorted(ro, b, sorter=idx)]] if b.size else b
+            wrong = not np.array_equal(got_l, got_r)
+            missing = np.setdiff1d(lpages[li], got_l).size > 0
+            if wrong or missing:
+                raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0 would pair DCP pages {got_l[:4].tolist()}... "
+                                       f"with {got_r[:4].tolist()}...{' and leave pages P computed unread' if missing else ''}"
+                                       "; kvgeom mode pairs them by global page", local=got_l.tolist()[:8],
+                                       remote=got_r.tolist()[:8])
+            li = np.searchsorted(lpages, got_l)
+        out_l.append(np.asarray(a, dtype=np.int64)), out_r.append(np.asarray(b, dtype=np.int64))
+        positions.append((np.int64(g) << 32) + np.asarray(li, dtype=np.int64))
+    return out_l, out_r, np.concatenate([np.zeros(0, np.int64), *positions])
+
+
+def _dcp_zero_rows(consumer: RankGeometry, lids: list[np.ndarray], covered: list[np.ndarray]) -> np.ndarray:
+    """kvgeom mode, DCP: zero the D pages no source rank filled (pages holding no token P computed)."""
+    done = np.unique(np.concatenate([np.zeros(0, np.int64), *covered]))
+    rows = [np.zeros((0, 3), dtype=np.int64)]
+    for group, ids in zip(consumer.groups, lids):
+        if group.is_ssm or not ids.size:
+            continue
+        filled = done[(done >> 32) == group.index] & 0xFFFFFFFF
+        todo = np.setdiff1d(np.arange(ids.size), filled)
+        if not todo.size:
+            continue
+        kernel = (ids[todo][:, None] * consumer.ppl + np.arange(consumer.ppl)).reshape(-1)
+        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
+        rows.append(consumer_zero_rows(regions, kernel, 1, 0, 0, consumer.block_size, 1))
+    return np.concatenate(rows)
 
 
 def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rview: EngineView

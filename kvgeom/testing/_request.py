@@ -66,7 +66,7 @@ class Request:
             groups = engine_geometries(model, engine)[0].groups
             nxt, ids = first_id, []
             for g in groups:
-                n = 1 if g.is_ssm else math.ceil(tokens / engine.block_size) - prefix
+                n = 1 if g.is_ssm else math.ceil(tokens / engine.scheduler_block) - prefix
                 ids.append(tuple(range(nxt, nxt + n)))
                 nxt += n
             sides.append(tuple(ids))

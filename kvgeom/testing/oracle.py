@@ -73,7 +73,7 @@ class Oracle:
             if [g.tp_rank for g in geoms] != list(range(len(geoms))):
                 raise RequestError(f"{side} geometries must be ranks 0..{len(geoms) - 1} in order")
         n, computed = request.num_tokens, request.p_tokens
-        pb, db = self.p[0].logical_block_size, self.d[0].logical_block_size
+        pb, db = self.p[0].scheduler_block, self.d[0].scheduler_block  # tokens per list entry (x DCP pages)
         check_side("p_ids", request.p_ids, self.p[0], math.ceil(computed / pb))
         check_side("d_ids", request.d_ids, self.d[0], math.ceil(n / db) - request.prefix_blocks)
         self.prefix_tokens = request.prefix_blocks * db
@@ -95,13 +95,14 @@ class Oracle:
         self.result = Report(limit=limit)
 
     def _zero_own_blocks(self, geom: RankGeometry, request: Request, computed: int) -> None:
-        """D's blocks that hold no token P computed were allocated for tokens D computes itself (the N-1
-        flow): the engine zeroes such new blocks when it allocates them (vLLM zeroes every newly allocated
-        block of a Mamba hybrid that no load writes, ``KVCacheConfig.needs_kv_cache_zeroing``), so they start
-        as ``ZERO``, not ``POISON``."""
-        db, first = geom.logical_block_size, request.prefix_blocks
+        """D's blocks (pages, with DCP) that hold no token P computed are D's own: allocated for tokens D
+        computes itself (the N-1 flow, or DCP pages past the request's end), written by D before it reads
+        them. They start as ``ZERO`` (vLLM zeroes every new block of a Mamba hybrid that no load writes,
+        ``KVCacheConfig.needs_kv_cache_zeroing``), not ``POISON``: a transfer may leave them alone, and one
+        that writes another coordinate there is still caught (I2)."""
+        page, dcp, first = geom.logical_block_size, geom.dcp_size, request.prefix_blocks
         own = [b for g, ids in zip(geom.groups, request.d_ids) if not g.is_ssm
-               for i, b in enumerate(ids) if (first + i) * db >= computed]
+               for i, b in enumerate(ids) if ((first + i) * dcp + geom.dcp_rank) * page >= computed]
         for block in own:
             for region in geom.regions:
                 span = geom.ppl * region.block_stride

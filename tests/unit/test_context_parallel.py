@@ -119,3 +119,29 @@ def test_parallel_pair_rules() -> None:
     assert transfer_rank(2, 4, 0, 1, 4) == (2, 4)
     with pytest.raises(ConfigError):
         transfer_rank(0, 2, 1, 4, 4)
+
+
+def test_pull_from_a_dcp8_remote_reads_every_rank() -> None:
+    """Local TP1 MLA, remote TP8 with DCP 8: pages are read from ranks 0..7, each its own pages (global
+    page ``j * 8 + r`` is rank ``r``'s list entry ``j``), and P ranks free after one reader each."""
+    from kvgeom.engine import EngineConfig
+    from kvgeom.geometry import rank_geometry
+    from kvgeom.pairing import Pairing
+    from kvgeom.plan import plan_request
+    from kvgeom.spec import MLASpec, ModelSpec
+
+    model = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)
+    d = rank_geometry(model, EngineConfig(tp_size=1, block_size=4, num_blocks=32))
+    ps = [rank_geometry(model, EngineConfig(tp_size=8, tp_rank=r, block_size=4, num_blocks=8, dcp_size=8))
+          for r in range(8)]
+    for compat in ("kvgeom", "vllm"):
+        pairing = Pairing.create(d, ps, "pull", compat)
+        assert pairing.targets == tuple(range(8)) and pairing.mapping.all_source_ranks == tuple(range(8))
+        # 40 tokens = 10 pages of 4: D's list 10 blocks (ids 10..19), P's 2 scheduler blocks (ids 3, 5)
+        plan = plan_request(pairing, [list(range(10, 20))], [[3, 5]], num_tokens=40)
+        by_rank = {t.remote_rank: t for t in plan.transfers}
+        assert sorted(by_rank) == list(range(8)) and plan.expected_notifications == 1
+        # rank 1 holds global pages 1 and 9: D blocks 11 and 19 <- its blocks 3 and 5, in both regions
+        assert by_rank[1].local_ids.tolist() == [11, 19, 32 + 11, 32 + 19]
+        assert by_rank[1].remote_ids.tolist() == [3, 5, 8 + 3, 8 + 5]
+        assert by_rank[2].local_ids.tolist() == [12, 32 + 12]  # global page 18 is past the request

@@ -158,7 +158,7 @@ def agent_metadata(geom: RankGeometry) -> NixlAgentMetadata:
         kv_cache_layout=layout_name(geom), block_size=geom.block_size,
         ssm_sizes=tuple(conv_split(geom).ssm_sizes) if geom.has_ssm else (0, 0), attn_backend_name="KVGEOM",
         physical_blocks_per_logical_kv_block=geom.ppl, region_num_blocks=[geom.num_blocks] * len(regions),
-        region_group_ids=region_group_ids(geom), dcp_size=1, pcp_size=1)
+        region_group_ids=region_group_ids(geom), dcp_size=geom.dcp_size, pcp_size=1)
 
 
 def consumer_worker(geom: RankGeometry, prefix_caching: bool) -> NixlConnectorWorker:
@@ -174,10 +174,10 @@ def consumer_worker(geom: RankGeometry, prefix_caching: bool) -> NixlConnectorWo
         engine_id="D", tp_rank=geom.tp_rank, world_size=geom.tp_size, block_size=geom.block_size,
         num_blocks=geom.num_blocks, _logical_num_blocks=geom.logical_num_blocks,
         _physical_blocks_per_logical_kv_block=geom.ppl, use_mla=geom.is_mla, _has_mamba=geom.has_ssm,
-        _is_csa_linear=False, dcp_size=1, dcp_rank=0, pcp_size=1,
+        _is_csa_linear=False, dcp_size=geom.dcp_size, dcp_rank=geom.dcp_rank, pcp_size=1,
         transfer_topo=TransferTopology(tp_rank=geom.tp_rank, tp_size=geom.tp_size, block_size=geom.block_size,
                                        engine_id="D", is_mla=geom.is_mla, is_mamba=geom.has_ssm,
-                                       total_num_kv_heads=heads, attn_backends=[], dcp_size=1),
+                                       total_num_kv_heads=heads, attn_backends=[], dcp_size=geom.dcp_size),
         block_len_per_layer=[r.block_len for r in regions], block_stride_per_layer=[r.block_stride for r in regions],
         region_num_blocks=[geom.num_blocks] * n, region_group_ids=gids, _uses_region_group_mapping=len(set(gids)) > 1,
         region_names=[r.name for r in regions], region_mem_types=["VRAM"] * n, _region_is_mla=[r.is_mla for r in regions],
@@ -247,10 +247,10 @@ def pull(d_geom: RankGeometry, p_geoms: list[RankGeometry], d_ids: list[list[int
          prefix_blocks: int, prefill_tokens: int, prefix_caching: bool) -> Pulled:
     """Run D rank ``d_geom``'s pull of one request through vLLM; vLLM's refusals propagate."""
     w = consumer_worker(d_geom, prefix_caching)
-    remote_tp = p_geoms[0].tp_size
-    for rank in w.transfer_topo.handshake_target_ranks(remote_tp, 1):
+    remote_tp, remote_dcp = p_geoms[0].tp_size, p_geoms[0].dcp_size
+    for rank in w.transfer_topo.handshake_target_ranks(remote_tp, remote_dcp):
         w._remote_agents["P"][(0, rank)] = w.add_remote_agent(agent_metadata(p_geoms[rank]), remote_tp_rank=rank,
-                                                              remote_tp_size=remote_tp, remote_dcp_size=1)
+                                                              remote_tp_size=remote_tp, remote_dcp_size=remote_dcp)
     computed = tuple(prefix_blocks if not g.is_ssm else 0 for g in d_geom.groups)
     local = [list(x) for x in d_ids]
     meta = ReqMeta(local_block_ids=local, local_physical_block_ids=w._logical_to_kernel_block_ids(local, d_geom.ppl),

@@ -52,6 +52,16 @@ def _cases():  # noqa: ANN202 - a hypothesis strategy
         lambda c: not c.pair.p_engine.kv_split and c.pair.p_engine.conv_layout is ConvLayout.DS)
 
 
+def _shape(case: kst.Case) -> None:
+    """Record what the case exercises (``--hypothesis-show-statistics``)."""
+    p, d, r = case.pair.p_engine, case.pair.d_engine, case.request
+    for name, on in (("DCP", p.dcp_size > 1 or d.dcp_size > 1), ("N-1 flow", r.p_tokens < r.num_tokens),
+                     ("prefix hit", r.prefix_blocks > 0), ("TP differs", p.tp_size != d.tp_size),
+                     ("kernel blocks differ", p.kernel != d.kernel), ("SSM", case.pair.model.has_ssm)):
+        if on:
+            event(f"shape: {name}")
+
+
 def _plan(case: kst.Case, compat: str) -> tuple[list, KvgeomError | None]:
     pair = case.pair
     try:
@@ -63,6 +73,7 @@ def _plan(case: kst.Case, compat: str) -> tuple[list, KvgeomError | None]:
 @settings(max_examples=E2E_EXAMPLES)
 @given(_cases())
 def test_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    _shape(case)
     vllm, vllm_moves, vllm_refused = _vllm(case)
     plans, refused = _plan(case, "vllm")
     if refused is not None:
@@ -93,6 +104,7 @@ def test_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
 @settings(max_examples=E2E_EXAMPLES)
 @given(_cases())
 def test_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    _shape(case)
     vllm, _, vllm_refused = _vllm(case)
     vllm_ok = vllm_refused is None and vllm.report().ok
     plans, refused = _plan(case, "kvgeom")

@@ -16,6 +16,7 @@ from kvgeom.exchange import (
     prefill_tokens,
     sliding_window_blocks,
 )
+from kvgeom.handshake import check_csa_linear_tp_layout
 from kvgeom.layerroute import (
     RegionTable,
     align_regions_by_layer,
@@ -141,3 +142,19 @@ def test_pp_window_without_routing() -> None:
     assert start == 4 and slice_regions(table, start, 4).bases == (400, 500, 600, 700)
     with pytest.raises(IncompatiblePairError):
         slice_regions(table, 6, 4)
+
+
+@pytest.mark.parametrize(("heads", "local_tp", "remote_tp", "ok"), [
+    (2, 1, 2, False), (2, 2, 1, False), (2, 1, 1, True), (2, 2, 4, True), (2, 4, 2, True),
+    (4, 2, 4, False), (4, 2, 2, True), (4, 4, 8, True),
+])
+def test_csa_linear_pairs_stay_on_one_side_of_the_head_boundary(heads: int, local_tp: int, remote_tp: int,
+                                                                ok: bool) -> None:
+    """Below the KV head count a page holds several heads, at or above it one: whole-block CSA-linear pages
+    only pair when both TP sizes are on the same side."""
+    if ok:
+        check_csa_linear_tp_layout(local_tp, remote_tp, heads)
+    else:
+        with pytest.raises(IncompatiblePairError) as info:
+            check_csa_linear_tp_layout(local_tp, remote_tp, heads)
+        assert info.value.values == {"local": local_tp, "remote": remote_tp}

@@ -55,3 +55,34 @@ def test_dcp_outside_what_kvgeom_plans_is_refused_in_both_modes() -> None:
             run(MLA, p, EngineConfig(tp_size=1, block_size=4, num_blocks=8), Request(9, [[1, 2]], [[1, 2, 3]]),
                 "push", compat)
         assert info.value.field == "dcp_size"
+
+
+ONE_GROUP = ModelSpec.from_layers("mamba2-1g", [AttentionSpec(2, 2, "float16"),
+                                                MambaSpec.mamba2(num_heads=2, head_dim=2, n_groups=1, state_size=2,
+                                                                 conv_kernel=2, conv_dtype="float16")])
+
+
+def test_replicated_b_and_c_across_tp_sizes() -> None:
+    """Mamba2 with one group at TP 2: B and C are whole on every rank; scaling them by the TP ratio (vLLM
+    issue 55208) reads P's C as B. vllm mode refuses the pair, kvgeom mode plans it from the sharding rule."""
+    from kvgeom.geometry import align_hybrid_block_size
+
+    p_block, d_block = align_hybrid_block_size(ONE_GROUP, 1, 4), align_hybrid_block_size(ONE_GROUP, 2, 4)
+    p = EngineConfig(tp_size=1, block_size=p_block, num_blocks=4)
+    d = EngineConfig(tp_size=2, block_size=d_block, num_blocks=4)
+    request = Request.simple(ONE_GROUP, p, d, 3)
+    with pytest.raises(UnsupportedError) as info:
+        run(ONE_GROUP, p, d, request, "pull", "vllm")
+    assert info.value.field == "tp_size" and "55208" in str(info.value)
+    assert run(ONE_GROUP, p, d, request, "pull", "kvgeom").ok
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_mamba_hybrid_with_different_ppl_refuses_prefix_caching(compat: str) -> None:
+    block = 8
+    p = EngineConfig(tp_size=1, block_size=block, kernel_block_size=block // 2, num_blocks=4)
+    d = EngineConfig(tp_size=1, block_size=block, num_blocks=4)
+    model = ModelSpec.from_layers("h", [AttentionSpec(2, 2, "float16"), MambaSpec.mamba1(2, 1, 2, "float16")])
+    with pytest.raises(IncompatiblePairError) as info:
+        run(model, p, d, Request.simple(model, p, d, 9), "pull", compat, prefix_caching=True)
+    assert info.value.field == "ppl" and info.value.values == {"local": 1, "remote": 2}

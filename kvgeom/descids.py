@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from .blocks import BlockIds, as_group_ids, check_positive_int
 from .errors import BlockIdError, GroupMismatchError
 
-__all__ = ["SHARED_GROUP", "Segments", "desc_segments", "segment_ids", "compute_desc_ids"]
+__all__ = ["SHARED_GROUP", "Segments", "desc_segments", "segment_ids", "apply_segments", "compute_desc_ids"]
 
 SHARED_GROUP = -1
 """A region group id meaning "viewed by several groups" (vLLM ``_SHARED_REGION_GROUP_ID``)."""
@@ -32,14 +33,26 @@ SHARED_GROUP = -1
 @dataclass(frozen=True, eq=False)
 class Segments:
     """An ordered segment table: segment ``k`` emits ``offset[k] + block_ids[group[k]]``, each id below
-    ``capacity[k]`` (``int64`` arrays of equal length)."""
+    ``capacity[k]`` (``int64`` arrays of equal length). ``grid`` marks vLLM's region-major path (every
+    region carries the groups ``grid`` in order), which is applied as one broadcast."""
 
     offset: np.ndarray
     group: np.ndarray
     capacity: np.ndarray
+    grid: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return int(self.offset.size)
+
+    @cached_property
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """``(group, first, end)`` of each run of consecutive segments of one group."""
+        if not self.group.size:
+            return ()
+        cuts = np.flatnonzero(np.diff(self.group)) + 1
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [self.group.size]])
+        return tuple((int(self.group[a]), int(a), int(b)) for a, b in zip(starts, ends))
 
 
 def _caps(region_num_blocks: Sequence[int] | None, count: int, nb: int, bsr: int, field: str) -> np.ndarray:
@@ -54,9 +67,10 @@ def _caps(region_num_blocks: Sequence[int] | None, count: int, nb: int, bsr: int
     return caps
 
 
-def _table(offsets: np.ndarray, groups: np.ndarray, caps: np.ndarray) -> Segments:
+def _table(offsets: np.ndarray, groups: np.ndarray, caps: np.ndarray, grid: tuple[int, ...] | None = None
+           ) -> Segments:
     return Segments(np.asarray(offsets, dtype=np.int64).reshape(-1), np.asarray(groups, dtype=np.int64).reshape(-1),
-                    np.asarray(caps, dtype=np.int64).reshape(-1))
+                    np.asarray(caps, dtype=np.int64).reshape(-1), grid)
 
 
 def desc_segments(
@@ -125,7 +139,7 @@ def desc_segments(
         attn = [g for g in range(num_groups) if g not in ssm_groups]
         if not mapped:
             grid = np.asarray(attn, dtype=np.int64)
-            return _table(np.repeat(offs, grid.size), np.tile(grid, count), np.repeat(caps, grid.size))
+            return _table(np.repeat(offs, grid.size), np.tile(grid, count), np.repeat(caps, grid.size), tuple(attn))
         rows = [(offs[m], np.full(int(m.sum()), g), caps[m]) for g in attn
                 for m in [(gids == g) | (gids == SHARED_GROUP)]]
         return _table(*(np.concatenate([np.zeros(0, np.int64)] + [r[i] for r in rows]) for i in range(3)))
@@ -161,7 +175,11 @@ def desc_segments(
 def segment_ids(segments: Segments, block_ids: BlockIds, group_is_ssm: Sequence[bool]) -> np.ndarray:
     """``concat_k(offset[k] + block_ids[group[k]])`` (``int64``); :class:`BlockIdError` for an id at or past
     its segment's capacity, :class:`GroupMismatchError` for ids of a group no segment carries."""
-    groups = as_group_ids(block_ids, group_is_ssm, "block_ids")
+    return apply_segments(segments, as_group_ids(block_ids, group_is_ssm, "block_ids"))
+
+
+def apply_segments(segments: Segments, groups: Sequence[np.ndarray]) -> np.ndarray:
+    """:func:`segment_ids` on ids that are already one 1-D ``int64`` array per group (a planner's own)."""
     sizes = np.asarray([g.size for g in groups], dtype=np.int64)
     used = np.zeros(len(groups), dtype=bool)
     used[segments.group] = True
@@ -177,11 +195,14 @@ def segment_ids(segments: Segments, block_ids: BlockIds, group_is_ssm: Sequence[
         g = int(segments.group[k])
         raise BlockIdError(f"block_ids[{g}]", f"block id {int(gmax[g])} out of range [0, {int(segments.capacity[k])})",
                            value=int(gmax[g]), expected=int(segments.capacity[k]))
-    counts = sizes[segments.group]
-    if not counts.sum():
-        return np.zeros(0, dtype=np.int64)
-    ids = np.concatenate([groups[g] for g in segments.group.tolist()])
-    return np.repeat(segments.offset, counts) + ids
+    if segments.grid is not None:  # region-major: every region carries the same groups, in order
+        v = np.concatenate([np.zeros(0, np.int64), *(groups[g] for g in segments.grid)])
+        regions = segments.offset[::max(len(segments.grid), 1)]
+        return (regions[:, None] + v[None, :]).reshape(-1)
+    # one broadcast per run of a group's segments (a loop over groups, never over blocks)
+    parts = [(segments.offset[a:b, None] + groups[g][None, :]).reshape(-1) for g, a, b in segments.runs
+             if groups[g].size]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def compute_desc_ids(
@@ -216,10 +237,10 @@ def compute_desc_ids(
                              region_num_blocks, region_group_ids, uses_region_group_mapping=uses_region_group_mapping,
                              transfer_layer_group_ids=transfer_layer_group_ids, scratch_groups=scratch_groups,
                              scratch_region_indices=scratch_region_indices, ple_group=ple_group)
+    groups = as_group_ids(block_ids, group_is_ssm, "block_ids")
     if ssm_region_indices is None and not transfer_layer_group_ids:
-        groups = as_group_ids(block_ids, group_is_ssm, "block_ids")
         for g, (ids, ssm) in enumerate(zip(groups, group_is_ssm, strict=True)):
             if ssm and ids.size:
                 raise GroupMismatchError(f"block_ids[{g}]", "SSM group has block ids but ssm_region_indices is None "
                                          "(no SSM regions)")
-    return segment_ids(segments, block_ids, group_is_ssm)
+    return apply_segments(segments, groups)

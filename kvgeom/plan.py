@@ -29,7 +29,7 @@ from .blocks import (
     map_block_ids_for_block_size_ratio,
 )
 from .dcp import apply_dcp_prefix_caching, global_pages
-from .descids import compute_desc_ids
+from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
 from .engine import KVLayout
 from .errors import BlockIdError, PlanError, UnsupportedError
@@ -208,11 +208,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
         if rows > 1:  # token-major pages cut per token: every attention unit becomes its token rows
             lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
             rg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(rg, kinds)]
-        rv = pairing.remote_view(rank)
-        r_desc = compute_desc_ids(rg, rv.num_blocks, rv.num_regions, rows if rows > 1 else None, rv.ppl, kinds,
-                                  rv.ssm_region_indices or None, rv.num_conv_pieces or 3)
-        l_desc = compute_desc_ids(lg, local.num_blocks, local.num_regions, pairing.local_rows, local.ppl, kinds,
-                                  local.ssm_region_indices or None, local.ssm.num_pieces if local.ssm else 3)
+        r_desc = apply_segments(_segments(pairing, "remote", rank), rg)
+        l_desc = apply_segments(_segments(pairing, "local", rank), lg)
         if r_desc.size != l_desc.size:
             raise PlanError("descriptor ids", f"{l_desc.size} local ids vs {r_desc.size} remote ids",
                             local=int(l_desc.size), remote=int(r_desc.size))
@@ -236,6 +233,24 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
             regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
+
+
+def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
+    """The descriptor-id segment table of one side of the transfer to/from ``rank`` (built once per
+    pairing: per request only the ids are gathered)."""
+    key = ("segments", side, rank)
+    if key not in pairing._cache:
+        kinds, rows = pairing.local.group_is_ssm, pairing.token_rows
+        if side == "remote":
+            v = pairing.remote_view(rank)
+            seg = desc_segments(len(kinds), v.num_blocks, v.num_regions, rows if rows > 1 else None, v.ppl, kinds,
+                                v.ssm_region_indices or None, v.num_conv_pieces or 3)
+        else:
+            g = pairing.local
+            seg = desc_segments(len(kinds), g.num_blocks, g.num_regions, pairing.local_rows, g.ppl, kinds,
+                                g.ssm_region_indices or None, g.ssm.num_pieces if g.ssm else 3)
+        pairing._cache[key] = seg
+    return pairing._cache[key]
 
 
 def _dcp_first(pairing: Pairing, n_local: int, num_tokens: int | None, group: int) -> int:

@@ -1,13 +1,25 @@
-"""kvgeom mode: pairing attention blocks by the tokens they hold, and zeroing what nothing wrote.
+"""Pairing attention blocks by the tokens they hold, and zeroing what nothing wrote.
 
 vLLM pairs a request's P and D block lists by counts (end-trim, front-trim, clip), which silently
 pairs the wrong tokens when the two sides' blocks span different token ranges: P blocks larger than
-D's, a prefix hit on D with different block sizes (vLLM issues and PR 51527). kvgeom places both
-lists on the token axis first. A list of ``n`` blocks of ``B`` tokens ends at the request's padded end
-``ceil(num_tokens / B) * B`` and so starts there minus ``n * B``; the transfer is the overlap, in units
-of the finer kernel block. Without ``num_tokens`` the starts are known only when both sides use the
-same block size (the lists end together) or when no prefix hit is possible (both start at token 0);
-otherwise the request is refused with a :class:`~kvgeom.errors.PlanError` asking for ``num_tokens``.
+D's, a prefix hit on D with different block sizes (vLLM issues and PR 51527), or a prefix hit in the
+N-1 flow. kvgeom places both lists on the token axis first, from two counts a connector knows:
+
+* ``num_tokens`` -- the tokens D holds blocks for (the request's prompt length ``N`` on D). D's list
+  of ``n`` blocks of ``B`` tokens is the uncached tail of its ``ceil(N / B)`` blocks, so it starts at
+  ``ceil(N / B) * B - n * B`` (a prefix hit skips whole blocks);
+* ``prefill_tokens`` -- the tokens P computed and sends (vLLM's ``remote_num_tokens``). P's full-attention
+  list starts at token 0 and ends at ``ceil(prefill_tokens / B)`` blocks; a sliding-window list ends
+  there too. P computes fewer tokens than D holds when D recomputes the last ones itself: a Mamba
+  hybrid's prefill stops at ``N - 1`` (the **N-1 flow**, :mod:`kvgeom.exchange`).
+
+The transfer is the overlap of the two lists, in units of the finer kernel block; the tokens in
+``[prefill_tokens, N)`` are D's to compute. A count that is not given is never guessed from block counts:
+only what holds whatever the counts are is used (P's full-attention list starts at token 0; without prefix
+caching D's full-attention list does too; P's sliding-window lists end where its full-attention lists
+do). Anything else is refused with a :class:`~kvgeom.errors.PlanError` that names the argument to pass.
+(Equal block sizes do not make the lists end together: when P backs off across a block boundary D holds a
+block more.)
 """
 
 from __future__ import annotations
@@ -21,38 +33,55 @@ from .errors import PlanError
 __all__ = ["list_starts", "overlap", "consumer_zero_rows"]
 
 
+def _producer_end(n_p: int, b_p: int, prefill_tokens: int | None, sliding: bool, p_end_hint: int | None,
+                  group: int) -> int:
+    if prefill_tokens is not None:
+        return math.ceil(prefill_tokens / b_p) * b_p
+    if not sliding:
+        return n_p * b_p  # a full-attention list starts at token 0
+    if p_end_hint is not None:
+        return p_end_hint
+    raise PlanError("prefill_tokens", f"group {group}: a sliding window's blocks on P end where P's computed tokens "
+                    "end, which its block counts do not tell here: pass prefill_tokens (the tokens P computed, "
+                    "vLLM's remote_num_tokens)", value=None)
+
+
 def list_starts(n_c: int, b_c: int, n_p: int, b_p: int, num_tokens: int | None, prefix_caching: bool,
-                sliding: bool, group: int) -> tuple[int, int]:
-    """First token of the consumer's and the producer's block list of one attention group. A full
-    attention producer sends the whole prompt: its list must start at token 0."""
-    c0, p0 = _starts(n_c, b_c, n_p, b_p, num_tokens, prefix_caching, sliding, group)
-    if p0 and not sliding:
-        raise PlanError(f"block_ids[{group}]", f"the producer's {n_p} blocks of {b_p} tokens do not cover the "
-                        f"consumer's {n_c} blocks of {b_c} tokens from token 0", local=n_c, remote=n_p)
-    return c0, p0
-
-
-def _starts(n_c: int, b_c: int, n_p: int, b_p: int, num_tokens: int | None, prefix_caching: bool,
-            sliding: bool, group: int) -> tuple[int, int]:
+                sliding: bool, group: int, prefill_tokens: int | None = None, *,
+                p_end_hint: int | None = None) -> tuple[int, int]:
+    """First token of the consumer's (``n_c`` blocks of ``b_c``) and the producer's (``n_p`` of ``b_p``)
+    list of one attention group; ``p_end_hint``: where the producer's full-attention lists of the same
+    request end (for a sliding group without ``prefill_tokens``)."""
+    if num_tokens is not None and num_tokens < 1:
+        raise PlanError("num_tokens", f"must be >= 1, got {num_tokens}", value=num_tokens)
+    if prefill_tokens is not None:
+        if prefill_tokens < 0 or (num_tokens is not None and prefill_tokens > num_tokens):
+            raise PlanError("prefill_tokens", f"{prefill_tokens} tokens computed by P for a request D holds "
+                            f"{num_tokens} tokens of", value=prefill_tokens, expected=num_tokens)
+    p_end = _producer_end(n_p, b_p, prefill_tokens, sliding, p_end_hint, group)
+    p0 = p_end - n_p * b_p
+    if p0 < 0 or (p0 and not sliding):
+        raise PlanError(f"block_ids[{group}]", f"P's {n_p} blocks of {b_p} tokens do not end where its {p_end} "
+                        "computed tokens (prefill_tokens, rounded up to a block) do", local=n_c, remote=n_p)
     if num_tokens is not None:
-        c0 = math.ceil(num_tokens / b_c) * b_c - n_c * b_c
-        p0 = math.ceil(num_tokens / b_p) * b_p - n_p * b_p
-        if c0 < 0 or p0 < 0:
-            raise PlanError(f"block_ids[{group}]", f"{n_c} consumer / {n_p} producer blocks are more than "
-                            f"{num_tokens} tokens need", local=n_c, remote=n_p)
+        c_end = math.ceil(num_tokens / b_c) * b_c
+        c0 = c_end - n_c * b_c
+        if c0 < 0:
+            raise PlanError(f"block_ids[{group}]", f"D's {n_c} blocks of {b_c} tokens are more than num_tokens="
+                            f"{num_tokens} need", local=n_c, remote=n_p)
+        if (n_p - 1) * b_p >= num_tokens and prefill_tokens is None and not sliding:
+            raise PlanError(f"block_ids[{group}]", f"P's {n_p} blocks of {b_p} tokens are more than num_tokens="
+                            f"{num_tokens} need", local=n_c, remote=n_p)
         return c0, p0
-    if b_c == b_p:  # both lists end at the same block boundary
-        end = max(n_c, n_p) * b_c
-        return end - n_c * b_c, end - n_p * b_p
-    if not prefix_caching and not sliding:  # both lists start at token 0
-        if abs(n_c * b_c - n_p * b_p) >= max(b_c, b_p):
-            raise PlanError(f"block_ids[{group}]", f"{n_c} blocks of {b_c} tokens and {n_p} of {b_p} cannot hold the "
-                            "same request from token 0 (a prefix hit?): pass num_tokens", local=n_c * b_c,
-                            remote=n_p * b_p)
-        return 0, 0
-    raise PlanError("num_tokens", f"block sizes differ ({b_c} vs {b_p} tokens) and the lists need not start at "
-                    "token 0 (prefix caching or a sliding window): pass the request's num_tokens to align them",
-                    local=b_c, remote=b_p)
+    if not prefix_caching and not sliding:
+        if n_c * b_c <= (n_p - 1) * b_p:  # D's whole list is shorter than what P computed: not from token 0
+            raise PlanError("num_tokens", f"group {group}: D's {n_c} blocks of {b_c} tokens hold fewer tokens than P's "
+                            f"{n_p} blocks of {b_p} computed (a prefix hit?): pass num_tokens (the tokens D holds "
+                            "blocks for) to place D's list", local=n_c * b_c, remote=n_p * b_p)
+        return 0, p0  # no prefix: D's list starts at token 0
+    why = "a prefix hit may skip its first blocks" if not sliding else "a sliding window keeps only its last blocks"
+    raise PlanError("num_tokens", f"group {group}: D's list need not start at token 0 ({why}): pass the request's "
+                    "num_tokens (the tokens D holds blocks for) to place it", local=n_c, remote=n_p)
 
 
 def overlap(c_start: int, n_c: int, p_start: int, n_p: int) -> tuple[int, int, int]:

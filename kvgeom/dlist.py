@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import PlanError
+from .splits import expand_strided
+from .strided import fa_local_rows, fa_remote_rows, mamba_local_rows
 
 __all__ = ["Dlist", "EngineView", "local_dlist", "remote_dlist", "routed_tables"]
 
@@ -159,26 +161,34 @@ def _fa_rows(lens: np.ndarray, strides: np.ndarray, nb: int, bsr: int) -> np.nda
     return rows.reshape(-1, 3)
 
 
+def _pseudo_bases(count: int) -> list[int]:
+    return [r << _REGION_SHIFT for r in range(count)]
+
+
+def _table(fa: np.ndarray, ssm: np.ndarray | None) -> Dlist:
+    """A table from strided rows on pseudo-addresses: attention rows, then SSM rows."""
+    rows = fa if ssm is None or not len(ssm) else np.concatenate([fa, ssm])
+    return Dlist.from_pseudo(expand_strided(rows), int(fa[:, 4].sum()))
+
+
 def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
     """This rank's whole-region table at ``bsr`` sub-blocks per kernel block (vLLM B.2.3 / B.6.1.4).
 
     Attention row ``r*NB*bsr + b*bsr + j`` is sub-block ``j`` of kernel block ``b`` of region ``r``; SSM
     rows follow, never ratio-expanded: per SSM region, per conv piece then the temporal state, one
-    row per logical block.
+    row per logical block (:func:`kvgeom.strided.fa_local_rows`, :func:`kvgeom.strided.mamba_local_rows`).
     """
     lens = np.asarray(view.block_lens, dtype=np.int64)
-    strides = np.asarray(view.block_strides, dtype=np.int64)
     if bsr < 1 or np.any(lens % bsr):
         raise PlanError("block_size_ratio", f"{bsr} does not divide every block length {view.block_lens}",
                         value=bsr, expected=view.block_lens)
-    fa = _fa_rows(lens, strides, view.num_blocks, bsr)
-    ssm = np.zeros((0, 3), dtype=np.int64)
+    bases = _pseudo_bases(view.num_regions)
+    fa = fa_local_rows(bases, view.block_lens, view.block_strides, [view.num_blocks] * view.num_regions, bsr)
+    ssm = None
     if view.ssm_sizes is not None and view.conv_offsets is not None:
-        regions = np.asarray(view.ssm_region_indices, dtype=np.int64)
-        page = strides[regions] * view.ppl
-        pieces = list(view.conv_offsets) + [(view.ssm_sizes[0], view.ssm_sizes[1])]
-        ssm = _ssm_rows(regions, page, view.logical_num_blocks, pieces)
-    return Dlist(np.concatenate([fa, ssm]), fa.shape[0])
+        ssm = mamba_local_rows(bases, view.block_strides, view.ssm_region_indices, view.conv_offsets,
+                               view.ssm_sizes, view.ppl, view.logical_num_blocks)
+    return _table(fa, ssm)
 
 
 def remote_dlist(local: EngineView, remote: EngineView, bsr: int, attn_reads: int, rank_offset_factor: int,
@@ -190,24 +200,21 @@ def remote_dlist(local: EngineView, remote: EngineView, bsr: int, attn_reads: in
     if local.num_regions != remote.num_regions:
         raise PlanError("num_regions", f"local has {local.num_regions} regions, remote {remote.num_regions}",
                         local=local.num_regions, remote=remote.num_regions)
-    llen = np.asarray(local.block_lens, dtype=np.int64)
-    rkv = llen // bsr
-    replicated = np.asarray(local.region_is_mla, dtype=bool)
-    length = np.where(replicated, rkv, rkv // max(attn_reads, 1))
-    offset = np.where(replicated, 0, rank_offset_factor * rkv)
-    nb = remote.num_blocks
-    rstride = np.asarray(remote.block_strides, dtype=np.int64)
-    rows = np.empty((local.num_regions, nb, 3), dtype=np.int64)
-    rows[..., 0] = np.arange(local.num_regions)[:, None]
-    rows[..., 1] = offset[:, None] + rstride[:, None] * np.arange(nb, dtype=np.int64)[None, :]
-    rows[..., 2] = length[:, None]
-    fa = rows.reshape(-1, 3)
-    ssm = np.zeros((0, 3), dtype=np.int64)
+    bases = _pseudo_bases(remote.num_regions)
+    fa = fa_remote_rows(bases, remote.block_strides, [remote.num_blocks] * remote.num_regions, local.block_lens,
+                        local.region_is_mla, bsr, max(attn_reads, 1), rank_offset_factor)
+    ssm = None
     if ssm_pieces is not None:
-        regions = np.asarray(local.ssm_region_indices, dtype=np.int64)
-        page = rstride[regions] * remote.ppl
-        ssm = _ssm_rows(regions, page, remote.logical_num_blocks, ssm_pieces)
-    return Dlist(np.concatenate([fa, ssm]), fa.shape[0])
+        ssm = _rows_over(bases, remote.block_strides, local.ssm_region_indices, ssm_pieces, remote.ppl,
+                         remote.logical_num_blocks)
+    return _table(fa, ssm)
+
+
+def _rows_over(bases: Sequence[int], strides: Sequence[int], regions: Sequence[int],
+               pieces: Sequence[tuple[int, int]], ppl: int, nbl: int) -> np.ndarray:
+    """Strided SSM rows of ``pieces`` in every region of ``regions`` (state pages ``stride * ppl`` apart)."""
+    return np.asarray([(int(bases[i]) + off, size, 0, int(strides[i]) * ppl, nbl)
+                       for i in regions for off, size in pieces], dtype=np.int64).reshape(-1, 5)
 
 
 def routed_tables(local: EngineView, remote: EngineView, local_rows: int, remote_rows: int,

@@ -43,9 +43,11 @@ def _parse_enum(cls: type[Enum], value: Any, name: str) -> Any:
 class EngineConfig:
     """One engine rank's cache configuration.
 
-    ``block_size`` is the scheduler's (logical) block in tokens; ``kernel_block_size`` the page the
-    attention kernel uses inside it (default: the logical block). ``num_blocks`` counts logical blocks
-    in the pool. ``kv_split`` stores K and V as two regions per layer instead of one packed K|V page.
+    ``block_size`` is a rank's (logical) block in tokens; ``kernel_block_size`` the page the attention
+    kernel uses inside it (default: the logical block). ``num_blocks`` counts logical blocks in the pool.
+    ``kv_split`` stores K and V as two regions per layer instead of one packed K|V page. ``dcp_size``
+    (decode context parallelism: 1, or the TP size) shards every request's pages over the ranks: the
+    scheduler's block is then ``dcp_size`` pages, one per rank (:mod:`kvgeom.dcp`).
     """
 
     tp_size: int
@@ -56,6 +58,7 @@ class EngineConfig:
     kv_layout: KVLayout = KVLayout.HEAD_MAJOR
     kv_split: bool = False
     conv_layout: ConvLayout = ConvLayout.DS
+    dcp_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "num_blocks"):
@@ -75,6 +78,9 @@ class EngineConfig:
                 value=kernel,
                 expected=self.block_size,
             )
+        if self.dcp_size not in (1, self.tp_size):
+            raise ConfigError("dcp_size", f"must be 1 (replicated) or the TP size {self.tp_size} (sharded), got "
+                              f"{self.dcp_size!r}", value=self.dcp_size, expected=self.tp_size)
         object.__setattr__(self, "kernel_block_size", kernel)
         object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
         object.__setattr__(self, "conv_layout", _parse_enum(ConvLayout, self.conv_layout, "conv_layout"))
@@ -89,6 +95,15 @@ class EngineConfig:
         """Physical (kernel) blocks per logical block."""
         return self.block_size // self.kernel
 
+    @property
+    def scheduler_block(self) -> int:
+        """Tokens of one entry of a request's block list: ``block_size`` pages of every DCP rank."""
+        return self.block_size * self.dcp_size
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.tp_rank % self.dcp_size
+
     def with_rank(self, rank: int) -> EngineConfig:
         return EngineConfig(**{**self._fields(), "tp_rank": rank})
 
@@ -99,6 +114,8 @@ class EngineConfig:
         d = asdict(self)
         d["kv_layout"] = self.kv_layout.value
         d["conv_layout"] = self.conv_layout.value
+        if self.dcp_size == 1:
+            del d["dcp_size"]  # cards of engines without DCP stay as they were
         return d
 
     @classmethod

@@ -177,6 +177,19 @@ class RankGeometry:
         return self.engine.block_size
 
     @property
+    def dcp_size(self) -> int:
+        return self.engine.dcp_size
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.engine.dcp_rank
+
+    @property
+    def scheduler_block(self) -> int:
+        """Tokens per entry of a request's block list (``logical_block_size * dcp_size``)."""
+        return self.engine.scheduler_block
+
+    @property
     def ppl(self) -> int:
         return self.engine.ppl
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .dcp import check_parallel_pair
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
 from .geometry import RankGeometry
 from .spec import AttentionSpec
 from .tp import tp_ratio as _tp_ratio
 
-__all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio"]
+__all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio", "check_csa_linear_tp_layout"]
 
 Compat = str  # "vllm" (refuse what vLLM 0.33.0 refuses) or "kvgeom" (lift refusals the oracle proves safe)
 
@@ -96,7 +97,13 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     if diff:
         raise IncompatiblePairError("model", f"P and D run different models: {diff}", local=local.model.name,
                                     remote=remote.model.name)
+    if compat == "vllm" and all(local.group_is_ssm):
+        raise UnsupportedError("model", "vLLM 0.33.0's NIXL connector needs an attention group (it builds its "
+                               "attention tables from the first one and fails at handshake without); kvgeom mode "
+                               "plans attention-free models", local=local.model.name, remote=remote.model.name)
     ratio = _tp_ratio(local.tp_size, remote.tp_size)
+    if local.dcp_size > 1 or remote.dcp_size > 1:
+        _check_dcp(local, remote, mode)
     bsr, split = block_size_ratio(local, remote, mode, compat)
     if local.num_regions != remote.num_regions:
         raise _err("num_regions", "both sides must register the same regions", local.num_regions,
@@ -110,9 +117,10 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
-        if local.engine.kv_layout.value != "head_major" and head_split and compat == "vllm":
-            raise _err("kv_layout", "heterogeneous TP splits heads, which needs a head-major layout (kvgeom mode "
-                       "cuts token-major pages per token)", local.engine.kv_layout.value, remote.engine.kv_layout.value)
+        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and remote.tp_size <= k:
+            raise _err("kv_layout", "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP "
+                       "unless the remote replicates its KV heads (kvgeom mode cuts token-major pages per token)",
+                       local.engine.kv_layout.value, remote.engine.kv_layout.value)
         if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
@@ -135,6 +143,34 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             local=local.block_size, remote=remote.block_size,
         )
     return PairShape(ratio, bsr, split)
+
+
+def _check_dcp(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
+    """Decode context parallelism (:mod:`kvgeom.dcp`): pages are matched by global position, which kvgeom
+    plans for pulls of pure MLA models with equal page geometry on both sides (vLLM's push path does not
+    match DCP pages at all)."""
+    check_parallel_pair(1, local.dcp_size, 1, remote.dcp_size, local.has_ssm)
+    if mode != "pull":
+        raise UnsupportedError("dcp_size", "decode context parallelism is planned for pulls only (vLLM's push path "
+                               "pairs blocks without their DCP positions)", local=local.dcp_size,
+                               remote=remote.dcp_size)
+    if local.has_ssm or not all(local.region_is_mla):
+        raise UnsupportedError("dcp_size", "kvgeom plans decode context parallelism for pure MLA models (vLLM scopes "
+                               "it to MLA)", local=local.dcp_size, remote=remote.dcp_size)
+    if local.block_size != remote.block_size or local.ppl != remote.ppl:
+        raise UnsupportedError("block_size", "with decode context parallelism kvgeom needs equal kernel and logical "
+                               "block sizes on both sides", local=(local.logical_block_size, local.block_size),
+                               remote=(remote.logical_block_size, remote.block_size))
+
+
+def check_csa_linear_tp_layout(local_tp: int, remote_tp: int, total_kv_heads: int) -> None:
+    """CSA-linear models transfer their shared pages as whole blocks, so both sides must lay out the main
+    KV pages alike: both TP sizes below the KV head count (several heads per page) or both at or above it
+    (one head per page). vLLM ``_validate_csa_linear_tp_layout``; a pair across the boundary is an
+    :class:`IncompatiblePairError`."""
+    if (local_tp < total_kv_heads) != (remote_tp < total_kv_heads):
+        raise IncompatiblePairError("tp_size", f"CSA-linear pairs need both TP sizes on the same side of the KV-head "
+                                    f"sharding boundary ({total_kv_heads} KV heads)", local=local_tp, remote=remote_tp)
 
 
 def _heads(spec: AttentionSpec, tp: int) -> int:

@@ -14,6 +14,7 @@ from functools import cached_property
 
 from .card import GeometryCard
 from .conv import remote_conv_offsets
+from .dcp import dcp_handshake_targets
 from .dlist import Dlist, EngineView, local_dlist, remote_dlist, routed_tables
 from .dtypes import dtype_size
 from .errors import IncompatiblePairError, UnsupportedError
@@ -21,7 +22,7 @@ from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
 from .route import Route, route
 from .splits import build_local_splits, expand_strided
-from .tp import TPMapping, compute_tp_mapping, handshake_targets, needs_split_local_handles
+from .tp import TPMapping, compute_tp_mapping, needs_split_local_handles
 
 __all__ = ["Pairing", "LocalKey"]
 
@@ -73,13 +74,13 @@ class Pairing:
                 raise IncompatiblePairError(f"remotes[{rank}].tp_rank", "card rank differs from its position",
                                             local=rank, remote=g.tp_rank)
         shape = check_pair(lg, first, mode, compat, prefix_caching)
-        targets = handshake_targets(lg.tp_rank, lg.tp_size, first.tp_size)
+        targets = dcp_handshake_targets(lg.tp_rank, lg.tp_size, lg.dcp_size, first.tp_size, first.dcp_size)
         missing = [t for t in targets if t not in rg]
         if missing:
             raise IncompatiblePairError("remotes", f"handshake targets {missing} have no card", value=missing,
                                         expected=list(targets))
         mapping = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
-                                     lg.group_is_ssm)
+                                     lg.group_is_ssm, lg.dcp_size, first.dcp_size)
         pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching)
         pairing._validate_routes()
         return pairing
@@ -113,6 +114,15 @@ class Pairing:
     @property
     def bsr(self) -> int:
         return self.shape.bsr
+
+    @property
+    def dcp_active(self) -> bool:
+        """Either side shards its pages by decode context parallelism: pages pair by global position."""
+        return self.local.dcp_size > 1 or self.remote_dcp > 1
+
+    @property
+    def remote_dcp(self) -> int:
+        return next(iter(self.remotes.values())).dcp_size
 
     @cached_property
     def token_rows(self) -> int:

@@ -13,6 +13,7 @@ B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descri
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +28,8 @@ from .blocks import (
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
 )
-from .descids import compute_desc_ids
+from .dcp import apply_dcp_prefix_caching, global_pages
+from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
 from .engine import KVLayout
 from .errors import BlockIdError, PlanError, UnsupportedError
@@ -150,12 +152,19 @@ def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
 
 
 def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, request_id: str = "req",
-                 remote_request_id: str | None = None, num_tokens: int | None = None) -> RequestPlan:
+                 remote_request_id: str | None = None, num_tokens: int | None = None,
+                 prefill_tokens: int | None = None) -> RequestPlan:
     """Plan one request. ``local_ids`` / ``remote_ids``: logical block ids per group on each side (in
     pull, local = D's blocks to fill, remote = P's blocks; in push the reverse). An empty local list
-    as a whole means nothing to transfer here (notification only). ``num_tokens`` (the request's
-    length) lets kvgeom mode align blocks by token when the two sides' block sizes differ and a prefix
-    hit or sliding window is possible (see :mod:`kvgeom.align`); vLLM mode pairs by counts."""
+    as a whole means nothing to transfer here (notification only).
+
+    The request's tokens (:mod:`kvgeom.align`): ``num_tokens`` is the number of tokens D holds blocks for
+    (the prompt length on D), ``prefill_tokens`` the number P computed and sends (vLLM's
+    ``remote_num_tokens``; fewer than ``num_tokens`` in the N-1 flow of Mamba hybrids, where D recomputes
+    the last token). Both modes place the lists on the token axis with them: kvgeom mode transfers the
+    overlap, vLLM mode pairs by counts as vLLM does and refuses where that would move the wrong tokens.
+    Either count may be omitted where the block counts determine it; otherwise the
+    :class:`~kvgeom.errors.PlanError` names the argument to pass."""
     local, mode = pairing.local, pairing.mode
     kinds = local.group_is_ssm
     empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
@@ -168,15 +177,23 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     lk = logical_to_kernel(lids, local.ppl, kinds)
     rk = logical_to_kernel(rids, rview.ppl, kinds)
     tag = remote_request_id if remote_request_id is not None else request_id
-    bsr, ratio = pairing.bsr, pairing.tp_ratio
-    expected = max(1, ratio)  # pull: P frees after D_TP/P_TP reads; push: D ends after P_TP/D_TP writes
+    bsr = pairing.bsr
+    # pull: P frees after the D ranks reading it have read (D_TP/P_TP, or DCP's count); push: D ends after P_TP
+    expected = pairing.mapping.local_consumers
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
-    exact = _aligned(pairing, lids, rids, lk, rk, num_tokens) if any_local else None
+    dcp = pairing.dcp_active
+    exact = _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local and not dcp else None
     aligned = exact if pairing.compat == "kvgeom" else None
     transfers = []
+    covered: list[np.ndarray] = []
     for rank in pairing.transfer_ranks if any_local else ():
         keep = pairing.group_mask(rank)
-        if aligned is not None:
+        if dcp:
+            lg, rg, pos = _dcp_lists(pairing, rank, _select(lids, keep), _select(rids, keep), num_tokens,
+                                     prefill_tokens)
+            covered.append(pos)
+            lg, rg = logical_to_kernel(lg, local.ppl, kinds), logical_to_kernel(rg, rview.ppl, kinds)
+        elif aligned is not None:
             lg, rg = _select(aligned[0], keep), _select(aligned[1], keep)
         else:
             lg, rg = _vllm_pair(pairing, _select(lk, keep), _select(rk, keep), rview)
@@ -192,11 +209,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
         if rows > 1:  # token-major pages cut per token: every attention unit becomes its token rows
             lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
             rg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(rg, kinds)]
-        rv = pairing.remote_view(rank)
-        r_desc = compute_desc_ids(rg, rv.num_blocks, rv.num_regions, rows if rows > 1 else None, rv.ppl, kinds,
-                                  rv.ssm_region_indices or None, rv.num_conv_pieces or 3)
-        l_desc = compute_desc_ids(lg, local.num_blocks, local.num_regions, pairing.local_rows, local.ppl, kinds,
-                                  local.ssm_region_indices or None, local.ssm.num_pieces if local.ssm else 3)
+        r_desc = apply_segments(_segments(pairing, "remote", rank), rg)
+        l_desc = apply_segments(_segments(pairing, "local", rank), lg)
         if r_desc.size != l_desc.size:
             raise PlanError("descriptor ids", f"{l_desc.size} local ids vs {r_desc.size} remote ids",
                             local=int(l_desc.size), remote=int(r_desc.size))
@@ -212,12 +226,103 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     regroup: tuple[Regroup, ...] = ()
     zero = np.zeros((0, 3), dtype=np.int64)
     if mode == "pull" and any_local:
-        if aligned is not None:
+        if dcp:
+            zero = _dcp_zero_rows(local, lids, covered) if pairing.compat == "kvgeom" else zero
+        elif aligned is not None:
             regroup, zero = _regroups(local, lk, bsr), _zero_rows(local, lk, bsr, aligned[2])
         else:
             regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
+
+
+def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
+    """The descriptor-id segment table of one side of the transfer to/from ``rank`` (built once per
+    pairing: per request only the ids are gathered)."""
+    key = ("segments", side, rank)
+    if key not in pairing._cache:
+        kinds, rows = pairing.local.group_is_ssm, pairing.token_rows
+        if side == "remote":
+            v = pairing.remote_view(rank)
+            seg = desc_segments(len(kinds), v.num_blocks, v.num_regions, rows if rows > 1 else None, v.ppl, kinds,
+                                v.ssm_region_indices or None, v.num_conv_pieces or 3)
+        else:
+            g = pairing.local
+            seg = desc_segments(len(kinds), g.num_blocks, g.num_regions, pairing.local_rows, g.ppl, kinds,
+                                g.ssm_region_indices or None, g.ssm.num_pieces if g.ssm else 3)
+        pairing._cache[key] = seg
+    return pairing._cache[key]
+
+
+def _dcp_first(pairing: Pairing, n_local: int, num_tokens: int | None, group: int) -> int:
+    """D's first list position (its cached scheduler blocks) in a DCP pull."""
+    if num_tokens is not None:
+        first = math.ceil(num_tokens / pairing.local.scheduler_block) - n_local
+        if first < 0:
+            raise PlanError(f"block_ids[{group}]", f"D's {n_local} blocks are more than num_tokens={num_tokens} need",
+                            value=n_local)
+        return first
+    if not pairing.prefix_caching:
+        return 0
+    raise PlanError("num_tokens", f"group {group}: with prefix caching D's pages start after its cached ones: pass "
+                    "num_tokens (the tokens D holds blocks for) to place them", value=None)
+
+
+def _dcp_lists(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray], num_tokens: int | None,
+               prefill_tokens: int | None) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """The logical ids remote rank ``rank`` supplies with DCP, per group, and the local list positions they
+    fill (``group * 2**32 + position``). Pages pair by global position (:mod:`kvgeom.dcp`): kvgeom mode
+    intersects the pages both hold (those P computed), vLLM mode uses vLLM's closed form and refuses when
+    it would pair other pages or leave a page P computed unread."""
+    local, remote = pairing.local, pairing.remotes[rank]
+    ld, d, rd, rr = local.dcp_size, local.dcp_rank, remote.dcp_size, remote.dcp_rank
+    page = local.logical_block_size
+    out_l, out_r, positions = [], [], []
+    for g, (lo, ro) in enumerate(zip(lids, rids)):
+        if not lo.size:
+            out_l.append(lo), out_r.append(ro[:0])
+            continue
+        first = _dcp_first(pairing, lo.size, num_tokens, g)
+        lpages, rpages = global_pages(first, lo.size, ld, d), global_pages(0, ro.size, rd, rr)
+        tokens = prefill_tokens if prefill_tokens is not None else num_tokens
+        limit = math.ceil(tokens / page) if tokens is not None else int(rpages.max(initial=-1)) + 1
+        _, li, ri = np.intersect1d(lpages, rpages[rpages < limit], return_indices=True)
+        if pairing.compat == "kvgeom":
+            a, b = lo[li], ro[ri]
+        else:
+            a, b = apply_dcp_prefix_caching(lo, ro, rank, ld, d, rd, first)
+            idx = np.argsort(lo)
+            got_l = lpages[idx[np.searchsorted(lo, a, sorter=idx)]] if a.size else a
+            idx = np.argsort(ro)
+            got_r = rpages[idx[np.searchsorted(ro, b, sorter=idx)]] if b.size else b
+            wrong = not np.array_equal(got_l, got_r)
+            missing = np.setdiff1d(lpages[li], got_l).size > 0
+            if wrong or missing:
+                raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0 would pair DCP pages {got_l[:4].tolist()}... "
+                                       f"with {got_r[:4].tolist()}...{' and leave pages P computed unread' if missing else ''}"
+                                       "; kvgeom mode pairs them by global page", local=got_l.tolist()[:8],
+                                       remote=got_r.tolist()[:8])
+            li = np.searchsorted(lpages, got_l)
+        out_l.append(np.asarray(a, dtype=np.int64)), out_r.append(np.asarray(b, dtype=np.int64))
+        positions.append((np.int64(g) << 32) + np.asarray(li, dtype=np.int64))
+    return out_l, out_r, np.concatenate([np.zeros(0, np.int64), *positions])
+
+
+def _dcp_zero_rows(consumer: RankGeometry, lids: list[np.ndarray], covered: list[np.ndarray]) -> np.ndarray:
+    """kvgeom mode, DCP: zero the D pages no source rank filled (pages holding no token P computed)."""
+    done = np.unique(np.concatenate([np.zeros(0, np.int64), *covered]))
+    rows = [np.zeros((0, 3), dtype=np.int64)]
+    for group, ids in zip(consumer.groups, lids):
+        if group.is_ssm or not ids.size:
+            continue
+        filled = done[(done >> 32) == group.index] & 0xFFFFFFFF
+        todo = np.setdiff1d(np.arange(ids.size), filled)
+        if not todo.size:
+            continue
+        kernel = (ids[todo][:, None] * consumer.ppl + np.arange(consumer.ppl)).reshape(-1)
+        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
+        rows.append(consumer_zero_rows(regions, kernel, 1, 0, 0, consumer.block_size, 1))
+    return np.concatenate(rows)
 
 
 def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rview: EngineView
@@ -252,25 +357,31 @@ def _same_tokens(lg: list[np.ndarray], rg: list[np.ndarray], el: list[np.ndarray
                 f"<- remote {er[g][:4].tolist()}...); kvgeom mode plans it", local=a.tolist()[:8], remote=b.tolist()[:8])
 
 
+def _sliding(group) -> bool:  # noqa: ANN001 - a Group
+    return getattr(group.spec, "sliding_window", None) is not None
+
+
 def _align_groups(consumer: RankGeometry, c_logical: list[np.ndarray], c_fine: list[np.ndarray],
                   producer_block: int, p_logical: list[np.ndarray], p_fine: list[np.ndarray], fine_tokens: int,
-                  num_tokens: int | None, prefix_caching: bool) -> list[tuple[int, int, int]]:
+                  num_tokens: int | None, prefix_caching: bool, prefill_tokens: int | None = None
+                  ) -> list[tuple[int, int, int]]:
     """Per group, ``(consumer position, producer position, count)`` of the fine units both hold (SSM
     groups: ``(0, 0, 0)``, they are paired by slot)."""
+    full = [g.index for g in consumer.groups if not g.is_ssm and not _sliding(g) and p_logical[g.index].size]
+    hint = p_logical[full[0]].size * producer_block if full else None  # where P's computed tokens end
     out = []
     for g, group in enumerate(consumer.groups):
         if group.is_ssm:
             out.append((0, 0, 0))
             continue
-        sliding = getattr(group.spec, "sliding_window", None) is not None
         c0, p0 = list_starts(c_logical[g].size, consumer.logical_block_size, p_logical[g].size, producer_block,
-                             num_tokens, prefix_caching, sliding, g)
+                             num_tokens, prefix_caching, _sliding(group), g, prefill_tokens, p_end_hint=hint)
         out.append(overlap(c0 // fine_tokens, c_fine[g].size, p0 // fine_tokens, p_fine[g].size))
     return out
 
 
 def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], lk: list[np.ndarray],
-             rk: list[np.ndarray], num_tokens: int | None
+             rk: list[np.ndarray], num_tokens: int | None, prefill_tokens: int | None = None
              ) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[int, int, int]]]:
     """kvgeom mode: the local and remote fine ids of every group, paired by token (attention) or by
     state slot (SSM, vLLM's slot rule), and each attention group's coverage on the consumer."""
@@ -281,10 +392,10 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
     if pull:
         spans = _align_groups(local, lids, lfine, rblock, rids, rk, rview.block_size, num_tokens,
-                              pairing.prefix_caching)
+                              pairing.prefix_caching, prefill_tokens)
     else:
         spans = _align_groups(remote, rids, rk, local.logical_block_size, lids, lfine, rview.block_size,
-                              num_tokens, pairing.prefix_caching)
+                              num_tokens, pairing.prefix_caching, prefill_tokens)
     empty = [x[:0] for x in lk]
     ssm_l, ssm_r = (_select(lk, kinds), _select(rk, kinds))
     if pull:
@@ -339,11 +450,12 @@ def _zero_rows(consumer: RankGeometry, kernel_ids: list[np.ndarray], units: int,
 
 
 def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: BlockIds,
-                 producer_ids: BlockIds, num_tokens: int | None = None, prefix_caching: bool = False
-                 ) -> tuple[tuple[Regroup, ...], np.ndarray]:
+                 producer_ids: BlockIds, num_tokens: int | None = None, prefix_caching: bool = False,
+                 prefill_tokens: int | None = None) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The post-receive step of a D rank that was written to (push): zero ranges of its own blocks,
-    from D's and P's logical ids of the request, aligned by token like the writer's plan. vLLM never
-    zeroes in push (B.6.1 item 9); kvgeom does, so no D block holds stale bytes."""
+    from D's and P's logical ids of the request, aligned by token like the writer's plan (``num_tokens``
+    and ``prefill_tokens`` as in :func:`plan_request`). vLLM never zeroes in push (B.6.1 item 9); kvgeom
+    does, so no D block holds stale bytes."""
     kinds = consumer.group_is_ssm
     dl = as_group_ids(consumer_ids, kinds, "consumer_ids")
     pl = as_group_ids(producer_ids, kinds, "producer_ids")
@@ -355,7 +467,7 @@ def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: B
     q = producer.block_size // consumer.block_size
     pfine = [k if ssm else get_mapped_blocks(k, q) for k, ssm in zip(pk, kinds)]
     spans = _align_groups(consumer, dl, dk, producer.logical_block_size, pl, pfine, consumer.block_size,
-                          num_tokens, prefix_caching)
+                          num_tokens, prefix_caching, prefill_tokens)
     return (), _zero_rows(consumer, dk, 1, spans)
 
 

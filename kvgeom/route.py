@@ -87,7 +87,8 @@ def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str
     p_rank = remote_rank if pull else local.tp_rank
     c_tp, p_tp = c_geom.tp_size, p_geom.tp_size
     kinds = local.group_is_ssm
-    cmap = compute_tp_mapping(c_rank, c_tp, p_tp, local.num_kv_heads, local.is_mla, kinds)
+    cmap = compute_tp_mapping(c_rank, c_tp, p_tp, local.num_kv_heads, local.is_mla, kinds, c_geom.dcp_size,
+                              p_geom.dcp_size)
     groups = tuple(p_rank in srcs for srcs in cmap.source_ranks_per_group)
     attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
     spec = local.model.attention_spec

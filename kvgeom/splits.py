@@ -92,11 +92,14 @@ def build_local_splits(
     region_is_mla: Sequence[bool] | None = None,
     region_num_blocks: Sequence[int] | None = None,
     allow_sharded_ratio: bool = False,
+    num_replicated_tail: int = 0,
 ) -> list[np.ndarray]:
     """One Nx5 strided dlist per source rank, in ``mapping.all_source_ranks`` order (index ``p``).
 
     Rows starting (flat index of their first descriptor) below ``num_fa_descs`` are FA, the rest SSM (a row
-    straddling the boundary is FA as a whole, as in vLLM).
+    straddling the boundary is FA as a whole, as in vLLM), except the last ``num_replicated_tail``
+    descriptors: a TP-replicated state page (the PLE page of CSA-linear models, one per logical block),
+    copied whole to every source rank.
     ``fa_splits = len(sources of the first attention group)``, ``ssm_splits = len(sources of the first SSM
     group)``. Per source rank: SPLIT FA rows ``len //= fa_splits, addr += slot_of(rank)*len``; SSM rows
     ``len //= ssm_splits, addr += p*len``; REPLICATE (MLA-region) FA rows untouched. Counts and strides never
@@ -127,11 +130,15 @@ def build_local_splits(
             value=nfa,
             expected=total,
         )
+    tail = check_positive_int(num_replicated_tail, "num_replicated_tail", minimum=0, error=PlanError)
+    if nfa > total - tail:
+        raise PlanError("num_replicated_tail", f"{tail} replicated descriptors overlap the {nfa} FA descriptors of "
+                        f"{total}", value=tail, expected=total - nfa)
     is_fa = starts < nfa  # by first descriptor, as vLLM: a row straddling the boundary counts as FA
     replicated = _replicated_fa_rows(starts[is_fa], bsr, region_is_mla, region_num_blocks, nfa)
     split_fa = np.zeros(rows.shape[0], dtype=bool)
     split_fa[np.flatnonzero(is_fa)[~replicated]] = True
-    is_ssm = ~is_fa
+    is_ssm = ~is_fa & (starts < total - tail)
     fa_ranks = _first_list(mapping, group_is_ssm, want_ssm=False)
     ssm_ranks = _first_list(mapping, group_is_ssm, want_ssm=True)
     fa_splits = len(fa_ranks) if fa_ranks else 1

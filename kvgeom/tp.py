@@ -1,6 +1,7 @@
 """TP mapping of vLLM's NIXL connector: who reads from whom (vLLM-compatible, primer B.1, B.3.1, B.3.7).
 
-All values are seen from the **local** rank (the reader in pull mode). No DCP (size 1 on both sides).
+All values are seen from the **local** rank (the reader in pull mode). With decode context parallelism
+(MLA only, :mod:`kvgeom.dcp`) the sources of a sharded remote are the ranks whose pages overlap ours.
 """
 
 from __future__ import annotations
@@ -118,30 +119,45 @@ def compute_tp_mapping(
     num_kv_heads: int,
     is_mla: bool,
     group_is_ssm: Sequence[bool],
+    local_dcp_size: int = 1,
+    remote_dcp_size: int = 1,
+    head_sharded_kv_heads: int | None = None,
 ) -> TPMapping:
-    """TP mapping of one local rank (vLLM ``compute_tp_mapping``, no DCP). With ``K = num_kv_heads``:
+    """TP mapping of one local rank (vLLM ``compute_tp_mapping``). With ``K = num_kv_heads``:
 
-    1. attention sources: MLA or ``local_tp >= remote_tp`` -> ``[local_rank*remote_tp // local_tp]``; else
+    0. ``head_sharded_kv_heads`` (a GQA draft under an MLA target) maps head-sharded KV with that many
+       heads: ``is_mla`` becomes false and ``K`` the draft's heads.
+    1. attention sources: MLA with ``remote_dcp_size > 1`` -> :func:`kvgeom.dcp.dcp_source_ranks`; else MLA
+       or ``local_tp >= remote_tp`` -> ``[local_rank*remote_tp // local_tp]``; else
        ``a = remote_tp // local_tp``, candidates ``local_rank*a + j`` (``j < a``), head of ``p`` =
        ``p*K // remote_tp``, first rank per distinct head kept (GQA dedup), ascending.
     2. SSM sources (only with an SSM group): all ``a`` candidates if ``local_tp < remote_tp``, else the
        attention sources.
     3. ``all_source_ranks = sorted(attn | ssm)``; per group the SSM or the attention list.
-    4. ``rank_to_attention_slot``, over ``all_source_ranks`` ascending: an attention source's index; any
-       other rank gets the slot of the attention source holding its head, else 0.
+    4. ``rank_to_attention_slot``, over ``all_source_ranks`` ascending: the index of the last attention
+       source holding the rank's head (``p*K // remote_tp``), else 0 (with GQA dedup an attention source
+       gets its own index; DCP sources of an MLA model all hold "head" 0 and share the last index).
     5. ``rank_offset_factor``: 0 if MLA or ``local_tp <= remote_tp``; ``local_rank*K//local_tp -
        attn[0]*K//remote_tp`` if ``local_tp > K``; else ``local_rank % (local_tp // remote_tp)``.
-    6. ``local_consumers = max(1, tp_ratio)``.
+    6. ``local_consumers``: :func:`kvgeom.dcp.dcp_consumer_count` (``max(1, tp_ratio)`` without DCP).
     """
-    ratio = tp_ratio(local_tp, remote_tp)
+    from .dcp import dcp_consumer_count, dcp_rank, dcp_source_ranks
+
+    tp_ratio(local_tp, remote_tp)
     local_rank = _check_rank(local_rank, local_tp)
+    if head_sharded_kv_heads is not None:
+        is_mla = False
+        num_kv_heads = head_sharded_kv_heads
     k = check_positive_int(num_kv_heads, "num_kv_heads", error=SpecError)
     if local_tp >= remote_tp:
         candidates = [local_rank * remote_tp // local_tp]
     else:
         a = remote_tp // local_tp
         candidates = [local_rank * a + j for j in range(a)]
-    if is_mla or local_tp >= remote_tp:
+    if is_mla and remote_dcp_size > 1:
+        attn = list(dcp_source_ranks(dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp,
+                                     remote_dcp_size))
+    elif is_mla or local_tp >= remote_tp:
         attn = [local_rank * remote_tp // local_tp]
     else:
         seen: set[int] = set()
@@ -154,11 +170,8 @@ def compute_tp_mapping(
     has_ssm = any(group_is_ssm)
     ssm = (candidates if local_tp < remote_tp else attn) if has_ssm else []
     all_ranks = tuple(sorted(set(attn) | set(ssm)))
-    attn_slot = {p: i for i, p in enumerate(attn)}
-    head_slot = {p * k // remote_tp: i for i, p in enumerate(attn)}
-    slots = tuple(
-        (r, attn_slot[r] if r in attn_slot else head_slot.get(r * k // remote_tp, 0)) for r in all_ranks
-    )
+    head_slot = {p * k // remote_tp: i for i, p in enumerate(attn)}  # the last source of a head wins
+    slots = tuple((r, head_slot.get(r * k // remote_tp, 0)) for r in all_ranks)
     if is_mla or local_tp <= remote_tp:
         offset = 0
     elif local_tp > k:
@@ -170,7 +183,7 @@ def compute_tp_mapping(
         all_source_ranks=all_ranks,
         rank_to_attention_slot=slots,
         rank_offset_factor=offset,
-        local_consumers=max(1, ratio),
+        local_consumers=dcp_consumer_count(local_tp, local_dcp_size, remote_tp, remote_dcp_size),
     )
 
 

@@ -9,6 +9,8 @@ Layout facts (kernel block ``kb``, ``ppl = block_size // kb``):
 
 * attention token ``t`` of group ``g`` is in the request's logical block ``i = (t - first) // B``,
   pool id ``ids[g][i]``, kernel block ``id * ppl + ((t - first) % B) // kb``, position ``n = t % kb``;
+  with decode context parallelism (``dcp`` ranks) entry ``j`` of rank ``d``'s list holds the tokens of
+  global page ``(first / (B * dcp) + j) * dcp + d``;
   kernel block ``b`` of a region starts at byte ``b * block_stride``;
 * packed K|V page: head-major ``[H, kb, C]`` or token-major ``[kb, H, C]`` with
   ``C = (head_size + head_size_v) * e`` bytes per token-head, K bytes first; split K/V regions hold
@@ -109,7 +111,9 @@ def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLAS
     eng = geom.engine
     bs, kb, ppl = eng.block_size, eng.kernel, eng.ppl
     pos = np.arange(blocks.size * bs, dtype=np.int64)  # position within the request's blocks
-    tokens = first_token + pos
+    # list entry j of DCP rank d holds global page (first + j) * dcp + d (dcp 1: the request's j-th block)
+    first_block = first_token // eng.scheduler_block
+    tokens = ((first_block + pos // bs) * eng.dcp_size + eng.dcp_rank) * bs + pos % bs
     kblock = blocks[pos // bs] * ppl + (pos % bs) // kb
     n = pos % kb
     role = np.where(tokens < num_tokens, NEEDED, OPTIONAL)[:, None]

@@ -26,16 +26,20 @@ def _ids(x: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
 class Request:
     """One request to move from P to D.
 
-    ``p_ids[g]`` are P's logical block ids of group ``g`` (attention groups: ``ceil(num_tokens / P block)``
-    blocks covering every token; SSM groups: one state slot); ``d_ids[g]`` the same on D, without D's
-    ``prefix_blocks`` leading blocks that are already cached (their tokens are not transferred). All
-    groups of one engine share one pool: ids are distinct across groups on one side.
+    ``num_tokens`` is the request's length on D (D holds ``ceil(num_tokens / D block)`` blocks);
+    ``prefill_tokens`` (default ``num_tokens``) the tokens P computed: in the N-1 flow of Mamba hybrids P
+    stops short and D recomputes the rest (:mod:`kvgeom.exchange`). ``p_ids[g]`` are P's logical block
+    ids of group ``g`` (attention groups: ``ceil(prefill_tokens / P block)`` blocks covering every
+    computed token; SSM groups: one state slot); ``d_ids[g]`` D's (``ceil(num_tokens / D block)``
+    blocks), without its ``prefix_blocks`` leading blocks that are already cached (their tokens are not
+    transferred). All groups of one engine share one pool: ids are distinct across groups on one side.
     """
 
     num_tokens: int
     p_ids: tuple[tuple[int, ...], ...]
     d_ids: tuple[tuple[int, ...], ...]
     prefix_blocks: int = 0
+    prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "p_ids", _ids(self.p_ids))
@@ -43,21 +47,30 @@ class Request:
         if self.num_tokens < 1 or self.prefix_blocks < 0:
             raise RequestError(f"num_tokens must be >= 1 and prefix_blocks >= 0, got {self.num_tokens}, "
                                f"{self.prefix_blocks}")
+        if self.prefill_tokens is not None and not 1 <= self.prefill_tokens <= self.num_tokens:
+            raise RequestError(f"prefill_tokens must lie in [1, num_tokens={self.num_tokens}], got "
+                               f"{self.prefill_tokens}")
+
+    @property
+    def p_tokens(self) -> int:
+        """The tokens P computed (``prefill_tokens``, default ``num_tokens``)."""
+        return self.num_tokens if self.prefill_tokens is None else self.prefill_tokens
 
     @classmethod
     def simple(cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, num_tokens: int,
-               prefix_blocks: int = 0, first_id: int = 1) -> Request:
+               prefix_blocks: int = 0, first_id: int = 1, prefill_tokens: int | None = None) -> Request:
         """Consecutive ids from ``first_id`` on both sides (block 0 stays free as a neighbour)."""
         sides = []
-        for engine, prefix in ((p_engine, 0), (d_engine, prefix_blocks)):
+        computed = num_tokens if prefill_tokens is None else prefill_tokens
+        for engine, tokens, prefix in ((p_engine, computed, 0), (d_engine, num_tokens, prefix_blocks)):
             groups = engine_geometries(model, engine)[0].groups
             nxt, ids = first_id, []
             for g in groups:
-                n = 1 if g.is_ssm else math.ceil(num_tokens / engine.block_size) - prefix
+                n = 1 if g.is_ssm else math.ceil(tokens / engine.scheduler_block) - prefix
                 ids.append(tuple(range(nxt, nxt + n)))
                 nxt += n
             sides.append(tuple(ids))
-        return cls(num_tokens, sides[0], sides[1], prefix_blocks)
+        return cls(num_tokens, sides[0], sides[1], prefix_blocks, prefill_tokens)
 
 
 def check_side(name: str, ids: tuple[tuple[int, ...], ...], geom: RankGeometry, want: int) -> None:

@@ -5,8 +5,9 @@ Every byte of every rank's regions carries an ``int64`` *tag* (:mod:`kvgeom.test
 * on P, a byte of the request's blocks holds the tag of its logical coordinate; every other P byte
   (neighbours' blocks, page padding) a *location* tag naming itself, so a read from the wrong place
   is caught, not just a missing one;
-* on D, the request's destination blocks start as ``POISON``; every other D byte holds its own
-  location tag, so any change outside the request is caught.
+* on D, the request's destination blocks start as ``POISON`` (those holding only tokens D computes
+  itself, in the N-1 flow, as ``ZERO``: the engine zeroed them when it allocated them); every other D
+  byte holds its own location tag, so any change outside the request is caught.
 
 The expected D content comes from :mod:`kvgeom.testing._layout`, an independent per-element model of
 the layout (never the planner's address arithmetic). Moves are executed as plain copies, then the
@@ -15,7 +16,8 @@ consumer's post-receive step (regroup, then zero ranges), then :meth:`Oracle.rep
 * **I1** every D byte outside the request's blocks is unchanged;
 * **I2** every written content byte holds the coordinate D's layout expects; descriptor pairs have equal
   lengths;
-* **I3** every needed byte (tokens in ``[prefix tokens, num_tokens)``, the whole SSM state) holds it;
+* **I3** every needed byte (tokens in ``[prefix tokens, prefill tokens)``: those P computed and D has not,
+  and the whole SSM state) holds it;
 * **I4** every other content byte of the destination blocks holds its coordinate or ``ZERO``;
 * **I5** no content byte is written twice with different tags (padding may take any bytes);
 * **I6** every move, zero range and regroup lies inside its region (and every descriptor id inside its table).
@@ -70,24 +72,41 @@ class Oracle:
         for side, geoms in (("P", self.p), ("D", self.d)):
             if [g.tp_rank for g in geoms] != list(range(len(geoms))):
                 raise RequestError(f"{side} geometries must be ranks 0..{len(geoms) - 1} in order")
-        n = request.num_tokens
-        pb, db = self.p[0].logical_block_size, self.d[0].logical_block_size
-        check_side("p_ids", request.p_ids, self.p[0], math.ceil(n / pb))
+        n, computed = request.num_tokens, request.p_tokens
+        pb, db = self.p[0].scheduler_block, self.d[0].scheduler_block  # tokens per list entry (x DCP pages)
+        check_side("p_ids", request.p_ids, self.p[0], math.ceil(computed / pb))
         check_side("d_ids", request.d_ids, self.d[0], math.ceil(n / db) - request.prefix_blocks)
         self.prefix_tokens = request.prefix_blocks * db
         attn = [g for g in self.p[0].groups if not g.is_ssm]
         max_tokens = max([n, *(len(request.p_ids[g.index]) * pb for g in attn),
                           *(self.prefix_tokens + len(request.d_ids[g.index]) * db for g in attn)])
         self.space = CoordSpace(model, max_tokens)
-        p_images = [rank_image(g, self.space, request.p_ids, 0, n) for g in self.p]
-        self.d_images: list[RankImage] = [rank_image(g, self.space, request.d_ids, self.prefix_tokens, n)
+        # tokens past P's computed ones are D's to compute: needed on D are [prefix, computed)
+        p_images = [rank_image(g, self.space, request.p_ids, 0, computed) for g in self.p]
+        self.d_images: list[RankImage] = [rank_image(g, self.space, request.d_ids, self.prefix_tokens, computed)
                                           for g in self.d]
         self.src = [[np.where(t >= 0, t, location_tags(P_SIDE, img.rank, r, np.arange(t.size)))
                      for r, t in enumerate(img.tags)] for img in p_images]
         self.dst = [[np.where(role == OUTSIDE, location_tags(D_SIDE, img.rank, r, np.arange(role.size)), POISON)
                      for r, role in enumerate(img.role)] for img in self.d_images]
+        for geom in self.d:
+            self._zero_own_blocks(geom, request, computed)
         self.writer = [[np.full(a.size, _UNWRITTEN, dtype=np.int64) for a in regions] for regions in self.dst]
         self.result = Report(limit=limit)
+
+    def _zero_own_blocks(self, geom: RankGeometry, request: Request, computed: int) -> None:
+        """D's blocks (pages, with DCP) that hold no token P computed are D's own: allocated for tokens D
+        computes itself (the N-1 flow, or DCP pages past the request's end), written by D before it reads
+        them. They start as ``ZERO`` (vLLM zeroes every new block of a Mamba hybrid that no load writes,
+        ``KVCacheConfig.needs_kv_cache_zeroing``), not ``POISON``: a transfer may leave them alone, and one
+        that writes another coordinate there is still caught (I2)."""
+        page, dcp, first = geom.logical_block_size, geom.dcp_size, request.prefix_blocks
+        own = [b for g, ids in zip(geom.groups, request.d_ids) if not g.is_ssm
+               for i, b in enumerate(ids) if ((first + i) * dcp + geom.dcp_rank) * page >= computed]
+        for block in own:
+            for region in geom.regions:
+                span = geom.ppl * region.block_stride
+                self.dst[geom.tp_rank][region.index][block * span:(block + 1) * span] = ZERO
 
     @classmethod
     def for_engines(cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig,
@@ -273,56 +292,70 @@ def _prefix_caching(request: Request, prefix_caching: bool | None) -> bool:
     return request.prefix_blocks > 0 if prefix_caching is None else prefix_caching
 
 
+def _told(request: Request, tell_num_tokens: bool, tell_prefill_tokens: bool | None) -> tuple[int | None, int | None]:
+    """The token counts a planner is told: ``num_tokens`` and ``prefill_tokens`` (the latter, by default,
+    when the former is)."""
+    tell_p = tell_num_tokens if tell_prefill_tokens is None else tell_prefill_tokens
+    return (request.num_tokens if tell_num_tokens else None), (request.p_tokens if tell_p else None)
+
+
 def _plans(mode: str, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-           compat: str, prefix_caching: bool | None, tell_num_tokens: bool) -> list[RankPlan]:
+           compat: str, prefix_caching: bool | None, tell_num_tokens: bool,
+           tell_prefill_tokens: bool | None = None) -> list[RankPlan]:
     """Every local rank (D in pull, P in push) paired with the other engine's ranks, and its plan."""
     p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
     local, remote = (d_geoms, p_geoms) if mode == "pull" else (p_geoms, d_geoms)
     local_ids, remote_ids = (request.d_ids, request.p_ids) if mode == "pull" else (request.p_ids, request.d_ids)
-    n = request.num_tokens if tell_num_tokens else None
+    n, computed = _told(request, tell_num_tokens, tell_prefill_tokens)
     out = []
     for geom in local:
         pairing = Pairing.create(geom, remote, mode, compat, _prefix_caching(request, prefix_caching))
-        out.append(RankPlan(geom.tp_rank, pairing, plan_request(pairing, local_ids, remote_ids, num_tokens=n)))
+        plan = plan_request(pairing, local_ids, remote_ids, num_tokens=n, prefill_tokens=computed)
+        out.append(RankPlan(geom.tp_rank, pairing, plan))
     return out
 
 
 def pull_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
                compat: str = "kvgeom", prefix_caching: bool | None = None, *,
-               tell_num_tokens: bool = True) -> list[RankPlan]:
+               tell_num_tokens: bool = True, tell_prefill_tokens: bool | None = None) -> list[RankPlan]:
     """Every D rank paired with the P ranks (pull) and its plan for ``request``. The pairs are made with
     ``prefix_caching`` (default: whether the request has a prefix hit); the planner is told the request's
-    ``num_tokens`` unless ``tell_num_tokens`` is false."""
-    return _plans("pull", model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens)
+    ``num_tokens`` unless ``tell_num_tokens`` is false, and its ``prefill_tokens`` unless
+    ``tell_prefill_tokens`` (default: ``tell_num_tokens``) is false."""
+    return _plans("pull", model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens,
+                  tell_prefill_tokens)
 
 
 def push_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
                compat: str = "kvgeom", prefix_caching: bool | None = None, *,
-               tell_num_tokens: bool = True) -> list[RankPlan]:
+               tell_num_tokens: bool = True, tell_prefill_tokens: bool | None = None) -> list[RankPlan]:
     """Every P rank paired with the D ranks (push) and its plan for ``request`` (options as in
     :func:`pull_plans`)."""
-    return _plans("push", model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens)
+    return _plans("push", model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens,
+                  tell_prefill_tokens)
 
 
 def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-              plans: Sequence[RankPlan], oracle: Oracle | None = None, *, tell_num_tokens: bool = True) -> Report:
+              plans: Sequence[RankPlan], oracle: Oracle | None = None, *, tell_num_tokens: bool = True,
+              tell_prefill_tokens: bool | None = None) -> Report:
     """Execute ``plans`` (from :func:`pull_plans` or :func:`push_plans`, possibly altered) and check them.
-    After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.receive_step` (told ``num_tokens``
-    unless ``tell_num_tokens`` is false, and the pairs' ``prefix_caching``)."""
+    After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.receive_step` (told the token counts
+    as in :func:`pull_plans`, and the pairs' ``prefix_caching``)."""
     oracle = oracle or Oracle.for_engines(model, p_engine, d_engine, request)
     for rp in plans:
         oracle.run_plan(rp)
     if plans and plans[0].plan.mode == "push":
-        n = request.num_tokens if tell_num_tokens else None
+        n, computed = _told(request, tell_num_tokens, tell_prefill_tokens)
         caching = plans[0].pairing.prefix_caching
         for d in oracle.d:
-            regroups, zero = receive_step(d, oracle.p[0], request.d_ids, request.p_ids, n, caching)
+            regroups, zero = receive_step(d, oracle.p[0], request.d_ids, request.p_ids, n, caching, computed)
             oracle.receive(d.tp_rank, regroups, zero, f"push receive step of D rank {d.tp_rank}")
     return oracle.report()
 
 
 def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request, mode: str = "pull",
-        compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True) -> Report:
+        compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True,
+        tell_prefill_tokens: bool | None = None) -> Report:
     """Plan ``request`` with kvgeom on every local rank (D in pull, P in push), execute the plans and the
     D ranks' post-receive steps, and check I1-I6. A pair or request kvgeom refuses raises its
     :class:`~kvgeom.errors.KvgeomError`. Options as in :func:`pull_plans`."""
@@ -330,20 +363,25 @@ def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, reques
         raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}")
     oracle = Oracle.for_engines(model, p_engine, d_engine, request)  # checks the request first
     make = pull_plans if mode == "pull" else push_plans
-    plans = make(model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens=tell_num_tokens)
-    return run_plans(model, p_engine, d_engine, request, plans, oracle, tell_num_tokens=tell_num_tokens)
+    told = dict(tell_num_tokens=tell_num_tokens, tell_prefill_tokens=tell_prefill_tokens)
+    plans = make(model, p_engine, d_engine, request, compat, prefix_caching, **told)
+    return run_plans(model, p_engine, d_engine, request, plans, oracle, **told)
 
 
 def run_pull(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-             compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True) -> Report:
+             compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True,
+             tell_prefill_tokens: bool | None = None) -> Report:
     """:func:`run` in pull mode: every D rank plans its reads, executes them, regroups and zeroes."""
-    return run(model, p_engine, d_engine, request, "pull", compat, prefix_caching, tell_num_tokens=tell_num_tokens)
+    return run(model, p_engine, d_engine, request, "pull", compat, prefix_caching, tell_num_tokens=tell_num_tokens,
+               tell_prefill_tokens=tell_prefill_tokens)
 
 
 def run_push(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-             compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True) -> Report:
+             compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True,
+             tell_prefill_tokens: bool | None = None) -> Report:
     """:func:`run` in push mode: every P rank plans its writes; then every D rank's receive step."""
-    return run(model, p_engine, d_engine, request, "push", compat, prefix_caching, tell_num_tokens=tell_num_tokens)
+    return run(model, p_engine, d_engine, request, "push", compat, prefix_caching, tell_num_tokens=tell_num_tokens,
+               tell_prefill_tokens=tell_prefill_tokens)
 
 
 def check_moves(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,

@@ -10,7 +10,8 @@ choices are ``sampled_from`` lists in order of simplicity and small integers are
   layouts); a hybrid's block size comes from :func:`~kvgeom.geometry.align_hybrid_block_size`, so the
   attention page holds the SSM state (TP-dependent, as in vLLM);
 * :func:`pd_pairs` -- a :class:`PDPair` (model, P engine, D engine, mode, compat) that
-  :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank;
+  :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank (MLA pulls sometimes with decode
+  context parallelism on either side);
 * :func:`requests` -- a :class:`~kvgeom.testing.oracle.Request` for a pair: token count, sparse and
   shuffled block ids, prefix hits on D;
 * :func:`cases` -- a :class:`Case` (pair + request); ``case.run()`` returns the oracle's report.
@@ -35,6 +36,7 @@ from hypothesis import strategies as st
 
 from ..engine import ConvLayout, EngineConfig, KVLayout
 from ..errors import KvgeomError
+from ..exchange import prefill_tokens
 from ..geometry import align_hybrid_block_size
 from ..pairing import Pairing
 from ..spec import AttentionSpec, LayerSpec, MambaSpec, MLASpec, ModelSpec, Shard
@@ -146,9 +148,9 @@ def _block_size(draw: st.DrawFn, model: ModelSpec, tp: int) -> int:
 
 
 def _engine(model: ModelSpec, tp: int, block: int, kernel: int, num_blocks: int, layout: KVLayout,
-            kv_split: bool, conv: ConvLayout) -> EngineConfig:
+            kv_split: bool, conv: ConvLayout, dcp: int = 1) -> EngineConfig:
     return EngineConfig(tp_size=tp, block_size=block, num_blocks=num_blocks, kernel_block_size=kernel,
-                        kv_layout=layout, kv_split=kv_split, conv_layout=conv)
+                        kv_layout=layout, kv_split=kv_split, conv_layout=conv, dcp_size=dcp)
 
 
 def _group_count(model: ModelSpec) -> int:
@@ -205,7 +207,8 @@ class PDPair:
 
     def __str__(self) -> str:
         def eng(e: EngineConfig) -> str:
-            return (f"TP{e.tp_size} block {e.block_size}/kernel {e.kernel} x{e.num_blocks}"
+            return (f"TP{e.tp_size}{f' DCP{e.dcp_size}' if e.dcp_size > 1 else ''} block {e.block_size}/kernel "
+                    f"{e.kernel} x{e.num_blocks}"
                     f"{' ' + e.kv_layout.value if e.kv_layout is not KVLayout.HEAD_MAJOR else ''}"
                     f"{' kv_split' if e.kv_split else ''}{' SD' if e.conv_layout is ConvLayout.SD else ''}")
         kinds = ",".join(la.kind.value for la in self.model.layers)
@@ -246,8 +249,16 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
     conv = draw(st.sampled_from((ConvLayout.DS, ConvLayout.SD))) if model.has_ssm and p_tp == d_tp else ConvLayout.DS
     groups = _group_count(model)
     p_nb, d_nb = (draw(st.integers(groups + 1, 3 * groups + 6)) for _ in range(2))
-    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv)
-    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv)
+    p_dcp = d_dcp = 1
+    if mode == "pull" and model.is_mla and not model.has_ssm and draw(st.integers(0, 2)) == 0:
+        # decode context parallelism: pages of a request sharded over the ranks (equal page geometry)
+        p_dcp, d_dcp = draw(st.sampled_from((p_tp, 1))), draw(st.sampled_from((d_tp, 1)))
+        if p_dcp % d_dcp and d_dcp % p_dcp:
+            p_dcp = d_dcp = 1
+        elif p_dcp > 1 or d_dcp > 1:
+            d_block, d_kernel = p_block, p_kernel
+    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv, p_dcp)
+    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv, d_dcp)
     prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
     pair = PDPair(model, p, d, mode, compat, prefix_caching)
     try:
@@ -261,12 +272,14 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
 @st.composite
 def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     """A request fitting both pools: token count, P and D ids drawn as shuffled, sparse pool slices
-    (SSM groups one slot each), and, if the pair caches prefixes, a hit on some leading D blocks."""
+    (SSM groups one slot each), and, if the pair caches prefixes, a hit on some leading D blocks. P may
+    stop short of the last tokens (the N-1 flow: backoff 1 for SSM models as vLLM does, sometimes 0 or a
+    lookahead window; sometimes 1 for others), so D may hold a block more than P sent."""
     p_geom = engine_geometries(pair.model, pair.p_engine)[0]
     d_geom = engine_geometries(pair.model, pair.d_engine)[0]
     ssm = [g.is_ssm for g in p_geom.groups]
     n_attn, n_ssm = ssm.count(False), ssm.count(True)
-    pb, db = p_geom.logical_block_size, d_geom.logical_block_size
+    pb, db = p_geom.scheduler_block, d_geom.scheduler_block  # tokens per list entry (DCP: a page per rank)
     if n_attn:
         most = min((p_geom.logical_num_blocks - n_ssm) // n_attn * pb, (d_geom.logical_num_blocks - n_ssm) // n_attn * db)
         least = db + 1 if pair.prefix_caching and most > db else 1  # room for a prefix hit
@@ -275,8 +288,10 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
         num_tokens = draw(st.integers(1, 64))
     d_blocks = math.ceil(num_tokens / db)
     hit = draw(st.integers(0, d_blocks - 1)) if pair.prefix_caching and n_attn else 0
+    backoff = draw(st.sampled_from((1, 0, 1, 3) if pair.model.has_ssm else (0, 0, 0, 1)))
+    computed = prefill_tokens(num_tokens, backoff)
     sides = []
-    for geom, count in ((p_geom, math.ceil(num_tokens / pb)), (d_geom, d_blocks - hit)):
+    for geom, count in ((p_geom, math.ceil(computed / pb)), (d_geom, d_blocks - hit)):
         pool = draw(st.permutations(range(geom.logical_num_blocks)))
         ids, used = [], 0
         for is_ssm in ssm:
@@ -284,7 +299,7 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
             ids.append(tuple(pool[used:used + n]))
             used += n
         sides.append(tuple(ids))
-    return Request(num_tokens, sides[0], sides[1], hit)
+    return Request(num_tokens, sides[0], sides[1], hit, computed if computed < num_tokens else None)
 
 
 @dataclass(frozen=True)
@@ -299,7 +314,9 @@ class Case:
 
     def __str__(self) -> str:
         r = self.request
-        return f"{self.pair}; {r.num_tokens} tokens, prefix {r.prefix_blocks}, P ids {r.p_ids}, D ids {r.d_ids}"
+        computed = f" (P computed {r.prefill_tokens})" if r.prefill_tokens is not None else ""
+        return (f"{self.pair}; {r.num_tokens} tokens{computed}, prefix {r.prefix_blocks}, P ids {r.p_ids}, "
+                f"D ids {r.d_ids}")
 
 
 @st.composite

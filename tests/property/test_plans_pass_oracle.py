@@ -44,6 +44,10 @@ def _features(case: kst.Case) -> list[str]:
         out.append("kernel < logical block")
     if case.request.prefix_blocks:
         out.append("prefix hit")
+    if case.request.p_tokens < case.request.num_tokens:
+        out.append("N-1 flow")
+    if p.dcp_size > 1 or d.dcp_size > 1:
+        out.append("DCP")
     if p.kv_layout.value != "head_major" and case.pair.model.attention_spec is not None:
         out.append("token-major")
     if p.kv_split:

@@ -16,6 +16,7 @@ from kvgeom import (
     GroupMismatchError,
     IncompatiblePairError,
     KvgeomError,
+    PlanError,
     RatioError,
     SpecError,
     presets,
@@ -137,8 +138,13 @@ def test_request_errors() -> None:
         plan_request(pairing, [[1]], [[8]])  # past the pool of 8
     with pytest.raises(GroupMismatchError, match="remote_ids"):
         plan_request(pairing, [[1]], [[1], [2]])  # two groups for a one-group model
-    with pytest.raises(KvgeomError):
-        plan_request(pairing, [[1, 2]], [[3]])  # D needs more blocks than P holds
+    with pytest.raises(PlanError, match="prefill_tokens"):  # P's one block cannot hold the 5 tokens it computed
+        plan_request(pairing, [[1, 2]], [[3]], num_tokens=6, prefill_tokens=5)
+    with pytest.raises(PlanError, match="prefill_tokens"):  # P computed more tokens than D holds
+        plan_request(pairing, [[1, 2]], [[3]], num_tokens=6, prefill_tokens=7)
+    # P computed fewer tokens than D holds (D computes the rest): P's block is moved, D's second block zeroed
+    plan = plan_request(pairing, [[1, 2]], [[3]], num_tokens=6, prefill_tokens=4)
+    assert plan.num_descriptors == 2 and plan.zero.tolist() == [[0, 2 * 512, 512], [1, 2 * 512, 512]]
 
 
 def test_no_assertion_error_escapes_for_garbage_cards() -> None:

@@ -133,8 +133,13 @@ def test_desc_ids_region_group_mapping() -> None:
 
 
 def test_desc_ids_capacities() -> None:
-    out = compute_desc_ids([[0, 1]], 8, 3, None, 1, [False], region_num_blocks=[3, 1, 4])
-    assert out.tolist() == [0, 1, 3, 4, 4, 5]
+    out = compute_desc_ids([[0, 2]], 8, 3, None, 1, [False], region_num_blocks=[3, 3, 4])
+    assert out.tolist() == [0, 2, 3, 5, 6, 8]
+    # Block 1 does not exist in region 1 (capacity 1): vLLM's arithmetic would give id 4, region 2's
+    # block 0, and move another region's bytes; kvgeom refuses the id.
+    with pytest.raises(BlockIdError) as bad:
+        compute_desc_ids([[0, 1]], 8, 3, None, 1, [False], region_num_blocks=[3, 1, 4])
+    assert bad.value.values == {"value": 1, "expected": 1}
     with pytest.raises(GroupMismatchError) as info:
         compute_desc_ids([[0]], 8, 3, None, 1, [False], region_num_blocks=[3, 1])
     assert info.value.field == "region_num_blocks"

@@ -1,0 +1,124 @@
+"""Whole requests: kvgeom's plans against what vLLM 0.33.0's own pull path moves, byte by byte.
+
+Pairs and requests come from :mod:`kvgeom.testing.strategies` (every model family, TP 1-8 on each side,
+kernel and logical block sizes that differ, prefix hits, the N-1 flow); each D rank's pull runs through
+vLLM's real connector code (:mod:`_e2e`) and kvgeom plans the same request. In ``compat="vllm"`` mode
+kvgeom must post exactly vLLM's descriptor pairs and leave exactly vLLM's bytes after the receive step,
+or refuse, and then the byte oracle must find vLLM's result wrong (or vLLM must refuse too). In
+``compat="kvgeom"`` mode every request vLLM moves correctly must be planned, and every kvgeom plan must
+pass the oracle. See :mod:`test_differential` for how to run.
+"""
+
+from __future__ import annotations
+
+import _e2e as E
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+
+from kvgeom.engine import ConvLayout
+from kvgeom.errors import KvgeomError
+from kvgeom.testing import Oracle, engine_geometries
+from kvgeom.testing import strategies as kst
+from kvgeom.testing.oracle import pull_plans
+
+E2E_EXAMPLES = 600
+"""Examples per mode (two modes)."""
+
+
+def _vllm(case: kst.Case) -> tuple[Oracle | None, list[np.ndarray], BaseException | None]:
+    """vLLM's pull of ``case`` on every D rank: the oracle after its moves and receive steps, the moves
+    per rank, or the exception it refused with."""
+    pair, request = case.pair, case.request
+    p_geoms, d_geoms = engine_geometries(pair.model, pair.p_engine), engine_geometries(pair.model, pair.d_engine)
+    oracle = Oracle(pair.model, p_geoms, d_geoms, request)
+    moves = []
+    for geom in d_geoms:
+        try:
+            pulled = E.pull(geom, p_geoms, [list(x) for x in request.d_ids], [list(x) for x in request.p_ids],
+                            request.prefix_blocks, request.p_tokens, pair.prefix_caching)
+        except E.HARNESS_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - vLLM's refusals: asserts, ValueError, RuntimeError, ...
+            return None, moves, exc
+        moves.append(pulled.moves)
+        oracle.execute(pulled.moves, f"vLLM pull of D rank {geom.tp_rank}")
+        E.apply_post(oracle, geom.tp_rank, pulled.post)
+    return oracle, moves, None
+
+
+def _cases():  # noqa: ANN202 - a hypothesis strategy
+    return kst.cases(mode="pull", compat="kvgeom").filter(
+        lambda c: not c.pair.p_engine.kv_split and c.pair.p_engine.conv_layout is ConvLayout.DS)
+
+
+def _shape(case: kst.Case) -> None:
+    """Record what the case exercises (``--hypothesis-show-statistics``)."""
+    p, d, r = case.pair.p_engine, case.pair.d_engine, case.request
+    for name, on in (("DCP", p.dcp_size > 1 or d.dcp_size > 1), ("N-1 flow", r.p_tokens < r.num_tokens),
+                     ("prefix hit", r.prefix_blocks > 0), ("TP differs", p.tp_size != d.tp_size),
+                     ("kernel blocks differ", p.kernel != d.kernel), ("SSM", case.pair.model.has_ssm)):
+        if on:
+            event(f"shape: {name}")
+
+
+def _plan(case: kst.Case, compat: str) -> tuple[list, KvgeomError | None]:
+    pair = case.pair
+    try:
+        return pull_plans(pair.model, pair.p_engine, pair.d_engine, case.request, compat, pair.prefix_caching), None
+    except KvgeomError as exc:
+        return [], exc
+
+
+@settings(max_examples=E2E_EXAMPLES)
+@given(_cases())
+def test_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    _shape(case)
+    vllm, vllm_moves, vllm_refused = _vllm(case)
+    plans, refused = _plan(case, "vllm")
+    if refused is not None:
+        if vllm_refused is not None:
+            event(f"both refused: vLLM {type(vllm_refused).__name__}, kvgeom {type(refused).__name__}")
+            return
+        report = vllm.report()
+        assert not report.ok, f"kvgeom refused ({refused}) what vLLM moves correctly: {case}"
+        event(f"kvgeom refused ({type(refused).__name__} {refused.field}), vLLM moves wrong bytes "
+              f"({sorted({v.invariant for v in report.violations})})")
+        return
+    assert vllm_refused is None, f"vLLM refused ({vllm_refused!r}) what vllm mode planned: {case}"
+    ours = Oracle(case.pair.model, vllm.p, vllm.d, case.request)
+    for rp, theirs in zip(plans, vllm_moves, strict=True):
+        mine = ours.moves_of(rp)
+        assert np.array_equal(mine, theirs), f"D rank {rp.rank}: kvgeom's descriptor pairs differ from vLLM's: {case}"
+        ours.run_plan(rp)
+    for rank, (a, b) in enumerate(zip(ours.dst, vllm.dst)):
+        for region, (x, y) in enumerate(zip(a, b)):
+            diff = np.flatnonzero(x != y)
+            assert not diff.size, (f"D rank {rank} region {region}: bytes from byte {int(diff[0])} differ after the "
+                                   f"receive step: {case}")
+    report = vllm.report()
+    assert report.ok, f"vllm mode reproduced vLLM's wrong bytes instead of refusing: {case}\n{report}"
+    event("equal")
+
+
+@settings(max_examples=E2E_EXAMPLES)
+@given(_cases())
+def test_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    _shape(case)
+    vllm, _, vllm_refused = _vllm(case)
+    vllm_ok = vllm_refused is None and vllm.report().ok
+    plans, refused = _plan(case, "kvgeom")
+    if refused is not None:
+        assert not vllm_ok, f"kvgeom mode refused ({refused}) a request vLLM moves correctly: {case}"
+        event("both refused or vLLM wrong")
+        return
+    ours = Oracle(case.pair.model, engine_geometries(case.pair.model, case.pair.p_engine),
+                  engine_geometries(case.pair.model, case.pair.d_engine), case.request)
+    for rp in plans:
+        ours.run_plan(rp)
+    report = ours.report()
+    assert report.ok, f"{case}\n{report}"
+    event("vLLM correct, kvgeom correct" if vllm_ok else "vLLM refused or wrong, kvgeom correct")
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

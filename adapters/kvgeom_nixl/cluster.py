@@ -10,7 +10,8 @@ new attempt, and gives a failed attempt's blocks back only once every D rank rep
 (:meth:`KVRank.settle`: nothing can write them any more). A spec is a plain dict::
 
     {"scenario": {...},                      # kvgeom.scenario.Scenario JSON: model, prefill, decode, mode
-     "requests": [{"id": "r0", "tokens": 700, "engine": "prefill"}, ...],  # an id listed again: a later retry
+     "requests": [{"id": "r0", "tokens": 700, "engine": "prefill"}, ...],  # an id listed again: a later retry;
+                                              # "delay_s": pause before sending this entry
      "prefill_engines": ["prefill"],          # several P engines may serve one D engine
      "config": {...},                         # TransportConfig fields (``secret`` or ``insecure``)
      "retries": 0,                            # extra attempts of a failed request
@@ -18,7 +19,8 @@ new attempt, and gives a failed attempt's blocks back only once every D rank rep
      "push_deadline": True,                   # P refuses to post an attempt past its deadline
      "drain_s": 5.0,                          # how long D ranks settle quarantined blocks at the end
      "linger_s": 0.0,                         # how long D ranks keep driving NIXL at the end in any case
-     "faults": {...}}                         # optional, see FAULTS
+     "check_each": True,                      # check each request's bytes when it completes (costly)
+     "faults": {...}}                         # optional, see FAULTS (``at``: a request id or a list)
 
 Every wait is bounded; every process is ended when ``run_cluster`` returns (``ProcGroup``).
 """
@@ -324,7 +326,7 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                 if spec.get("faults", {}).get("stop", {}).get("when") == "after_post":
                     events.put(("posting", "decode", rank, (data["id"], data["attempt"])))
                 row = _consume(kv, sc, data, ports)
-                if row["ok"]:  # what a consumer would read now: every byte of the request checked
+                if row["ok"] and spec.get("check_each", True):  # what a consumer reads now: every byte checked
                     row["bad_at_completion"] = check_request(kv.tensors, card, space, data["d_ids"], data["tokens"],
                                                              data["salt"])
                 rows.append(row)
@@ -344,7 +346,7 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
             elif cmd == "verify":
                 rep = verify_report(kv.tensors, card, space, data["requests"], data["free"], data["skip"])
                 return {"rank": rank, "results": rows, "mismatches": [str(m) for m in rep.mismatches],
-                        "bad_bytes": rep.bad_bytes, "checked_bytes": rep.checked_bytes,
+                        "bad_bytes": rep.bad_bytes, "bad_outside": rep.bad_outside, "checked_bytes": rep.checked_bytes,
                         "skipped_bytes": rep.skipped_bytes, "stats": dict(kv.stats),
                         "handles": kv.ep.handle_counts(), "held": [h.token for h in kv.quarantined()]}
         raise TimeoutError("consumer: no verify command in time")
@@ -473,7 +475,7 @@ class _Scheduler:
                 self.leaks[(engine, rank)] = data
             elif kind == "posting":
                 stop = self.spec.get("faults", {}).get("stop", {})
-                if (stop.get("at"), stop.get("attempt", 1)) == tuple(data):
+                if stop and _hits(stop, *data):
                     self.stop_later(stop, float(stop.get("delay_s", 0.0)))
             else:
                 return ev
@@ -569,6 +571,11 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
     for req in spec["requests"]:
         if req["id"] in owners:
             continue  # an earlier entry of this request succeeded
+        if req.get("delay_s"):  # let earlier faults play out before this entry
+            end = time.monotonic() + float(req["delay_s"])
+            while time.monotonic() < end:
+                if s.next_event(end - time.monotonic()) is not None:
+                    raise RuntimeError("unexpected event while pausing")
         for _ in range(1 + int(spec.get("retries", 0))):
             attempt = sent[req["id"]] = sent.get(req["id"], 0) + 1
             salt = req["salt"]
@@ -629,18 +636,24 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
     return attempts
 
 
+def _hits(fault: dict, rid: str, attempt: int) -> bool:
+    """Whether ``fault`` applies to this attempt (``at`` is a request id or a list of them)."""
+    at = fault["at"] if isinstance(fault["at"], list) else [fault["at"]]
+    return rid in at and fault.get("attempt", 1) == attempt
+
+
 def _before(s: _Scheduler, faults: dict, rid: str, attempt: int, engine: str) -> None:
     stop = faults.get("stop")
-    if stop and stop["at"] == rid and stop.get("attempt", 1) == attempt and stop.get("when", "before") == "before":
+    if stop and _hits(stop, rid, attempt) and stop.get("when", "before") == "before":
         s.stop_later(stop, 0.0)
         s.fire_timers()
     busy = faults.get("busy")
-    if busy and busy["at"] == rid and busy.get("attempt", 1) == attempt:
+    if busy and _hits(busy, rid, attempt):
         for n in s.inboxes:
             if n[0] == busy["engine"] and busy.get("rank", n[1]) == n[1]:
                 s.inboxes[n].put(("busy", float(busy["seconds"])))
     rogue = faults.get("rogue")
-    if rogue and rogue["at"] == rid and rogue.get("attempt", 1) == attempt:
+    if rogue and _hits(rogue, rid, attempt):
         s.inboxes[("rogue", 0)].put(("forge", {"id": rid, "attempt": attempt, "engine": engine}))
         s.expect("forged", 1)
 

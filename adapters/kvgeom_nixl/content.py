@@ -87,6 +87,7 @@ class Report:
     bad_bytes: int
     checked_bytes: int
     skipped_bytes: int
+    bad_outside: int = 0  # of bad_bytes, those outside every successful request's blocks
 
 
 def verify(tensors: Sequence, card: GeometryCard, space: CoordSpace,
@@ -136,7 +137,7 @@ def verify_report(tensors: Sequence, card: GeometryCard, space: CoordSpace, requ
     if any(len(g) for g in skip_ids):
         skip = _page_mask(geom, skip_ids)
     out: list[Mismatch] = []
-    bad_total = checked = skipped = 0
+    bad_total = checked = skipped = outside = 0
     for region, t in enumerate(tensors):
         got = _np(t).astype(np.int16)
         want = expected[region]
@@ -148,6 +149,7 @@ def verify_report(tensors: Sequence, card: GeometryCard, space: CoordSpace, requ
         bad |= content & (got != want) & ~(optional[region] & (got == 0))
         bad &= ~skip[region]
         bad_total += int(bad.sum())
+        outside += int((bad & (want == -1)).sum())
         skipped += int(skip[region].sum())
         checked += got.size - int(skip[region].sum())
         for off, n in _runs(bad)[: max(0, limit - len(out))]:
@@ -155,7 +157,7 @@ def verify_report(tensors: Sequence, card: GeometryCard, space: CoordSpace, requ
                     "not zero in a failed or free block" if want[off] == -1 else
                     "wrong or missing content" if want[off] >= 0 else "not zeroed after failure")
             out.append(Mismatch(region, off, n, kind))
-    return Report(out, bad_total, checked, skipped)
+    return Report(out, bad_total, checked, skipped, outside)
 
 
 def check_request(tensors: Sequence, card: GeometryCard, space: CoordSpace, ids: Sequence[Sequence[int]],

@@ -51,6 +51,7 @@ __all__ = ["KVRank", "PeerLink", "RequestResult", "Settled", "allocate", "apply_
 
 _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
 _GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
+MAX_REQUEST_ID = 1024  # a notice carries the request id and must fit MAX_NOTICE_BYTES
 
 
 def allocate(card: GeometryCard, device: str = "cpu") -> list[Any]:
@@ -61,7 +62,8 @@ def allocate(card: GeometryCard, device: str = "cpu") -> list[Any]:
 
 
 def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
-    """Zero ``(region, offset, length)`` rows; vectorised per (region, length) bucket."""
+    """Zero ``(region, offset, length)`` rows; vectorised per (region, length) bucket. Rows aligned to
+    their length (whole pages) are zeroed as rows of a ``[-1, length]`` view, without a per-byte index."""
     import torch
 
     total = 0
@@ -72,9 +74,13 @@ def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
         t = tensors[int(region)]
         for length in np.unique(sel[:, 2]):
             offs = sel[sel[:, 2] == length, 1]
-            idx = (offs[:, None] + np.arange(int(length))[None, :]).ravel()
-            t[torch.from_numpy(idx).to(t.device)] = 0
-            total += idx.size
+            n = int(length)
+            if t.numel() % n == 0 and not (offs % n).any():
+                t.view(-1, n)[torch.from_numpy(offs // n).to(t.device)] = 0
+            else:
+                idx = (offs[:, None] + np.arange(n)[None, :]).ravel()
+                t[torch.from_numpy(idx).to(t.device)] = 0
+            total += offs.size * n
     return total
 
 
@@ -218,6 +224,7 @@ class KVRank:
         self._agents: dict[tuple[str, int], str] = {}  # (engine, rank) -> agent name, from authenticated payloads
         self._probed: dict[tuple[str, int], float] = {}
         self._aborts: list[tuple[Transfer, Token]] = []  # our fenced WRITEs: an A notice if one ends in error
+        self._swept = 0.0
 
     # -- identity --------------------------------------------------------------------------------------
     @property
@@ -434,6 +441,9 @@ class KVRank:
                     self.stats["stale_notices"] += 1  # an older attempt, already settled: nothing to do
                     continue
                 self._arrived.touch(n.token, {})[who] = (n.kind, now)
+        if now - self._swept < 1.0:
+            return
+        self._swept = now
         old = now - self.config.notif_ttl_s
         for store in (self._arrived, self._released):
             for key in [k for k, v in store.items() if all((t[1] if isinstance(t, tuple) else t) < old
@@ -454,6 +464,8 @@ class KVRank:
                             num_tokens)
 
     def _attempt(self, request_id: str, attempt: int | None) -> int:
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
+            raise ValueError(f"request_id: a string of 1..{MAX_REQUEST_ID} characters, got {str(request_id)[:80]!r}")
         last = self._attempts.get(request_id, 0)
         if attempt is None:
             attempt = last + 1

@@ -412,7 +412,7 @@ class SideChannelServer:
                 time.sleep(0.01)
                 continue
             if not self._slots.acquire(blocking=False):
-                self.stats["refused_busy"] += 1
+                self._count("refused_busy")
                 conn.close()  # bounded: never more than max_connections handlers
                 continue
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
@@ -428,17 +428,21 @@ class SideChannelServer:
                 try:
                     tag, body = _recv_frame(conn, deadline, self._max_bytes)
                     if not self._auth.check("sidechannel", tag, b"req", body):
-                        self.stats["refused_auth"] += 1
+                        self._count("refused_auth")
                         reply = _frame(b'{"auth":false,"error":"authentication failed: this side channel needs '
                                        b'the deployment\'s secret","ok":false}', None, b"", self._max_bytes)
                     else:
                         reply = self._answer(decode(body))
                     _send_all(conn, reply, deadline)
-                    self.stats["served"] += 1
+                    self._count("served")
                 except (OSError, ProtocolError, ValueError, TypeError, RecursionError, MemoryError):
-                    self.stats["broken"] += 1  # a broken or hostile client must not disturb the server
+                    self._count("broken")  # a broken or hostile client must not disturb the server
         finally:
             self._slots.release()
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
 
     def _reply(self, nonce: str, body: bytes) -> bytes:
         return _frame(body, self._auth, b"rep" + nonce.encode(), self._max_bytes)
@@ -470,7 +474,7 @@ class SideChannelServer:
                                       f"{PROTOCOL_VERSION})")
         stale = self._fresh(nonce, msg.get("ts"))
         if stale:
-            self.stats["refused_replay"] += 1
+            self._count("refused_replay")
             return self._error(nonce, stale)
         op = msg.get("op")
         if op == "generation":

@@ -29,7 +29,7 @@ from kvgeom_nixl import (  # noqa: E402
     fetch,
     query_generation,
 )
-from kvgeom_nixl.kvrank import KVRank  # noqa: E402
+from kvgeom_nixl.kvrank import KVRank, request_block_rows  # noqa: E402
 from kvgeom_nixl.sidechannel import _dumps, encode  # noqa: E402
 
 from kvgeom import KvgeomError, plan_request  # noqa: E402
@@ -450,3 +450,36 @@ def test_duplicate_and_aliasing_block_ids_are_refused(ranks):
     with pytest.raises(BlockIdError, match="block id 7 is in group") as ei:
         plan_request(pairing, alias, ids, num_tokens=50)
     assert ei.value.values["value"] == 7
+
+
+# ------------------------------------------------------------------------------------------ item 1
+def test_a_push_past_its_deadline_is_never_posted_and_the_consumer_learns_at_once(ranks):
+    """Item 1 (the mitigation beside the quarantine): a producer that resumes after its attempt's
+    deadline posts nothing and sends an ``A`` notice; the consumer fails that attempt at once (not at its
+    timeout) and its quarantine settles without waiting for a late write."""
+    p, _ = ranks
+    d2 = KVRank(card("decode", mode="push"), CONFIG)
+    p2 = KVRank(card("prefill", mode="push"), CONFIG)
+    try:
+        for t in d2.tensors:
+            t.fill_(0xA5)
+        with Pump(d2):
+            p2.connect("decode", {0: d2.port}, mode="push")
+            with pytest.raises(AdapterError, match="expired"):
+                p2.push("decode", [[1, 2]], [[3, 4]], "late", "late", num_tokens=20, attempt=1,
+                        not_after=time.time() - 1.0)
+        assert p2.ep.live_transfers() == []
+        with Pump(p2):
+            t0 = time.monotonic()
+            with pytest.raises(AdapterError, match="abandoned attempt 1"):
+                d2.wait_received(card("prefill", mode="push"), [[3, 4]], [[1, 2]], "late", timeout_s=3.0, attempt=1)
+            assert time.monotonic() - t0 < 1.0
+        settled = d2.settle()
+        assert [(s.request_id, s.attempt) for s in settled] == [("late", 1)]
+        rows = request_block_rows(d2.card, [[3, 4]])
+        zeroed = int(rows[:, 2].sum())
+        assert zeroed > 0 and sum(int((t == 0).sum()) for t in d2.tensors) == zeroed  # its blocks, zeroed
+        assert sum(int((t == 0xA5).sum()) for t in d2.tensors) == sum(t.numel() for t in d2.tensors) - zeroed
+    finally:
+        p2.close()
+        d2.close()

@@ -70,6 +70,13 @@ def _scenario(args: argparse.Namespace, mode: str, reqs: list[dict]) -> dict:
         per[r["engine"]] += sum(_need(s, s.prefill, r["tokens"]))
     sc["decode"] = dict(sc["decode"], num_blocks=int(d * 1.2) + 4)
     sc["prefill"] = dict(sc["prefill"], num_blocks=int(max(per.values()) * 1.2) + 4)
+    from kvgeom import GeometryCard
+
+    s = Scenario.from_json(sc)
+    cache = sum(r.nbytes for r in GeometryCard("d", s.model, s.decode, mode).geometry.regions)
+    if 10 * cache > args.max_oracle_gib * 2**30:  # the oracle holds ~9 bytes per byte of cache checked
+        raise SystemExit(f"D's cache for this row is {cache / 2**20:.0f} MiB: checking it needs ~{10 * cache / 2**30:.1f} "
+                         f"GiB (--max-oracle-gib {args.max_oracle_gib}); use fewer --trials or smaller requests")
     return sc
 
 
@@ -332,7 +339,7 @@ def run(args: argparse.Namespace) -> dict:
             res["lying card: two equal-size regions swapped (insider)"] = swap
         else:
             raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
-        print(f"   {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        print(f"   {time.monotonic() - t0:.0f} s\n{table(res)}", file=sys.stderr, flush=True)  # so far
     return res
 
 
@@ -361,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=5.0, help="handshake / transfer / notification timeout")
     ap.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--max-oracle-gib", type=float, default=6.0, help="refuse rows whose byte check needs more")
     ap.add_argument("--check-each", action="store_true", help="also check each request's bytes when it completes "
                     "(a full-cache oracle image per request: slow on Nemotron-H)")
     args = ap.parse_args(argv)

@@ -287,7 +287,7 @@ def _silent_port() -> int:
 
 
 def _wait_ports(inbox: Any) -> dict:
-    cmd, data = inbox.get(timeout=STEP_S)
+    cmd, data = inbox.get(timeout=10 * STEP_S)  # every rank must be ready first (filling can be slow)
     if cmd != "ports":
         raise RuntimeError(f"expected the port map, got {cmd!r}")
     return {e: {int(r): p for r, p in ranks.items()} for e, ranks in data.items()}
@@ -395,7 +395,7 @@ def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
                     except AdapterError as exc:
                         result = type(exc).__name__
                     out["sidechannel"].append((engine, r, label, op, result, time.monotonic() - t0))
-    cmd, leaked = inbox.get(timeout=STEP_S)
+    cmd, leaked = inbox.get(timeout=10 * STEP_S)
     from .agent import Endpoint
 
     with Endpoint(f"rogue-{os.getpid()}", _config(spec)) as ep:
@@ -460,10 +460,13 @@ class _Scheduler:
             try:
                 ev = self.events.get(timeout=0.05)
             except queue_mod.Empty:
-                dead = [n for n, p in self.group.procs.items() if not p.is_alive() and p.exitcode not in (0, None, -9)]
+                # nothing ends before the scheduler says so: an early exit is a failure (a rank that raised
+                # exits with code 0 after reporting), except the engines we killed
+                dead = [n for n, p in self.group.procs.items() if not p.is_alive() and p.exitcode != -9]
                 if dead:
                     res = self.group.collect(1.0, dead)
-                    raise RuntimeError(f"rank(s) {dead} died: {[res[d].error for d in dead]}") from None
+                    raise RuntimeError(f"rank(s) {dead} ended early: {[res[d].error for d in dead]}\n"
+                                       + "\n".join(res[d].traceback or "" for d in dead)) from None
                 continue
             kind, engine, rank, data = ev
             if kind == "settled":

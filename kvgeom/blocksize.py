@@ -18,9 +18,9 @@ import math
 from collections.abc import Sequence
 
 from .blocks import check_positive_int
-from .errors import RatioError
+from .errors import ConfigError, RatioError
 
-__all__ = ["block_size_ratio", "remote_block_split", "MAX_BLOCK_SPLIT"]
+__all__ = ["block_size_ratio", "kernel_blocks_per_logical", "remote_block_split", "MAX_BLOCK_SPLIT"]
 
 MAX_BLOCK_SPLIT = 128
 """The most pieces vLLM cuts a block into when pairing non-dividing block sizes."""
@@ -34,6 +34,17 @@ def block_size_ratio(local_block_size: int, remote_block_size: int) -> int:
         raise RatioError("block_size", f"Local block size {local} is not divisible by remote block size {remote} "
                          "(kernel tokens)", local=local, remote=remote)
     return local // remote
+
+
+def kernel_blocks_per_logical(block_size: int, kernel_block_size: int) -> int:
+    """Kernel blocks per logical block (vLLM's ``physical_blocks_per_logical``): ``block_size //
+    kernel_block_size``; :class:`ConfigError` unless the kernel block divides the logical one."""
+    block = check_positive_int(block_size, "block_size", error=ConfigError)
+    kernel = check_positive_int(kernel_block_size, "kernel_block_size", error=ConfigError)
+    if block % kernel:
+        raise ConfigError("kernel_block_size", f"kernel block of {kernel} tokens does not divide the {block}-token "
+                          "logical block", value=kernel, expected=block)
+    return block // kernel
 
 
 def remote_block_split(local_block_size: int, remote_block_size: int, remote_block_lens: Sequence[int],

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvgeom.blocksize import MAX_BLOCK_SPLIT, block_size_ratio, remote_block_split
-from kvgeom.errors import RatioError
+from kvgeom.blocksize import MAX_BLOCK_SPLIT, block_size_ratio, kernel_blocks_per_logical, remote_block_split
+from kvgeom.errors import ConfigError, RatioError
 
 
 def test_ratio_of_dividing_block_sizes() -> None:
@@ -35,3 +35,9 @@ def test_split_declined_past_the_piece_limit() -> None:
     big = MAX_BLOCK_SPLIT + 1
     assert remote_block_split(big, 1 * big + 1, [big + 1], [big + 1]) == 1
     assert remote_block_split(3, 2, [4], [4]) == 2
+
+
+def test_kernel_blocks_per_logical() -> None:
+    assert kernel_blocks_per_logical(64, 16) == 4 and kernel_blocks_per_logical(16, 16) == 1
+    with pytest.raises(ConfigError, match="does not divide"):
+        kernel_blocks_per_logical(48, 32)

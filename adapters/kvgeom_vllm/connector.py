@@ -20,7 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as _nixl
 
 from kvgeom.errors import ConfigError  # noqa: E402
 
-from .worker import KvgeomPullConnectorWorker, KvgeomPushConnectorWorker  # noqa: E402
+from .worker import (  # noqa: E402
+    KvgeomPullConnectorScheduler,
+    KvgeomPullConnectorWorker,
+    KvgeomPushConnectorScheduler,
+    KvgeomPushConnectorWorker,
+)
 
 __all__ = ["KvgeomNixlConnector", "KvgeomNixlPushConnector", "COMPAT_MODES", "compat_of"]
 
@@ -51,8 +56,7 @@ class KvgeomNixlConnector(_nixl.NixlPullConnector):
         worker_cls = _with_compat(KvgeomPullConnectorWorker, vllm_config)
         _nixl.NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = _nixl.NixlPullConnectorScheduler(vllm_config, self.engine_id,
-                                                                        kv_cache_config)
+            self.connector_scheduler = KvgeomPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = worker_cls(vllm_config, self.engine_id, kv_cache_config)
 
@@ -66,8 +70,7 @@ class KvgeomNixlPushConnector(_nixl.NixlPushConnector):
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = _nixl.NixlPushConnectorScheduler(vllm_config, self.engine_id,
-                                                                        kv_cache_config)
+            self.connector_scheduler = KvgeomPushConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = worker_cls(vllm_config, self.engine_id, kv_cache_config)
         else:

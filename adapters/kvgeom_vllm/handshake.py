@@ -168,7 +168,8 @@ def _reencode(payload: Any, card: GeometryCard | None) -> None:
 
 
 def register_kv_caches_wrapper(register: Any) -> Any:
-    """vLLM's ``register_kv_caches``, then the card: built, checked against the registration, sent."""
+    """vLLM's ``register_kv_caches``, then the card (built, checked against the registration, sent) and a
+    PP stage's first region in its PP-1 peer (:func:`kvgeom.layerroute.pp_region_offset`)."""
 
     @functools.wraps(register)
     def register_kv_caches(self: Any, kv_caches: Any) -> None:
@@ -176,6 +177,11 @@ def register_kv_caches_wrapper(register: Any) -> Any:
         self._kvgeom_topology()
         name = "NixlBaseConnectorWorker.register_kv_caches"
         CALLS[name] += 1
+        if self.pp_size > 1 and not self._requires_layer_name_routing():
+            from .answers import pp_region_offset
+
+            start, end = self.model_config.get_layers_start_end_indices(self.vllm_config.parallel_config)
+            self._remote_region_offset = pp_region_offset(self.num_regions, start, end)
         self.kvgeom_card = None
         self.kvgeom_card_error = None
         try:
@@ -219,27 +225,58 @@ def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: 
     return Pairing.create(local, ranks, mode=local.mode, compat=worker.kvgeom_compat, prefix_caching=prefix)
 
 
+def _slice_pp_window(worker: Any, meta: Any) -> None:
+    """A PP stage (no layer-name routing) reads the window of a PP-1 peer's regions that holds its layers
+    (:func:`kvgeom.layerroute.slice_regions` from the stage's :func:`~kvgeom.layerroute.pp_region_offset`).
+    vLLM slices inline in ``add_remote_agent``; done here first, its own slicing finds nothing left to do."""
+    n = len(worker.block_len_per_layer)
+    if worker.pp_size <= 1 or worker._transfer_layer_region_indices or len(meta.kv_caches_base_addr) <= n \
+            or (meta.packed_member_layouts and not worker._packed_member_layouts):
+        return
+    from kvgeom.layerroute import slice_regions
+
+    from .answers.regions import _table
+
+    packed = meta.packed_member_layouts
+    table = slice_regions(_table(meta), int(worker._remote_region_offset), n)
+    meta.kv_caches_base_addr, meta.block_lens = list(table.bases), list(table.block_lens)
+    meta.block_strides = list(table.block_strides)
+    for attr, value in (("region_num_blocks", table.num_blocks), ("region_group_ids", table.group_ids),
+                        ("region_names", table.names), ("region_mem_types", table.mem_types)):
+        if getattr(meta, attr) is not None:
+            setattr(meta, attr, list(value) if value is not None else None)
+    meta.packed_member_layouts = packed
+
+
 def add_remote_agent_wrapper(add: Any) -> Any:
-    """vLLM's ``add_remote_agent``, preceded by the card check."""
+    """vLLM's ``add_remote_agent``, preceded by the card check and the PP window; in kvgeom mode the pair
+    is prepared by :func:`kvgeom_vllm.kvgeom_mode.add_remote_agent` instead of vLLM's code."""
 
     @functools.wraps(add)
     def add_remote_agent(self: Any, nixl_agent_meta: Any, remote_tp_rank: int = 0, remote_tp_size: int = 1,
                          remote_dcp_size: int = 1) -> str:
         engine_id = nixl_agent_meta.engine_id
-        known = (0, remote_tp_rank) in self._remote_agents.get(engine_id, {})
-        if not known and (getattr(nixl_agent_meta, "kvgeom_card", None) is not None
-                          or self.kvgeom_compat == "kvgeom"):
-            name = "NixlBaseConnectorWorker.add_remote_agent"
-            CALLS[name] += 1
-            try:
+        if (0, remote_tp_rank) in self._remote_agents.get(engine_id, {}):
+            return add(self, nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
+        name = "NixlBaseConnectorWorker.add_remote_agent"
+        CALLS[name] += 1
+        pairing = None
+        try:
+            if getattr(nixl_agent_meta, "kvgeom_card", None) is not None or self.kvgeom_compat == "kvgeom":
                 pairing = pair_with_card(self, nixl_agent_meta, remote_tp_rank, remote_tp_size)
-            except KvgeomError as exc:
-                REFUSED[name] += 1
-                from .worker import as_vllm_error
+            _slice_pp_window(self, nixl_agent_meta)
+        except KvgeomError as exc:
+            REFUSED[name] += 1
+            from .worker import as_vllm_error
 
-                raise as_vllm_error(exc, RuntimeError) from None
-            if pairing is not None:
-                self.kvgeom_pairings = {**getattr(self, "kvgeom_pairings", {}), engine_id: pairing}
+            raise as_vllm_error(exc, RuntimeError) from None
+        if pairing is not None:
+            self.kvgeom_pairings = {**getattr(self, "kvgeom_pairings", {}), engine_id: pairing}
+        if self.kvgeom_compat == "kvgeom":
+            from . import kvgeom_mode
+
+            return kvgeom_mode.add_remote_agent(self, nixl_agent_meta, pairing, remote_tp_rank, remote_tp_size,
+                                                remote_dcp_size)
         return add(self, nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
     return add_remote_agent

@@ -98,7 +98,7 @@ vllm_env() {  # the environment vLLM's CPU code path needs (see docs/vllm.md)
 run_vllm_tests() {  # vLLM's own tests, its NIXL geometry replaced by kvgeom_vllm (plugin)
   echo "== vLLM $VLLM_VERSION's NIXL connector tests through kvgeom"
   vllm_env
-  (cd "$SRC" && "$VENV/bin/python" -m pytest -p kvgeom_vllm.pytest_plugin --kvgeom-gaps="$ROOT/tests/vllm/known_gaps.txt" \
+  (cd "$SRC" && "$VENV/bin/python" -m pytest -p kvgeom_vllm.pytest_plugin \
     --rootdir=. -c pyproject.toml --confcutdir=tests/v1/kv_connector/unit -p no:cacheprovider -q "${VLLM_TESTS[@]}" --deselect "$GPU_ONLY" "$@")
 }
 

@@ -71,37 +71,51 @@ def test_bad_compat_mode_is_refused_naming_the_field() -> None:
 
 
 def test_every_table_row_names_a_vllm_0_33_function_and_an_adapter() -> None:
+    import inspect
+
     from kvgeom_vllm import answers, handshake
 
     for e in TABLE:
         obj = importlib.import_module(e.module)
-        for part in e.qualname.split("."):
-            obj = getattr(obj, part)
-        assert callable(obj), e.qualname
-        if e.answer is not None:
-            assert callable(getattr(answers, e.answer, None) or getattr(handshake, e.answer)), e.answer
+        if e.kind == "attribute":  # computed in vLLM's constructor: the class names it there
+            cls = getattr(obj, e.owner)
+            init = inspect.getsource(cls.__post_init__ if hasattr(cls, "__post_init__") else cls.__init__)
+            assert f"self.{e.attr} =" in init, e.qualname
         else:
-            assert e.missing in kvgeom_vllm.FEATURES
+            for part in e.qualname.split("."):
+                obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+            assert callable(obj) or isinstance(obj, (property, staticmethod)), e.qualname
+        assert callable(getattr(answers, e.answer, None) or getattr(handshake, e.answer)), e.answer
 
 
-# -- the module-function dispatcher keeps plain vLLM workers on vLLM's code ------------------------------
-def test_compute_tp_mapping_dispatch_by_topology() -> None:
+# -- the module-function dispatchers keep plain vLLM workers on vLLM's code ------------------------------
+def test_module_functions_answer_with_kvgeom_only_inside_kvgeom_workers() -> None:
     worker = _workers()
     from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    def topo(cls: type) -> object:
-        t = object.__new__(cls)
-        t.tp_rank, t.tp_size, t.is_mla, t.total_num_kv_heads, t.dcp_size = 1, 4, False, 8, 1
-        return t
-
+    topo = object.__new__(TransferTopology)
+    topo.tp_rank, topo.tp_size, topo.is_mla, topo.total_num_kv_heads, topo.dcp_size = 1, 4, False, 8, 1
     before = CALLS["compute_tp_mapping"]
-    plain = bw.compute_tp_mapping(topo(TransferTopology), 2, (FullAttentionSpec,))
-    assert CALLS["compute_tp_mapping"] == before
-    ours = bw.compute_tp_mapping(topo(worker.KvgeomTransferTopology), 2, (FullAttentionSpec,))
+    plain = bw.compute_tp_mapping(topo, 2, (FullAttentionSpec,))
+    assert CALLS["compute_tp_mapping"] == before  # a plain vLLM worker's call: vLLM's function
+    with worker._active():
+        ours = bw.compute_tp_mapping(topo, 2, (FullAttentionSpec,))
     assert CALLS["compute_tp_mapping"] == before + 1
     assert ours == plain  # D TP4 rank 1 reads P TP2 rank 0, second half of its heads
     assert ours.all_source_ranks == (0,) and ours.rank_offset_factor == 1
+    names = ["model.layers.10.attn", "model.layers.2.attn", "model.embed"]
+    with worker._active():
+        assert sorted(names, key=bw._region_sort_key) == ["model.embed", "model.layers.2.attn", "model.layers.10.attn"]
+    assert CALLS["_region_sort_key"] >= 3
+
+
+def test_kvgeom_workers_mark_the_methods_that_call_module_functions() -> None:
+    before = {k: CALLS[k] for k in ("_region_sort_key", "compute_tp_mapping")}
+    d = make_worker(_workers().KvgeomPullConnectorWorker, "D")  # registration sorts its 12 layers through kvgeom
+    assert CALLS["_region_sort_key"] >= before["_region_sort_key"] + 12
+    d.add_remote_agent(_metadata(make_worker(_workers().KvgeomPullConnectorWorker, "P")), 0, 1)
+    assert CALLS["compute_tp_mapping"] == before["compute_tp_mapping"] + 1
 
 
 # -- registration: the card ----------------------------------------------------------------------------------

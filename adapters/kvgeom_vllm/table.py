@@ -160,6 +160,12 @@ TABLE: tuple[Entry, ...] = (
     Entry(SCHED, f"{S}._prefill_backoff", "prefill_backoff", "kvgeom.exchange.prefill_backoff"),
     Entry(SCHED, f"{S}._get_remote_prefill_token_count", "get_remote_prefill_token_count",
           "kvgeom.exchange.prefill_tokens"),
+    # -- kvgeom mode ("compat": "kvgeom"): the whole per-request path is kvgeom's plan
+    Entry(f"{NIXL}.pull_worker", "NixlPullConnectorWorker._read_blocks_for_req", "read_blocks_for_req",
+          "kvgeom.plan_request (kvgeom mode; vLLM-compatible mode runs vLLM's code on the answers above)",
+          raises=_ALL, kind="wrapper", exercised=False),
+    Entry(f"{NIXL}.push_worker", "NixlPushConnectorWorker._xfer_blocks_for_req", "xfer_blocks_for_req",
+          "kvgeom.plan_request (kvgeom mode)", raises=_ALL, kind="wrapper", exercised=False),
     # -- the rank's geometry card, in registration and handshake
     Entry(BW, f"{W}.register_kv_caches", "register_kv_caches_wrapper",
           "kvgeom.card_of + rank_geometry (the rank's geometry card, checked against the registration) + "

@@ -172,6 +172,24 @@ class KvgeomWorkerMixin:
     def _kvgeom_topology(self) -> None:
         as_kvgeom_topology(getattr(self, "transfer_topo", None))
 
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        """Pull: vLLM's per-request code, or in kvgeom mode kvgeom's plan (:mod:`kvgeom_vllm.kvgeom_mode`)."""
+        if self.kvgeom_compat != "kvgeom":
+            return super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
+        from . import kvgeom_mode
+
+        return counted_call("NixlPullConnectorWorker._read_blocks_for_req", kvgeom_mode.read_blocks_for_req, self,
+                            req_id, meta)
+
+    def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        """Push: vLLM's per-request code, or in kvgeom mode kvgeom's plan."""
+        if self.kvgeom_compat != "kvgeom":
+            return super()._xfer_blocks_for_req(req_id, meta)  # type: ignore[misc]
+        from . import kvgeom_mode
+
+        return counted_call("NixlPushConnectorWorker._xfer_blocks_for_req", kvgeom_mode.xfer_blocks_for_req, self,
+                            req_id, meta)
+
 
 _install(KvgeomWorkerMixin, "NixlBaseConnectorWorker")
 

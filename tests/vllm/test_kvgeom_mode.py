@@ -1,0 +1,125 @@
+"""kvgeom mode serves P/D pairs that vLLM 0.33.0 refuses, through vLLM's own worker code and real NIXL.
+
+Each pair is first shown refused in vLLM-compatible mode (vLLM's handshake rules, answered by kvgeom).
+Then P and D run as separate processes (``_nixl_pairs``): vLLM's NIXL workers in kvgeom mode with real
+NIXL agents, registering real CPU caches; D pulls one request through vLLM's ``start_load_kv`` and
+``get_transfer_results``. The caches start from kvgeom's byte oracle (``kvgeom.testing.Oracle``): every
+P byte encodes the token coordinate (or, outside the request, the location) the oracle gives it, every
+D byte its location or POISON. The descriptor pairs D's worker posted are replayed on the oracle with
+kvgeom's post-receive step, which must find no violation of I1-I6; and every byte of D's caches after
+the real transfer must equal the oracle's result (so NIXL moved exactly those bytes, and the
+post-receive step ran on the tensors as the oracle ran it).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from _nixl_pairs import consumer_main, make_worker, producer_main
+from _vllm_workers import RecordingNixl
+from kvgeom_nixl.procs import ProcGroup
+
+from kvgeom import GeometryCard
+from kvgeom.testing import POISON, ZERO, Oracle, Request
+
+pytestmark = pytest.mark.nixl
+
+TIMEOUT_S = 240.0
+
+
+def project(tags: np.ndarray) -> np.ndarray:
+    """The byte a tag is stored as: 0 for ZERO, else a hash of the tag in 1..255 (POISON included)."""
+    h = (tags.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(56)
+    out = (np.uint64(1) + h % np.uint64(255)).astype(np.uint8)
+    out[tags == ZERO] = 0
+    return out
+
+
+def _metadata(worker: object) -> object:
+    import msgspec
+    from kvgeom_vllm.handshake import KvgeomAgentMetadata
+
+    return msgspec.msgpack.decode(worker.xfer_handshake_metadata.agent_metadata_bytes, type=KvgeomAgentMetadata)
+
+
+def refused_in_vllm_mode(p: dict, d: dict) -> str:
+    """vLLM-compatible D rank 0 handshaking with P's first target: the refusal's text (or '')."""
+    producers = {r: make_worker("P", p["tp"], r, p["block_size"], p["num_blocks"], p["layout"], "vllm", RecordingNixl)
+                 for r in range(p["tp"])}
+    consumer = make_worker("D", d["tp"], 0, d["block_size"], d["num_blocks"], d["layout"], "vllm", RecordingNixl)
+    try:
+        for target in consumer.transfer_topo.handshake_target_ranks(p["tp"]):
+            consumer.add_remote_agent(_metadata(producers[target]), remote_tp_rank=target, remote_tp_size=p["tp"])
+    except (AssertionError, RuntimeError, NotImplementedError, ValueError) as e:
+        return str(e)
+    return ""
+
+
+def serve(p: dict, d: dict, num_tokens: int, prefix_blocks: int = 0) -> tuple[Oracle, dict, dict]:
+    """Run one request from P's ranks to D's in separate processes; the oracle replays what D posted."""
+    with ProcGroup() as group:
+        up, to_p, to_d = group.queue(), group.queue(), group.queue()
+        group.spawn(producer_main, (p, up, to_p), "P")
+        group.spawn(consumer_main, (d, up, to_d), "D")
+        hello = {}
+        while len(hello) < 2:
+            who, cards, meta = up.get(timeout=TIMEOUT_S)
+            hello[who] = ([GeometryCard.loads(c) for c in cards], meta)
+        p_cards, p_meta = hello["P"]
+        d_cards = hello["D"][0]
+        model = p_cards[0].model
+        request = Request.simple(model, p_cards[0].engine, d_cards[0].engine, num_tokens, prefix_blocks)
+        oracle = Oracle(model, [c.geometry for c in p_cards], [c.geometry for c in d_cards], request)
+        to_p.put(([[project(a) for a in rank] for rank in oracle.src], "req-P"))
+        assert up.get(timeout=TIMEOUT_S)[:2] == ("P", "filled")
+        to_d.put(([[project(a) for a in rank] for rank in oracle.dst], len(p_cards), p_meta,
+                  {"p_ids": request.p_ids, "d_ids": request.d_ids, "p_tokens": request.p_tokens,
+                   "prefix_blocks": prefix_blocks}))
+        results = group.collect(timeout_s=TIMEOUT_S)
+    return oracle, results["P"].unwrap(), results["D"].unwrap()
+
+
+def check(oracle: Oracle, produced: dict, consumed: dict) -> None:
+    ranks = consumed["ranks"]
+    assert all("refused" not in r for r in ranks), ranks
+    assert all(s == ["req-P"] for s in produced["finished_sending"]), produced  # every P rank was released
+    for rank, r in enumerate(ranks):
+        assert len(r["moves"]), f"D rank {rank} read nothing"
+        oracle.execute(r["moves"], f"D rank {rank}'s reads")
+        oracle.receive(rank, r["regroup"], r["zero"], f"D rank {rank}'s post-receive step")
+    report = oracle.report()
+    assert report.ok, report.violations[:5]
+    assert report.bytes_moved > 0
+    for rank, r in enumerate(ranks):
+        for region, (got, want) in enumerate(zip(r["bytes"], oracle.dst[rank], strict=True)):
+            bad = np.flatnonzero(got != project(want))
+            assert not bad.size, f"D rank {rank} region {region}: {bad.size} bytes differ from the oracle, first at {bad[0]}"
+        assert all((w != POISON).all() for w in oracle.dst[rank])  # no destination byte left unwritten
+
+
+# vLLM's CPU attention backend takes kernel blocks of multiples of 32 tokens
+HEAD_MAJOR_P = {"tp": 2, "block_size": 32, "num_blocks": 8, "layout": "LBHNC", "compat": "kvgeom"}
+HEAD_MAJOR_D = {"tp": 1, "block_size": 64, "num_blocks": 5, "layout": "LBHNC", "compat": "kvgeom"}
+
+
+def test_p_tp_above_d_tp_with_a_block_size_ratio_is_refused_by_vllm_and_served_by_kvgeom() -> None:
+    # vLLM 0.33.0: head-sharded reads with P_TP > D_TP need equal block sizes
+    why = refused_in_vllm_mode({**HEAD_MAJOR_P, "compat": "vllm"}, {**HEAD_MAJOR_D, "compat": "vllm"})
+    assert re.search(r"P.TP > D.TP", why) and "block sizes" in why, why
+    oracle, produced, consumed = serve(HEAD_MAJOR_P, HEAD_MAJOR_D, num_tokens=150)
+    check(oracle, produced, consumed)
+    assert oracle.result.regrouped_blocks > 0  # D's head-major blocks arrived as two P pages each
+
+
+TOKEN_MAJOR_P = {"tp": 1, "block_size": 64, "num_blocks": 5, "layout": "LBNHC", "compat": "kvgeom"}
+TOKEN_MAJOR_D = {"tp": 2, "block_size": 32, "num_blocks": 8, "layout": "LBNHC", "compat": "kvgeom"}
+
+
+def test_p_blocks_larger_than_ds_across_tp_sizes_are_refused_by_vllm_and_served_by_kvgeom() -> None:
+    # vLLM 0.33.0: D's block must be a multiple of P's (and a head split needs a block-contiguous layout)
+    why = refused_in_vllm_mode({**TOKEN_MAJOR_P, "compat": "vllm"}, {**TOKEN_MAJOR_D, "compat": "vllm"})
+    assert "not divisible" in why, why
+    oracle, produced, consumed = serve(TOKEN_MAJOR_P, TOKEN_MAJOR_D, num_tokens=150, prefix_blocks=1)
+    check(oracle, produced, consumed)

@@ -1,8 +1,8 @@
 """kvgeom's geometry card in vLLM's NIXL handshake.
 
-At registration a kvgeom worker describes its rank as a :class:`kvgeom.GeometryCard` (model layers from
-vLLM's KV-cache specs, engine numbers from the worker) and checks that kvgeom's geometry of that card
-is what vLLM just registered (region lengths, strides, block counts, SSM pieces). The card travels in
+At registration a kvgeom worker describes its rank as a :class:`kvgeom.GeometryCard`
+(:mod:`kvgeom_vllm.card`) and checks that kvgeom's geometry of that card is what vLLM just registered
+(groups, region lengths, strides, block counts, SSM pieces). The card travels in
 the handshake as one more field of vLLM's agent metadata (``kvgeom_card``, JSON); vLLM peers ignore it.
 
 On receipt, ``add_remote_agent`` reads the peer's card (:meth:`GeometryCard.from_json` rejects a card
@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
 
-from kvgeom import EngineConfig, GeometryCard, ModelSpec, Pairing
-from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError
-from kvgeom.spec import AttentionSpec, Layer, MambaSpec, MLASpec
+from kvgeom import GeometryCard, Pairing
+from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError
 
+from .card import card_of_worker, check_registration
 from .table import CALLS, REFUSED
 
 __all__ = ["CARDLESS", "KvgeomAgentMetadata", "card_of_worker", "check_registration", "pair_with_card"]
@@ -35,6 +34,8 @@ logger = logging.getLogger("kvgeom_vllm")
 
 #: why ranks registered without a card, by the field kvgeom refused (for the test report)
 CARDLESS: Counter[str] = Counter()
+#: one example refusal per field (for the test report)
+CARDLESS_EXAMPLE: dict[str, str] = {}
 
 
 def _metadata_module() -> Any:
@@ -52,113 +53,6 @@ class KvgeomAgentMetadata(_PlainAgentMetadata):
     """vLLM's agent metadata plus this rank's geometry card (JSON; ``None`` from plain vLLM peers)."""
 
     kvgeom_card: str | None = None
-
-
-# -- vLLM specs -> kvgeom model spec ----------------------------------------------------------------------
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def _dtype(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _mamba_spec(spec: Any, tp: int, hf_config: Any) -> MambaSpec:
-    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    conv, temporal = tuple(spec.shapes[0]), tuple(spec.shapes[1])
-    rows, conv_dim = int(conv[1]), int(conv[0])
-    cd, sd = _dtype(spec.dtypes[0]), _dtype(spec.dtypes[1])
-    if kind == "MAMBA1":
-        return MambaSpec.mamba1(conv_dim * tp, int(temporal[1]), rows + 1, cd, sd)
-    if kind == "MAMBA2":
-        heads, head_dim, state = int(temporal[0]) * tp, int(temporal[1]), int(temporal[2])
-        groups_state = (conv_dim * tp - heads * head_dim) // 2
-        n_groups = next((int(getattr(hf_config, k)) for k in ("n_groups", "mamba_n_groups", "mamba_ngroups")
-                         if isinstance(getattr(hf_config, k, None), int)), groups_state // max(state, 1))
-        return MambaSpec.mamba2(heads, head_dim, n_groups, state, rows + 1, cd, sd)
-    if kind == "GDN_ATTN":
-        v_heads, v_dim, k_dim = int(temporal[0]), int(temporal[1]), int(temporal[2])
-        k_heads = (conv_dim - v_heads * v_dim) // 2 // max(k_dim, 1)
-        return MambaSpec.gdn(k_heads * tp, k_dim, v_heads * tp, v_dim, rows + 1, cd, sd)
-    raise SpecError("mamba_type", f"no kvgeom layer kind for vLLM mamba_type {kind}", value=kind)
-
-
-def _layer_spec(spec: Any, worker: Any) -> Any:
-    from vllm.v1 import kv_cache_interface as kvi
-
-    tp = int(worker.world_size)
-    if isinstance(spec, kvi.MambaSpec):
-        return _mamba_spec(spec, tp, getattr(worker.vllm_config.model_config, "hf_config", None))
-    if isinstance(spec, (kvi.MLAAttentionSpec, getattr(kvi, "SlidingWindowMLASpec", kvi.MLAAttentionSpec))):
-        window = getattr(spec, "sliding_window", None)
-        return MLASpec(int(spec.head_size), _dtype(spec.dtype), int(window) if window else None)
-    if type(spec) in (kvi.FullAttentionSpec, kvi.SlidingWindowSpec):
-        heads = int(worker.model_config.get_total_num_kv_heads())
-        window = getattr(spec, "sliding_window", None)
-        head_v = getattr(spec, "head_size_v", None)
-        return AttentionSpec(heads, int(spec.head_size), _dtype(spec.dtype),
-                             int(head_v) if head_v and head_v != spec.head_size else None,
-                             int(window) if window else None)
-    raise SpecError("kv_cache_spec", f"kvgeom has no layer kind for vLLM's {type(spec).__name__}",
-                    value=type(spec).__name__)
-
-
-_LAYOUTS = {"LBHNC": "head_major", "HND": "head_major", "LBNHC": "token_major", "NHD": "token_major"}
-
-
-def card_of_worker(worker: Any) -> GeometryCard:
-    """This rank's geometry card, from the worker's vLLM configuration (:class:`KvgeomError` when
-    kvgeom cannot describe it)."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    if any(getattr(g, "host_resident", False) for g in worker.kv_cache_config.transfer_groups):
-        raise SpecError("kv_cache_groups", "host-resident (HiSparse) cache groups have no kvgeom geometry",
-                        value=True)
-    layers = []
-    for pos, (name, spec) in enumerate(worker._layer_specs.items()):
-        m = _LAYER_INDEX.search(name)
-        layers.append(Layer(name, int(m.group(1)) if m else pos, _layer_spec(spec, worker)))
-    model = ModelSpec(str(getattr(worker.model_config, "model", "")), tuple(layers))
-    layout = _LAYOUTS.get(str(worker.kv_cache_layout))
-    if layout is None and model.attention_spec is not None:
-        raise ConfigError("kv_cache_layout", f"kvgeom has no geometry for the {worker.kv_cache_layout} layout",
-                          value=str(worker.kv_cache_layout))
-    ppl = int(worker._physical_blocks_per_logical_kv_block)
-    engine = EngineConfig(tp_size=int(worker.world_size), tp_rank=int(worker.tp_rank),
-                          block_size=int(worker.block_size) * ppl, kernel_block_size=int(worker.block_size),
-                          num_blocks=int(worker._logical_num_blocks), kv_layout=layout or "head_major",
-                          conv_layout="DS" if is_conv_state_dim_first() else "SD")
-    return GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
-
-
-def check_registration(card: GeometryCard, worker: Any) -> None:
-    """Refuse (:class:`IncompatiblePairError`) unless kvgeom's geometry of ``card`` is what vLLM
-    registered: region count, lengths, strides and block counts, and the SSM pieces."""
-    geom = card.geometry
-    ours = {
-        "num_regions": geom.num_regions,
-        "block_len_per_layer": [r.block_len for r in geom.regions],
-        "block_stride_per_layer": [r.block_stride for r in geom.regions],
-        "region_num_blocks": [r.num_blocks for r in geom.regions],
-        "num_blocks": geom.num_blocks,
-    }
-    theirs = {
-        "num_regions": int(worker.num_regions),
-        "block_len_per_layer": [int(x) for x in worker.block_len_per_layer],
-        "block_stride_per_layer": [int(x) for x in worker.block_stride_per_layer],
-        "region_num_blocks": [int(x) for x in worker.region_num_blocks],
-        "num_blocks": int(worker.num_blocks),
-    }
-    if geom.ssm is not None:
-        ours["ssm_sizes"] = list(geom.ssm.sizes)
-        ours["conv_offsets"] = [list(o) for o in geom.ssm.conv_offsets]
-        ours["ssm_region_indices"] = list(geom.ssm.region_indices)
-        theirs["ssm_sizes"] = [int(x) for x in worker._mamba_ssm_size]
-        theirs["conv_offsets"] = [list(o) for o in worker._conv_decomp.local_conv_offsets]
-        theirs["ssm_region_indices"] = [int(x) for x in worker._ssm_region_indices]
-    for key, value in ours.items():
-        if theirs[key] != value:
-            raise IncompatiblePairError(key, f"kvgeom's geometry of this rank differs from vLLM's registration "
-                                        f"(kvgeom {value}, vLLM {theirs[key]})", local=value, remote=theirs[key])
 
 
 def _reencode(payload: Any, card: GeometryCard | None) -> None:
@@ -191,6 +85,7 @@ def register_kv_caches_wrapper(register: Any) -> Any:
         except KvgeomError as exc:
             REFUSED[name] += 1
             CARDLESS[exc.field] += 1
+            CARDLESS_EXAMPLE.setdefault(exc.field, str(exc))
             self.kvgeom_card_error = exc
             if self.kvgeom_compat == "kvgeom":
                 raise ConfigError("compat", f"kvgeom mode needs this rank's geometry card, and kvgeom cannot "

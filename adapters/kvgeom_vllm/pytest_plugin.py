@@ -101,11 +101,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         tr.write_line(f"  {e.qualname:<{width}}  {CALLS[e.qualname]:>7} calls  {REFUSED[e.qualname]:>5} refused"
                       f"   <- {e.kvgeom}{mark}")
     tr.write_line(f"  total: {sum(CALLS[e.qualname] for e in TABLE)} calls reached kvgeom")
-    from .handshake import CARDLESS
+    from .handshake import CARDLESS, CARDLESS_EXAMPLE
 
     if CARDLESS:
-        tr.write_line("  ranks registered without a kvgeom card, by the field kvgeom could not describe: " + ", ".join(
-            f"{field} x{n}" for field, n in CARDLESS.most_common()))
+        tr.write_line("  ranks registered without a kvgeom card (vLLM-compatible mode pairs them on the numbers they "
+                      "advertise), by the field kvgeom could not describe:")
+        for field, n in CARDLESS.most_common():
+            tr.write_line(f"    {field} x{n}, e.g. {CARDLESS_EXAMPLE[field][:160]}")
     tr.section("kvgeom_vllm: outcomes per test file")
     for file in sorted(_OUTCOMES):
         c = _OUTCOMES[file]

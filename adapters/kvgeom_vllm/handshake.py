@@ -20,10 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Any
 
-import msgspec
-
 from kvgeom import GeometryCard, Pairing
-from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError
+from kvgeom.errors import IncompatiblePairError, KvgeomError
 
 from .card import card_of_worker, check_registration
 from .table import CALLS, REFUSED
@@ -53,48 +51,6 @@ class KvgeomAgentMetadata(_PlainAgentMetadata):
     """vLLM's agent metadata plus this rank's geometry card (JSON; ``None`` from plain vLLM peers)."""
 
     kvgeom_card: str | None = None
-
-
-def _reencode(payload: Any, card: GeometryCard | None) -> None:
-    meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=KvgeomAgentMetadata)
-    meta.kvgeom_card = card.dumps() if card is not None else None
-    payload.agent_metadata_bytes = msgspec.msgpack.encode(meta)
-
-
-def register_kv_caches_wrapper(register: Any) -> Any:
-    """vLLM's ``register_kv_caches``, then the card (built, checked against the registration, sent) and a
-    PP stage's first region in its PP-1 peer (:func:`kvgeom.layerroute.pp_region_offset`)."""
-
-    @functools.wraps(register)
-    def register_kv_caches(self: Any, kv_caches: Any) -> None:
-        register(self, kv_caches)
-        self._kvgeom_topology()
-        name = "NixlBaseConnectorWorker.register_kv_caches"
-        CALLS[name] += 1
-        if self.pp_size > 1 and not self._requires_layer_name_routing():
-            from .answers import pp_region_offset
-
-            start, end = self.model_config.get_layers_start_end_indices(self.vllm_config.parallel_config)
-            self._remote_region_offset = pp_region_offset(self.num_regions, start, end)
-        self.kvgeom_card = None
-        self.kvgeom_card_error = None
-        try:
-            card = card_of_worker(self)
-            check_registration(card, self)
-            self.kvgeom_card = card
-        except KvgeomError as exc:
-            REFUSED[name] += 1
-            CARDLESS[exc.field] += 1
-            CARDLESS_EXAMPLE.setdefault(exc.field, str(exc))
-            self.kvgeom_card_error = exc
-            if self.kvgeom_compat == "kvgeom":
-                raise ConfigError("compat", f"kvgeom mode needs this rank's geometry card, and kvgeom cannot "
-                                  f"describe it: {exc}", value="kvgeom") from exc
-            logger.info("kvgeom_vllm: no geometry card for this rank (%s); vLLM's own checks pair it", exc)
-        if self.xfer_handshake_metadata is not None:
-            _reencode(self.xfer_handshake_metadata, self.kvgeom_card)
-
-    return register_kv_caches
 
 
 def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: int) -> Pairing | None:

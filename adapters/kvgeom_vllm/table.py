@@ -24,10 +24,11 @@ SSM = "vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils"
 UTILS = "vllm.distributed.kv_transfer.kv_connector.utils"
 SCHED = f"{NIXL}.base_scheduler"
 
-KINDS = ("method", "static", "property", "function", "attribute", "wrapper")
-"""How a row's answer is installed: a method of vLLM's class, a static method, a property, a module
-function, an attribute vLLM computes in ``__init__`` (recomputed there by kvgeom), or a wrapper around
-vLLM's method (the two card steps of :mod:`kvgeom_vllm.handshake`)."""
+KINDS = ("method", "base", "static", "property", "function", "attribute", "wrapper")
+"""How a row's answer is installed: a method of vLLM's class, a method of vLLM's base worker that vLLM's
+pull/push subclasses extend (installed below them), a static method, a property, a module function, an
+attribute vLLM computes in ``__init__`` (recomputed there by kvgeom), or a wrapper around vLLM's method
+(the handshake's card check, and kvgeom mode's per-request paths)."""
 
 _ALL = ("AssertionError", "RuntimeError", "NotImplementedError")
 
@@ -167,9 +168,10 @@ TABLE: tuple[Entry, ...] = (
     Entry(f"{NIXL}.push_worker", "NixlPushConnectorWorker._xfer_blocks_for_req", "xfer_blocks_for_req",
           "kvgeom.plan_request (kvgeom mode)", raises=_ALL, kind="wrapper", exercised=False),
     # -- the rank's geometry card, in registration and handshake
-    Entry(BW, f"{W}.register_kv_caches", "register_kv_caches_wrapper",
-          "kvgeom.card_of + rank_geometry (the rank's geometry card, checked against the registration) + "
-          "kvgeom.layerroute.pp_region_offset", kind="wrapper"),
+    Entry(BW, f"{W}.register_kv_caches", "register_kv_caches",
+          "kvgeom.registration.discover_regions + kvgeom.layerroute.pp_region_offset; then the rank's geometry card "
+          "(kvgeom_vllm.card, checked against the regions)", raises=("AssertionError", "NotImplementedError"),
+          kind="base"),
     # vLLM's tests pair hand-made metadata (no card); tests/vllm/test_integration.py pairs card-carrying workers
     Entry(BW, f"{W}.add_remote_agent", "add_remote_agent_wrapper",
           "kvgeom.GeometryCard.from_json + Pairing.create (the peer's card, checked on receipt); "

@@ -80,10 +80,11 @@ def counted(e: Entry) -> Callable[..., Any]:
     return wrapper
 
 
-def _install(cls: type, owner: str) -> type:
-    """Set every answered member of ``owner`` (a vLLM class name in the table) on ``cls``."""
+def _install(cls: type, owner: str, base: bool = False) -> type:
+    """Set every answered member of ``owner`` (a vLLM class name in the table) on ``cls`` (``base``: the
+    members installed below vLLM's pull/push subclasses)."""
     for e in TABLE:
-        if e.owner != owner or e.kind in ("wrapper", "attribute", "function"):
+        if e.owner != owner or e.kind in ("wrapper", "attribute", "function") or (e.kind == "base") != base:
             continue
         fn = counted(e)
         member: Any = {"static": staticmethod, "property": property}.get(e.kind, lambda f: f)(fn)
@@ -169,9 +170,6 @@ class KvgeomWorkerMixin:
         with _active():
             super().__init__(*args, **kwargs)
 
-    def _kvgeom_topology(self) -> None:
-        as_kvgeom_topology(getattr(self, "transfer_topo", None))
-
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         """Pull: vLLM's per-request code, or in kvgeom mode kvgeom's plan (:mod:`kvgeom_vllm.kvgeom_mode`)."""
         if self.kvgeom_compat != "kvgeom":
@@ -194,26 +192,35 @@ class KvgeomWorkerMixin:
 _install(KvgeomWorkerMixin, "NixlBaseConnectorWorker")
 
 
+class KvgeomRegistration(_BaseWorker):
+    """vLLM's base worker with kvgeom's registration (region discovery and the card). It sits below vLLM's
+    pull and push workers in the class order, so that their own ``register_kv_caches`` (the push writer
+    thread) still runs around it."""
+
+
+_install(KvgeomRegistration, "NixlBaseConnectorWorker", base=True)
+
+
 def _with_handshake(cls: type) -> type:
     from . import handshake
 
-    cls.register_kv_caches = handshake.register_kv_caches_wrapper(_marked(cls.register_kv_caches))
+    cls.register_kv_caches = _marked(cls.register_kv_caches)
     cls.add_remote_agent = handshake.add_remote_agent_wrapper(_marked(cls.add_remote_agent))
     return cls
 
 
 @_with_handshake
-class KvgeomBaseWorker(KvgeomWorkerMixin, _BaseWorker):
+class KvgeomBaseWorker(KvgeomWorkerMixin, KvgeomRegistration):
     """vLLM's base NIXL worker with kvgeom geometry."""
 
 
 @_with_handshake
-class KvgeomPullConnectorWorker(KvgeomWorkerMixin, _PullWorker):
+class KvgeomPullConnectorWorker(KvgeomWorkerMixin, _PullWorker, KvgeomRegistration):
     """vLLM's pull (READ) NIXL worker with kvgeom geometry."""
 
 
 @_with_handshake
-class KvgeomPushConnectorWorker(KvgeomWorkerMixin, _PushWorker):
+class KvgeomPushConnectorWorker(KvgeomWorkerMixin, _PushWorker, KvgeomRegistration):
     """vLLM's push (WRITE) NIXL worker with kvgeom geometry."""
 
 

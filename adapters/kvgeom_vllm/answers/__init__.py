@@ -35,6 +35,7 @@ from .regions import (
     split_remote_packed_rows,
     sync_block_size_with_kernel,
 )
+from .registration import register_kv_caches
 from .scheduler import (
     blocks_per_window,
     clip_ssm_state_blocks,
@@ -93,5 +94,5 @@ __all__ = [
     "handshake_target_ranks", "is_kv_replicated", "needs_split_local_xfer_handles", "replicates_kv_cache",
     "target_remote_ranks", "topology_block_size_ratio", "topology_dcp_rank", "topology_local_physical_heads",
     "topology_local_replicates_kv_cache", "topology_tp_ratio", "validate_csa_linear_tp_layout",
-    "validate_remote_agent_handshake", "validate_remote_parallel_config",
+    "validate_remote_agent_handshake", "validate_remote_parallel_config", "register_kv_caches",
 ]

@@ -58,6 +58,11 @@ def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: 
     has no card and the worker runs vLLM-compatible."""
     text = getattr(meta, "kvgeom_card", None)
     local: GeometryCard | None = getattr(worker, "kvgeom_card", None)
+    if int(getattr(worker, "pp_size", 1)) > 1:  # kvgeom's pairings do not plan pipeline-parallel stages yet
+        if worker.kvgeom_compat == "kvgeom":
+            raise IncompatiblePairError("pipeline_parallel_size", "kvgeom mode does not plan pipeline-parallel "
+                                        "stages yet; use compat 'vllm'", value=int(worker.pp_size), expected=1)
+        return None
     if text is None or local is None:
         if worker.kvgeom_compat == "kvgeom":
             side = "the peer sent no kvgeom geometry card" if text is None else "this rank has no card"
@@ -100,8 +105,9 @@ def _slice_pp_window(worker: Any, meta: Any) -> None:
 
 
 def add_remote_agent_wrapper(add: Any) -> Any:
-    """vLLM's ``add_remote_agent``, preceded by the card check and the PP window; in kvgeom mode the pair
-    is prepared by :func:`kvgeom_vllm.kvgeom_mode.add_remote_agent` instead of vLLM's code."""
+    """vLLM's ``add_remote_agent``, preceded by the card check and the PP window. When both sides carry a
+    card the pair is prepared by :func:`kvgeom_vllm.kvgeom_mode.add_remote_agent` instead of vLLM's code
+    (in vLLM-compatible mode on a pairing that refuses what vLLM refuses)."""
 
     @functools.wraps(add)
     def add_remote_agent(self: Any, nixl_agent_meta: Any, remote_tp_rank: int = 0, remote_tp_size: int = 1,
@@ -123,7 +129,7 @@ def add_remote_agent_wrapper(add: Any) -> Any:
             raise as_vllm_error(exc, RuntimeError) from None
         if pairing is not None:
             self.kvgeom_pairings = {**getattr(self, "kvgeom_pairings", {}), engine_id: pairing}
-        if self.kvgeom_compat == "kvgeom":
+        if pairing is not None:  # both sides carry a card: kvgeom prepares the pair (in either compat mode)
             from . import kvgeom_mode
 
             return kvgeom_mode.add_remote_agent(self, nixl_agent_meta, pairing, remote_tp_rank, remote_tp_size,

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvgeom import Pairing, plan_request
-from kvgeom.errors import IncompatiblePairError
+from kvgeom.errors import IncompatiblePairError, KvgeomError
 from kvgeom.plan import RequestPlan
 
 from .answers import region_bytes, to_vllm_mapping
@@ -64,12 +64,19 @@ def _pairing(worker: Any, engine_id: str) -> Pairing:
     return pairing
 
 
+def strided(descs: np.ndarray) -> np.ndarray:
+    """``(addr, len, dev)`` rows as NIXL's N x 5 strided rows of one descriptor each (the form vLLM's
+    connector prepares, NIXL >= 1.5)."""
+    rows = np.asarray(descs, dtype=np.int64)
+    return np.column_stack([rows, rows[:, 1], np.ones(len(rows), dtype=np.int64)]).astype(np.uint64)
+
+
 def _local_handle(worker: Any, engine_id: str, pairing: Pairing, key: tuple[int, int]) -> int:
     """The prepared NIXL list of the local table ``key`` of this pairing (prepared once)."""
     handles = worker.__dict__.setdefault("kvgeom_local_handles", {})
     if (engine_id, key) not in handles:
         bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
-        descs = pairing.local_table(key).bind(bases, int(worker.device_id))
+        descs = strided(pairing.local_table(key).bind(bases, int(worker.device_id)))
         handles[(engine_id, key)] = worker.nixl_wrapper.prep_xfer_dlist(
             "NIXL_INIT_AGENT", descs, mem_type=worker.region_mem_types[0])
     return handles[(engine_id, key)]
@@ -102,7 +109,7 @@ def add_remote_agent(worker: Any, meta: Any, pairing: Pairing | None, remote_tp_
         worker.dst_region_mem_types[engine_id] = meta.region_mem_types or [worker.nixl_memory_type] * n
     worker.kv_caches_base_addr[engine_id][remote_tp_rank] = list(meta.kv_caches_base_addr)
     if remote_tp_rank in pairing.transfer_ranks:
-        descs = pairing.remote_table(remote_tp_rank).bind(list(meta.kv_caches_base_addr), int(meta.device_id))
+        descs = strided(pairing.remote_table(remote_tp_rank).bind(list(meta.kv_caches_base_addr), int(meta.device_id)))
         mem_type = (meta.region_mem_types or [worker.nixl_memory_type])[0]
         worker.dst_xfer_side_handles[engine_id][remote_tp_rank] = worker.nixl_wrapper.prep_xfer_dlist(
             agent, descs, mem_type=mem_type)
@@ -146,9 +153,11 @@ def _notify(worker: Any, engine_id: str, rank: int, notif: bytes, req_id: str) -
 
 
 def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
-    """kvgeom mode's pull of one request: vLLM's admission checks (invalid or re-registered engine,
-    pending handshake, expired readback), then kvgeom's plan posted as READs; the ranks nothing is read
-    from are notified; the post-receive step travels with the request to its completion."""
+    """The pull of one request planned by kvgeom: vLLM's admission checks (invalid or re-registered
+    engine, pending handshake, expired readback), then kvgeom's plan posted as READs; the ranks nothing is
+    read from are notified; the post-receive step travels with the request to its completion. A request
+    kvgeom refuses to plan (in vLLM-compatible mode: one vLLM would move to the wrong tokens) fails like a
+    failed transfer (vLLM recomputes it), never with wrong bytes."""
     engine_id = meta.remote.engine_id
     if engine_id in worker._invalid_remote_engines:
         worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=False)
@@ -166,7 +175,16 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
         worker.xfer_stats.record_kv_expired_req()
         worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=False)
         return
-    plan = _plan(worker, _pairing(worker, engine_id), req_id, meta)
+    try:
+        plan = _plan(worker, _pairing(worker, engine_id), req_id, meta)
+    except KvgeomError as e:  # this request cannot be moved right (e.g. vLLM's pairing would move wrong tokens)
+        from .table import REFUSED
+
+        REFUSED["NixlPullConnectorWorker._read_blocks_for_req"] += 1
+        worker._log_failure(failure_type="plan_refused", req_id=req_id, error=e, dst_engine_id=engine_id,
+                            msg="kvgeom refused to plan this request; D recomputes it")
+        worker._handle_failed_transfer(req_id, None, worker._recv_failures)
+        return
     if any(len(g) for g in meta.local_block_ids) or (meta.awaiting_kvs and not plan.transfers):
         worker._recving_transfers.setdefault(req_id, [])
     meta.region_blocks_to_zero = Receive(plan)

@@ -170,9 +170,15 @@ class KvgeomWorkerMixin:
         with _active():
             super().__init__(*args, **kwargs)
 
+    def _kvgeom_plans(self, engine_id: str) -> bool:
+        """Whether kvgeom plans this engine's requests: always in kvgeom mode, and in vLLM-compatible mode
+        once the handshake paired both sides' cards; a peer without a card gets vLLM's per-request code."""
+        return self.kvgeom_compat == "kvgeom" or engine_id in getattr(self, "kvgeom_pairings", {})
+
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
-        """Pull: vLLM's per-request code, or in kvgeom mode kvgeom's plan (:mod:`kvgeom_vllm.kvgeom_mode`)."""
-        if self.kvgeom_compat != "kvgeom":
+        """Pull: kvgeom's plan (:mod:`kvgeom_vllm.kvgeom_mode`), or vLLM's per-request code for a peer
+        without a card."""
+        if not self._kvgeom_plans(meta.remote.engine_id):
             return super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
         from . import kvgeom_mode
 
@@ -180,8 +186,8 @@ class KvgeomWorkerMixin:
                             req_id, meta)
 
     def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
-        """Push: vLLM's per-request code, or in kvgeom mode kvgeom's plan."""
-        if self.kvgeom_compat != "kvgeom":
+        """Push: kvgeom's plan, or vLLM's per-request code for a peer without a card."""
+        if not self._kvgeom_plans(meta.remote.engine_id):
             return super()._xfer_blocks_for_req(req_id, meta)  # type: ignore[misc]
         from . import kvgeom_mode
 

@@ -30,12 +30,36 @@ LAYERS = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(12)]
 
 
 class RecordingNixl:
-    """NIXL agent stand-in: records prepared descriptor lists, never moves bytes."""
+    """NIXL agent stand-in: records prepared descriptor lists, transfers and notifications; never moves
+    bytes (every transfer reports done at once)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.dlists: dict[int, np.ndarray] = {}
         self.remote_agents: list[bytes] = []
+        self.xfers: list[tuple[str, int, np.ndarray, int, np.ndarray, bytes]] = []
+        self.notifs: list[tuple[str, bytes]] = []
         self._next = 1
+
+    def make_prepped_xfer(self, op: str, local: int, local_ids: Any, remote: int, remote_ids: Any,
+                          notif_msg: bytes = b"") -> int:
+        self.xfers.append((op, local, np.asarray(local_ids), remote, np.asarray(remote_ids), notif_msg))
+        handle, self._next = self._next, self._next + 1
+        return handle
+
+    def transfer(self, handle: int) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        return "DONE"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        pass
+
+    def send_notif(self, agent: str, notif_msg: bytes = b"") -> None:
+        self.notifs.append((agent, notif_msg))
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return {}
 
     def get_reg_descs(self, caches_data: Any, mem_type: Any) -> Any:
         return caches_data

@@ -115,7 +115,9 @@ def test_kvgeom_workers_mark_the_methods_that_call_module_functions() -> None:
     before = {k: CALLS[k] for k in ("_region_sort_key", "compute_tp_mapping")}
     d = make_worker(_workers().KvgeomPullConnectorWorker, "D")  # registration sorts its 12 layers through kvgeom
     assert CALLS["_region_sort_key"] >= before["_region_sort_key"] + 12
-    d.add_remote_agent(_metadata(make_worker(_workers().KvgeomPullConnectorWorker, "P")), 0, 1)
+    p = make_worker(_workers().KvgeomPullConnectorWorker, "P")
+    plain = msgspec.msgpack.decode(p.xfer_handshake_metadata.agent_metadata_bytes, type=PlainMetadata)
+    d.add_remote_agent(plain, 0, 1)  # a peer without a card: vLLM's handshake code, asking kvgeom by name
     assert CALLS["compute_tp_mapping"] == before["compute_tp_mapping"] + 1
 
 
@@ -140,22 +142,29 @@ def _metadata(worker: object) -> object:
     return msgspec.msgpack.decode(worker.xfer_handshake_metadata.agent_metadata_bytes, type=bw.NixlAgentMetadata)
 
 
-def test_handshake_pairs_cards_then_prepares_vllms_descriptors() -> None:
+def _descs(prepared: np.ndarray) -> list[tuple[int, int]]:
+    """``(addr, len)`` of every descriptor of a prepared list (N x 3 rows, or N x 5 strided rows)."""
+    rows = np.asarray(prepared, dtype=np.int64)
+    if rows.shape[1] == 5:
+        rows = np.concatenate([np.stack([r[0] + r[3] * np.arange(r[4]), np.full(r[4], r[1])], axis=1) for r in rows])
+    return sorted(map(tuple, rows[:, :2].tolist()))
+
+
+def test_card_pairs_are_prepared_by_kvgeom_and_describe_the_bytes_vllms_code_does() -> None:
     wk = _workers()
     p = make_worker(wk.KvgeomPullConnectorWorker, "P", num_blocks=6)
-    d = make_worker(wk.KvgeomPullConnectorWorker, "D", num_blocks=8)
+    with_card = make_worker(wk.KvgeomPullConnectorWorker, "D", num_blocks=8)
+    without = make_worker(wk.KvgeomPullConnectorWorker, "D", num_blocks=8)
     before = CALLS["NixlBaseConnectorWorker.add_remote_agent"]
-    d.add_remote_agent(_metadata(p), remote_tp_rank=0, remote_tp_size=1)
-    assert CALLS["NixlBaseConnectorWorker.add_remote_agent"] == before + 1
-    pairing = d.kvgeom_pairings["P"]
-    assert pairing.remote_tp == 1 and pairing.bsr == 1
-    # the remote table vLLM prepared is kvgeom's remote table of P, bound to P's addresses
-    handle = d.dst_xfer_side_handles["P"][0]
-    prepared = d.nixl_wrapper.dlists[handle]
-    bases = p.kv_caches_base_addr["P"][0]
-    expected = pairing.remote_table(0).bind(bases, 0)
-    starts = prepared[:, 0][:, None] + prepared[:, 3][:, None] * np.arange(int(prepared[0, 4]))[None, :]
-    assert np.array_equal(np.sort(starts.ravel()), np.sort(expected[:, 0]))
+    with_card.add_remote_agent(_metadata(p), remote_tp_rank=0, remote_tp_size=1)
+    plain = msgspec.msgpack.decode(p.xfer_handshake_metadata.agent_metadata_bytes, type=PlainMetadata)
+    without.add_remote_agent(plain, remote_tp_rank=0, remote_tp_size=1)  # vLLM's code on kvgeom's answers
+    assert CALLS["NixlBaseConnectorWorker.add_remote_agent"] == before + 2
+    pairing = with_card.kvgeom_pairings["P"]
+    assert pairing.remote_tp == 1 and pairing.bsr == 1 and not getattr(without, "kvgeom_pairings", {})
+    ours = with_card.nixl_wrapper.dlists[with_card.dst_xfer_side_handles["P"][0]]
+    theirs = without.nixl_wrapper.dlists[without.dst_xfer_side_handles["P"][0]]
+    assert _descs(ours) == _descs(theirs) and len(_descs(ours)) == 12 * 6  # every block of P's 12 layers
 
 
 def test_handshake_refuses_an_incompatible_peer_before_preparing_anything() -> None:

@@ -123,3 +123,34 @@ def test_p_blocks_larger_than_ds_across_tp_sizes_are_refused_by_vllm_and_served_
     assert "not divisible" in why, why
     oracle, produced, consumed = serve(TOKEN_MAJOR_P, TOKEN_MAJOR_D, num_tokens=150, prefix_blocks=1)
     check(oracle, produced, consumed)
+
+
+def test_vllm_compatible_card_pairs_are_planned_by_kvgeom_byte_for_byte() -> None:
+    # a pair vLLM serves (D TP2 reads half of P TP1's heads, two P blocks per D block): with cards on both
+    # sides the vLLM-compatible path is kvgeom's plan too, and its bytes are right
+    p = {"tp": 1, "block_size": 32, "num_blocks": 8, "layout": "LBHNC", "compat": "vllm"}
+    d = {"tp": 2, "block_size": 64, "num_blocks": 5, "layout": "LBHNC", "compat": "vllm"}
+    assert refused_in_vllm_mode(p, d) == ""
+    oracle, produced, consumed = serve(p, d, num_tokens=150)
+    check(oracle, produced, consumed)
+    assert oracle.result.regrouped_blocks > 0
+
+
+def test_a_request_vllm_would_move_to_the_wrong_tokens_fails_instead() -> None:
+    # the same vLLM-served pair, but D holds the first block already: vLLM pairs P's and D's blocks by count
+    # and would write P's first block into D's second; with cards kvgeom refuses that request, which fails
+    # like a failed transfer (D recomputes it), with nothing posted
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    p = make_worker("P", 1, 0, 32, 8, "LBHNC", "vllm", RecordingNixl)
+    d = make_worker("D", 2, 0, 64, 5, "LBHNC", "vllm", RecordingNixl)
+    d._remote_agents["P"][(0, 0)] = d.add_remote_agent(_metadata(p), remote_tp_rank=0, remote_tp_size=1)
+    meta = NixlConnectorMetadata()
+    meta.add_new_req_to_recv("req", [[2, 3]], {
+        "remote_block_ids": [[1, 2, 3, 4, 5]], "remote_engine_id": "P", "remote_request_id": "req-P",
+        "remote_host": "localhost", "remote_port": 0, "tp_size": 1, "remote_num_tokens": 150},
+        local_num_computed_blocks=(1,), awaiting_kvs=True)
+    d.start_load_kv(meta)
+    assert d.nixl_wrapper.xfers == []
+    result = d.get_transfer_results()
+    assert result.failed_recving == {"req"} and result.finished_recving == {"req"}

@@ -210,12 +210,15 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
 
 
 def xfer_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
-    """kvgeom mode's push of one request (P writes D's blocks): kvgeom's plan posted as WRITEs; the D ranks
-    nothing is written to are notified, so every D rank counts its producers' notifications."""
+    """The push of one request planned by kvgeom (P writes D's blocks): kvgeom's plan posted as WRITEs; the
+    D ranks nothing is written to are notified, so every D rank counts its producers' notifications. D's
+    token count comes with D's registration (kvgeom's push scheduler adds it), placing D's list when a
+    prefix hit on D skipped blocks."""
     engine_id = meta.remote.engine_id
     pairing = _pairing(worker, engine_id)
+    tokens = worker.__dict__.get("_kvgeom_push_tokens", {}).pop(req_id, None)
     plan = plan_request(pairing, meta.local_block_ids, meta.remote.block_ids, request_id=req_id,
-                        remote_request_id=meta.remote.request_id)
+                        remote_request_id=meta.remote.request_id, num_tokens=tokens)
     handles = []
     for t in plan.transfers:
         handle = None

@@ -161,12 +161,13 @@ TABLE: tuple[Entry, ...] = (
     Entry(SCHED, f"{S}._prefill_backoff", "prefill_backoff", "kvgeom.exchange.prefill_backoff"),
     Entry(SCHED, f"{S}._get_remote_prefill_token_count", "get_remote_prefill_token_count",
           "kvgeom.exchange.prefill_tokens"),
-    # -- kvgeom mode ("compat": "kvgeom"): the whole per-request path is kvgeom's plan
+    # -- the per-request path: kvgeom's plan when both sides carry a card (always in kvgeom mode); for a peer
+    # without a card vLLM's own per-request code runs on the answers above. vLLM's tests pair no cards.
     Entry(f"{NIXL}.pull_worker", "NixlPullConnectorWorker._read_blocks_for_req", "read_blocks_for_req",
-          "kvgeom.plan_request (kvgeom mode; vLLM-compatible mode runs vLLM's code on the answers above)",
-          raises=_ALL, kind="wrapper", exercised=False),
+          "kvgeom.plan_request on the pairing (+ the plan's post-receive step at completion)", raises=_ALL,
+          kind="wrapper", exercised=False),
     Entry(f"{NIXL}.push_worker", "NixlPushConnectorWorker._xfer_blocks_for_req", "xfer_blocks_for_req",
-          "kvgeom.plan_request (kvgeom mode)", raises=_ALL, kind="wrapper", exercised=False),
+          "kvgeom.plan_request on the pairing", raises=_ALL, kind="wrapper", exercised=False),
     # -- the rank's geometry card, in registration and handshake
     Entry(BW, f"{W}.register_kv_caches", "register_kv_caches",
           "kvgeom.registration.discover_regions + kvgeom.layerroute.pp_region_offset; then the rank's geometry card "
@@ -174,8 +175,9 @@ TABLE: tuple[Entry, ...] = (
           kind="base"),
     # vLLM's tests pair hand-made metadata (no card); tests/vllm/test_integration.py pairs card-carrying workers
     Entry(BW, f"{W}.add_remote_agent", "add_remote_agent_wrapper",
-          "kvgeom.GeometryCard.from_json + Pairing.create (the peer's card, checked on receipt); "
-          "kvgeom.layerroute.slice_regions (a PP stage's window)", raises=("RuntimeError",), kind="wrapper"),
+          "kvgeom.GeometryCard.from_json + Pairing.create (the peer's card, checked on receipt; the pair's tables "
+          "prepared from the pairing); kvgeom.layerroute.slice_regions (a PP stage's window)",
+          raises=("RuntimeError",), kind="wrapper"),
 )
 
 ANSWERED: tuple[Entry, ...] = TABLE

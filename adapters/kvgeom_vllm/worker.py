@@ -185,6 +185,14 @@ class KvgeomWorkerMixin:
         return counted_call("NixlPullConnectorWorker._read_blocks_for_req", kvgeom_mode.read_blocks_for_req, self,
                             req_id, meta)
 
+    def _do_start_push_kv(self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]) -> None:
+        """Push (P side): keep the token count D registered with the request (kvgeom's push scheduler adds it)
+        for kvgeom's plan, then vLLM's code."""
+        tokens = registration_data.get("kvgeom_num_tokens")
+        if tokens is not None:
+            self.__dict__.setdefault("_kvgeom_push_tokens", {})[request_id] = int(tokens)
+        return super()._do_start_push_kv(request_id, local_block_ids, registration_data)  # type: ignore[misc]
+
     def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
         """Push: kvgeom's plan, or vLLM's per-request code for a peer without a card."""
         if not self._kvgeom_plans(meta.remote.engine_id):
@@ -247,7 +255,14 @@ class KvgeomPullConnectorScheduler(KvgeomSchedulerMixin, _PullScheduler):
 
 
 class KvgeomPushConnectorScheduler(KvgeomSchedulerMixin, _PushScheduler):
-    """vLLM's push scheduler with kvgeom's exchange rules."""
+    """vLLM's push scheduler with kvgeom's exchange rules. D's registration also carries the request's token
+    count (``kvgeom_num_tokens``): P's worker places D's block list with it (a prefix hit on D skips blocks)."""
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        registration = self._push_pending_registrations.get(request.request_id)
+        if registration is not None:
+            registration["kvgeom_num_tokens"] = int(request.num_prompt_tokens)
 
 
 # -- dispatchers for the module functions vLLM's worker calls by name ---------------------------------------

@@ -81,7 +81,7 @@ class RecordingWrapper:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.dlists: dict[int, np.ndarray] = {}
-        self.xfers: list[tuple[str, int, np.ndarray, int, np.ndarray]] = []
+        self.xfers: list[tuple[str, int, np.ndarray, int, np.ndarray, bytes]] = []
 
     def prep_xfer_dlist(self, agent: Any, descs: Any, *args: Any, **kwargs: Any) -> int:
         handle = self.inner.prep_xfer_dlist(agent, descs, *args, **kwargs)
@@ -91,7 +91,7 @@ class RecordingWrapper:
     def make_prepped_xfer(self, op: str, local: int, local_ids: Any, remote: int, remote_ids: Any,
                           *args: Any, **kwargs: Any) -> int:
         self.xfers.append((op, local, np.asarray(local_ids, dtype=np.int64), remote,
-                           np.asarray(remote_ids, dtype=np.int64)))
+                           np.asarray(remote_ids, dtype=np.int64), kwargs.get("notif_msg", b"")))
         return self.inner.make_prepped_xfer(op, local, local_ids, remote, remote_ids, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -110,17 +110,19 @@ def _expand(rows: np.ndarray) -> np.ndarray:
 
 
 def make_worker(engine_id: str, tp: int, rank: int, block_size: int, num_blocks: int, layout: str,
-                compat: str, nixl_wrapper: Any = None) -> Any:
-    """A registered kvgeom worker for TP rank ``rank`` of ``tp``, with a real NIXL agent (or the class
-    ``nixl_wrapper`` in its place)."""
-    from kvgeom_vllm.worker import KvgeomPullConnectorWorker
+                compat: str, nixl_wrapper: Any = None, push: bool = False) -> Any:
+    """A registered kvgeom worker (pull, or ``push``) for TP rank ``rank`` of ``tp``, with a real NIXL agent
+    (or the class ``nixl_wrapper`` in its place; then push's writer thread is not started)."""
+    from kvgeom_vllm.worker import KvgeomPullConnectorWorker, KvgeomPushConnectorWorker
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
     config = vllm_config(tp, block_size, layout, compat)
     kvc, caches = kv_caches(tp, block_size, num_blocks, layout)
-    cls = KvgeomPullConnectorWorker if compat == "vllm" else type("W", (KvgeomPullConnectorWorker,),
-                                                                   {"kvgeom_compat": compat})
+    base = KvgeomPushConnectorWorker if push else KvgeomPullConnectorWorker
+    cls = base if compat == "vllm" else type("W", (base,), {"kvgeom_compat": compat})
     with ExitStack() as stack:
+        if push and nixl_wrapper is not None:
+            stack.enter_context(patch("threading.Thread"))
         stack.enter_context(patch.object(bw, "get_tensor_model_parallel_rank", return_value=rank))
         stack.enter_context(patch.object(bw, "get_tensor_model_parallel_world_size", return_value=tp))
         if nixl_wrapper is not None:
@@ -246,17 +248,22 @@ def _locate(addr: np.ndarray, spans: list[tuple[int, int, int, int]]) -> np.ndar
     return np.stack([table[:, 2], table[:, 3], off], axis=1)
 
 
-def _moves(worker: Any, rank: int, p_regions: list[list[tuple[int, int]]]) -> np.ndarray:
-    """The byte moves of every READ D's worker posted, N x 8 (P rank, region, offset, D rank, region,
-    offset, P length, D length)."""
+def _moves(worker: Any, rank: int, p_regions: list[list[tuple[int, int]]], op: str = "READ") -> np.ndarray:
+    """The byte moves of every transfer a worker posted, N x 8 (source rank, region, offset, destination
+    rank, region, offset, source length, destination length): D's READs from P's ranks (``p_regions``: the
+    peer's regions), or P's WRITEs into D's (``op="WRITE"``, ``p_regions`` then D's)."""
     sizes = [int(n) * int(s) for n, s in zip(worker.region_num_blocks, worker.block_stride_per_layer)]
-    mine = [(int(b), sizes[r], rank, r) for r, b in enumerate(worker.kv_caches_base_addr["D"][rank])]
+    mine = [(int(b), sizes[r], rank, r) for r, b in enumerate(worker.kv_caches_base_addr[worker.engine_id][rank])]
     theirs = [(int(b), int(n), p, r) for p, regions in enumerate(p_regions) for r, (b, n) in enumerate(regions)]
     nixl = worker.nixl_wrapper
     out = [np.zeros((0, 8), dtype=np.int64)]
-    for op, lh, lids, rh, rids in nixl.xfers:
-        assert op == "READ"
+    for x in nixl.xfers:
+        kind, lh, lids, rh, rids = x[:5]
+        assert kind == op
         loc, rem = _expand(nixl.dlists[lh])[lids], _expand(nixl.dlists[rh])[rids]
-        src, dst = _locate(rem[:, 0], theirs), _locate(loc[:, 0], mine)
-        out.append(np.concatenate([src, dst, rem[:, 1:2], loc[:, 1:2]], axis=1))
+        there, here = _locate(rem[:, 0], theirs), _locate(loc[:, 0], mine)
+        if op == "READ":
+            out.append(np.concatenate([there, here, rem[:, 1:2], loc[:, 1:2]], axis=1))
+        else:
+            out.append(np.concatenate([here, there, loc[:, 1:2], rem[:, 1:2]], axis=1))
     return np.concatenate(out)

@@ -17,7 +17,8 @@ import re
 
 import numpy as np
 import pytest
-from _nixl_pairs import consumer_main, make_worker, producer_main
+from _nixl_pairs import HEAD_BYTES as HEAD_BYTES_
+from _nixl_pairs import HEADS, consumer_main, make_worker, producer_main
 from _vllm_workers import RecordingNixl
 from kvgeom_nixl.procs import ProcGroup
 
@@ -154,3 +155,39 @@ def test_a_request_vllm_would_move_to_the_wrong_tokens_fails_instead() -> None:
     assert d.nixl_wrapper.xfers == []
     result = d.get_transfer_results()
     assert result.failed_recving == {"req"} and result.finished_recving == {"req"}
+
+
+def test_push_across_tp_sizes_on_a_token_major_layout_is_refused_by_vllm_and_written_by_kvgeom() -> None:
+    # vLLM 0.33.0 splits heads across TP sizes only on block-contiguous layouts; kvgeom mode writes a token-major
+    # page per token. P's workers post the WRITEs of kvgeom's plan (recorded, then replayed on the oracle).
+    from _nixl_pairs import _moves
+
+    def engines(compat: str) -> tuple[list, object]:
+        d = make_worker("D", 1, 0, 32, 6, "LBNHC", compat, RecordingNixl, push=True)
+        ps = [make_worker("P", 2, r, 32, 6, "LBNHC", compat, RecordingNixl, push=True) for r in range(2)]
+        return ps, d
+
+    ps, d = engines("vllm")
+    with pytest.raises(RuntimeError, match="block-contiguous"):
+        ps[0].add_remote_agent(_metadata(d), remote_tp_rank=0, remote_tp_size=1)
+    ps, d = engines("kvgeom")
+    model = ps[0].kvgeom_card.model
+    request = Request.simple(model, ps[0].kvgeom_card.engine, d.kvgeom_card.engine, num_tokens=70)
+    oracle = Oracle(model, [p.kvgeom_card.geometry for p in ps], [d.kvgeom_card.geometry], request)
+    d_regions = [[(b, n * s) for b, n, s in zip(d.kv_caches_base_addr["D"][0], d.region_num_blocks,
+                                                  d.block_stride_per_layer)]]
+    for rank, p in enumerate(ps):
+        for target in p.transfer_topo.handshake_target_ranks(1):
+            p._remote_agents["D"][(0, target)] = p.add_remote_agent(_metadata(d), remote_tp_rank=target,
+                                                                   remote_tp_size=1)
+        registration = {"request_id": "req-D", "decode_engine_id": "D", "decode_host": "", "decode_port": 0,
+                        "decode_tp_size": 1, "local_block_ids": [list(g) for g in request.d_ids],
+                        "kvgeom_num_tokens": request.num_tokens}  # what D's push scheduler registers
+        p._do_start_push_kv("req", [list(g) for g in request.p_ids], registration)  # vLLM's code, then kvgeom's
+        assert [x[0] for x in p.nixl_wrapper.xfers] == ["WRITE"] and p._sending_transfers["req"]
+        assert p.nixl_wrapper.xfers[0][5] == b"req-D:2"  # D counts a notification from each of P's two ranks
+        oracle.execute(_moves(p, rank, d_regions, op="WRITE"), f"P rank {rank}'s writes")
+    report = oracle.report()
+    assert report.ok, report.violations[:5]
+    # every token slot of D's 3 blocks of 32 (70 tokens) in every layer, each from the P rank holding its head
+    assert report.bytes_moved == 12 * 3 * 32 * HEADS * HEAD_BYTES_

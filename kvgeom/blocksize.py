@@ -1,4 +1,5 @@
-"""Block sizes of a P/D pair, in plain numbers: the block-size ratio, and reading remote blocks as finer units.
+"""Block sizes of a P/D pair, in plain numbers: the block-size ratio, and reading remote blocks as finer
+units.
 
 A pair transfers at the remote's kernel-block granularity: the local kernel block must hold a whole
 number ``bsr = local // remote`` of remote kernel blocks (each local block is read as ``bsr`` remote
@@ -27,12 +28,17 @@ MAX_BLOCK_SPLIT = 128
 
 
 def block_size_ratio(local_block_size: int, remote_block_size: int) -> int:
-    """``local // remote`` kernel tokens; :class:`RatioError` unless the remote block divides the local one."""
+    """``local // remote`` kernel tokens; :class:`RatioError` unless the remote block divides the local
+    one."""
     local = check_positive_int(local_block_size, "block_size")
     remote = check_positive_int(remote_block_size, "remote_block_size")
     if local % remote:
-        raise RatioError("block_size", f"Local block size {local} is not divisible by remote block size {remote} "
-                         "(kernel tokens)", local=local, remote=remote)
+        raise RatioError(
+            "block_size",
+            f"Local block size {local} is not divisible by remote block size {remote} (kernel tokens)",
+            local=local,
+            remote=remote,
+        )
     return local // remote
 
 
@@ -42,14 +48,23 @@ def kernel_blocks_per_logical(block_size: int, kernel_block_size: int) -> int:
     block = check_positive_int(block_size, "block_size", error=ConfigError)
     kernel = check_positive_int(kernel_block_size, "kernel_block_size", error=ConfigError)
     if block % kernel:
-        raise ConfigError("kernel_block_size", f"kernel block of {kernel} tokens does not divide the {block}-token "
-                          "logical block", value=kernel, expected=block)
+        raise ConfigError(
+            "kernel_block_size",
+            f"kernel block of {kernel} tokens does not divide the {block}-token logical block",
+            value=kernel,
+            expected=block,
+        )
     return block // kernel
 
 
-def remote_block_split(local_block_size: int, remote_block_size: int, remote_block_lens: Sequence[int],
-                       remote_block_strides: Sequence[int], whole_pages: bool = False,
-                       max_split: int = MAX_BLOCK_SPLIT) -> int:
+def remote_block_split(
+    local_block_size: int,
+    remote_block_size: int,
+    remote_block_lens: Sequence[int],
+    remote_block_strides: Sequence[int],
+    whole_pages: bool = False,
+    max_split: int = MAX_BLOCK_SPLIT,
+) -> int:
     """Pieces each remote block is read as so that the pair's block sizes divide: 1 when they already
     divide, or when the remote pages cannot be cut (non-abutting pages, a length not divisible by the
     split, ``whole_pages``: a page copied whole, more than ``max_split`` pieces on either side). Example:

@@ -45,10 +45,11 @@ state, a TP-replicated state page (CSA-linear PLE), or a tensor with no transfer
 class CacheTensor:
     """One layer's cache tensor, as registration sees it. ``address`` / ``nbytes``: the view;
     ``storage_address`` / ``storage_bytes``: the storage it views (what gets registered with the
-    transport); ``block_stride``: the stride of its first dimension in bytes (``flat``: a byte view with no
-    block dimension, whose blocks abut: their stride is the page); ``first_block_bytes``: the bytes of block 0 when they are one contiguous run, else
-    ``None``; ``rows``: the size of the first dimension; ``page_bytes``: the spec's page per logical
-    block; ``pool_blocks``: the logical blocks of the layer's group pool."""
+    transport); ``block_stride``: the stride of its first dimension in bytes (``flat``: a byte view with
+    no block dimension, whose blocks abut: their stride is the page); ``first_block_bytes``: the bytes of
+    block 0 when they are one contiguous run, else ``None``; ``rows``: the size of the first dimension;
+    ``page_bytes``: the spec's page per logical block; ``pool_blocks``: the logical blocks of the
+    layer's group pool."""
 
     name: str
     kind: str
@@ -69,8 +70,11 @@ class CacheTensor:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise SpecError("kind", f"layer {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}",
-                            value=self.kind)
+            raise SpecError(
+                "kind",
+                f"layer {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}",
+                value=self.kind,
+            )
 
 
 @dataclass(frozen=True)
@@ -124,8 +128,9 @@ def _shared_rows(tensors: Sequence[CacheTensor]) -> bool:
     return len({t.block_stride for t in tensors}) == len({t.storage_address for t in tensors}) == 1
 
 
-def _specs(t: CacheTensor, layout: RegistrationLayout, packed_storage: bool, packed: dict[str, tuple[int, int]]
-           ) -> tuple[list[tuple[int, int, int]], int]:
+def _specs(
+    t: CacheTensor, layout: RegistrationLayout, packed_storage: bool, packed: dict[str, tuple[int, int]]
+) -> tuple[list[tuple[int, int, int]], int]:
     """``[(base, block_len, block_stride)]`` of one tensor, and its block count."""
     ppl = layout.ppl
     base, length = (t.address, t.nbytes) if t.host_resident else (t.storage_address, t.storage_bytes)
@@ -133,8 +138,13 @@ def _specs(t: CacheTensor, layout: RegistrationLayout, packed_storage: bool, pac
         page = t.page_bytes
         stride = t.block_stride if layout.csa_linear and not t.flat else page
         if stride % ppl or page % ppl:
-            raise SpecError("block_stride", f"layer {t.name!r}: a state page of {page} B (stride {stride} B) does not "
-                            f"split into {ppl} kernel blocks", value=stride, expected=ppl)
+            raise SpecError(
+                "block_stride",
+                f"layer {t.name!r}: a state page of {page} B (stride {stride} B) does not "
+                f"split into {ppl} kernel blocks",
+                value=stride,
+                expected=ppl,
+            )
         return [(t.address, page // ppl, stride // ppl)], t.pool_blocks
     page = t.page_bytes // ppl
     blocks = t.pool_blocks * ppl
@@ -148,8 +158,12 @@ def _specs(t: CacheTensor, layout: RegistrationLayout, packed_storage: bool, pac
     if packed_row and (layout.pp_size == 1 or not contiguous):
         offset = t.address - t.storage_address
         if offset < 0 or offset + page > stride:
-            raise SpecError("address", f"layer {t.name!r}: its {page}-byte page at offset {offset} escapes the "
-                            f"{stride}-byte row", value=offset, expected=stride)
+            raise SpecError(
+                "address",
+                f"layer {t.name!r}: its {page}-byte page at offset {offset} escapes the {stride}-byte row",
+                value=offset,
+                expected=stride,
+            )
         packed[t.name] = (offset, page)
         return [(base, stride, stride)], blocks
     if block_major and not contiguous and ((packed_storage and is_mla) or not layout.csa_linear):
@@ -158,8 +172,13 @@ def _specs(t: CacheTensor, layout: RegistrationLayout, packed_storage: bool, pac
         return [(t.address, page, stride)], blocks
     segment = blocks * stride
     if segment <= 0 or t.nbytes % segment:
-        raise SpecError("nbytes", f"layer {t.name!r}: a {t.nbytes}-byte view does not cut into segments of {blocks} "
-                        f"blocks x {stride} B (page {page} B)", value=t.nbytes, expected=segment)
+        raise SpecError(
+            "nbytes",
+            f"layer {t.name!r}: a {t.nbytes}-byte view does not cut into segments of {blocks} "
+            f"blocks x {stride} B (page {page} B)",
+            value=t.nbytes,
+            expected=segment,
+        )
     count = t.nbytes // segment
     return [(t.address + i * segment, stride if count > 1 else page, stride) for i in range(count)], blocks
 
@@ -170,8 +189,9 @@ def discover_regions(tensors: Sequence[CacheTensor], layout: RegistrationLayout)
     packed_storage = _shared_rows(tensors) and layout.mla and not layout.has_ssm
     live = [t for t in tensors if t.kind != "none"]
     if route_packed and any(t.kind != "mla" for t in live):
-        raise UnsupportedError("kind", "PP push with packed KV caches requires MLA",
-                               value=sorted({t.kind for t in live}))
+        raise UnsupportedError(
+            "kind", "PP push with packed KV caches requires MLA", value=sorted({t.kind for t in live})
+        )
     bases: list[int] = []
     lens: list[int] = []
     strides: list[int] = []
@@ -199,8 +219,12 @@ def discover_regions(tensors: Sequence[CacheTensor], layout: RegistrationLayout)
             if base in bases and not route_packed:
                 r = bases.index(base)
                 if mems[r] != t.mem_type:
-                    raise SpecError("mem_type", f"layer {t.name!r}: region at {base:#x} is {mems[r]} and "
-                                    f"{t.mem_type}", local=mems[r], remote=t.mem_type)
+                    raise SpecError(
+                        "mem_type",
+                        f"layer {t.name!r}: region at {base:#x} is {mems[r]} and {t.mem_type}",
+                        local=mems[r],
+                        remote=t.mem_type,
+                    )
                 mla[r] |= is_mla
                 if is_mla:
                     lens[r], strides[r], counts[r] = block_len, block_stride, blocks
@@ -208,8 +232,14 @@ def discover_regions(tensors: Sequence[CacheTensor], layout: RegistrationLayout)
                     groups[r] = SHARED_GROUP
             else:
                 r = len(bases)
-                bases.append(base), lens.append(block_len), strides.append(block_stride), counts.append(blocks)
-                groups.append(t.group), names.append(t.name), mla.append(is_mla), mems.append(t.mem_type)
+                bases.append(base)
+                lens.append(block_len)
+                strides.append(block_stride)
+                counts.append(blocks)
+                groups.append(t.group)
+                names.append(t.name)
+                mla.append(is_mla)
+                mems.append(t.mem_type)
             if layout.track_members:
                 if r == len(members):
                     members.append([t.name])
@@ -217,18 +247,41 @@ def discover_regions(tensors: Sequence[CacheTensor], layout: RegistrationLayout)
                     members[r].append(t.name)
             if t.kind == "replicated_state":
                 if not layout.csa_linear or ple not in (None, r):
-                    raise SpecError("kind", f"layer {t.name!r}: one TP-replicated state page, of a CSA-linear model",
-                                    value=r, expected=ple)
+                    raise SpecError(
+                        "kind",
+                        f"layer {t.name!r}: one TP-replicated state page, of a CSA-linear model",
+                        value=r,
+                        expected=ple,
+                    )
                 ple, ple_len = r, block_len
             elif t.kind == "state" and r not in ssm:
                 ssm.append(r)
             elif t.kind == "scratch" and r not in scratch:
                 scratch.append(r)
         if layout.ppl == 1 and t.rows < blocks:
-            raise SpecError("rows", f"layer {t.name!r}: the cache tensor has {t.rows} blocks, the pool {blocks}",
-                            value=t.rows, expected=blocks)
+            raise SpecError(
+                "rows",
+                f"layer {t.name!r}: the cache tensor has {t.rows} blocks, the pool {blocks}",
+                value=t.rows,
+                expected=blocks,
+            )
     if layout.has_ssm:  # state and attention views of one page: every region counts kernel blocks
         counts = [layout.kernel_blocks] * len(counts)
-    return Registration(tuple(bases), tuple(lens), tuple(strides), tuple(counts), tuple(groups), tuple(names),
-                        tuple(mla), tuple(mems), tuple(ssm), tuple(sorted(scratch)), ple, ple_len,
-                        tuple(tuple(m) for m in members), packed, tuple(ranges.values()), device)
+    return Registration(
+        tuple(bases),
+        tuple(lens),
+        tuple(strides),
+        tuple(counts),
+        tuple(groups),
+        tuple(names),
+        tuple(mla),
+        tuple(mems),
+        tuple(ssm),
+        tuple(sorted(scratch)),
+        ple,
+        ple_len,
+        tuple(tuple(m) for m in members),
+        packed,
+        tuple(ranges.values()),
+        device,
+    )

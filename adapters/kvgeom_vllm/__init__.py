@@ -19,8 +19,16 @@ from .table import CALLS, REFUSED, TABLE, Entry, counts
 from .version import SUPPORTED_VLLM_VERSIONS, VllmVersionError, check_vllm_version
 
 __all__ = [
-    "CALLS", "REFUSED", "TABLE", "Entry", "counts", "SUPPORTED_VLLM_VERSIONS", "VllmVersionError",
-    "check_vllm_version", "KvgeomNixlConnector", "KvgeomNixlPushConnector",
+    "CALLS",
+    "REFUSED",
+    "TABLE",
+    "Entry",
+    "counts",
+    "SUPPORTED_VLLM_VERSIONS",
+    "VllmVersionError",
+    "check_vllm_version",
+    "KvgeomNixlConnector",
+    "KvgeomNixlPushConnector",
 ]
 
 _LAZY = {"KvgeomNixlConnector": "connector", "KvgeomNixlPushConnector": "connector"}

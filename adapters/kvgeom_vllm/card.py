@@ -73,8 +73,9 @@ def _hf_states(worker: Any) -> dict[LayerKind, MambaSpec]:
     return {layer.spec.kind: layer.spec for layer in model.layers if isinstance(layer.spec, MambaSpec)}
 
 
-def _from_rank_shapes(name: str, kind: LayerKind, conv: tuple[int, ...], temporal: tuple[int, ...],
-                      cd: str, sd: str) -> MambaSpec:
+def _from_rank_shapes(
+    name: str, kind: LayerKind, conv: tuple[int, ...], temporal: tuple[int, ...], cd: str, sd: str
+) -> MambaSpec:
     """A TP-1 state from its shapes (global sizes = the rank's)."""
     c, rows = conv
     if kind is LayerKind.MAMBA1:
@@ -83,32 +84,50 @@ def _from_rank_shapes(name: str, kind: LayerKind, conv: tuple[int, ...], tempora
         heads, head_dim, state = temporal
         rem = c - heads * head_dim
         if rem <= 0 or rem % (2 * state):
-            raise SpecError("kv_cache_spec", f"layer {name!r}: a Mamba2 conv state of {c} channels is not "
-                            f"{heads} x {head_dim} + 2 x n_groups x {state} for whole groups", value=(conv, temporal))
+            raise SpecError(
+                "kv_cache_spec",
+                f"layer {name!r}: a Mamba2 conv state of {c} channels is not "
+                f"{heads} x {head_dim} + 2 x n_groups x {state} for whole groups",
+                value=(conv, temporal),
+            )
         return MambaSpec.mamba2(heads, head_dim, rem // (2 * state), state, rows + 1, cd, sd)
     v_heads, v_dim, k_dim = temporal
     rem = c - v_heads * v_dim
     if rem <= 0 or rem % (2 * k_dim):
-        raise SpecError("kv_cache_spec", f"layer {name!r}: a GDN conv state of {c} channels is not 2 x k_heads x "
-                        f"{k_dim} + {v_heads} x {v_dim} for whole key heads", value=(conv, temporal))
+        raise SpecError(
+            "kv_cache_spec",
+            f"layer {name!r}: a GDN conv state of {c} channels is not 2 x k_heads x "
+            f"{k_dim} + {v_heads} x {v_dim} for whole key heads",
+            value=(conv, temporal),
+        )
     return MambaSpec.gdn(rem // (2 * k_dim), k_dim, v_heads, v_dim, rows + 1, cd, sd)
 
 
 def _state(name: str, spec: Any, tp: int, hf_states: dict[LayerKind, MambaSpec]) -> MambaSpec:
     kind_name = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     if kind_name not in _KINDS:
-        raise SpecError("kv_cache_spec", f"layer {name!r}: kvgeom has no state layout for vLLM mamba_type "
-                        f"{kind_name}", value=kind_name)
+        raise SpecError(
+            "kv_cache_spec",
+            f"layer {name!r}: kvgeom has no state layout for vLLM mamba_type {kind_name}",
+            value=kind_name,
+        )
     kind = _KINDS[kind_name]
     if len(spec.shapes) != 2 or len(spec.dtypes) != 2:
-        raise SpecError("kv_cache_spec", f"layer {name!r}: a {kind.value} state has a conv and a temporal shape and "
-                        f"dtype, vLLM's spec has shapes {spec.shapes} and dtypes {spec.dtypes}", value=spec.shapes)
+        raise SpecError(
+            "kv_cache_spec",
+            f"layer {name!r}: a {kind.value} state has a conv and a temporal shape and "
+            f"dtype, vLLM's spec has shapes {spec.shapes} and dtypes {spec.dtypes}",
+            value=spec.shapes,
+        )
     conv, temporal = tuple(int(x) for x in spec.shapes[0]), tuple(int(x) for x in spec.shapes[1])
     want_temporal = 2 if kind is LayerKind.MAMBA1 else 3
     if len(conv) != 2 or len(temporal) != want_temporal or min(conv + temporal) < 1:
-        raise SpecError("kv_cache_spec", f"layer {name!r}: a {kind.value} state has a (channels, rows) conv shape and "
-                        f"a {want_temporal}-D temporal shape, vLLM's spec has {conv} and {temporal}",
-                        value=(conv, temporal))
+        raise SpecError(
+            "kv_cache_spec",
+            f"layer {name!r}: a {kind.value} state has a (channels, rows) conv shape and "
+            f"a {want_temporal}-D temporal shape, vLLM's spec has {conv} and {temporal}",
+            value=(conv, temporal),
+        )
     cd, sd = _dtype(spec.dtypes[0]), _dtype(spec.dtypes[1])
     known = hf_states.get(kind)
     if known is not None:
@@ -121,13 +140,22 @@ def _state(name: str, spec: Any, tp: int, hf_states: dict[LayerKind, MambaSpec])
         ours = _from_rank_shapes(name, kind, conv, temporal, cd, sd)
         source = "this rank's shapes"
     else:
-        raise SpecError("kv_cache_spec", f"layer {name!r}: at TP {tp} a {kind.value} state's global sizes (e.g. "
-                        "Mamba2's n_groups, replicated when below TP) cannot be read from one rank's shapes, and the "
-                        "model's Hugging Face config does not give them", value=(conv, temporal))
+        raise SpecError(
+            "kv_cache_spec",
+            f"layer {name!r}: at TP {tp} a {kind.value} state's global sizes (e.g. "
+            "Mamba2's n_groups, replicated when below TP) cannot be read from one rank's shapes, and the "
+            "model's Hugging Face config does not give them",
+            value=(conv, temporal),
+        )
     got = vllm_state_shapes(ours, tp)
     if got != (conv, temporal):
-        raise SpecError("kv_cache_spec", f"layer {name!r}: the {kind.value} state from {source} has per-rank shapes "
-                        f"{got} at TP {tp}, vLLM's spec {(conv, temporal)}", local=got, remote=(conv, temporal))
+        raise SpecError(
+            "kv_cache_spec",
+            f"layer {name!r}: the {kind.value} state from {source} has per-rank shapes "
+            f"{got} at TP {tp}, vLLM's spec {(conv, temporal)}",
+            local=got,
+            remote=(conv, temporal),
+        )
     return ours
 
 
@@ -137,8 +165,11 @@ def _layer_spec(name: str, spec: Any, worker: Any, hf_states: dict[LayerKind, Ma
     tp = int(worker.world_size)
     if isinstance(spec, kvi.MambaSpec):
         if getattr(spec, "tp_replicated", False):
-            raise SpecError("kv_cache_spec", f"layer {name!r}: a TP-replicated state (CSA-linear PLE page) has no "
-                            "kvgeom geometry", value=type(spec).__name__)
+            raise SpecError(
+                "kv_cache_spec",
+                f"layer {name!r}: a TP-replicated state (CSA-linear PLE page) has no kvgeom geometry",
+                value=type(spec).__name__,
+            )
         return _state(name, spec, tp, hf_states)
     if isinstance(spec, (kvi.MLAAttentionSpec, kvi.SlidingWindowMLASpec)):
         window = getattr(spec, "sliding_window", None)
@@ -147,15 +178,27 @@ def _layer_spec(name: str, spec: Any, worker: Any, hf_states: dict[LayerKind, Ma
         heads = int(worker.model_config.get_total_num_kv_heads())
         per_rank = max(1, heads // tp)
         if int(spec.num_kv_heads) != per_rank:
-            raise SpecError("kv_cache_spec", f"layer {name!r}: {spec.num_kv_heads} KV heads per rank, but the model's "
-                            f"{heads} heads at TP {tp} give {per_rank}", local=per_rank, remote=int(spec.num_kv_heads))
+            raise SpecError(
+                "kv_cache_spec",
+                f"layer {name!r}: {spec.num_kv_heads} KV heads per rank, but the model's "
+                f"{heads} heads at TP {tp} give {per_rank}",
+                local=per_rank,
+                remote=int(spec.num_kv_heads),
+            )
         window = getattr(spec, "sliding_window", None)
         head_v = getattr(spec, "head_size_v", None)
-        return AttentionSpec(heads, int(spec.head_size), _dtype(spec.dtype),
-                             int(head_v) if head_v and head_v != spec.head_size else None,
-                             int(window) if window else None)
-    raise SpecError("kv_cache_spec", f"layer {name!r}: kvgeom has no layer kind for vLLM's {type(spec).__name__}",
-                    value=type(spec).__name__)
+        return AttentionSpec(
+            heads,
+            int(spec.head_size),
+            _dtype(spec.dtype),
+            int(head_v) if head_v and head_v != spec.head_size else None,
+            int(window) if window else None,
+        )
+    raise SpecError(
+        "kv_cache_spec",
+        f"layer {name!r}: kvgeom has no layer kind for vLLM's {type(spec).__name__}",
+        value=type(spec).__name__,
+    )
 
 
 def card_of_worker(worker: Any) -> GeometryCard:
@@ -164,8 +207,9 @@ def card_of_worker(worker: Any) -> GeometryCard:
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     if any(getattr(g, "host_resident", False) for g in worker.kv_cache_config.transfer_groups):
-        raise SpecError("kv_cache_groups", "host-resident (HiSparse) cache groups have no kvgeom geometry",
-                        value=True)
+        raise SpecError(
+            "kv_cache_groups", "host-resident (HiSparse) cache groups have no kvgeom geometry", value=True
+        )
     states = _hf_states(worker) if any(hasattr(s, "mamba_type") for s in worker._layer_specs.values()) else {}
     layers = []
     for pos, (name, spec) in enumerate(worker._layer_specs.items()):
@@ -174,20 +218,38 @@ def card_of_worker(worker: Any) -> GeometryCard:
             kv_spec = _layer_spec(name, spec, worker, states)
         except KvgeomError:
             raise
-        except (ArithmeticError, AttributeError, IndexError, TypeError, ValueError) as exc:  # vLLM's spec is input
-            raise SpecError("kv_cache_spec", f"layer {name!r}: vLLM's {type(spec).__name__} does not describe a "
-                            f"layer kvgeom knows ({type(exc).__name__}: {exc})", value=type(spec).__name__) from None
+        except (
+            ArithmeticError,
+            AttributeError,
+            IndexError,
+            TypeError,
+            ValueError,
+        ) as exc:  # vLLM's spec is input
+            raise SpecError(
+                "kv_cache_spec",
+                f"layer {name!r}: vLLM's {type(spec).__name__} does not describe a "
+                f"layer kvgeom knows ({type(exc).__name__}: {exc})",
+                value=type(spec).__name__,
+            ) from None
         layers.append(Layer(name, int(m.group(1)) if m else pos, kv_spec))
     model = ModelSpec(str(getattr(worker.model_config, "model", "")), tuple(layers))
     layout = _LAYOUTS.get(str(worker.kv_cache_layout))
     if layout is None and model.attention_spec is not None:
-        raise ConfigError("kv_cache_layout", f"kvgeom has no geometry for the {worker.kv_cache_layout} layout",
-                          value=str(worker.kv_cache_layout))
+        raise ConfigError(
+            "kv_cache_layout",
+            f"kvgeom has no geometry for the {worker.kv_cache_layout} layout",
+            value=str(worker.kv_cache_layout),
+        )
     ppl = int(worker._physical_blocks_per_logical_kv_block)
-    engine = EngineConfig(tp_size=int(worker.world_size), tp_rank=int(worker.tp_rank),
-                          block_size=int(worker.block_size) * ppl, kernel_block_size=int(worker.block_size),
-                          num_blocks=int(worker._logical_num_blocks), kv_layout=layout or "head_major",
-                          conv_layout="DS" if is_conv_state_dim_first() else "SD")
+    engine = EngineConfig(
+        tp_size=int(worker.world_size),
+        tp_rank=int(worker.tp_rank),
+        block_size=int(worker.block_size) * ppl,
+        kernel_block_size=int(worker.block_size),
+        num_blocks=int(worker._logical_num_blocks),
+        kv_layout=layout or "head_major",
+        conv_layout="DS" if is_conv_state_dim_first() else "SD",
+    )
     return GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
 
 
@@ -221,5 +283,10 @@ def check_registration(card: GeometryCard, worker: Any) -> None:
         theirs["ssm_region_indices"] = [int(x) for x in worker._ssm_region_indices]
     for key, value in ours.items():
         if theirs[key] != value:
-            raise IncompatiblePairError(key, f"kvgeom's geometry of this rank differs from vLLM's registration "
-                                        f"(kvgeom {value}, vLLM {theirs[key]})", local=value, remote=theirs[key])
+            raise IncompatiblePairError(
+                key,
+                f"kvgeom's geometry of this rank differs from vLLM's registration "
+                f"(kvgeom {value}, vLLM {theirs[key]})",
+                local=value,
+                remote=theirs[key],
+            )

@@ -37,8 +37,12 @@ def compat_of(vllm_config: Any) -> str:
     ktc = vllm_config.kv_transfer_config
     value = ktc.get_from_extra_config("compat", "vllm") if ktc is not None else "vllm"
     if value not in COMPAT_MODES:
-        raise ConfigError("kv_connector_extra_config.compat", f"must be one of {COMPAT_MODES}, got {value!r}",
-                          value=value, expected=COMPAT_MODES)
+        raise ConfigError(
+            "kv_connector_extra_config.compat",
+            f"must be one of {COMPAT_MODES}, got {value!r}",
+            value=value,
+            expected=COMPAT_MODES,
+        )
     return str(value)
 
 
@@ -46,7 +50,9 @@ def _with_compat(worker_cls: type, vllm_config: Any) -> type:
     mode = compat_of(vllm_config)
     if mode == worker_cls.kvgeom_compat:
         return worker_cls
-    return type(worker_cls.__name__, (worker_cls,), {"kvgeom_compat": mode, "__module__": worker_cls.__module__})
+    return type(
+        worker_cls.__name__, (worker_cls,), {"kvgeom_compat": mode, "__module__": worker_cls.__module__}
+    )
 
 
 class KvgeomNixlConnector(_nixl.NixlPullConnector):
@@ -56,7 +62,9 @@ class KvgeomNixlConnector(_nixl.NixlPullConnector):
         worker_cls = _with_compat(KvgeomPullConnectorWorker, vllm_config)
         _nixl.NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvgeomPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_scheduler = KvgeomPullConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = worker_cls(vllm_config, self.engine_id, kv_cache_config)
 
@@ -70,7 +78,9 @@ class KvgeomNixlPushConnector(_nixl.NixlPushConnector):
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvgeomPushConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_scheduler = KvgeomPushConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = worker_cls(vllm_config, self.engine_id, kv_cache_config)
         else:

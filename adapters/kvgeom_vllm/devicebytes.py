@@ -58,8 +58,15 @@ def zero_rows(regions: Sequence[ByteRegion], rows: np.ndarray) -> int:
     return total
 
 
-def regroup_blocks(region: ByteRegion, block_ids: np.ndarray, block_stride: int, bsr: int, heads: int, tokens: int,
-                   head_bytes: int) -> None:
+def regroup_blocks(
+    region: ByteRegion,
+    block_ids: np.ndarray,
+    block_stride: int,
+    bsr: int,
+    heads: int,
+    tokens: int,
+    head_bytes: int,
+) -> None:
     """Blocks ``block_ids`` of a head-major region received as ``bsr`` remote pages ``[heads, tokens // bsr,
     head_bytes]`` each, stored back as one ``[heads, tokens, head_bytes]`` page."""
     ids = np.asarray(block_ids, dtype=np.int64)

@@ -60,23 +60,37 @@ def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: 
     local: GeometryCard | None = getattr(worker, "kvgeom_card", None)
     if int(getattr(worker, "pp_size", 1)) > 1:  # kvgeom's pairings do not plan pipeline-parallel stages yet
         if worker.kvgeom_compat == "kvgeom":
-            raise IncompatiblePairError("pipeline_parallel_size", "kvgeom mode does not plan pipeline-parallel "
-                                        "stages yet; use compat 'vllm'", value=int(worker.pp_size), expected=1)
+            raise IncompatiblePairError(
+                "pipeline_parallel_size",
+                "kvgeom mode does not plan pipeline-parallel stages yet; use compat 'vllm'",
+                value=int(worker.pp_size),
+                expected=1,
+            )
         return None
     if text is None or local is None:
         if worker.kvgeom_compat == "kvgeom":
             side = "the peer sent no kvgeom geometry card" if text is None else "this rank has no card"
-            raise IncompatiblePairError("kvgeom_card", f"kvgeom mode needs kvgeom_vllm on both sides: {side}",
-                                        local=local is not None, remote=text is not None)
+            raise IncompatiblePairError(
+                "kvgeom_card",
+                f"kvgeom mode needs kvgeom_vllm on both sides: {side}",
+                local=local is not None,
+                remote=text is not None,
+            )
         return None
     remote = GeometryCard.from_json(text)
     if remote.engine.tp_size != remote_tp_size or remote.engine.tp_rank != remote_tp_rank:
-        raise IncompatiblePairError("kvgeom_card.engine", "the card's TP rank/size differ from the handshake's",
-                                    local=(remote_tp_rank, remote_tp_size),
-                                    remote=(remote.engine.tp_rank, remote.engine.tp_size))
-    ranks = {r: remote if r == remote_tp_rank else GeometryCard(remote.engine_id, remote.model,
-                                                                   remote.engine.with_rank(r), remote.mode)
-             for r in range(remote_tp_size)}
+        raise IncompatiblePairError(
+            "kvgeom_card.engine",
+            "the card's TP rank/size differ from the handshake's",
+            local=(remote_tp_rank, remote_tp_size),
+            remote=(remote.engine.tp_rank, remote.engine.tp_size),
+        )
+    ranks = {
+        r: remote
+        if r == remote_tp_rank
+        else GeometryCard(remote.engine_id, remote.model, remote.engine.with_rank(r), remote.mode)
+        for r in range(remote_tp_size)
+    }
     prefix = bool(getattr(worker.vllm_config.cache_config, "enable_prefix_caching", False))
     return Pairing.create(local, ranks, mode=local.mode, compat=worker.kvgeom_compat, prefix_caching=prefix)
 
@@ -86,8 +100,12 @@ def _slice_pp_window(worker: Any, meta: Any) -> None:
     (:func:`kvgeom.layerroute.slice_regions` from the stage's :func:`~kvgeom.layerroute.pp_region_offset`).
     vLLM slices inline in ``add_remote_agent``; done here first, its own slicing finds nothing left to do."""
     n = len(worker.block_len_per_layer)
-    if worker.pp_size <= 1 or worker._transfer_layer_region_indices or len(meta.kv_caches_base_addr) <= n \
-            or (meta.packed_member_layouts and not worker._packed_member_layouts):
+    if (
+        worker.pp_size <= 1
+        or worker._transfer_layer_region_indices
+        or len(meta.kv_caches_base_addr) <= n
+        or (meta.packed_member_layouts and not worker._packed_member_layouts)
+    ):
         return
     from kvgeom.layerroute import slice_regions
 
@@ -97,8 +115,12 @@ def _slice_pp_window(worker: Any, meta: Any) -> None:
     table = slice_regions(_table(meta), int(worker._remote_region_offset), n)
     meta.kv_caches_base_addr, meta.block_lens = list(table.bases), list(table.block_lens)
     meta.block_strides = list(table.block_strides)
-    for attr, value in (("region_num_blocks", table.num_blocks), ("region_group_ids", table.group_ids),
-                        ("region_names", table.names), ("region_mem_types", table.mem_types)):
+    for attr, value in (
+        ("region_num_blocks", table.num_blocks),
+        ("region_group_ids", table.group_ids),
+        ("region_names", table.names),
+        ("region_mem_types", table.mem_types),
+    ):
         if getattr(meta, attr) is not None:
             setattr(meta, attr, list(value) if value is not None else None)
     meta.packed_member_layouts = packed
@@ -110,8 +132,13 @@ def add_remote_agent_wrapper(add: Any) -> Any:
     (in vLLM-compatible mode on a pairing that refuses what vLLM refuses)."""
 
     @functools.wraps(add)
-    def add_remote_agent(self: Any, nixl_agent_meta: Any, remote_tp_rank: int = 0, remote_tp_size: int = 1,
-                         remote_dcp_size: int = 1) -> str:
+    def add_remote_agent(
+        self: Any,
+        nixl_agent_meta: Any,
+        remote_tp_rank: int = 0,
+        remote_tp_size: int = 1,
+        remote_dcp_size: int = 1,
+    ) -> str:
         engine_id = nixl_agent_meta.engine_id
         if (0, remote_tp_rank) in self._remote_agents.get(engine_id, {}):
             return add(self, nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
@@ -132,8 +159,9 @@ def add_remote_agent_wrapper(add: Any) -> Any:
         if pairing is not None:  # both sides carry a card: kvgeom prepares the pair (in either compat mode)
             from . import kvgeom_mode
 
-            return kvgeom_mode.add_remote_agent(self, nixl_agent_meta, pairing, remote_tp_rank, remote_tp_size,
-                                                remote_dcp_size)
+            return kvgeom_mode.add_remote_agent(
+                self, nixl_agent_meta, pairing, remote_tp_rank, remote_tp_size, remote_dcp_size
+            )
         return add(self, nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
     return add_remote_agent

@@ -51,16 +51,27 @@ class Receive:
         strides = worker.block_stride_per_layer
         for step in self.plan.regroup:
             for r in step.regions:
-                regroup_blocks(regions[r], step.blocks, int(strides[r]), step.bsr, step.heads, step.tokens,
-                               step.head_bytes)
+                regroup_blocks(
+                    regions[r],
+                    step.blocks,
+                    int(strides[r]),
+                    step.bsr,
+                    step.heads,
+                    step.tokens,
+                    step.head_bytes,
+                )
         zero_rows(regions, self.plan.zero)
 
 
 def _pairing(worker: Any, engine_id: str) -> Pairing:
     pairing = getattr(worker, "kvgeom_pairings", {}).get(engine_id)
     if pairing is None:
-        raise IncompatiblePairError("kvgeom_card", f"no kvgeom pairing with engine {engine_id!r}: kvgeom mode "
-                                    "needs kvgeom_vllm, with a geometry card, on both sides", value=engine_id)
+        raise IncompatiblePairError(
+            "kvgeom_card",
+            f"no kvgeom pairing with engine {engine_id!r}: kvgeom mode "
+            "needs kvgeom_vllm, with a geometry card, on both sides",
+            value=engine_id,
+        )
     return pairing
 
 
@@ -78,12 +89,19 @@ def _local_handle(worker: Any, engine_id: str, pairing: Pairing, key: tuple[int,
         bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
         descs = strided(pairing.local_table(key).bind(bases, int(worker.device_id)))
         handles[(engine_id, key)] = worker.nixl_wrapper.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", descs, mem_type=worker.region_mem_types[0])
+            "NIXL_INIT_AGENT", descs, mem_type=worker.region_mem_types[0]
+        )
     return handles[(engine_id, key)]
 
 
-def add_remote_agent(worker: Any, meta: Any, pairing: Pairing | None, remote_tp_rank: int, remote_tp_size: int,
-                     remote_dcp_size: int) -> str:
+def add_remote_agent(
+    worker: Any,
+    meta: Any,
+    pairing: Pairing | None,
+    remote_tp_rank: int,
+    remote_tp_size: int,
+    remote_dcp_size: int,
+) -> str:
     """Prepare the pair with remote rank ``remote_tp_rank`` from kvgeom's pairing (``pairing`` was made on
     both cards by the handshake wrapper): vLLM's per-engine bookkeeping, the remote agent, the remote
     table of that rank and the local tables its transfers use."""
@@ -93,10 +111,13 @@ def add_remote_agent(worker: Any, meta: Any, pairing: Pairing | None, remote_tp_
     if pairing is None:
         pairing = _pairing(worker, engine_id)
     topo = worker.transfer_topo
-    info = EngineTransferInfo(remote_tp_size=remote_tp_size, remote_block_size=meta.block_size,
-                              remote_block_len=meta.block_lens[0],
-                              remote_physical_blocks_per_logical=meta.physical_blocks_per_logical_kv_block,
-                              remote_dcp_size=remote_dcp_size)
+    info = EngineTransferInfo(
+        remote_tp_size=remote_tp_size,
+        remote_block_size=meta.block_size,
+        remote_block_len=meta.block_lens[0],
+        remote_physical_blocks_per_logical=meta.physical_blocks_per_logical_kv_block,
+        remote_dcp_size=remote_dcp_size,
+    )
     topo.register_remote_engine(engine_id, info)
     worker.tp_mappings[engine_id] = to_vllm_mapping(pairing.mapping)
     agent = worker.nixl_wrapper.add_remote_agent(meta.agent_metadata)
@@ -109,10 +130,13 @@ def add_remote_agent(worker: Any, meta: Any, pairing: Pairing | None, remote_tp_
         worker.dst_region_mem_types[engine_id] = meta.region_mem_types or [worker.nixl_memory_type] * n
     worker.kv_caches_base_addr[engine_id][remote_tp_rank] = list(meta.kv_caches_base_addr)
     if remote_tp_rank in pairing.transfer_ranks:
-        descs = strided(pairing.remote_table(remote_tp_rank).bind(list(meta.kv_caches_base_addr), int(meta.device_id)))
+        descs = strided(
+            pairing.remote_table(remote_tp_rank).bind(list(meta.kv_caches_base_addr), int(meta.device_id))
+        )
         mem_type = (meta.region_mem_types or [worker.nixl_memory_type])[0]
         worker.dst_xfer_side_handles[engine_id][remote_tp_rank] = worker.nixl_wrapper.prep_xfer_dlist(
-            agent, descs, mem_type=mem_type)
+            agent, descs, mem_type=mem_type
+        )
         _local_handle(worker, engine_id, pairing, pairing.local_key(remote_tp_rank))
     return agent
 
@@ -124,8 +148,11 @@ def request_tokens(worker: Any, meta: Any) -> int | None:
     from .answers._common import KVI, representative_type
 
     full = (KVI.FullAttentionSpec, KVI.MLAAttentionSpec)
-    groups = [g for g, group in enumerate(worker.kv_cache_config.transfer_groups)
-              if representative_type(group.kv_cache_spec) in full]
+    groups = [
+        g
+        for g, group in enumerate(worker.kv_cache_config.transfer_groups)
+        if representative_type(group.kv_cache_spec) in full
+    ]
     if not groups or not meta.local_block_ids:
         return None
     cached = meta.local_num_computed_blocks
@@ -137,9 +164,15 @@ def request_tokens(worker: Any, meta: Any) -> int | None:
 def _plan(worker: Any, pairing: Pairing, req_id: str, meta: Any) -> RequestPlan:
     """kvgeom's plan of one request on this rank (pull: local = D's blocks, remote = P's)."""
     local = meta.local_block_ids if any(len(g) for g in meta.local_block_ids) else []
-    return plan_request(pairing, local, meta.remote.block_ids, request_id=req_id,
-                        remote_request_id=meta.remote.request_id, num_tokens=request_tokens(worker, meta),
-                        prefill_tokens=meta.remote.num_tokens)
+    return plan_request(
+        pairing,
+        local,
+        meta.remote.block_ids,
+        request_id=req_id,
+        remote_request_id=meta.remote.request_id,
+        num_tokens=request_tokens(worker, meta),
+        prefill_tokens=meta.remote.num_tokens,
+    )
 
 
 def _notify(worker: Any, engine_id: str, rank: int, notif: bytes, req_id: str) -> None:
@@ -147,8 +180,15 @@ def _notify(worker: Any, engine_id: str, rank: int, notif: bytes, req_id: str) -
     try:
         worker.nixl_wrapper.send_notif(agent, notif_msg=notif)
     except Exception as e:  # noqa: BLE001 - vLLM's policy: a lost notification is logged, the lease frees it
-        worker._log_failure(failure_type="notification_failed", msg="Remote rank will not update request state.",
-                            req_id=req_id, error=e, dst_engine_id=engine_id, remote_rank=rank, remote_agent_name=agent)
+        worker._log_failure(
+            failure_type="notification_failed",
+            msg="Remote rank will not update request state.",
+            req_id=req_id,
+            error=e,
+            dst_engine_id=engine_id,
+            remote_rank=rank,
+            remote_agent_name=agent,
+        )
         worker.xfer_stats.record_failed_notification()
 
 
@@ -177,12 +217,19 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
         return
     try:
         plan = _plan(worker, _pairing(worker, engine_id), req_id, meta)
-    except KvgeomError as e:  # this request cannot be moved right (e.g. vLLM's pairing would move wrong tokens)
+    except (
+        KvgeomError
+    ) as e:  # this request cannot be moved right (e.g. vLLM's pairing would move wrong tokens)
         from .table import REFUSED
 
         REFUSED["NixlPullConnectorWorker._read_blocks_for_req"] += 1
-        worker._log_failure(failure_type="plan_refused", req_id=req_id, error=e, dst_engine_id=engine_id,
-                            msg="kvgeom refused to plan this request; D recomputes it")
+        worker._log_failure(
+            failure_type="plan_refused",
+            req_id=req_id,
+            error=e,
+            dst_engine_id=engine_id,
+            msg="kvgeom refused to plan this request; D recomputes it",
+        )
         worker._handle_failed_transfer(req_id, None, worker._recv_failures)
         return
     if any(len(g) for g in meta.local_block_ids) or (meta.awaiting_kvs and not plan.transfers):
@@ -192,15 +239,24 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
         handle = None
         try:
             handle = worker.nixl_wrapper.make_prepped_xfer(
-                "READ", _local_handle(worker, engine_id, worker.kvgeom_pairings[engine_id], t.local_table),
-                np.asarray(t.local_ids), worker.dst_xfer_side_handles[engine_id][t.remote_rank],
-                np.asarray(t.remote_ids), notif_msg=t.notif.encode())
+                "READ",
+                _local_handle(worker, engine_id, worker.kvgeom_pairings[engine_id], t.local_table),
+                np.asarray(t.local_ids),
+                worker.dst_xfer_side_handles[engine_id][t.remote_rank],
+                np.asarray(t.remote_ids),
+                notif_msg=t.notif.encode(),
+            )
             worker.nixl_wrapper.transfer(handle)
             worker._recving_transfers[req_id].append(handle)
         except Exception as e:  # noqa: BLE001 - vLLM's failure path: report, release, post nothing more
-            worker._log_failure(failure_type="transfer_setup_failed", req_id=req_id, error=e,
-                                msg="Deferring failure reporting until outstanding transfers finish",
-                                dst_engine_id=engine_id, remote_rank=t.remote_rank)
+            worker._log_failure(
+                failure_type="transfer_setup_failed",
+                req_id=req_id,
+                error=e,
+                msg="Deferring failure reporting until outstanding transfers finish",
+                dst_engine_id=engine_id,
+                remote_rank=t.remote_rank,
+            )
             if not worker._handle_failed_transfer(req_id, handle, worker._recv_failures):
                 worker._recving_transfers[req_id].append(handle)
             return
@@ -217,22 +273,37 @@ def xfer_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
     engine_id = meta.remote.engine_id
     pairing = _pairing(worker, engine_id)
     tokens = worker.__dict__.get("_kvgeom_push_tokens", {}).pop(req_id, None)
-    plan = plan_request(pairing, meta.local_block_ids, meta.remote.block_ids, request_id=req_id,
-                        remote_request_id=meta.remote.request_id, num_tokens=tokens)
+    plan = plan_request(
+        pairing,
+        meta.local_block_ids,
+        meta.remote.block_ids,
+        request_id=req_id,
+        remote_request_id=meta.remote.request_id,
+        num_tokens=tokens,
+    )
     handles = []
     for t in plan.transfers:
         handle = None
         try:
             handle = worker.nixl_wrapper.make_prepped_xfer(
-                "WRITE", _local_handle(worker, engine_id, pairing, t.local_table), np.asarray(t.local_ids),
-                worker.dst_xfer_side_handles[engine_id][t.remote_rank], np.asarray(t.remote_ids),
-                notif_msg=t.notif.encode())
+                "WRITE",
+                _local_handle(worker, engine_id, pairing, t.local_table),
+                np.asarray(t.local_ids),
+                worker.dst_xfer_side_handles[engine_id][t.remote_rank],
+                np.asarray(t.remote_ids),
+                notif_msg=t.notif.encode(),
+            )
             worker.nixl_wrapper.transfer(handle)
             handles.append(handle)
         except Exception as e:  # noqa: BLE001 - vLLM's failure path for a WRITE
-            worker._log_failure(failure_type="transfer_setup_failed", req_id=req_id, error=e,
-                                msg="Push WRITE submission failed; releasing handle", dst_engine_id=engine_id,
-                                remote_rank=t.remote_rank)
+            worker._log_failure(
+                failure_type="transfer_setup_failed",
+                req_id=req_id,
+                error=e,
+                msg="Push WRITE submission failed; releasing handle",
+                dst_engine_id=engine_id,
+                remote_rank=t.remote_rank,
+            )
             with worker._sending_transfers_lock:
                 worker._send_failures.add(req_id)
             if not worker._handle_failed_transfer(req_id, handle) and handle is not None:

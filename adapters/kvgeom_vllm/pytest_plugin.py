@@ -27,8 +27,11 @@ _REPLACED: list[tuple[str, str]] = []
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("kvgeom_vllm")
-    group.addoption("--kvgeom-no-zero-check", action="store_true",
-                    help="do not fail the run when an exercised function got no call")
+    group.addoption(
+        "--kvgeom-no-zero-check",
+        action="store_true",
+        help="do not fail the run when an exercised function got no call",
+    )
 
 
 def _replace_everywhere(original: Any, replacement: Any, label: str) -> int:
@@ -98,24 +101,32 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
     width = max(len(e.qualname) for e in TABLE)
     for e in TABLE:
         mark = "" if e.exercised else " (not reached by these tests)"
-        tr.write_line(f"  {e.qualname:<{width}}  {CALLS[e.qualname]:>7} calls  {REFUSED[e.qualname]:>5} refused"
-                      f"   <- {e.kvgeom}{mark}")
+        tr.write_line(
+            f"  {e.qualname:<{width}}  {CALLS[e.qualname]:>7} calls  {REFUSED[e.qualname]:>5} refused"
+            f"   <- {e.kvgeom}{mark}"
+        )
     tr.write_line(f"  total: {sum(CALLS[e.qualname] for e in TABLE)} calls reached kvgeom")
     from .handshake import CARDLESS, CARDLESS_EXAMPLE
 
     if CARDLESS:
-        tr.write_line("  ranks registered without a kvgeom card (vLLM-compatible mode pairs them on the numbers they "
-                      "advertise), by the field kvgeom could not describe:")
+        tr.write_line(
+            "  ranks registered without a kvgeom card (vLLM-compatible mode pairs them on the numbers they "
+            "advertise), by the field kvgeom could not describe:"
+        )
         for field, n in CARDLESS.most_common():
             tr.write_line(f"    {field} x{n}, e.g. {CARDLESS_EXAMPLE[field][:160]}")
     tr.section("kvgeom_vllm: outcomes per test file")
     for file in sorted(_OUTCOMES):
         c = _OUTCOMES[file]
-        tr.write_line(f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "skipped") if c[k]))
+        tr.write_line(
+            f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "skipped") if c[k])
+        )
     zero = _zero_rows()
     if zero and not config.getoption("--kvgeom-no-zero-check"):
-        tr.write_line(f"  FAILED: no call reached kvgeom for {zero}: a pass there would come from vLLM's own code",
-                      red=True)
+        tr.write_line(
+            f"  FAILED: no call reached kvgeom for {zero}: a pass there would come from vLLM's own code",
+            red=True,
+        )
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

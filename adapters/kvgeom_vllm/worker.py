@@ -28,14 +28,28 @@ from . import answers
 from .table import CALLS, REFUSED, TABLE, Entry, entry
 
 __all__ = [
-    "KvgeomTransferTopology", "KvgeomBaseWorker", "KvgeomPullConnectorWorker", "KvgeomPushConnectorWorker",
-    "KvgeomPullConnectorScheduler", "KvgeomPushConnectorScheduler", "KvgeomConvSplitInfo", "counted",
-    "counted_call", "install_dispatchers", "as_vllm_error", "kvgeom_active",
+    "KvgeomTransferTopology",
+    "KvgeomBaseWorker",
+    "KvgeomPullConnectorWorker",
+    "KvgeomPushConnectorWorker",
+    "KvgeomPullConnectorScheduler",
+    "KvgeomPushConnectorScheduler",
+    "KvgeomConvSplitInfo",
+    "counted",
+    "counted_call",
+    "install_dispatchers",
+    "as_vllm_error",
+    "kvgeom_active",
 ]
 
 _COMPAT_CLASSES: dict[tuple[type, ...], type] = {}
-_BUILTIN_ERRORS = {"AssertionError": AssertionError, "ValueError": ValueError, "RuntimeError": RuntimeError,
-                   "NotImplementedError": NotImplementedError, "IndexError": IndexError}
+_BUILTIN_ERRORS = {
+    "AssertionError": AssertionError,
+    "ValueError": ValueError,
+    "RuntimeError": RuntimeError,
+    "NotImplementedError": NotImplementedError,
+    "IndexError": IndexError,
+}
 
 
 def as_vllm_error(exc: KvgeomError, *vllm_classes: type[BaseException]) -> KvgeomError:
@@ -129,9 +143,14 @@ def _vllm_classes() -> Any:
         push_worker,
     )
 
-    return (utils.TransferTopology, base_worker.NixlBaseConnectorWorker, pull_worker.NixlPullConnectorWorker,
-            push_worker.NixlPushConnectorWorker, pull_scheduler.NixlPullConnectorScheduler,
-            push_scheduler.NixlPushConnectorScheduler)
+    return (
+        utils.TransferTopology,
+        base_worker.NixlBaseConnectorWorker,
+        pull_worker.NixlPullConnectorWorker,
+        push_worker.NixlPushConnectorWorker,
+        pull_scheduler.NixlPullConnectorScheduler,
+        push_scheduler.NixlPushConnectorScheduler,
+    )
 
 
 _TransferTopology, _BaseWorker, _PullWorker, _PushWorker, _PullScheduler, _PushScheduler = _vllm_classes()
@@ -143,8 +162,9 @@ class KvgeomTransferTopology(_TransferTopology):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.local_physical_heads = counted_call(f"{_TransferTopology.__name__}.local_physical_heads",
-                                                 answers.topology_local_physical_heads, self)
+        self.local_physical_heads = counted_call(
+            f"{_TransferTopology.__name__}.local_physical_heads", answers.topology_local_physical_heads, self
+        )
 
 
 _install(KvgeomTransferTopology, "TransferTopology")
@@ -154,8 +174,9 @@ def as_kvgeom_topology(topo: Any) -> None:
     """Turn a ``TransferTopology`` vLLM built into kvgeom's (same fields, kvgeom's methods)."""
     if topo is not None and type(topo) is _TransferTopology:
         topo.__class__ = KvgeomTransferTopology
-        topo.local_physical_heads = counted_call("TransferTopology.local_physical_heads",
-                                                 answers.topology_local_physical_heads, topo)
+        topo.local_physical_heads = counted_call(
+            "TransferTopology.local_physical_heads", answers.topology_local_physical_heads, topo
+        )
 
 
 class KvgeomWorkerMixin:
@@ -182,10 +203,17 @@ class KvgeomWorkerMixin:
             return super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
         from . import kvgeom_mode
 
-        return counted_call("NixlPullConnectorWorker._read_blocks_for_req", kvgeom_mode.read_blocks_for_req, self,
-                            req_id, meta)
+        return counted_call(
+            "NixlPullConnectorWorker._read_blocks_for_req",
+            kvgeom_mode.read_blocks_for_req,
+            self,
+            req_id,
+            meta,
+        )
 
-    def _do_start_push_kv(self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]) -> None:
+    def _do_start_push_kv(
+        self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]
+    ) -> None:
         """Push (P side): keep the token count D registered with the request (kvgeom's push scheduler adds it)
         for kvgeom's plan, then vLLM's code."""
         tokens = registration_data.get("kvgeom_num_tokens")
@@ -199,8 +227,13 @@ class KvgeomWorkerMixin:
             return super()._xfer_blocks_for_req(req_id, meta)  # type: ignore[misc]
         from . import kvgeom_mode
 
-        return counted_call("NixlPushConnectorWorker._xfer_blocks_for_req", kvgeom_mode.xfer_blocks_for_req, self,
-                            req_id, meta)
+        return counted_call(
+            "NixlPushConnectorWorker._xfer_blocks_for_req",
+            kvgeom_mode.xfer_blocks_for_req,
+            self,
+            req_id,
+            meta,
+        )
 
 
 _install(KvgeomWorkerMixin, "NixlBaseConnectorWorker")
@@ -244,7 +277,9 @@ class KvgeomSchedulerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.blocks_per_sw = counted_call("NixlBaseConnectorScheduler.blocks_per_sw", answers.blocks_per_window, self)
+        self.blocks_per_sw = counted_call(
+            "NixlBaseConnectorScheduler.blocks_per_sw", answers.blocks_per_window, self
+        )
 
 
 _install(KvgeomSchedulerMixin, "NixlBaseConnectorScheduler")
@@ -256,7 +291,8 @@ class KvgeomPullConnectorScheduler(KvgeomSchedulerMixin, _PullScheduler):
 
 class KvgeomPushConnectorScheduler(KvgeomSchedulerMixin, _PushScheduler):
     """vLLM's push scheduler with kvgeom's exchange rules. D's registration also carries the request's token
-    count (``kvgeom_num_tokens``): P's worker places D's block list with it (a prefix hit on D skips blocks)."""
+    count (``kvgeom_num_tokens``): P's worker places D's block list with it (a prefix hit on D skips
+    blocks)."""
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -286,7 +322,9 @@ def install_dispatchers() -> None:
             original = getattr(base_worker, name)
             kvgeom_fn = counted(entry(name))
 
-            def dispatcher(*args: Any, _original: Any = original, _kvgeom: Any = kvgeom_fn, **kwargs: Any) -> Any:
+            def dispatcher(
+                *args: Any, _original: Any = original, _kvgeom: Any = kvgeom_fn, **kwargs: Any
+            ) -> Any:
                 return (_kvgeom if _ACTIVE.get() else _original)(*args, **kwargs)
 
             functools.update_wrapper(dispatcher, original)

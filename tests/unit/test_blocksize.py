@@ -26,7 +26,9 @@ def test_split_into_gcd_units() -> None:
     assert remote_block_split(64, 16, [100], [100]) == 1  # already divides
 
 
-@pytest.mark.parametrize("lens,strides,whole", [([200], [208], False), ([202], [202], False), ([200], [200], True)])
+@pytest.mark.parametrize(
+    "lens,strides,whole", [([200], [208], False), ([202], [202], False), ([200], [200], True)]
+)
 def test_split_declined_when_a_page_cannot_be_cut(lens: list[int], strides: list[int], whole: bool) -> None:
     assert remote_block_split(36, 20, lens, strides, whole_pages=whole) == 1
 

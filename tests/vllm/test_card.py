@@ -33,17 +33,38 @@ def worker(tp: int, rank: int, specs: dict[str, Any], hf: dict[str, Any] | None,
     model_config = SimpleNamespace(model="m", hf_config=hf_config, get_total_num_kv_heads=lambda: kv_heads)
     return SimpleNamespace(
         kv_cache_config=SimpleNamespace(transfer_groups=[SimpleNamespace(host_resident=False)]),
-        _layer_specs=specs, vllm_config=SimpleNamespace(model_config=model_config), model_config=model_config,
-        world_size=tp, tp_rank=rank, kv_cache_layout="LBHNC", _physical_blocks_per_logical_kv_block=1,
-        block_size=64, _logical_num_blocks=8, engine_id="E", _TRANSFER_MODE="pull")
+        _layer_specs=specs,
+        vllm_config=SimpleNamespace(model_config=model_config),
+        model_config=model_config,
+        world_size=tp,
+        tp_rank=rank,
+        kv_cache_layout="LBHNC",
+        _physical_blocks_per_logical_kv_block=1,
+        block_size=64,
+        _logical_num_blocks=8,
+        engine_id="E",
+        _TRANSFER_MODE="pull",
+    )
 
 
 def mamba2_layer(tp: int, cfg: dict[str, Any], num_spec: int = 0) -> MambaSpec:
     heads, head_dim = cfg["mamba_n_heads"], cfg["mamba_d_head"]
-    shapes = MambaStateShapeCalculator.mamba2_state_shape(tp, cfg["mamba_d_ssm"], cfg["mamba_n_groups"], heads,
-                                                          head_dim, cfg["mamba_d_state"], cfg["mamba_d_conv"], num_spec)
-    return MambaSpec(block_size=64, shapes=shapes, dtypes=(torch.bfloat16, torch.float32),
-                     mamba_type=MambaAttentionBackendEnum.MAMBA2)
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(
+        tp,
+        cfg["mamba_d_ssm"],
+        cfg["mamba_n_groups"],
+        heads,
+        head_dim,
+        cfg["mamba_d_state"],
+        cfg["mamba_d_conv"],
+        num_spec,
+    )
+    return MambaSpec(
+        block_size=64,
+        shapes=shapes,
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+    )
 
 
 def attention(tp: int) -> FullAttentionSpec:
@@ -65,7 +86,9 @@ def test_mamba2_groups_come_from_the_model_config_when_replicated_across_ranks(t
 def test_mamba2_rows_for_speculative_tokens_are_part_of_the_page() -> None:
     cfg = falcon_h1()
     spec = mamba2_layer(2, cfg, num_spec=2)
-    card = card_of_worker(worker(2, 1, {"model.layers.3.mamba": spec, "model.layers.3.attn": attention(2)}, cfg))
+    card = card_of_worker(
+        worker(2, 1, {"model.layers.3.mamba": spec, "model.layers.3.attn": attention(2)}, cfg)
+    )
     assert card.model.ssm_spec.conv_rows == cfg["mamba_d_conv"] - 1 + 2
 
 
@@ -89,13 +112,18 @@ def test_shapes_the_model_config_does_not_give_are_refused_naming_both() -> None
     assert set(info.value.values) == {"local", "remote"}
 
 
-@pytest.mark.parametrize("shapes,dtypes,match", [
-    (((16,), (16,)), (torch.float16,), "conv and a temporal shape"),
-    (((8, 3), (1, 4, 4)), (torch.float16, torch.float32), "whole key heads"),
-    (((8,), (1, 4, 4)), (torch.float16, torch.float32), "conv shape"),
-])
+@pytest.mark.parametrize(
+    "shapes,dtypes,match",
+    [
+        (((16,), (16,)), (torch.float16,), "conv and a temporal shape"),
+        (((8, 3), (1, 4, 4)), (torch.float16, torch.float32), "whole key heads"),
+        (((8,), (1, 4, 4)), (torch.float16, torch.float32), "conv shape"),
+    ],
+)
 def test_synthetic_states_are_refused_clearly(shapes: tuple, dtypes: tuple, match: str) -> None:
-    spec = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes, mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+    spec = MambaSpec(
+        block_size=16, shapes=shapes, dtypes=dtypes, mamba_type=MambaAttentionBackendEnum.GDN_ATTN
+    )
     with pytest.raises(SpecError, match=match) as info:
         card_of_worker(worker(1, 0, {"kda.0": spec}, None))
     assert "'kda.0'" in str(info.value)

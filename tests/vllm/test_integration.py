@@ -50,7 +50,10 @@ def test_connector_builds_kvgeom_workers_in_the_configured_mode(compat: str) -> 
         connector.register_kv_caches(caches)
     worker = connector.connector_worker
     assert isinstance(worker, KvgeomPullConnectorWorker) and worker.kvgeom_compat == compat
-    assert worker.kvgeom_card is not None and connector.get_handshake_metadata() is worker.xfer_handshake_metadata
+    assert (
+        worker.kvgeom_card is not None
+        and connector.get_handshake_metadata() is worker.xfer_handshake_metadata
+    )
 
 
 def test_unsupported_vllm_version_is_refused_in_one_line() -> None:
@@ -67,7 +70,9 @@ def test_bad_compat_mode_is_refused_naming_the_field() -> None:
 
     with pytest.raises(ConfigError, match="kv_connector_extra_config.compat"):
         compat_of(vllm_config(extra={"compat": "fast"}))
-    assert compat_of(vllm_config()) == "vllm" and compat_of(vllm_config(extra={"compat": "kvgeom"})) == "kvgeom"
+    assert (
+        compat_of(vllm_config()) == "vllm" and compat_of(vllm_config(extra={"compat": "kvgeom"})) == "kvgeom"
+    )
 
 
 def test_every_table_row_names_a_vllm_0_33_function_and_an_adapter() -> None:
@@ -107,13 +112,19 @@ def test_module_functions_answer_with_kvgeom_only_inside_kvgeom_workers() -> Non
     assert ours.all_source_ranks == (0,) and ours.rank_offset_factor == 1
     names = ["model.layers.10.attn", "model.layers.2.attn", "model.embed"]
     with worker._active():
-        assert sorted(names, key=bw._region_sort_key) == ["model.embed", "model.layers.2.attn", "model.layers.10.attn"]
+        assert sorted(names, key=bw._region_sort_key) == [
+            "model.embed",
+            "model.layers.2.attn",
+            "model.layers.10.attn",
+        ]
     assert CALLS["_region_sort_key"] >= 3
 
 
 def test_kvgeom_workers_mark_the_methods_that_call_module_functions() -> None:
     before = {k: CALLS[k] for k in ("_region_sort_key", "compute_tp_mapping")}
-    d = make_worker(_workers().KvgeomPullConnectorWorker, "D")  # registration sorts its 12 layers through kvgeom
+    d = make_worker(
+        _workers().KvgeomPullConnectorWorker, "D"
+    )  # registration sorts its 12 layers through kvgeom
     assert CALLS["_region_sort_key"] >= before["_region_sort_key"] + 12
     p = make_worker(_workers().KvgeomPullConnectorWorker, "P")
     plain = msgspec.msgpack.decode(p.xfer_handshake_metadata.agent_metadata_bytes, type=PlainMetadata)
@@ -139,14 +150,18 @@ def test_registration_builds_a_card_matching_vllms_regions_and_sends_it() -> Non
 
 
 def _metadata(worker: object) -> object:
-    return msgspec.msgpack.decode(worker.xfer_handshake_metadata.agent_metadata_bytes, type=bw.NixlAgentMetadata)
+    return msgspec.msgpack.decode(
+        worker.xfer_handshake_metadata.agent_metadata_bytes, type=bw.NixlAgentMetadata
+    )
 
 
 def _descs(prepared: np.ndarray) -> list[tuple[int, int]]:
     """``(addr, len)`` of every descriptor of a prepared list (N x 3 rows, or N x 5 strided rows)."""
     rows = np.asarray(prepared, dtype=np.int64)
     if rows.shape[1] == 5:
-        rows = np.concatenate([np.stack([r[0] + r[3] * np.arange(r[4]), np.full(r[4], r[1])], axis=1) for r in rows])
+        rows = np.concatenate(
+            [np.stack([r[0] + r[3] * np.arange(r[4]), np.full(r[4], r[1])], axis=1) for r in rows]
+        )
     return sorted(map(tuple, rows[:, :2].tolist()))
 
 

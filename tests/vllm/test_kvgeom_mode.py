@@ -42,17 +42,25 @@ def _metadata(worker: object) -> object:
     import msgspec
     from kvgeom_vllm.handshake import KvgeomAgentMetadata
 
-    return msgspec.msgpack.decode(worker.xfer_handshake_metadata.agent_metadata_bytes, type=KvgeomAgentMetadata)
+    return msgspec.msgpack.decode(
+        worker.xfer_handshake_metadata.agent_metadata_bytes, type=KvgeomAgentMetadata
+    )
 
 
 def refused_in_vllm_mode(p: dict, d: dict) -> str:
     """vLLM-compatible D rank 0 handshaking with P's first target: the refusal's text (or '')."""
-    producers = {r: make_worker("P", p["tp"], r, p["block_size"], p["num_blocks"], p["layout"], "vllm", RecordingNixl)
-                 for r in range(p["tp"])}
-    consumer = make_worker("D", d["tp"], 0, d["block_size"], d["num_blocks"], d["layout"], "vllm", RecordingNixl)
+    producers = {
+        r: make_worker("P", p["tp"], r, p["block_size"], p["num_blocks"], p["layout"], "vllm", RecordingNixl)
+        for r in range(p["tp"])
+    }
+    consumer = make_worker(
+        "D", d["tp"], 0, d["block_size"], d["num_blocks"], d["layout"], "vllm", RecordingNixl
+    )
     try:
         for target in consumer.transfer_topo.handshake_target_ranks(p["tp"]):
-            consumer.add_remote_agent(_metadata(producers[target]), remote_tp_rank=target, remote_tp_size=p["tp"])
+            consumer.add_remote_agent(
+                _metadata(producers[target]), remote_tp_rank=target, remote_tp_size=p["tp"]
+            )
     except (AssertionError, RuntimeError, NotImplementedError, ValueError) as e:
         return str(e)
     return ""
@@ -75,9 +83,19 @@ def serve(p: dict, d: dict, num_tokens: int, prefix_blocks: int = 0) -> tuple[Or
         oracle = Oracle(model, [c.geometry for c in p_cards], [c.geometry for c in d_cards], request)
         to_p.put(([[project(a) for a in rank] for rank in oracle.src], "req-P"))
         assert up.get(timeout=TIMEOUT_S)[:2] == ("P", "filled")
-        to_d.put(([[project(a) for a in rank] for rank in oracle.dst], len(p_cards), p_meta,
-                  {"p_ids": request.p_ids, "d_ids": request.d_ids, "p_tokens": request.p_tokens,
-                   "prefix_blocks": prefix_blocks}))
+        to_d.put(
+            (
+                [[project(a) for a in rank] for rank in oracle.dst],
+                len(p_cards),
+                p_meta,
+                {
+                    "p_ids": request.p_ids,
+                    "d_ids": request.d_ids,
+                    "p_tokens": request.p_tokens,
+                    "prefix_blocks": prefix_blocks,
+                },
+            )
+        )
         results = group.collect(timeout_s=TIMEOUT_S)
     return oracle, results["P"].unwrap(), results["D"].unwrap()
 
@@ -96,7 +114,9 @@ def check(oracle: Oracle, produced: dict, consumed: dict) -> None:
     for rank, r in enumerate(ranks):
         for region, (got, want) in enumerate(zip(r["bytes"], oracle.dst[rank], strict=True)):
             bad = np.flatnonzero(got != project(want))
-            assert not bad.size, f"D rank {rank} region {region}: {bad.size} bytes differ from the oracle, first at {bad[0]}"
+            assert not bad.size, (
+                f"D rank {rank} region {region}: {bad.size} bytes differ from the oracle, first at {bad[0]}"
+            )
         assert all((w != POISON).all() for w in oracle.dst[rank])  # no destination byte left unwritten
 
 
@@ -147,10 +167,21 @@ def test_a_request_vllm_would_move_to_the_wrong_tokens_fails_instead() -> None:
     d = make_worker("D", 2, 0, 64, 5, "LBHNC", "vllm", RecordingNixl)
     d._remote_agents["P"][(0, 0)] = d.add_remote_agent(_metadata(p), remote_tp_rank=0, remote_tp_size=1)
     meta = NixlConnectorMetadata()
-    meta.add_new_req_to_recv("req", [[2, 3]], {
-        "remote_block_ids": [[1, 2, 3, 4, 5]], "remote_engine_id": "P", "remote_request_id": "req-P",
-        "remote_host": "localhost", "remote_port": 0, "tp_size": 1, "remote_num_tokens": 150},
-        local_num_computed_blocks=(1,), awaiting_kvs=True)
+    meta.add_new_req_to_recv(
+        "req",
+        [[2, 3]],
+        {
+            "remote_block_ids": [[1, 2, 3, 4, 5]],
+            "remote_engine_id": "P",
+            "remote_request_id": "req-P",
+            "remote_host": "localhost",
+            "remote_port": 0,
+            "tp_size": 1,
+            "remote_num_tokens": 150,
+        },
+        local_num_computed_blocks=(1,),
+        awaiting_kvs=True,
+    )
     d.start_load_kv(meta)
     assert d.nixl_wrapper.xfers == []
     result = d.get_transfer_results()
@@ -174,16 +205,29 @@ def test_push_across_tp_sizes_on_a_token_major_layout_is_refused_by_vllm_and_wri
     model = ps[0].kvgeom_card.model
     request = Request.simple(model, ps[0].kvgeom_card.engine, d.kvgeom_card.engine, num_tokens=70)
     oracle = Oracle(model, [p.kvgeom_card.geometry for p in ps], [d.kvgeom_card.geometry], request)
-    d_regions = [[(b, n * s) for b, n, s in zip(d.kv_caches_base_addr["D"][0], d.region_num_blocks,
-                                                  d.block_stride_per_layer)]]
+    d_regions = [
+        [
+            (b, n * s)
+            for b, n, s in zip(d.kv_caches_base_addr["D"][0], d.region_num_blocks, d.block_stride_per_layer)
+        ]
+    ]
     for rank, p in enumerate(ps):
         for target in p.transfer_topo.handshake_target_ranks(1):
-            p._remote_agents["D"][(0, target)] = p.add_remote_agent(_metadata(d), remote_tp_rank=target,
-                                                                   remote_tp_size=1)
-        registration = {"request_id": "req-D", "decode_engine_id": "D", "decode_host": "", "decode_port": 0,
-                        "decode_tp_size": 1, "local_block_ids": [list(g) for g in request.d_ids],
-                        "kvgeom_num_tokens": request.num_tokens}  # what D's push scheduler registers
-        p._do_start_push_kv("req", [list(g) for g in request.p_ids], registration)  # vLLM's code, then kvgeom's
+            p._remote_agents["D"][(0, target)] = p.add_remote_agent(
+                _metadata(d), remote_tp_rank=target, remote_tp_size=1
+            )
+        registration = {
+            "request_id": "req-D",
+            "decode_engine_id": "D",
+            "decode_host": "",
+            "decode_port": 0,
+            "decode_tp_size": 1,
+            "local_block_ids": [list(g) for g in request.d_ids],
+            "kvgeom_num_tokens": request.num_tokens,
+        }  # what D's push scheduler registers
+        p._do_start_push_kv(
+            "req", [list(g) for g in request.p_ids], registration
+        )  # vLLM's code, then kvgeom's
         assert [x[0] for x in p.nixl_wrapper.xfers] == ["WRITE"] and p._sending_transfers["req"]
         assert p.nixl_wrapper.xfers[0][5] == b"req-D:2"  # D counts a notification from each of P's two ranks
         oracle.execute(_moves(p, rank, d_regions, op="WRITE"), f"P rank {rank}'s writes")

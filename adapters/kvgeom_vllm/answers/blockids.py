@@ -25,8 +25,9 @@ def get_mapped_blocks(self: Any, block_ids: Any, block_size_ratio: int) -> np.nd
     return _kv_get_mapped_blocks(np.asarray(block_ids), int(block_size_ratio))
 
 
-def map_block_ids_for_block_size_ratio(self: Any, local_block_ids: Any, remote_block_ids: Any,
-                                       block_size_ratio: int) -> tuple[list, list]:
+def map_block_ids_for_block_size_ratio(
+    self: Any, local_block_ids: Any, remote_block_ids: Any, block_size_ratio: int
+) -> tuple[list, list]:
     kinds = group_is_ssm(self._group_spec_types, len(remote_block_ids))
     local, remote = _kv_map_ratio(local_block_ids, remote_block_ids, int(block_size_ratio), kinds)
     return lists(local), lists(remote)
@@ -43,20 +44,47 @@ def logical_to_kernel_block_ids(self: Any, block_ids: Any, ratio: int) -> Any:
     return lists(_kv_logical_to_kernel(block_ids, int(ratio), _transfer_group_kinds(self, len(block_ids))))
 
 
-def apply_prefix_caching(self: Any, decode_block_ids: Any, prefill_block_ids: Any,
-                         decode_physical_per_logical: int, prefill_physical_per_logical: int) -> tuple[list, list]:
+def apply_prefix_caching(
+    self: Any,
+    decode_block_ids: Any,
+    prefill_block_ids: Any,
+    decode_physical_per_logical: int,
+    prefill_physical_per_logical: int,
+) -> tuple[list, list]:
     kinds = group_is_ssm(self._group_spec_types, len(prefill_block_ids))
-    dec, pre = _kv_apply_prefix_caching(decode_block_ids, prefill_block_ids, int(decode_physical_per_logical),
-                                        int(prefill_physical_per_logical), kinds, has_mamba=bool(self._has_mamba))
+    dec, pre = _kv_apply_prefix_caching(
+        decode_block_ids,
+        prefill_block_ids,
+        int(decode_physical_per_logical),
+        int(prefill_physical_per_logical),
+        kinds,
+        has_mamba=bool(self._has_mamba),
+    )
     return lists(dec), lists(pre)
 
 
-def apply_dcp_prefix_caching(self: Any, local_ids: Any, remote_ids: Any, remote_rank: int, local_dcp_size: int,
-                             local_dcp_rank: int, remote_dcp_size: int, local_num_computed_blocks: int,
-                             num_remote_blocks: int | None = None) -> tuple[list[int], list[int]]:
+def apply_dcp_prefix_caching(
+    self: Any,
+    local_ids: Any,
+    remote_ids: Any,
+    remote_rank: int,
+    local_dcp_size: int,
+    local_dcp_rank: int,
+    remote_dcp_size: int,
+    local_num_computed_blocks: int,
+    num_remote_blocks: int | None = None,
+) -> tuple[list[int], list[int]]:
     """``_apply_dcp_prefix_caching``: one group's pages paired by global DCP position."""
-    lo, ro = _kv_apply_dcp_prefix_caching(local_ids, remote_ids, remote_rank, local_dcp_size, local_dcp_rank,
-                                          remote_dcp_size, local_num_computed_blocks, num_remote_blocks)
+    lo, ro = _kv_apply_dcp_prefix_caching(
+        local_ids,
+        remote_ids,
+        remote_rank,
+        local_dcp_size,
+        local_dcp_rank,
+        remote_dcp_size,
+        local_num_computed_blocks,
+        num_remote_blocks,
+    )
     return lo.tolist(), ro.tolist()
 
 
@@ -65,13 +93,28 @@ def block_ids_by_region(block_ids: Any, region_group_ids: list[int]) -> list[lis
     return lists(_kv_block_ids_by_region(block_ids, region_group_ids))
 
 
-def apply_prefix_caching_by_region(self: Any, decode_block_ids: Any, prefill_block_ids: Any, *,
-                                   num_computed_blocks: list[int] | None = None, num_remote_blocks: int | None = None,
-                                   remote_rank: int = 0, remote_dcp_size: int = 1) -> tuple[list, list]:
+def apply_prefix_caching_by_region(
+    self: Any,
+    decode_block_ids: Any,
+    prefill_block_ids: Any,
+    *,
+    num_computed_blocks: list[int] | None = None,
+    num_remote_blocks: int | None = None,
+    remote_rank: int = 0,
+    remote_dcp_size: int = 1,
+) -> tuple[list, list]:
     """``_apply_prefix_caching_by_region``: D's uncached pages paired with P's, region by region (by global
     page position when the request's counts are known)."""
-    dec, pre = _kv_prefix_by_region(decode_block_ids, prefill_block_ids, num_computed_blocks, num_remote_blocks,
-                                    remote_rank, int(self.dcp_size), int(self.dcp_rank), remote_dcp_size)
+    dec, pre = _kv_prefix_by_region(
+        decode_block_ids,
+        prefill_block_ids,
+        num_computed_blocks,
+        num_remote_blocks,
+        remote_rank,
+        int(self.dcp_size),
+        int(self.dcp_rank),
+        remote_dcp_size,
+    )
     if not any(x.size for x in dec):
         return lists(dec), lists(pre)
     if num_computed_blocks is None:  # vLLM hands D's lists back as given
@@ -79,10 +122,16 @@ def apply_prefix_caching_by_region(self: Any, decode_block_ids: Any, prefill_blo
     return lists(dec), lists(pre)
 
 
-def compute_desc_ids(self: Any, block_ids: Any, dst_num_blocks: int, block_size_ratio: float | None,
-                     physical_blocks_per_logical: int, region_num_blocks: list[int] | None = None,
-                     region_group_ids: list[int] | None = None,
-                     uses_region_group_mapping: bool | None = None) -> np.ndarray:
+def compute_desc_ids(
+    self: Any,
+    block_ids: Any,
+    dst_num_blocks: int,
+    block_size_ratio: float | None,
+    physical_blocks_per_logical: int,
+    region_num_blocks: list[int] | None = None,
+    region_group_ids: list[int] | None = None,
+    uses_region_group_mapping: bool | None = None,
+) -> np.ndarray:
     """``_compute_desc_ids``: the worker's regions, SSM streams, scratch regions, PLE stream and layer-name
     routing, read as vLLM reads them, handed to :func:`kvgeom.descids.compute_desc_ids`."""
     bsr = None if block_size_ratio is None else int(block_size_ratio)
@@ -95,24 +144,54 @@ def compute_desc_ids(self: Any, block_ids: Any, dst_num_blocks: int, block_size_
         ssm_regions = list(self._ssm_region_indices or range(len(self.block_len_per_layer)))
         scratch = [g for g, t in enumerate(types) if t is KVI.CircularBufferSpec]
         scratch_regions = list(self._scratch_region_indices) if scratch else []
-        return _kv_compute_desc_ids(block_ids, dst_num_blocks, int(self.num_regions), bsr, physical_blocks_per_logical,
-                                    kinds, ssm_regions, len(self._conv_decomp.local_conv_offsets),
-                                    region_num_blocks or None, None,
-                                    scratch_groups=scratch, scratch_region_indices=scratch_regions,
-                                    ple_group=self._ple_group_index)
+        return _kv_compute_desc_ids(
+            block_ids,
+            dst_num_blocks,
+            int(self.num_regions),
+            bsr,
+            physical_blocks_per_logical,
+            kinds,
+            ssm_regions,
+            len(self._conv_decomp.local_conv_offsets),
+            region_num_blocks or None,
+            None,
+            scratch_groups=scratch,
+            scratch_region_indices=scratch_regions,
+            ple_group=self._ple_group_index,
+        )
     kinds = tuple(False for _ in block_ids)  # without SSM state every list is addressed like attention
     num_regions = len(routing) if routing else (self.num_regions or len(self.block_len_per_layer))
     if region_num_blocks and not routing:
         num_regions = len(region_num_blocks)
     if routing:
-        return _kv_compute_desc_ids(block_ids, dst_num_blocks, num_regions, bsr, physical_blocks_per_logical, kinds,
-                                    None, 3, region_num_blocks or None, transfer_layer_group_ids=routing)
+        return _kv_compute_desc_ids(
+            block_ids,
+            dst_num_blocks,
+            num_regions,
+            bsr,
+            physical_blocks_per_logical,
+            kinds,
+            None,
+            3,
+            region_num_blocks or None,
+            transfer_layer_group_ids=routing,
+        )
     if region_group_ids is None:
         region_group_ids = self.region_group_ids
         if uses_region_group_mapping is None:
             uses_region_group_mapping = self._uses_region_group_mapping
     if not region_group_ids and num_regions == 1:
         region_group_ids = [0]
-    return _kv_compute_desc_ids(block_ids, dst_num_blocks, num_regions, bsr, physical_blocks_per_logical, kinds,
-                                None, 3, region_num_blocks or None, list(region_group_ids),
-                                uses_region_group_mapping=uses_region_group_mapping)
+    return _kv_compute_desc_ids(
+        block_ids,
+        dst_num_blocks,
+        num_regions,
+        bsr,
+        physical_blocks_per_logical,
+        kinds,
+        None,
+        3,
+        region_num_blocks or None,
+        list(region_group_ids),
+        uses_region_group_mapping=uses_region_group_mapping,
+    )

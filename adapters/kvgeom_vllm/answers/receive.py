@@ -29,15 +29,17 @@ class _Page:
 
 
 def _page_geometry(cache: Any) -> tuple[int, int, int, int, bool]:
-    """``(heads, tokens, head_bytes, block_stride, head_major)`` of an attention cache viewed ``[B, H, N, C]``."""
+    """``(heads, tokens, head_bytes, block_stride, head_major)`` of an attention cache viewed as
+    ``[B, H, N, C]``."""
     _, heads, tokens, c = cache.shape
     esize = cache.element_size()
     head_major = heads == 1 or cache.stride(1) > cache.stride(2)
     return int(heads), int(tokens), int(c) * esize, int(cache.stride(0)) * esize, bool(head_major)
 
 
-def post_process_device_kv_on_receive(self: Any, block_size_ratio: int, block_ids_list: list[tuple[int, list[int], int]],
-                                      convert: bool = True) -> None:
+def post_process_device_kv_on_receive(
+    self: Any, block_size_ratio: int, block_ids_list: list[tuple[int, list[int], int]], convert: bool = True
+) -> None:
     """``post_process_device_kv_on_receive``: per attention group, the blocks that arrived as ``bsr`` finer
     remote pages are regrouped (head-major layouts), then every byte past the ``covered`` remote units is
     zeroed (kvgeom's zero rows: whole stale blocks, and the token tail of the last partly covered one).
@@ -47,7 +49,9 @@ def post_process_device_kv_on_receive(self: Any, block_size_ratio: int, block_id
     bsr = check_positive_int(block_size_ratio, "block_size_ratio", error=PlanError)
     block_contiguous = KVI.KVCacheLayout[self.kv_cache_layout].is_block_contiguous
     for group, block_ids, covered in block_ids_list:
-        caches = [self.device_kv_caches[name] for name in self.kv_cache_config.transfer_groups[group].layer_names]
+        caches = [
+            self.device_kv_caches[name] for name in self.kv_cache_config.transfer_groups[group].layer_names
+        ]
         if not caches:
             continue
         ids = np.asarray(block_ids, dtype=np.int64)
@@ -60,10 +64,13 @@ def post_process_device_kv_on_receive(self: Any, block_size_ratio: int, block_id
                     )
 
                     kv_postprocess_blksize_and_layout_on_receive(
-                        cache, torch.as_tensor(ids, device=cache.device), bsr)
+                        cache, torch.as_tensor(ids, device=cache.device), bsr
+                    )
                 elif block_contiguous:
                     heads, tokens, head_bytes, stride, _ = _page_geometry(cache)
-                    regroup_blocks(ByteRegion.at(cache, cache.data_ptr()), ids, stride, bsr, heads, tokens, head_bytes)
+                    regroup_blocks(
+                        ByteRegion.at(cache, cache.data_ptr()), ids, stride, bsr, heads, tokens, head_bytes
+                    )
         geoms = [_page_geometry(c) for c in caches]
         heads, tokens, head_bytes, _, head_major = geoms[0]
         pages = [_Page(k, g[3], g[0] * g[1] * g[2]) for k, g in enumerate(geoms)]
@@ -88,7 +95,9 @@ def zero_region_blocks(self: Any, block_ids: Any) -> None:
         return
     if not any(block_ids):
         return
-    keep = [[] if self._skip_dram_xfer and self.region_mem_types[r] == "DRAM" else list(ids)
-            for r, ids in enumerate(block_ids)]
+    keep = [
+        [] if self._skip_dram_xfer and self.region_mem_types[r] == "DRAM" else list(ids)
+        for r, ids in enumerate(block_ids)
+    ]
     rows = region_zero_rows(keep, self.block_len_per_layer, self.block_stride_per_layer)
     zero_rows(region_bytes(self), rows)

@@ -25,8 +25,12 @@ def blocks_per_window(self: Any) -> list[int]:
     for g in self.kv_cache_config.transfer_groups:
         spec = g.kv_cache_spec
         sliding = isinstance(spec, KVI.SlidingWindowSpec)
-        out.append(sliding_window_blocks(int(spec.sliding_window) if sliding else 0,
-                                         int(spec.block_size) if sliding else int(self.block_size)))
+        out.append(
+            sliding_window_blocks(
+                int(spec.sliding_window) if sliding else 0,
+                int(spec.block_size) if sliding else int(self.block_size),
+            )
+        )
     return out
 
 
@@ -38,13 +42,16 @@ def get_exchange_clipped_blocks(self: Any, block_ids: Any, clip_ssm: bool = True
     block_ids = self.kv_cache_config.select_transfer_block_ids(block_ids)
     if not self._is_hma_required:
         return block_ids
-    return tuple(lists(_kv_exchange_clipped_blocks(block_ids, self.blocks_per_sw, self._ssm_spec_blocks, clip_ssm)))
+    return tuple(
+        lists(_kv_exchange_clipped_blocks(block_ids, self.blocks_per_sw, self._ssm_spec_blocks, clip_ssm))
+    )
 
 
 def prefill_backoff(self: Any) -> int:
     """``_prefill_backoff``: the trailing prompt tokens D recomputes."""
-    return _kv_prefill_backoff(bool(self._has_mamba), bool(self._bounded_replay),
-                               int(self.vllm_config.num_prefill_lookahead_tokens))
+    return _kv_prefill_backoff(
+        bool(self._has_mamba), bool(self._bounded_replay), int(self.vllm_config.num_prefill_lookahead_tokens)
+    )
 
 
 def get_remote_prefill_token_count(self: Any, num_prompt_tokens: int) -> int:

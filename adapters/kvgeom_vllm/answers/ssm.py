@@ -26,13 +26,17 @@ class KvgeomConvSplitInfo(ORIGINAL_CONV_SPLIT_INFO):
     def remote_conv_offsets(self, local_rank_offset: int, tp_ratio: int) -> list[tuple[int, int]]:
         from ..worker import counted_call
 
-        return counted_call("MambaConvSplitInfo.remote_conv_offsets", remote_conv_offsets, self,
-                            local_rank_offset, tp_ratio)
+        return counted_call(
+            "MambaConvSplitInfo.remote_conv_offsets", remote_conv_offsets, self, local_rank_offset, tp_ratio
+        )
 
 
 def remote_conv_offsets(self: Any, local_rank_offset: int, tp_ratio: int) -> list[tuple[int, int]]:
-    return list(_kv_remote_conv_offsets(self.local_proj_dims, self.conv_rows, self.conv_dtype_size,
-                                        local_rank_offset, tp_ratio))
+    return list(
+        _kv_remote_conv_offsets(
+            self.local_proj_dims, self.conv_rows, self.conv_dtype_size, local_rank_offset, tp_ratio
+        )
+    )
 
 
 def derive_mamba_conv_split(mamba_spec: Any, local_tp: int) -> Any:
@@ -41,16 +45,34 @@ def derive_mamba_conv_split(mamba_spec: Any, local_tp: int) -> Any:
 
     kind = getattr(mamba_spec.mamba_type, "name", str(mamba_spec.mamba_type))
     if kind not in MAMBA_TYPES:
-        raise SpecError("mamba_type", f"Conv transfer only supports Mamba1, Mamba2 and GDN models, got "
-                        f"mamba_type={mamba_spec.mamba_type!r}", value=str(mamba_spec.mamba_type))
+        raise SpecError(
+            "mamba_type",
+            f"Conv transfer only supports Mamba1, Mamba2 and GDN models, got "
+            f"mamba_type={mamba_spec.mamba_type!r}",
+            value=str(mamba_spec.mamba_type),
+        )
     if not is_conv_state_dim_first():
-        raise ConfigError("conv_layout", "3-read requires DS conv state layout (VLLM_SSM_CONV_STATE_LAYOUT=DS)",
-                          value="SD", expected="DS")
+        raise ConfigError(
+            "conv_layout",
+            "3-read requires DS conv state layout (VLLM_SSM_CONV_STATE_LAYOUT=DS)",
+            value="SD",
+            expected="DS",
+        )
     conv_shape, temporal_shape = mamba_spec.shapes[0], mamba_spec.shapes[1]
-    split = _kv_derive_conv_split(MAMBA_TYPES[kind], conv_shape, temporal_shape, int(local_tp),
-                                  dtype_name(mamba_spec.dtypes[0]), dtype_name(mamba_spec.dtypes[1]))
-    return KvgeomConvSplitInfo(conv_rows=split.conv_rows, local_proj_dims=split.local_proj_dims,
-                               conv_dtype_size=split.conv_dtype_size, ssm_sizes=split.ssm_sizes)
+    split = _kv_derive_conv_split(
+        MAMBA_TYPES[kind],
+        conv_shape,
+        temporal_shape,
+        int(local_tp),
+        dtype_name(mamba_spec.dtypes[0]),
+        dtype_name(mamba_spec.dtypes[1]),
+    )
+    return KvgeomConvSplitInfo(
+        conv_rows=split.conv_rows,
+        local_proj_dims=split.local_proj_dims,
+        conv_dtype_size=split.conv_dtype_size,
+        ssm_sizes=split.ssm_sizes,
+    )
 
 
 def compute_physical_blocks_per_logical(ssm_sizes: Sequence[int], block_len: int) -> int:

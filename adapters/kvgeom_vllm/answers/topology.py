@@ -21,15 +21,28 @@ from kvgeom.tp import tp_ratio as _kv_tp_ratio
 from ._common import group_is_ssm, to_kvgeom_mapping, to_vllm_mapping
 
 
-def compute_tp_mapping(transfer_topology: Any, remote_tp_size: int, group_spec_types: Sequence[type],
-                       remote_dcp_size: int = 1, head_sharded_kv_heads: int | None = None) -> Any:
+def compute_tp_mapping(
+    transfer_topology: Any,
+    remote_tp_size: int,
+    group_spec_types: Sequence[type],
+    remote_dcp_size: int = 1,
+    head_sharded_kv_heads: int | None = None,
+) -> Any:
     """``tp_mapping.compute_tp_mapping``: sources per group, attention slots, head offset and consumer
     count from :func:`kvgeom.tp.compute_tp_mapping` (DCP sources and a GQA draft under an MLA target
     included)."""
     t = transfer_topology
-    m = _kv_compute_tp_mapping(int(t.tp_rank), int(t.tp_size), int(remote_tp_size), int(t.total_num_kv_heads),
-                               bool(t.is_mla), group_is_ssm(group_spec_types), int(t.dcp_size or 1),
-                               int(remote_dcp_size), head_sharded_kv_heads)
+    m = _kv_compute_tp_mapping(
+        int(t.tp_rank),
+        int(t.tp_size),
+        int(remote_tp_size),
+        int(t.total_num_kv_heads),
+        bool(t.is_mla),
+        group_is_ssm(group_spec_types),
+        int(t.dcp_size or 1),
+        int(remote_dcp_size),
+        head_sharded_kv_heads,
+    )
     return to_vllm_mapping(m)
 
 
@@ -63,7 +76,9 @@ def dcp_consumer_count(self: Any, remote_tp_size: int, remote_dcp_size: int) -> 
 
 
 def handshake_target_ranks(self: Any, remote_tp_size: int, remote_dcp_size: int = 1) -> list[int]:
-    return list(_kv_dcp_handshake_targets(self.tp_rank, self.tp_size, self.dcp_size, remote_tp_size, remote_dcp_size))
+    return list(
+        _kv_dcp_handshake_targets(self.tp_rank, self.tp_size, self.dcp_size, remote_tp_size, remote_dcp_size)
+    )
 
 
 def target_remote_ranks(self: Any, remote_engine_id: str, remote_pp_rank: int = 0) -> list[int]:

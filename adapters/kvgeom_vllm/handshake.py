@@ -53,18 +53,31 @@ class KvgeomAgentMetadata(_PlainAgentMetadata):
     kvgeom_card: str | None = None
 
 
+def _outside_kvgeom(worker: Any, meta: Any) -> tuple[str, str, Any] | None:
+    """What of this set-up kvgeom's pairings do not plan, as ``(field, what, value)``: pipeline-parallel
+    stages, KV staged through a host buffer (the registered bytes are not the cache tensors), and vLLM's
+    repacking for a CPU attention backend paired with another backend."""
+    if int(getattr(worker, "pp_size", 1)) > 1:
+        return "pipeline_parallel_size", "pipeline-parallel stages", int(worker.pp_size)
+    if getattr(worker, "use_host_buffer", False):
+        return "kv_buffer_device", "KV staged through a host buffer", True
+    backend = getattr(worker, "backend_name", None)
+    if backend == "CPU_ATTN" and getattr(meta, "attn_backend_name", backend) != backend:
+        return "attn_backend_name", "repacking between attention backends", meta.attn_backend_name
+    return None
+
+
 def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: int) -> Pairing | None:
     """Check the peer's card against ours (both sides reach the same verdict). ``None`` when either side
     has no card and the worker runs vLLM-compatible."""
     text = getattr(meta, "kvgeom_card", None)
     local: GeometryCard | None = getattr(worker, "kvgeom_card", None)
-    if int(getattr(worker, "pp_size", 1)) > 1:  # kvgeom's pairings do not plan pipeline-parallel stages yet
+    outside = _outside_kvgeom(worker, meta)
+    if outside is not None:  # a set-up kvgeom's pairings do not plan: vLLM's path, or refused in kvgeom mode
         if worker.kvgeom_compat == "kvgeom":
+            field, what, value = outside
             raise IncompatiblePairError(
-                "pipeline_parallel_size",
-                "kvgeom mode does not plan pipeline-parallel stages yet; use compat 'vllm'",
-                value=int(worker.pp_size),
-                expected=1,
+                field, f"kvgeom mode does not plan {what} yet; use compat 'vllm'", value=value
             )
         return None
     if text is None or local is None:

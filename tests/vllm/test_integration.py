@@ -210,3 +210,20 @@ def test_every_answered_row_is_installed_on_the_workers() -> None:
         if e.owner == "NixlBaseConnectorWorker" and e.attr not in ("register_kv_caches", "add_remote_agent"):
             for cls in (wk.KvgeomPullConnectorWorker, wk.KvgeomPushConnectorWorker):
                 assert getattr(cls, e.attr).__kvgeom_entry__ is e
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_a_set_up_kvgeom_does_not_plan_takes_vllms_path_or_is_refused_in_kvgeom_mode(compat: str) -> None:
+    # D's CPU attention backend paired with another backend needs vLLM's repacking after each receive
+    wk = _workers()
+    p = make_worker(wk.KvgeomPullConnectorWorker, "P")
+    d = make_worker(wk.KvgeomPullConnectorWorker, "D")
+    d.kvgeom_compat, d.backend_name = compat, "CPU_ATTN"
+    meta = _metadata(p)
+    meta.attn_backend_name = "FLASH_ATTN"
+    if compat == "kvgeom":
+        with pytest.raises(IncompatiblePairError, match="repacking between attention backends"):
+            d.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
+        return
+    d.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
+    assert "P" not in getattr(d, "kvgeom_pairings", {}) and d.enable_heterogeneous_attn_post_process

@@ -5,12 +5,13 @@ The classes here subclass vLLM's own (``NixlPullConnectorWorker``, ``NixlPushCon
 are the adapters of :mod:`kvgeom_vllm.answers`, installed from :data:`kvgeom_vllm.table.TABLE` and
 counted. vLLM's threads, agents, side channel, scheduler and completion tracking run unchanged.
 
-Three of vLLM's geometry functions are module functions its worker calls by name
-(``derive_mamba_conv_split`` in ``__init__``, ``_region_sort_key`` in ``register_kv_caches``,
-``compute_tp_mapping`` in ``add_remote_agent``). :func:`install_dispatchers` replaces them in vLLM's
-``base_worker`` module by dispatchers that answer with kvgeom while a kvgeom worker runs one of those
-methods (a context variable marks it) and with vLLM's function otherwise, so a plain ``NixlConnector``
-in the same process keeps vLLM's behaviour.
+vLLM's worker calls two geometry functions by module name in code that still runs:
+``derive_mamba_conv_split`` (``__init__``) and ``compute_tp_mapping`` (``add_remote_agent`` with a peer
+that sends no card);
+``_region_sort_key`` is kvgeom's own registration's. :func:`install_dispatchers` replaces the three in
+vLLM's ``base_worker`` module by dispatchers that answer with kvgeom while a kvgeom worker runs one of
+those methods (a context variable marks it) and with vLLM's function otherwise, so a plain
+``NixlConnector`` in the same process keeps vLLM's behaviour.
 """
 
 from __future__ import annotations
@@ -168,15 +169,6 @@ class KvgeomTransferTopology(_TransferTopology):
 
 
 _install(KvgeomTransferTopology, "TransferTopology")
-
-
-def as_kvgeom_topology(topo: Any) -> None:
-    """Turn a ``TransferTopology`` vLLM built into kvgeom's (same fields, kvgeom's methods)."""
-    if topo is not None and type(topo) is _TransferTopology:
-        topo.__class__ = KvgeomTransferTopology
-        topo.local_physical_heads = counted_call(
-            "TransferTopology.local_physical_heads", answers.topology_local_physical_heads, topo
-        )
 
 
 class KvgeomWorkerMixin:

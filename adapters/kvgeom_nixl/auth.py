@@ -73,6 +73,14 @@ class Auth:
             h.update(part)
         return h.digest()
 
+    def keystream(self, purpose: str, nonce: bytes, n: int) -> bytes:
+        """``n`` bytes of SHAKE-256 over the purpose's key and ``nonce``: XORed with a message, it encrypts
+        it under the deployment's secret (the caller MACs the result and never reuses a nonce). Zeros
+        in the insecure mode (no encryption, like the zero tags)."""
+        if not self.secure:
+            return bytes(n)
+        return hashlib.shake_256(self._key(purpose) + bytes(nonce)).digest(n)
+
     def check(self, purpose: str, tag: bytes, *parts: bytes) -> bool:
         """Whether ``tag`` (or its first ``len(tag)`` bytes, at least 16) is ``parts``' tag."""
         if not self.secure:

@@ -260,7 +260,7 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
                 events.put(("pushed", engine, rank, row))
         kv.check_peers(sc.mode)
         out.update(released=sorted(released), rejected=kv.rejected, stats=dict(kv.stats),
-                   handles=kv.ep.handle_counts(), held=len(kv.quarantined()))
+                   handles=kv.ep.handle_counts(), held=len(kv.quarantined()), sidechannel=dict(kv.server.stats))
         return out
 
 
@@ -394,7 +394,9 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                 return {"rank": rank, "results": rows, "mismatches": [str(m) for m in rep.mismatches],
                         "bad_bytes": rep.bad_bytes, "bad_outside": rep.bad_outside, "checked_bytes": rep.checked_bytes,
                         "skipped_bytes": rep.skipped_bytes, "stats": dict(kv.stats),
-                        "handles": kv.ep.handle_counts(), "held": [h.token for h in kv.quarantined()]}
+                        "handles": kv.ep.handle_counts(), "held": [h.token for h in kv.quarantined()],
+                        "via": {e: sorted({link.via for link in links.values()}) for e, links in kv.links.items()},
+                        "sidechannel": dict(kv.server.stats)}
         raise TimeoutError("consumer: no verify command in time")
 
 
@@ -403,8 +405,13 @@ def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict | None) -> dict:
     try:
         if sc.mode == "pull":
             if req["engine"] not in kv.pairings:
-                kv.connect(req["engine"], None if ports is None else ports[req["engine"]], mode="pull",
-                           compat=sc.compat)
+                try:
+                    kv.connect(req["engine"], None if ports is None else ports[req["engine"]], mode="pull",
+                               compat=sc.compat)
+                except (AdapterError, KvgeomError):
+                    kv.invalidate(req["d_ids"])  # nothing was posted: invalid now, free at once
+                    kv.fence.hold((req["id"], req["attempt"]), req["d_ids"], reason="handshake failed")
+                    raise
             res = kv.pull(req["engine"], req["d_ids"], req["p_ids"], req["id"], req["id"], num_tokens=req["tokens"],
                           attempt=req["attempt"])
         else:

@@ -62,7 +62,7 @@ from .sidechannel import (
     validate_payload,
 )
 
-__all__ = ["EtcdClient", "Registration", "Directory", "engine_key", "seal_record", "open_record",
+__all__ = ["EtcdClient", "Registration", "Directory", "Revision", "engine_key", "seal_record", "open_record",
            "RECORD_VERSION"]
 
 RECORD_VERSION = 1
@@ -86,6 +86,15 @@ def _prefix_end(prefix: bytes) -> bytes:
             return bytes(end)
         end.pop()
     return b"\0"
+
+
+Revision = tuple[str, int]
+"""Where a key's value comes from: etcd's cluster id and the key's ``mod_revision`` (a cluster that lost its
+data restarts revisions, and gets a new id)."""
+
+
+def _revision(reply: Mapping[str, Any], kv: Mapping[str, Any]) -> Revision:
+    return str((reply.get("header") or {}).get("cluster_id", "")), int(kv.get("mod_revision", 0))
 
 
 class _Status(DiscoveryError):
@@ -190,27 +199,28 @@ class EtcdClient:
         out = self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(int(lease))}, deadline)
         return int(out.get("header", {}).get("revision", 0))
 
-    def get(self, key: str, deadline: float | None = None) -> tuple[bytes, int] | None:
-        """``(value, mod_revision)`` of ``key``, or ``None`` if it does not exist."""
+    def get(self, key: str, deadline: float | None = None) -> tuple[bytes, Revision] | None:
+        """``(value, revision)`` of ``key``, or ``None`` if it does not exist."""
         out = self.call("/v3/kv/range", {"key": _b64(key)}, deadline)
         kvs = out.get("kvs") or []
         if not kvs:
             return None
-        return _unb64(kvs[0].get("value", "")), int(kvs[0].get("mod_revision", 0))
+        return _unb64(kvs[0].get("value", "")), _revision(out, kvs[0])
 
-    def mod_revision(self, key: str, deadline: float | None = None) -> int | None:
+    def mod_revision(self, key: str, deadline: float | None = None) -> Revision | None:
         """The revision of ``key``'s last change (no value is transferred), or ``None`` if it does not exist."""
         out = self.call("/v3/kv/range", {"key": _b64(key), "keys_only": True}, deadline)
         kvs = out.get("kvs") or []
-        return int(kvs[0].get("mod_revision", 0)) if kvs else None
+        return _revision(out, kvs[0]) if kvs else None
 
-    def prefix(self, prefix: str, deadline: float | None = None, limit: int = 1024) -> list[tuple[str, bytes, int]]:
-        """``(key, value, mod_revision)`` of every key under ``prefix`` (at most ``limit``)."""
+    def prefix(self, prefix: str, deadline: float | None = None,
+               limit: int = 1024) -> list[tuple[str, bytes, Revision]]:
+        """``(key, value, revision)`` of every key under ``prefix`` (at most ``limit``)."""
         p = prefix.encode()
         out = self.call("/v3/kv/range", {"key": _b64(p), "range_end": _b64(_prefix_end(p)), "limit": str(limit)},
                         deadline)
-        return [(_unb64(kv["key"]).decode("utf-8", "replace"), _unb64(kv.get("value", "")),
-                 int(kv.get("mod_revision", 0))) for kv in out.get("kvs") or []]
+        return [(_unb64(kv["key"]).decode("utf-8", "replace"), _unb64(kv.get("value", "")), _revision(out, kv))
+                for kv in out.get("kvs") or []]
 
     def delete(self, key: str, deadline: float | None = None) -> None:
         self.call("/v3/kv/deleterange", {"key": _b64(key)}, deadline)
@@ -416,9 +426,10 @@ class Directory:
     def __init__(self, client: EtcdClient, prefix: str, auth: Auth, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.client, self.prefix, self.auth, self.max_bytes = client, prefix, auth, max_bytes
         self._seen: dict[tuple[str, int], tuple[float, str, int]] = {}  # (started, incarnation, generation)
-        self._rev: dict[tuple[str, int], int] = {}  # mod_revision of the record last loaded
+        self._rev: dict[tuple[str, int], Revision] = {}  # revision of the record last loaded
 
-    def _accept(self, engine_id: str, rank: int, payload: dict[str, Any], rev: int, key: str) -> dict[str, Any]:
+    def _accept(self, engine_id: str, rank: int, payload: dict[str, Any], rev: Revision,
+                key: str) -> dict[str, Any]:
         where = f"etcd:{key}"
         if payload["engine_id"] != engine_id or payload["rank"] != rank:
             raise ProtocolError(f"{key} holds the record of engine {payload['engine_id']!r} rank {payload['rank']}",
@@ -454,7 +465,7 @@ class Directory:
         base = engine_key(self.prefix, engine_id)
         pause = 0.02
         while True:
-            found: dict[int, tuple[bytes, int, str]] = {}
+            found: dict[int, tuple[bytes, Revision, str]] = {}
             for key, value, rev in self.client.prefix(base, deadline):
                 tail = key[len(base):]
                 if tail.isdigit() and len(tail) < 6:

@@ -60,6 +60,7 @@ __all__ = ["KVRank", "PeerLink", "RequestResult", "Settled", "allocate", "apply_
 
 _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
 _GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
+_ETCD_RETRY_S = 5.0  # after etcd failed a freshness check, peers' side channels are asked for this long
 MAX_REQUEST_ID = 1024  # a notice carries the request id and must fit MAX_NOTICE_BYTES
 
 
@@ -233,7 +234,8 @@ class KVRank:
         self.rejected: dict[str, str] = {}
         self.fence = Fence()
         self.stats = {"rejected_notices": 0, "late_notices": 0, "stale_notices": 0, "impersonations": 0,
-                      "notice_send_errors": 0}
+                      "notice_send_errors": 0, "etcd_fallbacks": 0}
+        self._etcd_down_until = 0.0
         cap = self.config.max_pending_notifs
         self._arrived: _Bounded = _Bounded(cap)  # token -> {writer: (kind, time)}
         self._released: _Bounded = _Bounded(cap)  # request id -> {consumer: time}
@@ -596,13 +598,17 @@ class KVRank:
         """Stale metadata is never used: the peer must still publish the generation we loaded. A link found
         through etcd is checked there (one keys-only request); if etcd does not answer, the peer's own
         side channel is asked instead (authenticated, as in the side-channel mode)."""
-        if link.via == "etcd" and self.directory is not None:
+        now = time.monotonic()
+        if link.via == "etcd" and self.directory is not None and now >= self._etcd_down_until:
             try:
                 self.directory.check(engine_id, link.rank, link.generation, link.agent,
-                                     min(deadline, time.monotonic() + self.config.etcd_timeout_s))
+                                     min(deadline, now + self.config.etcd_timeout_s))
                 return
-            except DiscoveryError:
-                self.stats["etcd_fallbacks"] = self.stats.get("etcd_fallbacks", 0) + 1
+            except DiscoveryError:  # for a while, ask peers directly instead of waiting for etcd each time
+                self._etcd_down_until = time.monotonic() + _ETCD_RETRY_S
+                self.stats["etcd_fallbacks"] += 1
+        elif link.via == "etcd":
+            self.stats["etcd_fallbacks"] += 1
         check_generation(link.host, link.port, link.generation, timeout_s=max(0.1, deadline - time.monotonic()),
                          auth=self.auth)
 

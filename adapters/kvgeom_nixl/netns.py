@@ -411,8 +411,9 @@ class VirtualNet:
         Default: the host's index + 100 in the same subnet."""
         h = self.hosts[host]
         new = addr or f"{self.subnet}.{h.index + 100}"
-        self._ip(host, "addr", "add", f"{new}/24", "dev", DEVICE)
+        # removed first: deleting a subnet's primary address also deletes the secondaries in it
         self._ip(host, "addr", "del", f"{h.addr}/24", "dev", DEVICE)
+        self._ip(host, "addr", "add", f"{new}/24", "dev", DEVICE)
         h.addr = new
         return new
 
@@ -507,12 +508,15 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"http://{self.addr}:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> EtcdServer:
-        """Start the member and wait until it answers ``/health`` (bounded)."""
+    def start(self, timeout_s: float = 20.0, wipe: bool = False) -> EtcdServer:
+        """Start the member and wait until it answers ``/health`` (bounded). ``wipe``: without its data
+        (a member that lost its disk: a new cluster, every key and lease gone)."""
         if shutil.which("etcd") is None:
             raise NetError("etcd is not installed (Debian: apt-get install etcd-server)", stage="etcd")
         if self.proc is not None and self.proc.poll() is None:
             return self
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
         peer = f"http://127.0.0.1:{self.port + 1}"
         self.starts += 1
         self.proc = self.net.popen(self.host, [

@@ -75,9 +75,21 @@ def _child_main(target: Callable[..., Any], args: tuple, kwargs: dict, name: str
             msg = (name, True, pickle.dumps(value), None, None, None, time.monotonic() - t0)
         except Exception as e:
             msg = failure(f"cannot send result: {e!r}", e)
+    _flush_c_stdio()  # before reporting: the parent may end this process as soon as the result arrives
     results.put(msg)
     results.close()
     results.join_thread()  # make sure the message left this process before it exits
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: a spawn child ends with ``os._exit``, which drops what C libraries (UCX's log file,
+    ``UCX_LOG_FILE``) still buffer."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:
+        pass
 
 
 class Proc:

@@ -419,6 +419,15 @@ class Registration:
 
 
 # ------------------------------------------------------------------------------------------- reading
+def _pause(deadline: float, pause: float) -> bool:
+    """Sleep ``pause`` (at most until ``deadline``); ``False`` if the deadline has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    time.sleep(min(pause, left))
+    return time.monotonic() < deadline
+
+
 class Directory:
     """Read and check the records of a deployment (see the module docstring); remembers, per rank, the
     newest record accepted, so that an older one is refused."""
@@ -453,10 +462,9 @@ class Directory:
             if got is not None:
                 return self._accept(engine_id, rank, open_record(got[0], self.auth, key, self.max_bytes), got[1],
                                     key)
-            if time.monotonic() + pause > deadline:
+            if not _pause(deadline, pause):
                 raise HandshakeTimeout(f"engine {engine_id!r} rank {rank} is not registered in etcd under {key}",
                                        stage="discovery", peer=f"etcd:{key}")
-            time.sleep(pause)
             pause = min(pause * 2, 0.25)
 
     def engine(self, engine_id: str, deadline: float) -> dict[int, dict[str, Any]]:
@@ -482,11 +490,10 @@ class Directory:
             if tp is not None and all(r in found for r in range(tp)):
                 return {r: self._accept(engine_id, r, open_record(found[r][0], self.auth, found[r][2], self.max_bytes),
                                         found[r][1], found[r][2]) for r in range(tp)}
-            if time.monotonic() + pause > deadline:
+            if not _pause(deadline, pause):
                 have = sorted(found)
                 raise HandshakeTimeout(f"engine {engine_id!r}: ranks {have} of {tp if tp else '?'} registered in etcd "
                                        f"under {base} at the deadline", stage="discovery", peer=f"etcd:{base}")
-            time.sleep(pause)
             pause = min(pause * 2, 0.25)
 
     def check(self, engine_id: str, rank: int, generation: int, agent: str, deadline: float) -> int:

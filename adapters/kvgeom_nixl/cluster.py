@@ -396,6 +396,7 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                         "skipped_bytes": rep.skipped_bytes, "stats": dict(kv.stats),
                         "handles": kv.ep.handle_counts(), "held": [h.token for h in kv.quarantined()],
                         "via": {e: sorted({link.via for link in links.values()}) for e, links in kv.links.items()},
+                        "peer_hosts": {e: sorted({link.host for link in links.values()}) for e, links in kv.links.items()},
                         "sidechannel": dict(kv.server.stats)}
         raise TimeoutError("consumer: no verify command in time")
 

@@ -28,6 +28,8 @@ __all__ = ["Lab", "FAULTS", "ENGINE_HOSTS", "summarize", "ucx_env"]
 
 ENGINE_HOSTS = {"prefill": "p", "backup": "b", "decode": "d"}
 SLOW_MBIT = 40.0  # the cut scenarios slow ``p``'s link so that the cut lands while bytes are moving
+IMPAIRED_MBIT = 16.0  # the delay-and-loss scenario's rate cap: its 6 MiB request cannot make 2.5 s (with
+# delay and loss alone, one of three did: TCP's BBR keeps its rate through 5 % loss)
 
 
 def ucx_env(log: str | None = None, tcp: bool = True) -> dict[str, str]:
@@ -89,7 +91,7 @@ class Lab:
         acts: dict[str, Callable[[], Any]] = {
             "cut_p": lambda: net.link_down("p"),
             "mend_p": lambda: net.link_up("p"),
-            "impair_p": lambda: net.netem("p", delay_ms=100, loss_pct=5),
+            "impair_p": lambda: net.netem("p", delay_ms=100, loss_pct=5, rate_mbit=IMPAIRED_MBIT),
             "clear_p": lambda: net.clear_netem("p"),
             "readdress_p": lambda: net.readdress("p"),
         }
@@ -135,9 +137,9 @@ def link_cut(lab: Lab, mode: str, t: float) -> dict[str, Any]:
 
 
 def impaired(lab: Lab, mode: str, t: float) -> dict[str, Any]:
-    """``p`` sends with 100 ms of delay and 5 % loss (netem) from r1 on: a small request (r1) still makes
-    it, a large one (r2, 6 MiB) misses its deadline; ``backup`` serves r3; the impairment is lifted
-    ``t + 2`` s after r1 started, and r4 goes to ``prefill`` after that."""
+    """``p`` sends with 100 ms of delay, 5 % loss and at most 16 Mbit/s (netem) from r1 on: a small request
+    (r1, 150 KB) still makes it, a large one (r2, 6 MiB) misses its deadline; ``backup`` serves r3; the
+    impairment is lifted ``t + 3`` s after r1 started, and r4 goes to ``prefill`` after that."""
     reqs = [_req("r0", 900, "prefill"), _req("r1", 97, "prefill"), _req("r2", 4096, "prefill"),
             _req("r3", 900, "backup"), _req("r4", 600, "prefill", delay_s=t + 2.0)]
     faults = {"net": [{"at": "r1", "when": "before", "do": "impair_p", "undo": "clear_p", "seconds": t + 3.0}]}

@@ -57,8 +57,8 @@ def test_a_link_cut_mid_transfer_fails_in_time_and_its_late_bytes_land_only_in_q
 
 
 def test_delay_and_loss_slow_requests_and_one_past_its_deadline_is_fenced(lab):
-    """With 100 ms of delay and 5 % loss on what ``p`` sends, a small request (150 KB) still completes,
-    correct; a 6 MiB one misses its deadline and is fenced (its READ stays live, then completes once the
+    """With 100 ms of delay, 5 % loss and 16 Mbit/s on what ``p`` sends, a small request (150 KB) still
+    completes, correct; a 6 MiB one misses its deadline and is fenced (its READ stays live, then completes once the
     impairment is lifted, into quarantined blocks); ``backup`` is unaffected; after the impairment,
     ``prefill`` serves again."""
     s = summarize(lab.run(impaired(lab, "pull", T)))

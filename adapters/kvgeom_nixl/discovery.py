@@ -8,11 +8,12 @@ new ``generation``. The value is a *record*: the same sealed payload the side ch
 rank, agent name, NIXL agent metadata, geometry card, region bases, generation, side-channel address),
 encrypted and MACed under the deployment's secret::
 
-    {"v": 1, "nonce": "<32 hex>", "box": "<base64>", "tag": "<64 hex>"}
+    {"v": 2, "nonce": "<24 hex>", "box": "<base64>"}
 
-``box`` is the sealed payload's JSON XORed with SHAKE-256(key, nonce) (:meth:`Auth.keystream`); ``tag`` is
-HMAC-SHA256 over the key name, the nonce and the box (encrypt-then-MAC: a record cannot be read, altered
-or moved to another rank's key without the secret). So the card travels with the metadata, atomically,
+``box`` is the sealed payload's JSON encrypted with AES-256-GCM (:meth:`Auth.encrypt`, the
+``cryptography`` package; a key derived from the secret for this purpose only, a random 96-bit nonce per
+record) with the record's etcd key name as associated data: a record cannot be read, altered or moved to
+another rank's key without the secret. So the card travels with the metadata, atomically,
 and etcd learns nothing a side-channel eavesdropper without the secret would not.
 
 :class:`Directory` reads records: it checks the tag, decrypts, opens the payload's seal, validates every
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import threading
 import time
 import urllib.error
@@ -65,8 +65,7 @@ from .sidechannel import (
 __all__ = ["EtcdClient", "Registration", "Directory", "Revision", "engine_key", "seal_record", "open_record",
            "RECORD_VERSION"]
 
-RECORD_VERSION = 1
-_NONCE = 16
+RECORD_VERSION = 2
 
 
 def _b64(data: bytes | str) -> str:
@@ -263,11 +262,8 @@ def seal_record(payload: Mapping[str, Any], auth: Auth, key: str, max_bytes: int
     """The etcd value for ``payload`` stored at ``key``: sealed (as the side channel does), encrypted and
     MACed (see the module docstring)."""
     plain = _dumps(seal_payload(payload, auth))
-    nonce = os.urandom(_NONCE)
-    stream = auth.keystream("etcd-box", nonce, len(plain))
-    box = (int.from_bytes(plain, "little") ^ int.from_bytes(stream, "little")).to_bytes(len(plain), "little")
-    tag = auth.tag("etcd-record", key.encode(), nonce, box)
-    value = json.dumps({"v": RECORD_VERSION, "nonce": nonce.hex(), "box": _b64(box), "tag": tag.hex()},
+    nonce, box = auth.encrypt("etcd-record", plain, key.encode())
+    value = json.dumps({"v": RECORD_VERSION, "nonce": nonce.hex(), "box": _b64(box)},
                        separators=(",", ":")).encode()
     if len(value) > max_bytes:
         raise ValueError(f"record of {len(value)} bytes exceeds the limit of {max_bytes}")
@@ -290,15 +286,14 @@ def open_record(value: bytes, auth: Auth, key: str, max_bytes: int = MAX_MESSAGE
         raise ProtocolError(f"record of an unknown version {rec.get('v') if isinstance(rec, dict) else rec!r}",
                             stage="discovery", peer=where)
     try:
-        nonce, tag, box = bytes.fromhex(rec["nonce"]), bytes.fromhex(rec["tag"]), _unb64(rec["box"])
+        nonce, box = bytes.fromhex(rec["nonce"]), _unb64(rec["box"])
     except (KeyError, TypeError, ValueError):
-        raise ProtocolError("record fields nonce/tag/box missing or malformed", stage="discovery",
+        raise ProtocolError("record fields nonce/box missing or malformed", stage="discovery",
                             peer=where) from None
-    if len(nonce) != _NONCE or not auth.check("etcd-record", tag, key.encode(), nonce, box):
+    plain = auth.decrypt("etcd-record", nonce, box, key.encode())
+    if plain is None:
         raise AuthenticationError("etcd record is not sealed with this deployment's secret (or was moved from "
                                   "another key)", stage="discovery", peer=where)
-    stream = auth.keystream("etcd-box", nonce, len(box))
-    plain = (int.from_bytes(box, "little") ^ int.from_bytes(stream, "little")).to_bytes(len(box), "little")
     payload = open_payload(decode(plain), auth, where)
     validate_payload(payload, where, max_metadata_bytes=max_bytes)
     _check_extras(payload, where)

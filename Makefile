@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgeom-installed
 
-.PHONY: demo test test-core test-vllm plan bench lint dist clean venv
+.PHONY: demo test test-core test-vllm plan bench lint dist clean venv host-deps
 
 venv: $(STAMP)
 
@@ -21,8 +21,25 @@ demo: $(STAMP)
 ## The whole test suite (what CI runs): kvgeom's own tests, then vLLM's connector tests through kvgeom.
 test: test-core test-vllm
 
-test-core: $(STAMP)
+test-core: $(STAMP) host-deps
 	$(PY) -m pytest
+
+## Debian packages of the cross-host tests (tests/adapter/test_hosts.py, test_net_faults.py, test_discovery.py:
+## network namespaces, tc, ethtool, an etcd member, iperf3). Installed quietly with apt-get when one is missing
+## and we are root (CI); otherwise a note, and those tests then say what is missing.
+HOST_TOOLS := ip tc ethtool etcd iperf3
+HOST_PKGS  := iproute2 ethtool etcd-server iperf3
+host-deps:
+	@missing=""; for t in $(HOST_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing $(HOST_PKGS) for the cross-host tests (missing:$$missing)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends $(HOST_PKGS) >/dev/null; \
+	  else \
+	    echo "note: the cross-host tests need$$missing and root (Debian: apt-get install $(HOST_PKGS))"; \
+	  fi; \
+	fi
 
 ## vLLM 0.33.0's own NIXL connector tests run through kvgeom_vllm, in a separate venv (.venv-vllm, vLLM
 ## without CUDA) with vLLM's tests taken from its source package; then tests/vllm (KVGEOM_VLLM_TESTS=1).

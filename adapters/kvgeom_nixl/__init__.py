@@ -1,6 +1,6 @@
 """NIXL transport for kvgeom: bounded, typed wrappers around a NIXL agent, an authenticated TCP side
-channel for the handshake, fencing of failed transfers, and a process launcher for multi-rank runs and
-tests.
+channel for the handshake, discovery through etcd, fencing of failed transfers, and a process launcher
+for multi-rank runs and tests (also across network namespaces as hosts: ``kvgeom_nixl.netns``).
 
 Importing this package is cheap: ``nixl`` and ``torch`` are imported only when an
 :class:`Endpoint` is created or tensors are registered. See ``docs/adapter.md``.
@@ -12,6 +12,7 @@ from .config import TransportConfig
 from .errors import (
     AdapterError,
     AuthenticationError,
+    DiscoveryError,
     HandshakeTimeout,
     NotifTimeout,
     PeerGone,
@@ -67,4 +68,5 @@ __all__ = [
     "NotifTimeout",
     "PeerGone",
     "StaleMetadata",
+    "DiscoveryError",
 ]

@@ -6,7 +6,9 @@ with ``hmac.compare_digest`` (constant time). Purposes get separate keys (``HMAC
 tag made for one kind of message is never valid for another. ``Auth.none()`` (``insecure=True``)
 produces zero tags and accepts anything: only for local experiments.
 
-What this does not do: encrypt (the side channel is readable on the network path) or stop a process that
+Records stored in etcd are also encrypted (:meth:`Auth.encrypt`, AES-256-GCM from the ``cryptography``
+package): etcd keeps them, and anyone with read access to the prefix would otherwise hold every rank's
+NIXL metadata. What this does not do: encrypt the side channel (it is readable on the network path) or stop a process that
 already holds a peer's NIXL metadata from using it; see docs/reliability.md.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,16 @@ from .errors import AdapterError
 __all__ = ["Auth", "Notice", "NOTICE_KINDS", "encode_notice", "decode_notice", "MAX_NOTICE_BYTES"]
 
 TAG_BYTES = 32
+GCM_NONCE_BYTES = 12
+
+
+def _aesgcm(key: bytes) -> Any:
+    """AES-256-GCM under ``key`` (imported on first use: only etcd discovery encrypts)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key)
+
+
 MAX_NOTICE_BYTES = 4096
 _NOTICE_MAGIC = b"kvg1"
 _NOTICE_TAG = 16  # bytes of the HMAC kept in a notification (128 bits)
@@ -72,6 +85,29 @@ class Auth:
             h.update(len(part).to_bytes(8, "big"))
             h.update(part)
         return h.digest()
+
+    def encrypt(self, purpose: str, plain: bytes, aad: bytes) -> tuple[bytes, bytes]:
+        """``(nonce, box)``: ``plain`` encrypted and authenticated with AES-256-GCM (the ``cryptography``
+        package) under the purpose's key, ``aad`` authenticated with it, a fresh random 96-bit nonce. In the
+        insecure mode ``box`` is ``plain`` and the nonce zeros (no encryption, like the zero tags)."""
+        if not self.secure:
+            return bytes(GCM_NONCE_BYTES), bytes(plain)
+        nonce = os.urandom(GCM_NONCE_BYTES)
+        return nonce, _aesgcm(self._key(purpose)).encrypt(nonce, bytes(plain), bytes(aad))
+
+    def decrypt(self, purpose: str, nonce: bytes, box: bytes, aad: bytes) -> bytes | None:
+        """The plaintext of :meth:`encrypt`'s ``box``, or ``None`` when the box, the nonce or ``aad`` were not
+        the ones sealed under this deployment's secret."""
+        if not self.secure:
+            return bytes(box)
+        if len(nonce) != GCM_NONCE_BYTES:
+            return None
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return _aesgcm(self._key(purpose)).decrypt(bytes(nonce), bytes(box), bytes(aad))
+        except InvalidTag:
+            return None
 
     def check(self, purpose: str, tag: bytes, *parts: bytes) -> bool:
         """Whether ``tag`` (or its first ``len(tag)`` bytes, at least 16) is ``parts``' tag."""

@@ -20,7 +20,15 @@ new attempt, and gives a failed attempt's blocks back only once every D rank rep
      "drain_s": 5.0,                          # how long D ranks settle quarantined blocks at the end
      "linger_s": 0.0,                         # how long D ranks keep driving NIXL at the end in any case
      "check_each": True,                      # check each request's bytes when it completes (costly)
+     "hosts": {"prefill": {"netns": "...", "host": "10.77.0.1", "env": {...}}, ...},  # optional: an engine's
+                                              # ranks run in that network namespace, serve on that address
+                                              # and get that environment (a VirtualNet host)
      "faults": {...}}                         # optional, see FAULTS (``at``: a request id or a list)
+
+With ``config["discovery"] == "etcd"`` ranks find each other through etcd (``KVRank.connect(engine)``)
+instead of the side-channel addresses the scheduler hands out. ``run_cluster(..., actions={name: fn})``
+gives the scheduler callables (a link taken down, etcd stopped, an address changed) that the ``net`` and
+``readdress`` faults run at the right moment.
 
 Every wait is bounded; every process is ended when ``run_cluster`` returns (``ProcGroup``).
 """
@@ -64,6 +72,12 @@ FAULTS = {
            "overlap | impersonate | swap",
     "rogue": "a process with no role tries every side channel without the secret; given the ranks' leaked NIXL "
              "metadata it forges W notices to D and D notices to P for attempt `attempt` of request `at`",
+    "net": "a list of {at, attempt, when: before | after_post, delay_s, do, undo, seconds}: the scheduler runs "
+           "actions[do]() `delay_s` after attempt `attempt` of request `at` is sent (after_post: after D starts "
+           "it) and actions[undo]() `seconds` later",
+    "readdress": "{engine, after, action}: once request `after` is done, actions[action]() gives engine's host a "
+                 "new address (returned) and the engine's ranks rebind to it; with side-channel discovery D "
+                 "learns the new addresses only after the next attempt (as from an orchestrator)",
 }
 STEP_S = 30.0
 
@@ -152,8 +166,26 @@ def _space(sc: Scenario, requests: list[dict]) -> CoordSpace:
     return CoordSpace(sc.model, max(r["tokens"] for r in requests) + max(sc.prefill.block_size, sc.decode.block_size))
 
 
-def _env(spec: dict) -> None:
+def _env(spec: dict, engine: str | None = None) -> None:
     os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
+    host = spec.get("hosts", {}).get(engine, {})
+    os.environ.update({str(k): str(v) for k, v in host.get("env", {}).items()})
+
+
+def _host(spec: dict, engine: str) -> str:
+    """The address an engine's ranks serve on (its VirtualNet host's, or loopback)."""
+    return spec.get("hosts", {}).get(engine, {}).get("host", "127.0.0.1")
+
+
+def _etcd(spec: dict) -> bool:
+    return spec.get("config", {}).get("discovery") == "etcd"
+
+
+def _after_post(spec: dict) -> bool:
+    """Whether a fault waits for D to start an attempt (D then says when it does)."""
+    faults = spec.get("faults", {})
+    entries = [faults.get("stop", {})] + list(faults.get("net", []))
+    return any(isinstance(f, dict) and f.get("when") == "after_post" for f in entries)
 
 
 def _poll_inbox(inbox: Any, timeout: float) -> tuple[str, Any] | None:
@@ -165,13 +197,13 @@ def _poll_inbox(inbox: Any, timeout: float) -> tuple[str, Any] | None:
 
 # ----------------------------------------------------------------------------------------- producer
 def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) -> dict:
-    _env(spec)
+    _env(spec, engine)
     sc = Scenario.from_json(spec["scenario"])
     card = GeometryCard(engine, sc.model, sc.prefill.with_rank(rank), sc.mode)
     fault = spec.get("faults", {})
     mine = [(r["salt"], r) for r in _sources(spec) if r["engine"] == engine]
     space = _space(sc, spec["requests"])
-    with KVRank(card, _config(spec)) as kv:
+    with KVRank(card, _config(spec), host=_host(spec, engine)) as kv:
         _fill(kv, card, space, mine)
         port = _silent_port() if fault.get("silent") == engine else kv.port
         if fault.get("bad_regions") == engine:
@@ -181,11 +213,16 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
         lie = fault.get("lie", {})
         if lie.get("engine") == engine:
             kv.server.update(_lie(kv, lie["what"]))
-        events.put(("ready", engine, rank, port))
+        events.put(("ready", engine, rank, [kv.host, port]))
         if "rogue" in fault:
             events.put(("leak", engine, rank, {"agent": kv.ep.name, "metadata": kv.ep.metadata()}))
         ports = _wait_ports(inbox)
-        out = {"engine": engine, "rank": rank, "results": [], "released": []}
+        out = {"engine": engine, "rank": rank, "results": [], "released": [], "watch_error": None}
+        if _etcd(spec) and sc.mode == "pull":  # the consumers read us: know their agents and cards (check_peers)
+            try:
+                kv.watch("decode")
+            except (AdapterError, KvgeomError) as exc:
+                out["watch_error"] = f"{type(exc).__name__}: {exc}"
         released: set[str] = set()
         expected = max(1, sc.decode.tp_size // sc.prefill.tp_size)
         deadline = time.monotonic() + 20 * STEP_S
@@ -212,6 +249,10 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
                 kv.reregister()
                 _fill(kv, card, space, mine)
                 events.put(("reregistered", engine, rank, kv.ep.generation))
+            elif cmd == "rebind":  # our host's address changed
+                kv.rebind(str(data))
+                connected = False
+                events.put(("rebound", engine, rank, [kv.host, kv.port]))
             elif cmd == "push":
                 row = _push(kv, spec, sc, data, ports, connected)
                 connected = row.pop("connected")
@@ -219,7 +260,7 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
                 events.put(("pushed", engine, rank, row))
         kv.check_peers(sc.mode)
         out.update(released=sorted(released), rejected=kv.rejected, stats=dict(kv.stats),
-                   handles=kv.ep.handle_counts(), held=len(kv.quarantined()))
+                   handles=kv.ep.handle_counts(), held=len(kv.quarantined()), sidechannel=dict(kv.server.stats))
         return out
 
 
@@ -234,7 +275,7 @@ def _push(kv: KVRank, spec: dict, sc: Scenario, req: dict, ports: dict, connecte
     t0 = time.monotonic()
     try:
         if not connected:
-            kv.connect("decode", ports["decode"], mode="push", compat=sc.compat)
+            kv.connect("decode", None if _etcd(spec) else ports["decode"], mode="push", compat=sc.compat)
             connected = True
         not_after = req["not_after"] if spec.get("push_deadline", True) else None
         res = kv.push("decode", req["p_ids"], req["d_ids"], req["id"], req["id"], num_tokens=req["tokens"],
@@ -287,28 +328,29 @@ def _silent_port() -> int:
 
 
 def _wait_ports(inbox: Any) -> dict:
+    """The side channels of every rank: ``{engine: {rank: (host, port)}}``."""
     cmd, data = inbox.get(timeout=10 * STEP_S)  # every rank must be ready first (filling can be slow)
     if cmd != "ports":
         raise RuntimeError(f"expected the port map, got {cmd!r}")
-    return {e: {int(r): p for r, p in ranks.items()} for e, ranks in data.items()}
+    return {e: {int(r): (str(p[0]), int(p[1])) for r, p in ranks.items()} for e, ranks in data.items()}
 
 
 # ----------------------------------------------------------------------------------------- consumer
 def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
-    _env(spec)
+    _env(spec, "decode")
     sc = Scenario.from_json(spec["scenario"])
     card = GeometryCard("decode", sc.model, sc.decode.with_rank(rank), sc.mode)
     space = _space(sc, spec["requests"])
-    with KVRank(card, _config(spec)) as kv:
+    with KVRank(card, _config(spec), host=_host(spec, "decode")) as kv:
         for t in kv.tensors:
             t.fill_(POISON_BYTE)
-        events.put(("ready", "decode", rank, kv.port))
+        events.put(("ready", "decode", rank, [kv.host, kv.port]))
         if "rogue" in spec.get("faults", {}):
             events.put(("leak", "decode", rank, {"agent": kv.ep.name, "metadata": kv.ep.metadata()}))
         ports = _wait_ports(inbox)
         if sc.mode == "push":
             for e in spec.get("prefill_engines", ["prefill"]):
-                kv.watch(e, ports[e])
+                kv.watch(e, None if _etcd(spec) else ports[e])
         rows: list[dict] = []
         last_settle = 0.0
         deadline = time.monotonic() + 20 * STEP_S
@@ -323,9 +365,9 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                 continue
             cmd, data = msg
             if cmd == "req":
-                if spec.get("faults", {}).get("stop", {}).get("when") == "after_post":
+                if _after_post(spec):
                     events.put(("posting", "decode", rank, (data["id"], data["attempt"])))
-                row = _consume(kv, sc, data, ports)
+                row = _consume(kv, sc, data, None if _etcd(spec) else ports)
                 if row["ok"] and spec.get("check_each", True):  # what a consumer reads now: every byte checked
                     row["bad_at_completion"] = check_request(kv.tensors, card, space, data["d_ids"], data["tokens"],
                                                              data["salt"])
@@ -335,6 +377,10 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                 events.put(("done", "decode", rank, row))
             elif cmd == "drop":  # a request failed on another rank: its blocks are invalid here too
                 kv.invalidate(data)
+            elif cmd == "moved":  # an engine's side channels moved (side-channel discovery: the orchestrator says)
+                for e, ranks in data.items():
+                    ports[e] = {int(r): (str(p[0]), int(p[1])) for r, p in ranks.items()}
+                    kv.pairings.pop(e, None)
             elif cmd == "finish":
                 drain_s, linger_s = data
                 t_fin = time.monotonic()
@@ -348,16 +394,25 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                 return {"rank": rank, "results": rows, "mismatches": [str(m) for m in rep.mismatches],
                         "bad_bytes": rep.bad_bytes, "bad_outside": rep.bad_outside, "checked_bytes": rep.checked_bytes,
                         "skipped_bytes": rep.skipped_bytes, "stats": dict(kv.stats),
-                        "handles": kv.ep.handle_counts(), "held": [h.token for h in kv.quarantined()]}
+                        "handles": kv.ep.handle_counts(), "held": [h.token for h in kv.quarantined()],
+                        "via": {e: sorted({link.via for link in links.values()}) for e, links in kv.links.items()},
+                        "peer_hosts": {e: sorted({link.host for link in links.values()}) for e, links in kv.links.items()},
+                        "sidechannel": dict(kv.server.stats)}
         raise TimeoutError("consumer: no verify command in time")
 
 
-def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict) -> dict:
+def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict | None) -> dict:
     t0 = time.monotonic()
     try:
         if sc.mode == "pull":
             if req["engine"] not in kv.pairings:
-                kv.connect(req["engine"], ports[req["engine"]], mode="pull", compat=sc.compat)
+                try:
+                    kv.connect(req["engine"], None if ports is None else ports[req["engine"]], mode="pull",
+                               compat=sc.compat)
+                except (AdapterError, KvgeomError):
+                    kv.invalidate(req["d_ids"])  # nothing was posted: invalid now, free at once
+                    kv.fence.hold((req["id"], req["attempt"]), req["d_ids"], reason="handshake failed")
+                    raise
             res = kv.pull(req["engine"], req["d_ids"], req["p_ids"], req["id"], req["id"], num_tokens=req["tokens"],
                           attempt=req["attempt"])
         else:
@@ -375,22 +430,22 @@ def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict) -> dict:
 # ----------------------------------------------------------------------------------------- rogue
 def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
     """A process with no role: no secret (or a wrong one), NIXL metadata only if it leaked."""
-    _env(spec)
+    _env(spec, "rogue")
     from .auth import Auth, Notice, encode_notice
     from .sidechannel import fetch, query_generation
 
     ports = _wait_ports(inbox)
     out: dict[str, Any] = {"sidechannel": [], "forged": 0}
     for engine, ranks in ports.items():
-        for r, port in ranks.items():
+        for r, (host, port) in ranks.items():
             for label, auth in (("none", Auth.none()), ("wrong", Auth(os.urandom(32)))):
                 for op in ("get", "generation"):
                     t0 = time.monotonic()
                     try:
                         if op == "get":
-                            fetch("127.0.0.1", port, {"agent_name": "rogue"}, timeout_s=2.0, auth=auth)
+                            fetch(host, port, {"agent_name": "rogue"}, timeout_s=2.0, auth=auth)
                         else:
-                            query_generation("127.0.0.1", port, timeout_s=2.0, auth=auth)
+                            query_generation(host, port, timeout_s=2.0, auth=auth)
                         result = "served"
                     except AdapterError as exc:
                         result = type(exc).__name__
@@ -434,7 +489,7 @@ def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
 # ----------------------------------------------------------------------------------------- parent
 class _Scheduler:
     def __init__(self, spec: dict, group: ProcGroup, events: Any, inboxes: dict, progress: Callable | None,
-                 deadline: float) -> None:
+                 deadline: float, actions: dict[str, Callable[[], Any]] | None = None) -> None:
         self.spec, self.group, self.events, self.inboxes = spec, group, events, inboxes
         self.sc = Scenario.from_json(spec["scenario"])
         self.progress, self.deadline = progress, deadline
@@ -445,6 +500,9 @@ class _Scheduler:
         self.pushed: list[dict] = []
         self.killed: set[str] = set()
         self.leaks: dict[tuple[str, int], dict] = {}
+        self.actions = dict(actions or {})
+        self.action_log: list[tuple[float, str, Any]] = []  # (monotonic time, action, what it returned)
+        self.tell_after: dict | None = None  # side-channel addresses D learns after the next attempt
 
     def fire_timers(self, all_now: bool = False) -> None:
         now = time.monotonic()
@@ -478,8 +536,11 @@ class _Scheduler:
                 self.leaks[(engine, rank)] = data
             elif kind == "posting":
                 stop = self.spec.get("faults", {}).get("stop", {})
-                if stop and _hits(stop, *data):
+                if stop and _hits(stop, *data) and stop.get("when") == "after_post":
                     self.stop_later(stop, float(stop.get("delay_s", 0.0)))
+                for net in self.spec.get("faults", {}).get("net", []):
+                    if _hits(net, *data) and net.get("when") == "after_post":
+                        self.act_later(net)
             else:
                 return ev
         if timeout_s is not None and time.monotonic() < self.deadline:
@@ -501,15 +562,30 @@ class _Scheduler:
         self.timers.append((t, lambda: self.signal_engine(engine, signal.SIGSTOP, rank)))
         self.timers.append((t + float(stop["seconds"]), lambda: self.signal_engine(engine, signal.SIGCONT, rank)))
 
+    def act(self, name: str) -> Any:
+        """Run ``actions[name]()`` now and log it."""
+        out = self.actions[name]()
+        self.action_log.append((time.monotonic(), name, out))
+        return out
+
+    def act_later(self, net: dict) -> None:
+        """A ``net`` fault: ``do`` after ``delay_s``, ``undo`` ``seconds`` after that."""
+        t = time.monotonic() + float(net.get("delay_s", 0.0))
+        self.timers.append((t, lambda: self.act(net["do"])))
+        if net.get("undo"):
+            self.timers.append((t + float(net["seconds"]), lambda: self.act(net["undo"])))
+
     def signal_engine(self, engine: str, sig: int, rank: int | None = None) -> None:
         for name, proc in self.group.procs.items():
             if name.startswith(engine + "-") and (rank is None or name == f"{engine}-{rank}") and proc.is_alive():
                 os.kill(proc.pid, sig)
 
 
-def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, timeout_s: float = 300.0) -> dict:
+def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, timeout_s: float = 300.0,
+                actions: dict[str, Callable[[], Any]] | None = None) -> dict:
     """Run a whole P/D cluster (see the module docstring); returns every rank's report and the
-    scheduler's record (``attempts``, ``settled``, ``pushed``)."""
+    scheduler's record (``attempts``, ``settled``, ``pushed``, ``actions``: the fault actions run, with
+    their times relative to each attempt's ``t_sent``)."""
     sc = Scenario.from_json(spec["scenario"])
     engines = list(spec.get("prefill_engines", ["prefill"]))
     spec = dict(spec, requests=_prepare(sc, spec["requests"], engines))
@@ -521,13 +597,14 @@ def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, time
         inboxes = {n: group.queue() for n in names}
         for e, r in names:
             if e == "decode":
-                group.spawn(_consumer_main, (spec, r, events, inboxes[(e, r)]), f"decode-{r}")
+                group.spawn(_consumer_main, (spec, r, events, inboxes[(e, r)]), f"decode-{r}",
+                            netns=_netns(spec, e))
             else:
-                group.spawn(_producer_main, (spec, e, r, events, inboxes[(e, r)]), f"{e}-{r}")
+                group.spawn(_producer_main, (spec, e, r, events, inboxes[(e, r)]), f"{e}-{r}", netns=_netns(spec, e))
         if "rogue" in faults:
             inboxes[("rogue", 0)] = group.queue()
-            group.spawn(_rogue_main, (spec, events, inboxes[("rogue", 0)]), "rogue")
-        s = _Scheduler(spec, group, events, inboxes, progress, time.monotonic() + timeout_s)
+            group.spawn(_rogue_main, (spec, events, inboxes[("rogue", 0)]), "rogue", netns=_netns(spec, "rogue"))
+        s = _Scheduler(spec, group, events, inboxes, progress, time.monotonic() + timeout_s, actions)
         ports: dict[str, dict[int, int]] = {}
         while sum(len(v) for v in ports.values()) < len(names):
             kind, engine, rank, port = s.next_event()
@@ -550,6 +627,7 @@ def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, time
             inboxes[("rogue", 0)].put(("exit", None))
         results = group.collect(max(1.0, s.deadline - time.monotonic()))
     return {"spec": spec, "attempts": attempts, "settled": s.settle_log, "pushed": s.pushed,
+            "actions": [(t, name, out) for t, name, out in s.action_log],
             "results": {k: (v.value if v.ok else {"error": v.error, "traceback": v.traceback})
                         for k, v in results.items()}}
 
@@ -639,6 +717,10 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
     return attempts
 
 
+def _netns(spec: dict, engine: str) -> str | None:
+    return spec.get("hosts", {}).get(engine, {}).get("netns")
+
+
 def _hits(fault: dict, rid: str, attempt: int) -> bool:
     """Whether ``fault`` applies to this attempt (``at`` is a request id or a list of them)."""
     at = fault["at"] if isinstance(fault["at"], list) else [fault["at"]]
@@ -650,6 +732,10 @@ def _before(s: _Scheduler, faults: dict, rid: str, attempt: int, engine: str) ->
     if stop and _hits(stop, rid, attempt) and stop.get("when", "before") == "before":
         s.stop_later(stop, 0.0)
         s.fire_timers()
+    for net in faults.get("net", []):
+        if _hits(net, rid, attempt) and net.get("when", "before") == "before":
+            s.act_later(net)
+            s.fire_timers()
     busy = faults.get("busy")
     if busy and _hits(busy, rid, attempt):
         for n in s.inboxes:
@@ -669,6 +755,19 @@ def _after(s: _Scheduler, faults: dict, rid: str) -> None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.join(5.0)
         s.killed.add(kill["engine"])
+    if s.tell_after is not None:  # the attempt after a move ran without D knowing: now D is told
+        for n in s.d_ranks:
+            s.inboxes[n].put(("moved", s.tell_after))
+        s.tell_after = None
+    moved = faults.get("readdress")
+    if moved and moved["after"] == rid:
+        host = s.act(moved["action"])  # the host's address changes (the action returns the new one)
+        ranks = [n for n in s.inboxes if n[0] == moved["engine"]]
+        for n in ranks:
+            s.inboxes[n].put(("rebind", host))
+        where = {str(ev[2]): ev[3] for ev in s.expect("rebound", len(ranks))}
+        if not _etcd(s.spec):  # D learns the new side channels only after its next attempt
+            s.tell_after = {moved["engine"]: where}
     rereg = faults.get("reregister")
     if rereg and rereg["after"] == rid:
         ranks = [n for n in s.inboxes if n[0] == rereg["engine"]]

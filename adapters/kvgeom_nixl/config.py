@@ -10,6 +10,9 @@ __all__ = ["TransportConfig"]
 
 _ENV_PREFIX = "KVGEOM_NIXL_"
 _BOOLS = ("progress_thread", "telemetry", "insecure")
+_TUPLES = ("backends", "etcd_endpoints")
+_STRS = ("secret", "discovery", "etcd_prefix")
+DISCOVERY = ("sidechannel", "etcd")
 _INTS = ("max_message_bytes", "max_connections", "max_peer_payloads", "max_pending_notifs")
 MIN_SECRET_BYTES = 16
 
@@ -82,6 +85,24 @@ class TransportConfig:
     max_pending_notifs: int = 65536
     """At most this many unconsumed notifications are kept (oldest dropped first)."""
 
+    discovery: str = "sidechannel"
+    """How a rank finds its peers' handshake payloads: ``"sidechannel"`` (ask each peer rank's side channel,
+    whose addresses the caller gives) or ``"etcd"`` (every rank publishes its sealed, encrypted payload in
+    etcd under ``etcd_prefix``; peers are found by engine id). See docs/deployment.md."""
+
+    etcd_endpoints: tuple[str, ...] = ()
+    """etcd members' client URLs (``http://host:2379``), for ``discovery="etcd"``."""
+
+    etcd_prefix: str = "/kvgeom"
+    """The deployment's key prefix in etcd: ranks register under ``<prefix>/engines/<engine id>/<rank>``."""
+
+    etcd_timeout_s: float = 2.0
+    """Deadline of one etcd request (every member tried). Past it, the per-request freshness check asks the
+    peer's side channel instead; a handshake through etcd fails at its own deadline."""
+
+    etcd_lease_ttl_s: float = 10.0
+    """TTL of a rank's etcd lease (refreshed every third of it): a dead rank's record disappears after it."""
+
     def __post_init__(self) -> None:
         backends = self.backends
         if isinstance(backends, str):
@@ -90,7 +111,23 @@ class TransportConfig:
         if not backends or any(not b for b in backends):
             raise ValueError(f"backends: need at least one non-empty backend name, got {self.backends!r}")
         object.__setattr__(self, "backends", backends)
-        for f in ("handshake_timeout_s", "transfer_timeout_s", "notif_timeout_s"):
+        if self.discovery not in DISCOVERY:
+            raise ValueError(f"discovery: expected one of {DISCOVERY}, got {self.discovery!r}")
+        eps = self.etcd_endpoints
+        if isinstance(eps, str):
+            eps = tuple(e.strip() for e in eps.split(",") if e.strip())
+        eps = tuple(str(e) for e in eps)
+        object.__setattr__(self, "etcd_endpoints", eps)
+        if self.discovery == "etcd" and not eps:
+            raise ValueError("etcd_endpoints: discovery='etcd' needs at least one endpoint, got none")
+        if not isinstance(self.etcd_prefix, str) or not self.etcd_prefix.startswith("/") or \
+                len(self.etcd_prefix) > 256:
+            raise ValueError(f"etcd_prefix: expected a key prefix starting with '/', got {self.etcd_prefix!r}")
+        ttl = float(self.etcd_lease_ttl_s)
+        if not ttl >= 1:
+            raise ValueError(f"etcd_lease_ttl_s: must be >= 1, got {ttl!r}")
+        object.__setattr__(self, "etcd_lease_ttl_s", ttl)
+        for f in ("handshake_timeout_s", "transfer_timeout_s", "notif_timeout_s", "etcd_timeout_s"):
             v = float(getattr(self, f))
             if not v > 0:
                 raise ValueError(f"{f}: must be > 0, got {v!r}")
@@ -124,17 +161,18 @@ class TransportConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> TransportConfig:
         """Build a config from ``KVGEOM_NIXL_<FIELD>`` variables (e.g. ``KVGEOM_NIXL_BACKENDS=UCX,GDS``,
-        ``KVGEOM_NIXL_PROGRESS_THREAD=1``, ``KVGEOM_NIXL_TRANSFER_TIMEOUT_S=5``, ``KVGEOM_NIXL_SECRET=...``);
-        keyword overrides win."""
+        ``KVGEOM_NIXL_PROGRESS_THREAD=1``, ``KVGEOM_NIXL_TRANSFER_TIMEOUT_S=5``, ``KVGEOM_NIXL_SECRET=...``,
+        ``KVGEOM_NIXL_DISCOVERY=etcd``, ``KVGEOM_NIXL_ETCD_ENDPOINTS=http://10.0.0.5:2379``); keyword
+        overrides win."""
         env = os.environ if env is None else env
         values: dict[str, object] = {}
         for f in fields(cls):
             raw = env.get(_ENV_PREFIX + f.name.upper())
             if raw is None:
                 continue
-            if f.name == "backends":
+            if f.name in _TUPLES:
                 values[f.name] = tuple(b.strip() for b in raw.split(",") if b.strip())
-            elif f.name == "secret":
+            elif f.name in _STRS:
                 values[f.name] = raw
             elif f.name in _BOOLS:
                 low = raw.strip().lower()

@@ -17,6 +17,7 @@ __all__ = [
     "NotifTimeout",
     "PeerGone",
     "StaleMetadata",
+    "DiscoveryError",
 ]
 
 
@@ -81,3 +82,8 @@ class StaleMetadata(AdapterError):
         self.expected = expected
         self.seen = seen
         super().__init__(message, **kw)
+
+
+class DiscoveryError(AdapterError):
+    """The discovery service (etcd) could not be reached, or refused a request, before the deadline.
+    Nothing read from it was used."""

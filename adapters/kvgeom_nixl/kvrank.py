@@ -42,7 +42,16 @@ from kvgeom.tp import handshake_targets
 from .agent import Endpoint, Prepped, Telemetry, Transfer
 from .auth import Auth, Notice, decode_notice, encode_notice
 from .config import TransportConfig
-from .errors import AdapterError, HandshakeTimeout, NotifTimeout, PeerGone, ProtocolError, TransferError
+from .discovery import Directory, EtcdClient, Registration, engine_key, seal_record
+from .errors import (
+    AdapterError,
+    DiscoveryError,
+    HandshakeTimeout,
+    NotifTimeout,
+    PeerGone,
+    ProtocolError,
+    TransferError,
+)
 from .fence import Fence, Held, Token
 from .sidechannel import SideChannelServer, check_generation, fetch, make_payload, query_generation
 
@@ -51,6 +60,7 @@ __all__ = ["KVRank", "PeerLink", "RequestResult", "Settled", "allocate", "apply_
 
 _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
 _GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
+_ETCD_RETRY_S = 5.0  # after etcd failed a freshness check, peers' side channels are asked for this long
 MAX_REQUEST_ID = 1024  # a notice carries the request id and must fit MAX_NOTICE_BYTES
 
 
@@ -137,6 +147,7 @@ class PeerLink:
     bases: tuple[int, ...]
     device: int
     prepped: Prepped | None = None
+    via: str = "sidechannel"  # where its payload came from, and where its freshness is checked
 
 
 @dataclass
@@ -194,20 +205,28 @@ class KVRank:
         self.auth = Auth.from_config(self.config)  # no secret and not insecure: refused here
         self.card_limits = card_limits
         self.host = host
+        self.incarnation = secrets.token_hex(8)  # this process's registrations; with ``started``, orders records
+        self.started = time.time()
+        self._gen_base = 0  # generations of earlier agents of this rank (rebind): the payload's only grows
         self.tensors = allocate(card, device)
-        # a random suffix: two processes never share an agent name, so one cannot evict the other's handles
-        self.ep = Endpoint(f"{card.engine_id}-{card.engine.tp_rank}-{secrets.token_hex(4)}", self.config)
+        self.registration: Registration | None = None
+        self.directory: Directory | None = None
+        self.server: SideChannelServer | None = None
+        self.ep = self._new_endpoint()
         try:
             self.regions = self.ep.register_tensors(self.tensors)
             self.mem_type = self.regions[0].mem_type
+            self.server = self._new_server(host)
             cfg = self.config
-            self.server = SideChannelServer(
-                host, 0, self.payload(), auth=self.auth, io_timeout_s=min(5.0, cfg.handshake_timeout_s),
-                max_connections=cfg.max_connections, max_message_bytes=cfg.max_message_bytes,
-                max_peers=cfg.max_peer_payloads, peer_ttl_s=cfg.peer_payload_ttl_s,
-                replay_window_s=cfg.replay_window_s).start()
+            if cfg.discovery == "etcd":
+                self.directory = Directory(EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
+                                           cfg.etcd_prefix, self.auth, cfg.max_message_bytes)
+                self.registration = Registration(
+                    EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
+                    engine_key(cfg.etcd_prefix, card.engine_id, self.rank), cfg.etcd_lease_ttl_s)
+                self._publish(wait_s=cfg.etcd_timeout_s)  # etcd down: the registration thread retries
         except BaseException:
-            self.ep.close()
+            self._close_parts()
             raise
         self.pairings: dict[str, Pairing] = {}
         self.links: dict[str, dict[int, PeerLink]] = {}
@@ -215,7 +234,8 @@ class KVRank:
         self.rejected: dict[str, str] = {}
         self.fence = Fence()
         self.stats = {"rejected_notices": 0, "late_notices": 0, "stale_notices": 0, "impersonations": 0,
-                      "notice_send_errors": 0}
+                      "notice_send_errors": 0, "etcd_fallbacks": 0}
+        self._etcd_down_until = 0.0
         cap = self.config.max_pending_notifs
         self._arrived: _Bounded = _Bounded(cap)  # token -> {writer: (kind, time)}
         self._released: _Bounded = _Bounded(cap)  # request id -> {consumer: time}
@@ -223,6 +243,7 @@ class KVRank:
         self._watch: dict[tuple[str, int], tuple[str, int]] = {}  # (engine, rank) -> side channel
         self._agents: dict[tuple[str, int], str] = {}  # (engine, rank) -> agent name, from authenticated payloads
         self._probed: dict[tuple[str, int], float] = {}
+        self._watched: dict[str, dict[int, dict[str, Any]]] = {}  # engine -> rank -> payload (etcd ``watch``)
         self._aborts: list[tuple[Transfer, Token]] = []  # our fenced WRITEs: an A notice if one ends in error
         self._swept = 0.0
 
@@ -235,16 +256,53 @@ class KVRank:
     def port(self) -> int:
         return self.server.port
 
+    @property
+    def generation(self) -> int:
+        """What peers check before each transfer: grows with every re-registration and every rebind."""
+        return self._gen_base + self.ep.generation
+
     def payload(self) -> dict[str, Any]:
+        """The handshake payload (served by the side channel, published in etcd): identity, NIXL metadata,
+        card, region bases, generation, and where the side channel listens."""
+        port = self.server.port if self.server is not None else 0
         return make_payload(engine_id=self.card.engine_id, rank=self.rank, agent_name=self.ep.name,
                             agent_metadata=self.ep.metadata(), card=self.card.to_json(),
                             regions=[(r.addr, r.nbytes, r.device_id) for r in self.regions],
-                            device_id=self.regions[0].device_id, generation=self.ep.generation)
+                            device_id=self.regions[0].device_id, generation=self.generation,
+                            sidechannel=[self.host, port], incarnation=self.incarnation, started=self.started)
+
+    def _new_endpoint(self) -> Endpoint:
+        # a random suffix: two processes never share an agent name, so one cannot evict the other's handles
+        return Endpoint(f"{self.card.engine_id}-{self.card.engine.tp_rank}-{secrets.token_hex(4)}", self.config)
+
+    def _new_server(self, host: str) -> SideChannelServer:
+        cfg = self.config
+        server = SideChannelServer(
+            host, 0, None, auth=self.auth, io_timeout_s=min(5.0, cfg.handshake_timeout_s),
+            max_connections=cfg.max_connections, max_message_bytes=cfg.max_message_bytes,
+            max_peers=cfg.max_peer_payloads, peer_ttl_s=cfg.peer_payload_ttl_s, replay_window_s=cfg.replay_window_s)
+        self.server = server
+        server.update(self.payload())  # knows its own port now
+        return server.start()
+
+    def _publish(self, wait_s: float = 0.0) -> bool:
+        """Serve the current payload on the side channel and (etcd) publish it; returns whether etcd has it
+        (``True`` without etcd)."""
+        payload = self.payload()
+        self.server.update(payload)
+        if self.registration is None:
+            return True
+        value = seal_record(payload, self.auth, self.registration.key, self.config.max_message_bytes)
+        return self.registration.publish(value, wait_s)
 
     # -- handshake -------------------------------------------------------------------------------------
-    def connect(self, engine_id: str, ports: Mapping[int, int], mode: str = "pull", compat: str = "kvgeom",
-                timeout_s: float | None = None) -> Pairing:
+    def connect(self, engine_id: str, ports: Mapping[int, Any] | None = None, mode: str = "pull",
+                compat: str = "kvgeom", timeout_s: float | None = None) -> Pairing:
         """Handshake with every rank of a remote engine this rank talks to; validate; prepare tables.
+
+        ``ports`` maps each rank of the engine to its side channel: a port on our own ``host``, or a
+        ``(host, port)`` pair. Without ``ports`` (``discovery="etcd"``) every rank's payload is read from
+        etcd (waiting, within the deadline, until all ranks of the engine are registered).
 
         Everything a peer sends is checked before use, within ``timeout_s`` (default
         ``handshake_timeout_s``) as a whole: payload fields, the seal, the card (limits first, then its
@@ -256,7 +314,8 @@ class KVRank:
         timeout = timeout_s if timeout_s is not None else self.config.handshake_timeout_s
         deadline = time.monotonic() + timeout
         try:
-            return self._connect(engine_id, dict(ports), mode, compat, deadline, timeout)
+            return self._connect(engine_id, None if ports is None else dict(ports), mode, compat, deadline,
+                                 timeout)
         except (AdapterError, KvgeomError):
             raise
         except Exception as exc:  # anything else a hostile payload provokes is still a typed refusal
@@ -270,16 +329,33 @@ class KVRank:
                                    stage="handshake", peer=engine_id)
         return left
 
-    def _connect(self, engine_id: str, ports: dict[int, int], mode: str, compat: str, deadline: float,
+    def _addr(self, value: Any) -> tuple[str, int]:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return self.host, value
+        host, port = value
+        return str(host), int(port)
+
+    def _connect(self, engine_id: str, ports: dict[int, Any] | None, mode: str, compat: str, deadline: float,
                  timeout: float) -> Pairing:
-        payloads = {}
-        for r, port in ports.items():
-            left = self._left(deadline, timeout, f"fetching rank {r}", engine_id)
-            payloads[r] = fetch(self.host, port, self.payload(), timeout_s=left, auth=self.auth,
-                                max_bytes=self.config.max_message_bytes)
+        payloads: dict[int, dict[str, Any]] = {}
+        if ports is None:
+            if self.directory is None:
+                raise ValueError(f"connect({engine_id!r}): no side-channel ports given and discovery is "
+                                 f"{self.config.discovery!r}, not 'etcd'")
+            self._left(deadline, timeout, "reading etcd", engine_id)
+            payloads = self.directory.engine(engine_id, deadline)
+            addrs = {r: (p["sidechannel"][0], p["sidechannel"][1]) for r, p in payloads.items()}
+            via = "etcd"
+        else:
+            addrs = {int(r): self._addr(v) for r, v in ports.items()}
+            for r, (host, port) in addrs.items():
+                left = self._left(deadline, timeout, f"fetching rank {r}", engine_id)
+                payloads[r] = fetch(host, port, self.payload(), timeout_s=left, auth=self.auth,
+                                    max_bytes=self.config.max_message_bytes)
+            via = "sidechannel"
         cards = {}
         for r, p in payloads.items():
-            where = f"{engine_id} rank {r} ({self.host}:{ports[r]})"
+            where = f"{engine_id} rank {r} ({addrs[r][0]}:{addrs[r][1]})"
             if p["engine_id"] != engine_id or p["rank"] != r:
                 raise ProtocolError(f"{where} answered as engine {p['engine_id']!r} rank {p['rank']}",
                                     stage="handshake", peer=where)
@@ -313,8 +389,8 @@ class KVRank:
                 if agent not in self.ep.peers:
                     added.append(agent)
                 self.ep.add_peer(agent, p["agent_metadata"])
-                link = PeerLink(r, self.host, ports[r], agent, p["generation"], cards[r],
-                                tuple(x[0] for x in p["regions"]), p["device_id"])
+                link = PeerLink(r, addrs[r][0], addrs[r][1], agent, p["generation"], cards[r],
+                                tuple(x[0] for x in p["regions"]), p["device_id"], via=via)
                 self._check_registered(link, p["regions"], f"{engine_id} rank {r}")
                 link.prepped = self.ep.prep_remote(agent, pairing.remote_table(r).bind(link.bases, link.device),
                                                    self.mem_type)
@@ -378,7 +454,10 @@ class KVRank:
         """Validate the cards of every peer that handshook with us (the other side's checks, run here
         too): ``{agent name: error}`` for each refused one. Both sides reach the same verdict."""
         out = {}
-        for name, payload in self.server.peers().items():
+        seen = dict(self.server.peers())
+        for ranks in self._watched.values():
+            seen.update({p["agent_name"]: p for p in ranks.values()})
+        for name, payload in seen.items():
             try:
                 peer = GeometryCard.from_json(payload["card"], self.card_limits)
                 if mode == "pull":  # the peer (D) reads us (P): check from its side
@@ -390,11 +469,23 @@ class KVRank:
         self.rejected.update(out)
         return out
 
-    def watch(self, engine_id: str, ports: Mapping[int, int]) -> None:
-        """Remember the side channels of a producer engine that writes to us (push), so that the fence
-        can learn when one of its ranks is gone."""
-        for r, port in ports.items():
-            self._watch[(engine_id, int(r))] = (self.host, int(port))
+    def watch(self, engine_id: str, ports: Mapping[int, Any] | None = None, timeout_s: float | None = None) -> None:
+        """Remember the side channels of an engine that talks to us without our connecting to it (the
+        producers that write to us in push; with etcd, also the consumers that read from us in pull), so
+        that the fence can learn when one of its ranks is gone. Without ``ports`` (etcd) its ranks'
+        records are read and kept: their agent names identify the senders of notices, and
+        :meth:`check_peers` checks their cards."""
+        if ports is not None:
+            for r, v in ports.items():
+                self._watch[(engine_id, int(r))] = self._addr(v)
+            return
+        if self.directory is None:
+            raise ValueError(f"watch({engine_id!r}): no ports given and discovery is not 'etcd'")
+        t = timeout_s if timeout_s is not None else self.config.handshake_timeout_s
+        payloads = self.directory.engine(engine_id, time.monotonic() + t)
+        self._watched[engine_id] = payloads
+        for r, p in payloads.items():
+            self._watch[(engine_id, r)] = (p["sidechannel"][0], p["sidechannel"][1])
 
     def _local_handle(self, engine_id: str, key: tuple[int, int]) -> Prepped:
         if (engine_id, key) not in self._local:
@@ -455,7 +546,8 @@ class KVRank:
         for payload in reversed(list(self.server.peers().values())):
             if (payload["engine_id"], payload["rank"]) == who:
                 return payload["agent_name"]
-        return None
+        watched = self._watched.get(who[0], {}).get(who[1])
+        return watched["agent_name"] if watched is not None else None
 
     # -- transfers -------------------------------------------------------------------------------------
     def plan(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
@@ -483,9 +575,7 @@ class KVRank:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.transfer_timeout_s)
         t0 = time.monotonic()
         for t in plan.transfers:
-            link = links[t.remote_rank]
-            check_generation(link.host, link.port, link.generation, timeout_s=max(0.1, deadline - time.monotonic()),
-                             auth=self.auth)
+            self._check_fresh(engine_id, links[t.remote_rank], deadline)
         t_post = time.monotonic()  # CMA transfers complete inside post(): time from the first post
         push = plan.mode == "push"
         for t in plan.transfers:  # a push WRITE carries its W notice (sent by NIXL once every byte landed)
@@ -503,6 +593,24 @@ class KVRank:
         return RequestResult(plan.request_id, True, plan.num_descriptors, int(moves[:, 6].sum()) if len(moves) else 0,
                              0, sum(t.desc_count or 0 for t in tels), contiguous_runs(moves), time.monotonic() - t0,
                              t_done - t_post, None, tels, attempt)
+
+    def _check_fresh(self, engine_id: str, link: PeerLink, deadline: float) -> None:
+        """Stale metadata is never used: the peer must still publish the generation we loaded. A link found
+        through etcd is checked there (one keys-only request); if etcd does not answer, the peer's own
+        side channel is asked instead (authenticated, as in the side-channel mode)."""
+        now = time.monotonic()
+        if link.via == "etcd" and self.directory is not None and now >= self._etcd_down_until:
+            try:
+                self.directory.check(engine_id, link.rank, link.generation, link.agent,
+                                     min(deadline, now + self.config.etcd_timeout_s))
+                return
+            except DiscoveryError:  # for a while, ask peers directly instead of waiting for etcd each time
+                self._etcd_down_until = time.monotonic() + _ETCD_RETRY_S
+                self.stats["etcd_fallbacks"] += 1
+        elif link.via == "etcd":
+            self.stats["etcd_fallbacks"] += 1
+        check_generation(link.host, link.port, link.generation, timeout_s=max(0.1, deadline - time.monotonic()),
+                         auth=self.auth)
 
     def _fail(self, exc: BaseException, token: Token, ids, posted: Sequence[Transfer] = (),
               writers: Sequence[tuple[str, int]] = (), zero: bool = True) -> None:
@@ -689,13 +797,46 @@ class KVRank:
         self.ep.deregister_all()
         self.tensors = allocate(self.card, old[0].device.type if old else "cpu")
         self.regions = self.ep.register_tensors(self.tensors)
-        self.server.update(self.payload())
+        self._publish(wait_s=self.config.etcd_timeout_s)
+
+    def rebind(self, host: str) -> None:
+        """Serve from ``host`` (this host's address changed): a new NIXL agent (UCX's TCP transport
+        listens on, and advertises, the address its interface had when the agent was created), the same
+        tensors (their content stays), a new side channel, and a higher generation, served and published
+        (etcd). Peers' checks then see the change and handshake again; our own links are dropped (the
+        next :meth:`connect` makes new ones). Refused (``TransferError``, ``BUSY``) while transfers of ours
+        are live: their bytes could still land."""
+        live = self.ep.live_transfers()
+        if live:
+            raise TransferError(f"{len(live)} transfer(s) still live; settle() until they end before rebinding",
+                                stage="rebind", status="BUSY")
+        old_ep, old_server = self.ep, self.server
+        for h in self._local.values():
+            h.release()
+        self._local.clear()
+        self.links.clear()
+        self.pairings.clear()
+        old_server.close()
+        old_ep.close()
+        self._gen_base += old_ep.generation + 1
+        self.host = host
+        self.ep = self._new_endpoint()
+        self.regions = self.ep.register_tensors(self.tensors)
+        self._new_server(host)
+        self._publish(wait_s=self.config.etcd_timeout_s)
+
+    def _close_parts(self) -> None:
+        for part in (self.registration, self.server, self.ep):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    pass
 
     def close(self) -> None:
-        try:
-            self.server.close()
-        finally:
-            self.ep.close()
+        """Unregister from etcd (the lease is revoked: the record goes), stop the side channel, close the
+        agent."""
+        self._close_parts()
 
     def __enter__(self) -> KVRank:
         return self

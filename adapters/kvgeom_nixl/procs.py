@@ -53,7 +53,8 @@ class Result:
         raise ChildFailed(f"child {self.name!r} failed: {self.error}{detail}", stage="child", peer=self.name)
 
 
-def _child_main(target: Callable[..., Any], args: tuple, kwargs: dict, name: str, results: Any) -> None:
+def _child_main(target: Callable[..., Any], args: tuple, kwargs: dict, name: str, results: Any,
+                netns: str | None = None) -> None:
     t0 = time.monotonic()
 
     def failure(err: str, exc: BaseException) -> tuple:
@@ -62,6 +63,10 @@ def _child_main(target: Callable[..., Any], args: tuple, kwargs: dict, name: str
         return (name, False, None, err, etype, traceback.format_exc(), time.monotonic() - t0)
 
     try:
+        if netns is not None:  # first thing, while this process is single-threaded
+            from .netns import enter_netns
+
+            enter_netns(netns)
         value = target(*args, **kwargs)
     except BaseException as e:  # report everything, including SystemExit/KeyboardInterrupt
         msg = failure(repr(e), e)
@@ -70,9 +75,21 @@ def _child_main(target: Callable[..., Any], args: tuple, kwargs: dict, name: str
             msg = (name, True, pickle.dumps(value), None, None, None, time.monotonic() - t0)
         except Exception as e:
             msg = failure(f"cannot send result: {e!r}", e)
+    _flush_c_stdio()  # before reporting: the parent may end this process as soon as the result arrives
     results.put(msg)
     results.close()
     results.join_thread()  # make sure the message left this process before it exits
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: a spawn child ends with ``os._exit``, which drops what C libraries (UCX's log file,
+    ``UCX_LOG_FILE``) still buffer."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:
+        pass
 
 
 class Proc:
@@ -121,16 +138,19 @@ def spawn(
     kwargs: dict[str, Any] | None = None,
     results: Any = None,
     daemon: bool = True,
+    netns: str | None = None,
 ) -> Proc:
     """Start ``target(*args, **kwargs)`` in a fresh ``spawn`` process. ``target`` must be importable
     by name (a module-level function). Its outcome is put on ``results`` (a queue from
-    :meth:`ProcGroup.queue` or ``multiprocessing.get_context("spawn").Queue()``) if given."""
+    :meth:`ProcGroup.queue` or ``multiprocessing.get_context("spawn").Queue()``) if given. With ``netns``
+    the child first enters that network namespace (a host of a :class:`~kvgeom_nixl.netns.VirtualNet`):
+    its sockets, and UCX's view of network devices, are that host's."""
     name = name or getattr(target, "__name__", "child")
     if results is None:
         results = _CTX.Queue()
     p = _CTX.Process(
         target=_child_main,
-        args=(target, tuple(args), dict(kwargs or {}), name, results),
+        args=(target, tuple(args), dict(kwargs or {}), name, results, netns),
         name=name,
         daemon=daemon,
     )
@@ -173,11 +193,12 @@ class ProcGroup:
         name: str | None = None,
         *,
         kwargs: dict[str, Any] | None = None,
+        netns: str | None = None,
     ) -> Proc:
         name = name or getattr(target, "__name__", "child")
         if name in self.procs:
             raise ValueError(f"a child named {name!r} already exists in this group")
-        proc = spawn(target, args, name, kwargs=kwargs, results=self._results_q)
+        proc = spawn(target, args, name, kwargs=kwargs, results=self._results_q, netns=netns)
         self.procs[name] = proc
         self._t0[name] = time.monotonic()
         return proc

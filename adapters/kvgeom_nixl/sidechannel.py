@@ -185,10 +185,16 @@ def make_payload(
     regions: Sequence[Sequence[int]] = (),
     device_id: int = 0,
     generation: int = 0,
+    sidechannel: Sequence[Any] | None = None,
+    incarnation: str = "",
+    started: float = 0.0,
     **extra: Any,
 ) -> dict[str, Any]:
     """The handshake payload a rank serves. ``regions`` are ``(addr, nbytes, device_id)`` triples in the
-    order the geometry numbers them; ``card`` is the rank's geometry card (opaque JSON object)."""
+    order the geometry numbers them; ``card`` is the rank's geometry card (opaque JSON object);
+    ``sidechannel`` is ``(host, port)`` of the rank's side channel (for a peer that found the payload in
+    etcd); ``incarnation`` (random per process) and ``started`` (its wall-clock start) order the records of
+    one rank across restarts."""
     payload = {
         "engine_id": str(engine_id),
         "rank": int(rank),
@@ -198,6 +204,9 @@ def make_payload(
         "regions": [[int(x) for x in r[:3]] for r in regions],
         "device_id": int(device_id),
         "generation": int(generation),
+        "sidechannel": None if sidechannel is None else [str(sidechannel[0]), int(sidechannel[1])],
+        "incarnation": str(incarnation),
+        "started": float(started),
     }
     payload.update(extra)
     return payload
@@ -262,6 +271,14 @@ def validate_payload(payload: Any, where: str | None = None, *, max_regions: int
           "expected an int in [0, 65536)", where)
     _need(_is_int(payload.get("generation"), 0, 1 << 63), "generation", payload.get("generation"),
           "expected an int >= 0", where)
+    sc = payload.get("sidechannel", "missing")
+    _need(sc is None or (isinstance(sc, list) and len(sc) == 2 and isinstance(sc[0], str) and 0 < len(sc[0]) <= MAX_NAME
+                         and _is_int(sc[1], 0, 1 << 16)), "sidechannel", sc, "expected null or [host, port]", where)
+    inc = payload.get("incarnation")
+    _need(isinstance(inc, str) and len(inc) <= 64, "incarnation", inc, "expected a string of 0..64 chars", where)
+    started = payload.get("started")
+    _need(isinstance(started, float) and started >= 0 and started == started and started != float("inf"),
+          "started", started, "expected a finite number >= 0", where)
     return payload
 
 

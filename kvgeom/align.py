@@ -25,12 +25,13 @@ block more.)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["list_starts", "overlap", "consumer_zero_rows"]
+__all__ = ["list_starts", "overlap", "Page", "group_pages", "consumer_zero_rows"]
 
 
 def _producer_end(n_p: int, b_p: int, prefill_tokens: int | None, sliding: bool, p_end_hint: int | None,
@@ -91,20 +92,44 @@ def overlap(c_start: int, n_c: int, p_start: int, n_p: int) -> tuple[int, int, i
     return lo - c_start, lo - p_start, count
 
 
-def consumer_zero_rows(regions: list, kernel_ids: np.ndarray, units: int, first: int, count: int, tokens: int,
+@dataclass(frozen=True)
+class Page:
+    """One layer's page of every kernel block of a region (all layers of a shared region view the same
+    page): it starts ``offset`` bytes into each block, spans ``length`` bytes, blocks ``stride`` apart."""
+
+    region: int
+    offset: int
+    length: int
+    stride: int
+
+
+def group_pages(geom: object, group: int) -> list[Page]:
+    """The pages of ``geom``'s (a :class:`~kvgeom.geometry.RankGeometry`) layers of group ``group``: one per
+    region it views, or per layer's slot in a packed row."""
+    out: dict[tuple[int, int], Page] = {}
+    for region in geom.regions:  # type: ignore[attr-defined]
+        for g, name in region.members:
+            if g == group:
+                off, length = region.slot(name)
+                out.setdefault((region.index, off), Page(region.index, off, length, region.block_stride))
+    return list(out.values())
+
+
+def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, first: int, count: int, tokens: int,
                        heads: int) -> np.ndarray:
     """``(region, offset, length)`` rows zeroing the consumer's kernel blocks ``kernel_ids`` outside fine
-    positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens).
-    Head-major pages (``heads`` > 1) zero one run per head; others one run per token range."""
+    positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens), in
+    every page of ``pages``. Head-major pages (``heads`` > 1) zero one run per head; others one run per token
+    range."""
     n = kernel_ids.size * units
     lo, hi = first, first + count
     blocks = np.arange(kernel_ids.size)
     whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
     inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
     rows = []
-    for r in regions:
+    for p in pages:
         ids = kernel_ids[whole]
-        rows.append(np.stack([np.full(ids.size, r.index), ids * r.block_stride, np.full(ids.size, r.block_len)],
+        rows.append(np.stack([np.full(ids.size, p.region), ids * p.stride + p.offset, np.full(ids.size, p.length)],
                              axis=1))
     for k in np.flatnonzero(~whole & ~inside):  # at most the two blocks at the ends of the overlap
         start, end = int(k) * units, (int(k) + 1) * units
@@ -113,10 +138,10 @@ def consumer_zero_rows(regions: list, kernel_ids: np.ndarray, units: int, first:
             if b <= a or b > n:
                 continue
             t0, t1 = (a - start) * tokens // units, (b - start) * tokens // units
-            for r in regions:
-                per_head = r.block_len // heads
+            for p in pages:
+                per_head = p.length // heads
                 tok = per_head // tokens
-                base = int(kernel_ids[k]) * r.block_stride + t0 * tok
-                rows.append(np.stack([np.full(heads, r.index), base + np.arange(heads) * per_head,
+                base = int(kernel_ids[k]) * p.stride + p.offset + t0 * tok
+                rows.append(np.stack([np.full(heads, p.region), base + np.arange(heads) * per_head,
                                       np.full(heads, (t1 - t0) * tok)], axis=1))
     return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), dtype=np.int64)

@@ -24,6 +24,7 @@ from .dtypes import dtype_size
 from .engine import EngineConfig
 from .errors import ConfigError, SpecError
 from .spec import AttentionSpec, LayerKind, LayerSpec, MambaSpec, MLASpec, ModelSpec
+from .stages import stage_layers
 
 __all__ = ["Group", "Region", "SSMLayout", "RankGeometry", "rank_geometry", "align_hybrid_block_size"]
 
@@ -55,6 +56,9 @@ class Region:
 
     ``members`` are ``(group index, layer name)`` pairs viewing this span; ``part`` is ``"kv"`` for a
     packed K|V page, ``"k"`` / ``"v"`` for split K/V regions, ``"state"`` for an SSM-only region.
+    ``slots`` give each member's page as ``(offset, length)`` within a kernel block's row: empty when
+    every member views the whole block (``(0, block_len)``); a packed row (block-outermost layout) holds
+    every layer's page side by side.
     """
 
     index: int
@@ -65,10 +69,23 @@ class Region:
     is_mla: bool
     members: tuple[tuple[int, str], ...]
     part: str = "kv"
+    slots: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_stride
+
+    @property
+    def is_packed(self) -> bool:
+        """Members hold pages at different offsets of one row (block-outermost layout)."""
+        return any(off for off, _ in self.slots)
+
+    def slot(self, layer: str) -> tuple[int, int]:
+        """``(offset, length)`` of ``layer``'s page within a kernel block of this region."""
+        for k, (_, name) in enumerate(self.members):
+            if name == layer:
+                return self.slots[k] if self.slots else (0, self.block_len)
+        raise SpecError("layer", f"layer {layer!r} does not view region {self.index} ({self.name})", value=layer)
 
     def member_of(self, group: int) -> str | None:
         for g, name in self.members:
@@ -181,6 +198,25 @@ class RankGeometry:
         return self.engine.dcp_size
 
     @property
+    def pp_size(self) -> int:
+        return self.engine.pp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.engine.pp_rank
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's index among all ranks of its engine (``pp_rank * tp_size + tp_rank``)."""
+        return self.engine.global_rank
+
+    @cached_property
+    def layer_names(self) -> tuple[str, ...]:
+        """The cache-holding layers this rank holds (its pipeline stage's), in model order."""
+        held = {name for r in self.regions for _, name in r.members}
+        return tuple(la.name for la in self.model.layers if la.name in held)
+
+    @property
     def dcp_rank(self) -> int:
         return self.engine.dcp_rank
 
@@ -250,8 +286,11 @@ class RankGeometry:
             f"(kernel {self.block_size}, ppl {self.ppl}), {self.logical_num_blocks} logical blocks, "
             f"layout {self.engine.kv_layout.value}",
         ]
+        if self.pp_size > 1:
+            lines[0] += f", pipeline stage {self.pp_rank} of {self.pp_size}"
         for g in self.groups:
-            lines.append(f"  group {g.index}: {g.kind.value} x{len(g.layers)} ({g.layers[0]} ...)")
+            first = f"{g.layers[0]} ..." if g.layers else "none on this stage"
+            lines.append(f"  group {g.index}: {g.kind.value} x{len(g.layers)} ({first})")
         for r in self.regions:
             lines.append(
                 f"  region {r.index} {r.name}: block_len {r.block_len} B, stride {r.block_stride} B, "
@@ -272,17 +311,33 @@ def _check_tp(model: ModelSpec, tp: int) -> None:
             spec.check_tp(tp)
 
 
+def _project(groups: tuple[Group, ...], held: set[str]) -> tuple[Group, ...]:
+    """The groups as one pipeline stage holds them: same indices (the scheduler's), the stage's layers only
+    (vLLM projects its global groups onto each stage; a group may hold no layer of a stage)."""
+    return tuple(Group(g.index, g.spec, tuple(name for name in g.layers if name in held)) for g in groups)
+
+
 def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
     """Derive the geometry of ``engine``'s rank for ``model`` (see the module docstring)."""
     tp = engine.tp_size
     _check_tp(model, tp)
-    groups = _make_groups(model)
+    held = {la.name for la in stage_layers(model, engine.pp_rank, engine.pp_size)}
+    if not held:
+        raise ConfigError("pp_rank", f"pipeline stage {engine.pp_rank} of {engine.pp_size} holds no cache layer of "
+                          f"{model.name!r}", value=engine.pp_rank, expected=engine.pp_size)
+    groups = _project(_make_groups(model), held)
     ppl = engine.ppl
     nb_kernel = engine.num_blocks * ppl
     ssm_spec = model.ssm_spec
+    if engine.packed_rows and (ssm_spec is not None or not all(isinstance(la.spec, MLASpec) for la in model.layers)):
+        raise ConfigError("packed_rows", "kvgeom models packed (block-outermost) rows for MLA models without SSM "
+                          "state (vLLM moves only those rows whole: a row of head-sharded pages cannot be cut by "
+                          "heads)", value=True)
     if len(groups) == 1 and not ssm_spec:
         regions = _uniform_regions(groups[0], engine, nb_kernel)
         page = sum(r.block_stride for r in regions if r.name.startswith(groups[0].layers[0])) * ppl
+        if engine.packed_rows:
+            regions = _packed(regions)
         return RankGeometry(model, engine, groups, regions, page, None)
 
     if engine.kv_split:
@@ -311,6 +366,8 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         is_mla = any(groups[gi].is_mla for gi, _ in members)
         part = "state" if all(groups[gi].is_ssm for gi, _ in members) else "kv"
         regions.append(Region(i, members[0][1], page // ppl, page // ppl, nb_kernel, is_mla, members, part))
+    if engine.packed_rows:
+        return RankGeometry(model, engine, groups, _packed(tuple(regions)), page, None)
     ssm = None
     if ssm_spec is not None:
         offs, pos = [], 0
@@ -320,6 +377,20 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         ssm_regions = tuple(r.index for r in regions if any(groups[g].is_ssm for g, _ in r.members))
         ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), ssm_regions)
     return RankGeometry(model, engine, groups, tuple(regions), page, ssm)
+
+
+def _packed(regions: tuple[Region, ...]) -> tuple[Region, ...]:
+    """The block-outermost layout of ``regions``: one row per kernel block holding each region's block
+    side by side, in region order (vLLM ``BLHNC``: every layer's page of a block in one row)."""
+    offsets, pos = [], 0
+    for r in regions:
+        offsets.append(pos)
+        pos += r.block_len
+    members = tuple(m for r in regions for m in r.members)
+    slots = tuple((off, r.block_len) for r, off in zip(regions, offsets) for _ in r.members)
+    first = regions[0]
+    return (Region(0, first.name, pos, pos, first.num_blocks, all(r.is_mla for r in regions), members, "kv",
+                   slots),)
 
 
 def _uniform_regions(group: Group, engine: EngineConfig, nb_kernel: int) -> tuple[Region, ...]:

@@ -10,12 +10,14 @@ because every rule is symmetric in the data it reads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .dcp import check_parallel_pair
+from .dlist import EngineView
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
 from .geometry import RankGeometry
 from .spec import AttentionSpec
+from .streams import pair_streams
 from .tp import tp_ratio as _tp_ratio
 
 __all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio", "check_csa_linear_tp_layout"]
@@ -25,11 +27,13 @@ Compat = str  # "vllm" (refuse what vLLM 0.33.0 refuses) or "kvgeom" (lift refus
 
 @dataclass(frozen=True)
 class PairShape:
-    """The ratios a valid pair is planned with, from the local side."""
+    """The ratios a valid pair is planned with, from the local side, and both sides' transfer streams
+    (:mod:`kvgeom.streams`; the remote's as seen from any rank of its stage)."""
 
     tp_ratio: int
     bsr: int
     remote_split: int  # > 1: the remote's blocks are read as this many finer blocks (vLLM B.6.7)
+    streams: tuple[EngineView, EngineView] | None = field(default=None, compare=False, repr=False)
 
 
 def _err(field: str, what: str, local: object, remote: object) -> IncompatiblePairError:
@@ -62,8 +66,8 @@ def block_size_ratio(local: RankGeometry, remote: RankGeometry, mode: str, compa
     lens_ok = all(r.block_len % split == 0 and r.block_len == r.block_stride for r in remote.regions)
     if compat == "vllm":
         ok = local.is_mla and local.has_ssm and all(local.region_is_mla) and max(split, lbs // u) <= 128
-    else:
-        ok = _token_splittable(remote)
+    else:  # a packed row's pages do not split into evenly spaced finer blocks
+        ok = _token_splittable(remote) and not any(r.is_packed for r in remote.regions)
     if mode == "pull" and ok and lens_ok:
         return lbs // u, split
     raise RatioError(
@@ -105,9 +109,10 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     if local.dcp_size > 1 or remote.dcp_size > 1:
         _check_dcp(local, remote, mode)
     bsr, split = block_size_ratio(local, remote, mode, compat)
-    if local.num_regions != remote.num_regions:
-        raise _err("num_regions", "both sides must register the same regions", local.num_regions,
-                   remote.num_regions)
+    streams = pair_streams(local, remote, mode, compat)
+    if streams[0].num_regions != streams[1].num_regions:
+        raise _err("num_regions", "both sides must register the same regions", streams[0].num_regions,
+                   streams[1].num_regions)
     if local.engine.kv_split != remote.engine.kv_split:
         raise _err("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
     attn = local.model.attention_spec
@@ -124,7 +129,7 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
         if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
-    _check_block_lens(local, remote, bsr, split)
+    _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         _check_ssm(local, remote, ratio, compat, prefix_caching)
     if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
@@ -142,7 +147,7 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             "interleave heads in D's blocks; use equal kernel block sizes or pull",
             local=local.block_size, remote=remote.block_size,
         )
-    return PairShape(ratio, bsr, split)
+    return PairShape(ratio, bsr, split, streams)
 
 
 def _check_dcp(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
@@ -177,23 +182,25 @@ def _heads(spec: AttentionSpec, tp: int) -> int:
     return spec.heads_per_rank(tp)
 
 
-def _check_block_lens(local: RankGeometry, remote: RankGeometry, bsr: int, split: int) -> None:
+def _check_block_lens(local: RankGeometry, remote: RankGeometry, streams: tuple[EngineView, EngineView], bsr: int,
+                      split: int) -> None:
+    """Per stream (region, or a layer's page), the remote length must be the local one scaled by the heads
+    each side holds and the block-size ratio (replicated latents: by the ratio only)."""
     attn = local.model.attention_spec
     lh = attn.heads_per_rank(local.tp_size) if attn else 1
     rh = attn.heads_per_rank(remote.tp_size) if attn else 1
     if attn is None and not local.is_mla:
         return  # an attention-free (pure SSM) model: state pages scale with TP, no length rule applies
-    for i, (lr, rr) in enumerate(zip(local.regions, remote.regions)):
-        rlen = rr.block_len // split
-        if lr.is_mla != rr.is_mla:
-            raise _err(f"regions[{i}].is_mla", "region kinds differ", lr.is_mla, rr.is_mla)
-        want = (lr.block_len if lr.is_mla or not attn else lr.block_len * rh // lh) // bsr
-        if local.is_mla and local.has_ssm and lr.block_len != rlen * bsr:
+    lview, rview = streams
+    for i, (llen, rlen0, mla) in enumerate(zip(lview.block_lens, rview.block_lens, lview.region_is_mla)):
+        rlen = rlen0 // split
+        want = (llen if mla or not attn else llen * rh // lh) // bsr
+        if local.is_mla and local.has_ssm and llen != rlen * bsr:
             raise _err(f"regions[{i}].block_len", "Hybrid MLA kernel-granularity block lengths must match "
-                       "between P and D", lr.block_len, rr.block_len)
+                       "between P and D", llen, rlen0)
         if rlen != want:
             raise _err(f"regions[{i}].block_len", f"remote block length should be {want} B for this pair",
-                       lr.block_len, rr.block_len)
+                       llen, rlen0)
 
 
 def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, compat: Compat, prefix_caching: bool) -> None:

@@ -14,12 +14,12 @@ B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descri
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .align import consumer_zero_rows, list_starts, overlap
+from .align import Page, consumer_zero_rows, group_pages, list_starts, overlap
 from .blocks import (
     BlockIds,
     apply_prefix_caching,
@@ -97,7 +97,7 @@ class RequestPlan:
     def moves(self, pairing: Pairing) -> np.ndarray:
         """Byte moves, one row per descriptor pair, columns :data:`MOVE_COLUMNS`."""
         out = []
-        me = pairing.local.tp_rank
+        me = pairing.local.global_rank
         for t in self.transfers:
             lrows = np.take(pairing.local_table(t.local_table).rows, t.local_ids, axis=0)
             rrows = np.take(pairing.remote_table(t.remote_rank).rows, t.remote_ids, axis=0)
@@ -108,7 +108,8 @@ class RequestPlan:
                                 f"length {lrows[i, 2]} and remote length {rrows[i, 2]}", local=int(lrows[i, 2]),
                                 remote=int(rrows[i, 2]))
             src, dst = (rrows, lrows) if self.mode == "pull" else (lrows, rrows)
-            src_rank, dst_rank = (t.remote_rank, me) if self.mode == "pull" else (me, t.remote_rank)
+            peer = pairing.remotes[t.remote_rank].global_rank
+            src_rank, dst_rank = (peer, me) if self.mode == "pull" else (me, peer)
             m = np.empty((len(t), 7), dtype=np.int64)
             m[:, 0], m[:, 1], m[:, 2] = src_rank, src[:, 0], src[:, 1]
             m[:, 3], m[:, 4], m[:, 5] = dst_rank, dst[:, 0], dst[:, 1]
@@ -229,7 +230,7 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
         if dcp:
             zero = _dcp_zero_rows(local, lids, covered) if pairing.compat == "kvgeom" else zero
         elif aligned is not None:
-            regroup, zero = _regroups(local, lk, bsr), _zero_rows(local, lk, bsr, aligned[2])
+            regroup, zero = _regroups(local, lk, bsr), _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
         else:
             regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
@@ -244,12 +245,13 @@ def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
         kinds, rows = pairing.local.group_is_ssm, pairing.token_rows
         if side == "remote":
             v = pairing.remote_view(rank)
-            seg = desc_segments(len(kinds), v.num_blocks, v.num_regions, rows if rows > 1 else None, v.ppl, kinds,
-                                v.ssm_region_indices or None, v.num_conv_pieces or 3)
+            ratio = rows if rows > 1 else None
+            pieces = v.num_conv_pieces or 3
         else:
-            g = pairing.local
-            seg = desc_segments(len(kinds), g.num_blocks, g.num_regions, pairing.local_rows, g.ppl, kinds,
-                                g.ssm_region_indices or None, g.ssm.num_pieces if g.ssm else 3)
+            v, g = pairing.local_view, pairing.local
+            ratio, pieces = pairing.local_rows, g.ssm.num_pieces if g.ssm else 3
+        seg = desc_segments(len(kinds), v.num_blocks, v.num_regions, ratio, v.ppl, kinds, v.ssm_region_indices or None,
+                            pieces, region_group_ids=v.group_ids or None, transfer_layer_group_ids=v.transfer_groups)
         pairing._cache[key] = seg
     return pairing._cache[key]
 
@@ -320,8 +322,7 @@ def _dcp_zero_rows(consumer: RankGeometry, lids: list[np.ndarray], covered: list
         if not todo.size:
             continue
         kernel = (ids[todo][:, None] * consumer.ppl + np.arange(consumer.ppl)).reshape(-1)
-        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
-        rows.append(consumer_zero_rows(regions, kernel, 1, 0, 0, consumer.block_size, 1))
+        rows.append(consumer_zero_rows(group_pages(consumer, group.index), kernel, 1, 0, 0, consumer.block_size, 1))
     return np.concatenate(rows)
 
 
@@ -438,14 +439,15 @@ def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int) ->
 
 
 def _zero_rows(consumer: RankGeometry, kernel_ids: list[np.ndarray], units: int,
-               spans: list[tuple[int, int, int]]) -> np.ndarray:
-    """Zero every byte of the consumer's attention blocks outside the units the transfer covered."""
+               spans: list[tuple[int, int, int]], pages: Callable[[int], list[Page]] | None = None) -> np.ndarray:
+    """Zero every byte of the consumer's attention blocks outside the units the transfer covered, in the
+    pages of each group (``pages``; default: every page of the group's layers)."""
     rows = [np.zeros((0, 3), dtype=np.int64)]
     for group, L, (cpos, _, n) in zip(consumer.groups, kernel_ids, spans):
         if group.is_ssm or not L.size:
             continue
-        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
-        rows.append(consumer_zero_rows(regions, L, units, cpos, n, consumer.block_size, _heads(consumer, group.index)))
+        where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
+        rows.append(consumer_zero_rows(where, L, units, cpos, n, consumer.block_size, _heads(consumer, group.index)))
     return np.concatenate(rows)
 
 

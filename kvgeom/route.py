@@ -77,10 +77,13 @@ def _ssm_slices(spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int,
 
 
 def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str, local_rows: int,
-          remote_row_lens: tuple[int, ...]) -> Route:
+          remote_row_lens: tuple[int, ...], local_lens: tuple[int, ...] | None = None,
+          local_is_mla: tuple[bool, ...] | None = None) -> Route:
     """The route between ``local`` and remote rank ``remote_rank`` (``remote``: any rank of that engine).
     ``local_rows``: rows per local kernel block (the block-size ratio, times the tokens per remote block
-    when pages are cut per token); ``remote_row_lens``: the remote rows' lengths as planned."""
+    when pages are cut per token); ``remote_row_lens``: the remote rows' lengths as planned, one per
+    stream; ``local_lens`` / ``local_is_mla``: the local streams' page lengths and kinds (default: one
+    stream per local region, :mod:`kvgeom.streams`)."""
     pull = mode == "pull"
     c_geom, p_geom = (local, remote) if pull else (remote, local)
     c_rank = local.tp_rank if pull else remote_rank
@@ -93,10 +96,12 @@ def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str
     attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
     spec = local.model.attention_spec
     fa = []
-    for r, (region, rlen) in enumerate(zip(local.regions, remote_row_lens)):
-        llen = region.block_len // local_rows  # sub-blocks (or token rows) of a local kernel block
+    lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)
+    mla = local_is_mla if local_is_mla is not None else local.region_is_mla
+    for r, (length, is_mla, rlen) in enumerate(zip(lens, mla, remote_row_lens)):
+        llen = length // local_rows  # sub-blocks (or token rows) of a local kernel block
         c_len, p_len = (llen, rlen) if pull else (rlen, llen)
-        whole = region.is_mla or spec is None or p_rank not in attn_src or (
+        whole = is_mla or spec is None or p_rank not in attn_src or (
             spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
         if whole:  # the row as it is: a replicated latent, or the same heads on both sides
             if c_len != p_len and p_rank in attn_src and spec is not None:

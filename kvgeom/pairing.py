@@ -167,7 +167,7 @@ class Pairing:
         key = ("pages", group)
         if key not in self._cache:
             view = self.local_view
-            if view.transfer_groups:
+            if view.transfer_groups or view.num_regions != self.local.num_regions:  # layer by layer
                 self._cache[key] = [Page(*unpseudo(b), length, stride) for b, length, stride, g in
                                     zip(view.bases, view.block_lens, view.block_strides, view.transfer_groups)
                                     if g == group]

@@ -230,7 +230,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
         if dcp:
             zero = _dcp_zero_rows(local, lids, covered) if pairing.compat == "kvgeom" else zero
         elif aligned is not None:
-            regroup, zero = _regroups(local, lk, bsr), _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
+            regroup = _regroups(local, lk, bsr, pairing.zero_pages)
+            zero = _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
         else:
             regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
@@ -422,14 +423,20 @@ def _heads(consumer: RankGeometry, group: int) -> int:
     return 1
 
 
-def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int) -> tuple[Regroup, ...]:
-    """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9)."""
+def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int,
+              pages: Callable[[int], list[Page]] | None = None) -> tuple[Regroup, ...]:
+    """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9), in the
+    regions of each group's ``pages`` (default: every region the group views)."""
     out = []
     for group, L in zip(consumer.groups, kernel_ids):
         heads = _heads(consumer, group.index)
         if group.is_ssm or group.is_mla or not L.size or bsr == 1 or heads == 1:
             continue
-        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
+        filled = {p.region for p in pages(group.index)} if pages is not None else None
+        regions = [r for r in consumer.regions if r.member_of(group.index) is not None
+                   and (filled is None or r.index in filled)]
+        if not regions:
+            continue
         for part in sorted({r.part for r in regions}):
             rs = tuple(r.index for r in regions if r.part == part)
             block_len = consumer.regions[rs[0]].block_len

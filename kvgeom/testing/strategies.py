@@ -11,7 +11,8 @@ choices are ``sampled_from`` lists in order of simplicity and small integers are
   attention page holds the SSM state (TP-dependent, as in vLLM);
 * :func:`pd_pairs` -- a :class:`PDPair` (model, P engine, D engine, mode, compat) that
   :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank (MLA pulls sometimes with decode
-  context parallelism on either side);
+  context parallelism on either side; models without SSM state sometimes in pipeline stages; pure MLA
+  models sometimes with packed block-outermost rows);
 * :func:`requests` -- a :class:`~kvgeom.testing.oracle.Request` for a pair: token count, sparse and
   shuffled block ids, prefix hits on D;
 * :func:`cases` -- a :class:`Case` (pair + request); ``case.run()`` returns the oracle's report.
@@ -148,9 +149,10 @@ def _block_size(draw: st.DrawFn, model: ModelSpec, tp: int) -> int:
 
 
 def _engine(model: ModelSpec, tp: int, block: int, kernel: int, num_blocks: int, layout: KVLayout,
-            kv_split: bool, conv: ConvLayout, dcp: int = 1) -> EngineConfig:
+            kv_split: bool, conv: ConvLayout, dcp: int = 1, pp: int = 1, packed: bool = False) -> EngineConfig:
     return EngineConfig(tp_size=tp, block_size=block, num_blocks=num_blocks, kernel_block_size=kernel,
-                        kv_layout=layout, kv_split=kv_split, conv_layout=conv, dcp_size=dcp)
+                        kv_layout=layout, kv_split=kv_split, conv_layout=conv, dcp_size=dcp, pp_size=pp,
+                        packed_rows=packed)
 
 
 def _group_count(model: ModelSpec) -> int:
@@ -198,16 +200,21 @@ class PDPair:
                    tell_num_tokens=tell_num_tokens)
 
     def check(self) -> None:
-        """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair."""
+        """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair (with
+        any pipeline stage of the other engine)."""
         p_geoms = engine_geometries(self.model, self.p_engine)
         d_geoms = engine_geometries(self.model, self.d_engine)
         local, remote = (d_geoms, p_geoms) if self.mode == "pull" else (p_geoms, d_geoms)
+        tp = remote[0].tp_size
         for g in local:
-            Pairing.create(g, remote, self.mode, self.compat, self.prefix_caching)
+            for s in range(0, len(remote), tp):
+                Pairing.create(g, remote[s:s + tp], self.mode, self.compat, self.prefix_caching)
 
     def __str__(self) -> str:
         def eng(e: EngineConfig) -> str:
-            return (f"TP{e.tp_size}{f' DCP{e.dcp_size}' if e.dcp_size > 1 else ''} block {e.block_size}/kernel "
+            return (f"TP{e.tp_size}{f' DCP{e.dcp_size}' if e.dcp_size > 1 else ''}"
+                    f"{f' PP{e.pp_size}' if e.pp_size > 1 else ''}{' packed' if e.packed_rows else ''} "
+                    f"block {e.block_size}/kernel "
                     f"{e.kernel} x{e.num_blocks}"
                     f"{' ' + e.kv_layout.value if e.kv_layout is not KVLayout.HEAD_MAJOR else ''}"
                     f"{' kv_split' if e.kv_split else ''}{' SD' if e.conv_layout is ConvLayout.SD else ''}")
@@ -257,8 +264,19 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
             p_dcp = d_dcp = 1
         elif p_dcp > 1 or d_dcp > 1:
             d_block, d_kernel = p_block, p_kernel
-    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv, p_dcp)
-    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv, d_dcp)
+    p_pp = d_pp = 1
+    stages = min(3, model.num_hidden_layers)
+    if not model.has_ssm and stages > 1 and p_dcp == d_dcp == 1 and draw(st.integers(0, 3)) == 0:
+        # pipeline stages: vLLM runs them on the side that moves bytes (P in push, D in pull); kvgeom on either
+        local_pp = draw(st.integers(2, stages))
+        remote_pp = draw(st.sampled_from((1, 1, 2))) if compat == "kvgeom" else 1
+        p_pp, d_pp = (remote_pp, local_pp) if mode == "pull" else (local_pp, remote_pp)
+    p_packed = d_packed = False
+    if model.is_mla and not model.has_ssm and all(isinstance(la.spec, MLASpec) for la in model.layers) \
+            and not kv_split and draw(st.integers(0, 2)) == 0:  # block-outermost rows, mostly on both sides
+        p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
+    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv, p_dcp, p_pp, p_packed)
+    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv, d_dcp, d_pp, d_packed)
     prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
     pair = PDPair(model, p, d, mode, compat, prefix_caching)
     try:

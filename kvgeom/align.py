@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["list_starts", "overlap", "Page", "group_pages", "consumer_zero_rows"]
+__all__ = ["list_starts", "overlap", "Page", "page_heads", "group_pages", "consumer_zero_rows"]
 
 
 def _producer_end(n_p: int, b_p: int, prefill_tokens: int | None, sliding: bool, p_end_hint: int | None,
@@ -101,6 +101,16 @@ class Page:
     offset: int
     length: int
     stride: int
+    heads: int = 1  # runs per kernel block when zeroing a token range: the local heads of a head-major page
+
+
+def page_heads(geom: object, layer: str) -> int:
+    """Local KV heads of ``layer``'s head-major attention page on ``geom`` (1 for latents, states and
+    token-major pages)."""
+    spec = geom.layer_specs[layer]  # type: ignore[attr-defined]
+    if getattr(spec, "num_kv_heads", None) is None or geom.engine.kv_layout.value != "head_major":  # type: ignore
+        return 1
+    return spec.heads_per_rank(geom.tp_size)  # type: ignore[attr-defined]
 
 
 def group_pages(geom: object, group: int) -> list[Page]:
@@ -111,12 +121,13 @@ def group_pages(geom: object, group: int) -> list[Page]:
         for g, name in region.members:
             if g == group:
                 off, length = region.slot(name)
-                out.setdefault((region.index, off), Page(region.index, off, length, region.block_stride))
+                out.setdefault((region.index, off), Page(region.index, off, length, region.block_stride,
+                                                         page_heads(geom, name)))
     return list(out.values())
 
 
-def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, first: int, count: int, tokens: int,
-                       heads: int) -> np.ndarray:
+def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, first: int, count: int,
+                       tokens: int) -> np.ndarray:
     """``(region, offset, length)`` rows zeroing the consumer's kernel blocks ``kernel_ids`` outside fine
     positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens), in
     every page of ``pages``. Head-major pages (``heads`` > 1) zero one run per head; others one run per token
@@ -139,9 +150,9 @@ def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, fi
                 continue
             t0, t1 = (a - start) * tokens // units, (b - start) * tokens // units
             for p in pages:
-                per_head = p.length // heads
+                per_head = p.length // p.heads
                 tok = per_head // tokens
                 base = int(kernel_ids[k]) * p.stride + p.offset + t0 * tok
-                rows.append(np.stack([np.full(heads, p.region), base + np.arange(heads) * per_head,
-                                      np.full(heads, (t1 - t0) * tok)], axis=1))
+                rows.append(np.stack([np.full(p.heads, p.region), base + np.arange(p.heads) * per_head,
+                                      np.full(p.heads, (t1 - t0) * tok)], axis=1))
     return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), dtype=np.int64)

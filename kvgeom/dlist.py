@@ -207,17 +207,21 @@ def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
 
 
 def remote_dlist(local: EngineView, remote: EngineView, bsr: int, attn_reads: int, rank_offset_factor: int,
-                 ssm_pieces: Sequence[tuple[int, int]] | None) -> Dlist:
+                 ssm_pieces: Sequence[tuple[int, int]] | None, draft: tuple[int, int] | None = None) -> Dlist:
     """A remote rank's table as this rank reads it (vLLM B.2.4): every attention row cut to this rank's
-    share (``attn_reads`` sources split a SPLIT row; MLA rows are read whole), then per SSM region one
-    row per logical block for each of ``ssm_pieces`` (``(offset, length)`` in the remote state page of
-    every conv piece and the temporal state, as this rank reads them)."""
+    share (``attn_reads`` sources split a SPLIT row; MLA rows are read whole; ``draft``: ``(reads, rank offset
+    factor)`` of the head-sharded layers next to MLA layers), then per SSM region one row per logical block
+    for each of ``ssm_pieces`` (``(offset, length)`` in the remote state page of every conv piece and the
+    temporal state, as this rank reads them)."""
     if local.num_regions != remote.num_regions:
         raise PlanError("num_regions", f"local has {local.num_regions} regions, remote {remote.num_regions}",
                         local=local.num_regions, remote=remote.num_regions)
     bases = _pseudo_bases(remote.num_regions)
-    fa = fa_remote_rows(remote.pseudo_bases(), remote.block_strides, [remote.num_blocks] * remote.num_regions, local.block_lens,
-                        local.region_is_mla, bsr, max(attn_reads, 1), rank_offset_factor)
+    drafts = [k for k, mla in enumerate(local.region_is_mla) if not mla] if draft is not None else []
+    reads, factor = draft if draft is not None else (1, 0)
+    fa = fa_remote_rows(remote.pseudo_bases(), remote.block_strides, [remote.num_blocks] * remote.num_regions,
+                        local.block_lens, local.region_is_mla, bsr, max(attn_reads, 1), rank_offset_factor,
+                        draft_regions=drafts, draft_reads=max(reads, 1), draft_offset_factor=factor)
     ssm = None
     if ssm_pieces is not None:
         ssm = _rows_over(bases, remote.block_strides, local.ssm_region_indices, ssm_pieces, remote.ppl,

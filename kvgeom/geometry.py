@@ -147,7 +147,12 @@ def _spec_key(spec: LayerSpec) -> tuple[object, ...]:
 
 def _make_groups(model: ModelSpec) -> tuple[Group, ...]:
     """vLLM HMA grouping: one group per spec if the model is uniform, else chunks of the smallest
-    per-spec layer count; attention-like groups first, SSM groups after, each in layer order."""
+    per-spec layer count; attention-like groups first, SSM groups after, each in layer order. A model whose
+    layers are all full attention (GQA or MLA latents, any sizes: e.g. a GQA draft under an MLA target) is one
+    group of per-layer regions, as vLLM merges layers that need the same token slots."""
+    full = [la for la in model.layers if isinstance(la.spec, (AttentionSpec, MLASpec)) and not la.spec.sliding_window]
+    if len(full) == len(model.layers) and len({la.spec for la in full}) > 1:
+        return (Group(0, model.layers[0].spec, tuple(la.name for la in model.layers)),)
     by_spec: dict[tuple[object, ...], list[str]] = {}
     specs: dict[tuple[object, ...], LayerSpec] = {}
     for layer in model.layers:
@@ -209,6 +214,15 @@ class RankGeometry:
     def global_rank(self) -> int:
         """This rank's index among all ranks of its engine (``pp_rank * tp_size + tp_rank``)."""
         return self.engine.global_rank
+
+    @cached_property
+    def layer_specs(self) -> dict[str, LayerSpec]:
+        return {la.name: la.spec for la in self.model.layers}
+
+    @property
+    def has_draft(self) -> bool:
+        """Head-sharded attention layers next to MLA layers (a GQA draft under an MLA target)."""
+        return self.is_mla and self.model.attention_spec is not None
 
     @cached_property
     def layer_names(self) -> tuple[str, ...]:
@@ -334,7 +348,7 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
                           "state (vLLM moves only those rows whole: a row of head-sharded pages cannot be cut by "
                           "heads)", value=True)
     if len(groups) == 1 and not ssm_spec:
-        regions = _uniform_regions(groups[0], engine, nb_kernel)
+        regions = _uniform_regions(groups[0], engine, nb_kernel, model)
         page = sum(r.block_stride for r in regions if r.name.startswith(groups[0].layers[0])) * ppl
         if engine.packed_rows:
             regions = _packed(regions)
@@ -393,25 +407,28 @@ def _packed(regions: tuple[Region, ...]) -> tuple[Region, ...]:
                    slots),)
 
 
-def _uniform_regions(group: Group, engine: EngineConfig, nb_kernel: int) -> tuple[Region, ...]:
-    """Regions of a single-group attention model: one per layer (two if K and V are split)."""
-    spec = group.spec
-    tp = engine.tp_size
-    kernel = engine.kernel
+def _parts(spec: LayerSpec, engine: EngineConfig) -> list[tuple[str, int]]:
+    """The regions one layer registers: ``(part, kernel block bytes)``."""
+    tp, kernel = engine.tp_size, engine.kernel
     if isinstance(spec, MLASpec):
-        parts: list[tuple[str, int]] = [("kv", kernel * spec.token_bytes(tp))]
-    elif isinstance(spec, AttentionSpec):
+        return [("kv", kernel * spec.token_bytes(tp))]
+    if isinstance(spec, AttentionSpec):
         e = dtype_size(spec.dtype)
         h = spec.heads_per_rank(tp)
         if engine.kv_split:
-            parts = [("k", kernel * h * spec.head_size * e), ("v", kernel * h * spec.v_size * e)]
-        else:
-            parts = [("kv", kernel * spec.token_bytes(tp))]
-    else:  # pragma: no cover - SSM-only single groups go through the hybrid path
-        raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
+            return [("k", kernel * h * spec.head_size * e), ("v", kernel * h * spec.v_size * e)]
+        return [("kv", kernel * spec.token_bytes(tp))]
+    # pragma: no cover - SSM-only single groups go through the hybrid path
+    raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
+
+
+def _uniform_regions(group: Group, engine: EngineConfig, nb_kernel: int, model: ModelSpec) -> tuple[Region, ...]:
+    """Regions of a single-group attention model: one per layer (two if K and V are split)."""
+    specs = {la.name: la.spec for la in model.layers}
     regions = []
     for name in group.layers:
-        for part, length in parts:
+        spec = specs[name]
+        for part, length in _parts(spec, engine):
             idx = len(regions)
             regions.append(Region(idx, name if part == "kv" else f"{name}.{part}", length, length, nb_kernel,
                                   isinstance(spec, MLASpec), ((group.index, name),), part))

@@ -129,6 +129,8 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
         if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
+    if local.has_draft:
+        _check_draft(local, remote, mode, compat, ratio, bsr)
     _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         _check_ssm(local, remote, ratio, compat, prefix_caching)
@@ -139,7 +141,7 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             f"in vLLM-compatible mode (bsr {bsr}, tp_ratio {ratio}); kvgeom mode plans it",
             local=local.block_size, remote=remote.block_size,
         )
-    if mode == "push" and bsr > 1 and not local.is_mla and attn is not None \
+    if mode == "push" and bsr > 1 and (not local.is_mla or local.has_draft) and attn is not None \
             and local.engine.kv_layout.value == "head_major" and _heads(attn, local.tp_size) > 1:
         raise UnsupportedError(
             "block_size",
@@ -148,6 +150,35 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             local=local.block_size, remote=remote.block_size,
         )
     return PairShape(ratio, bsr, split, streams)
+
+
+def _check_draft(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat, ratio: int, bsr: int) -> None:
+    """Head-sharded attention layers next to MLA layers (a GQA draft under an MLA target): vLLM 0.33.0 maps
+    them with their own heads only when the local TP is at least the remote's, without DCP (push: equal TP),
+    on the same head-major layout when the heads differ. kvgeom plans every TP pair (MLA pages gathered in
+    chunks from the draft's sources), not with DCP."""
+    if local.dcp_size > 1 or remote.dcp_size > 1:
+        raise UnsupportedError("dcp_size", "decode context parallelism with head-sharded (draft) layers next to MLA "
+                               "layers is not planned (vLLM 0.33.0 refuses it too)", local=local.dcp_size,
+                               remote=remote.dcp_size)
+    if compat != "vllm":
+        return
+    if ratio < 0 or (mode == "push" and ratio != 1):
+        raise UnsupportedError("tp_size", "vLLM 0.33.0 maps a GQA draft under an MLA target only with local TP >= "
+                               "remote TP (push: equal TP); kvgeom mode plans it", local=local.tp_size,
+                               remote=remote.tp_size)
+    spec = local.model.attention_spec
+    if spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size) and (
+            local.engine.kv_layout.value != "head_major" or remote.engine.kv_layout != local.engine.kv_layout):
+        raise _err("kv_layout", "vLLM 0.33.0 slices a draft's heads only on the same head-major layout on both "
+                   "sides (kvgeom mode cuts token-major pages per token)", local.engine.kv_layout.value,
+                   remote.engine.kv_layout.value)
+    if mode == "pull" and bsr > 1 and spec.heads_per_rank(local.tp_size) > 1 \
+            and local.engine.kv_layout.value == "head_major":
+        raise UnsupportedError("block_size", "vLLM 0.33.0 skips its block-size regroup in MLA models, so a draft's "
+                               f"head-major pages received as {bsr} finer remote blocks would keep their heads "
+                               "interleaved; kvgeom mode regroups them", local=local.block_size,
+                               remote=remote.block_size)
 
 
 def _check_dcp(local: RankGeometry, remote: RankGeometry, mode: str) -> None:

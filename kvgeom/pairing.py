@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from .align import Page, group_pages
+from .align import Page, group_pages, page_heads
 from .card import GeometryCard
 from .conv import remote_conv_offsets
 from .dcp import dcp_handshake_targets
@@ -46,6 +46,7 @@ class Pairing:
     shape: PairShape
     mapping: TPMapping
     prefix_caching: bool = False
+    draft_mapping: TPMapping | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -83,7 +84,12 @@ class Pairing:
                                         expected=list(targets))
         mapping = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
                                      lg.group_is_ssm, lg.dcp_size, first.dcp_size)
-        pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching)
+        draft = None
+        if lg.has_draft:  # head-sharded layers next to MLA layers: their own mapping (by the draft's heads)
+            draft = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
+                                       lg.group_is_ssm, lg.dcp_size, first.dcp_size,
+                                       head_sharded_kv_heads=lg.model.attention_spec.num_kv_heads)
+        pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching, draft)
         pairing._validate_routes()
         return pairing
 
@@ -132,7 +138,7 @@ class Pairing:
         """Rows per remote kernel block: 1, or its tokens when kvgeom mode cuts token-major pages whose
         heads differ between the sides (a head slice is then one run per token: Part C item 3)."""
         spec = self.local.model.attention_spec
-        if self.compat != "kvgeom" or spec is None or self.local.is_mla \
+        if self.compat != "kvgeom" or spec is None \
                 or self.local.engine.kv_layout.value != "token_major" \
                 or spec.heads_per_rank(self.local.tp_size) == spec.heads_per_rank(self.remote_tp):
             return 1
@@ -168,9 +174,14 @@ class Pairing:
         if key not in self._cache:
             view = self.local_view
             if view.transfer_groups or view.num_regions != self.local.num_regions:  # layer by layer
-                self._cache[key] = [Page(*unpseudo(b), length, stride) for b, length, stride, g in
-                                    zip(view.bases, view.block_lens, view.block_strides, view.transfer_groups)
-                                    if g == group]
+                pages = []
+                for b, length, stride, g in zip(view.bases, view.block_lens, view.block_strides, view.transfer_groups):
+                    region, offset = unpseudo(b)
+                    layer = next((name for k, (gg, name) in enumerate(self.local.regions[region].members)
+                                  if gg == g and self.local.regions[region].slot(name)[0] == offset), None)
+                    if g == group and layer is not None:
+                        pages.append(Page(region, offset, length, stride, page_heads(self.local, layer)))
+                self._cache[key] = pages
             else:
                 self._cache[key] = group_pages(self.local, group)
         return self._cache[key]
@@ -266,9 +277,12 @@ class Pairing:
                 self._routed(rank)
             else:
                 attn_reads = len(self._first_sources(ssm=False)) or 1
+                draft = self.draft_mapping
                 self._cache[key] = remote_dlist(self.local_view, self.remote_view(rank), self.bsr, attn_reads,
                                                 self.mapping.rank_offset_factor,
-                                                self._vllm_ssm_pieces(self.remote_view(rank)))
+                                                self._vllm_ssm_pieces(self.remote_view(rank)),
+                                                None if draft is None else
+                                                (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor))
         return self._cache[key]
 
     def _routed(self, rank: int) -> None:

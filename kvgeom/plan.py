@@ -31,11 +31,9 @@ from .blocks import (
 from .dcp import apply_dcp_prefix_caching, global_pages
 from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
-from .engine import KVLayout
 from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
-from .spec import AttentionSpec
 
 __all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "check_writes",
            "contiguous_runs", "MOVE_COLUMNS"]
@@ -323,7 +321,7 @@ def _dcp_zero_rows(consumer: RankGeometry, lids: list[np.ndarray], covered: list
         if not todo.size:
             continue
         kernel = (ids[todo][:, None] * consumer.ppl + np.arange(consumer.ppl)).reshape(-1)
-        rows.append(consumer_zero_rows(group_pages(consumer, group.index), kernel, 1, 0, 0, consumer.block_size, 1))
+        rows.append(consumer_zero_rows(group_pages(consumer, group.index), kernel, 1, 0, 0, consumer.block_size))
     return np.concatenate(rows)
 
 
@@ -415,33 +413,23 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     return lsel, rsel, spans
 
 
-def _heads(consumer: RankGeometry, group: int) -> int:
-    """Runs per kernel block when zeroing a token range: one per local head on head-major pages."""
-    spec = consumer.groups[group].spec
-    if isinstance(spec, AttentionSpec) and consumer.engine.kv_layout is KVLayout.HEAD_MAJOR:
-        return spec.heads_per_rank(consumer.tp_size)
-    return 1
-
-
 def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int,
               pages: Callable[[int], list[Page]] | None = None) -> tuple[Regroup, ...]:
     """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9), in the
-    regions of each group's ``pages`` (default: every region the group views)."""
+    regions of each group's ``pages`` (default: every page of the group's layers) holding several heads."""
     out = []
     for group, L in zip(consumer.groups, kernel_ids):
-        heads = _heads(consumer, group.index)
-        if group.is_ssm or group.is_mla or not L.size or bsr == 1 or heads == 1:
+        if group.is_ssm or not L.size or bsr == 1:
             continue
-        filled = {p.region for p in pages(group.index)} if pages is not None else None
-        regions = [r for r in consumer.regions if r.member_of(group.index) is not None
-                   and (filled is None or r.index in filled)]
-        if not regions:
-            continue
-        for part in sorted({r.part for r in regions}):
-            rs = tuple(r.index for r in regions if r.part == part)
-            block_len = consumer.regions[rs[0]].block_len
-            out.append(Regroup(rs, L.copy(), bsr, heads, consumer.block_size,
-                               block_len // (heads * consumer.block_size)))
+        where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
+        kinds: dict[tuple[str, int, int], list[int]] = {}
+        for p in where:
+            region = consumer.regions[p.region]
+            if p.heads > 1 and p.region not in kinds.get((region.part, p.heads, p.length), []):
+                kinds.setdefault((region.part, p.heads, p.length), []).append(p.region)
+        for (_, heads, length), rs in sorted(kinds.items()):
+            out.append(Regroup(tuple(rs), L.copy(), bsr, heads, consumer.block_size,
+                               length // (heads * consumer.block_size)))
     return tuple(out)
 
 
@@ -454,7 +442,7 @@ def _zero_rows(consumer: RankGeometry, kernel_ids: list[np.ndarray], units: int,
         if group.is_ssm or not L.size:
             continue
         where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
-        rows.append(consumer_zero_rows(where, L, units, cpos, n, consumer.block_size, _heads(consumer, group.index)))
+        rows.append(consumer_zero_rows(where, L, units, cpos, n, consumer.block_size))
     return np.concatenate(rows)
 
 

@@ -90,17 +90,27 @@ def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str
     p_rank = remote_rank if pull else local.tp_rank
     c_tp, p_tp = c_geom.tp_size, p_geom.tp_size
     kinds = local.group_is_ssm
+    spec = local.model.attention_spec
+    draft = spec.num_kv_heads if local.is_mla and spec is not None else None  # head-sharded layers next to MLA
     cmap = compute_tp_mapping(c_rank, c_tp, p_tp, local.num_kv_heads, local.is_mla, kinds, c_geom.dcp_size,
-                              p_geom.dcp_size)
+                              p_geom.dcp_size, head_sharded_kv_heads=draft)
     groups = tuple(p_rank in srcs for srcs in cmap.source_ranks_per_group)
     attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
-    spec = local.model.attention_spec
     fa = []
     lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)
     mla = local_is_mla if local_is_mla is not None else local.region_is_mla
     for r, (length, is_mla, rlen) in enumerate(zip(lens, mla, remote_row_lens)):
         llen = length // local_rows  # sub-blocks (or token rows) of a local kernel block
         c_len, p_len = (llen, rlen) if pull else (rlen, llen)
+        if is_mla and draft is not None and p_rank in attn_src and len(attn_src) > 1:
+            # the draft's sources all hold identical copies of the latent: a chunk from each
+            n, j = len(attn_src), attn_src.index(p_rank)
+            if c_len % n or c_len != p_len:
+                raise UnsupportedError(f"regions[{r}].block_len", f"a {c_len}-byte replicated page cannot be gathered "
+                                       f"from {n} sources in equal chunks", local=llen, remote=rlen)
+            ch = c_len // n
+            fa.append((j * ch, j * ch, ch))
+            continue
         whole = is_mla or spec is None or p_rank not in attn_src or (
             spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
         if whole:  # the row as it is: a replicated latent, or the same heads on both sides

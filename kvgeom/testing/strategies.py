@@ -98,9 +98,13 @@ def _windowed(spec: AttentionSpec | MLASpec, window: int) -> AttentionSpec | MLA
 @st.composite
 def model_specs(draw: st.DrawFn, families: tuple[str, ...] | None = None) -> ModelSpec:
     """Small models of one family: ``dense`` (attention, maybe with sliding-window layers), ``mla``,
-    ``attn+ssm``, ``mla+ssm`` or ``ssm`` (restrict with ``families``)."""
-    family = draw(st.sampled_from(families or ("dense", "mla", "attn+ssm", "mla+ssm", "ssm")))
+    ``attn+ssm``, ``mla+ssm``, ``ssm`` or ``mla+draft`` (MLA layers, then the head-sharded attention layers of
+    a GQA draft) (restrict with ``families``)."""
+    family = draw(st.sampled_from(families or ("dense", "mla", "attn+ssm", "mla+ssm", "ssm", "mla+draft")))
     layers: list[LayerSpec] = []
+    if family == "mla+draft":
+        target = [draw(mla_specs())] * draw(st.integers(1, 2))
+        return ModelSpec.from_layers(family, target + [draw(attention_specs())] * draw(st.integers(1, 2)))
     if family != "ssm":
         base: AttentionSpec | MLASpec = draw(attention_specs() if family in ("dense", "attn+ssm") else mla_specs())
         n = draw(st.integers(1, 3))

@@ -212,7 +212,9 @@ def worker(geom: RankGeometry, mode: str, prefix_caching: bool, engine_id: str, 
         _transfer_layer_region_indices=reg.transfer_regions, _transfer_layer_names=reg.transfer_names,
         _transfer_layer_group_ids=reg.transfer_groups, _packed_member_layouts=dict(t.packed),
         _has_packed_cache=geom.engine.packed_rows, pp_size=geom.pp_size, _remote_region_offset=remote_offset,
-        _head_sharded_draft_regions=set(), _head_sharded_draft_kv_heads=None, draft_tp_mappings={}, device_id=0,
+        _head_sharded_draft_regions={k for k, mla in enumerate(reg.is_mla) if not mla} if geom.has_draft else set(),
+        _head_sharded_draft_kv_heads=geom.model.attention_spec.num_kv_heads if geom.has_draft else None,
+        draft_tp_mappings={}, device_id=0,
         _mixed_mem_types=False, _skip_dram_xfer=False, nixl_wrapper=RecordingNixl(), nixl_memory_type="VRAM",
         kv_caches_base_addr=defaultdict(dict), src_xfer_handles_by_block_size={}, src_blocks_data_by_block_size={},
         src_xfer_handles_by_tp_ratio={}, _dram_src_handles_by_tp_ratio={}, _desc_is_dram_by_block_size={},
@@ -304,8 +306,8 @@ def _probe_caches(w: Any, geom: RankGeometry) -> tuple[dict[str, torch.Tensor], 
     caches: dict[str, torch.Tensor] = {}
     kb = geom.block_size
     for r in geom.regions:
-        for g, layer in r.members:
-            spec = geom.groups[g].spec
+        for _, layer in r.members:
+            spec = geom.layer_specs[layer]
             if isinstance(spec, MLASpec):
                 h, c = 1, spec.latent_size * dtype_size(spec.dtype)
             elif isinstance(spec, AttentionSpec):

@@ -20,7 +20,7 @@ from hypothesis import event, given, settings
 from kvgeom.engine import ConvLayout
 from kvgeom.errors import KvgeomError
 from kvgeom.plan import receive_step
-from kvgeom.testing import Oracle, engine_geometries
+from kvgeom.testing import ZERO, Oracle, engine_geometries
 from kvgeom.testing import strategies as kst
 from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
 
@@ -31,7 +31,8 @@ E2E_EXAMPLES = 600
 def _vllm(case: kst.Case) -> tuple[Oracle | None, list[np.ndarray], BaseException | None]:
     """vLLM's transfer of ``case`` on every local rank (D in pull, P in push): the oracle after its moves and
     (pull) receive steps, the moves per rank, or the exception it refused with. vLLM's D never zeroes in
-    push; the oracle then runs kvgeom's receive step on every D rank, so that what is judged is vLLM's moves."""
+    push; every D rank then zeroes the bytes no write reached (:func:`_receive`), so what is judged is vLLM's
+    moves."""
     pair, request = case.pair, case.request
     p_geoms, d_geoms = engine_geometries(pair.model, pair.p_engine), engine_geometries(pair.model, pair.d_engine)
     oracle = Oracle(pair.model, p_geoms, d_geoms, request)
@@ -59,12 +60,16 @@ def _vllm(case: kst.Case) -> tuple[Oracle | None, list[np.ndarray], BaseExceptio
 
 
 def _receive(oracle: Oracle, case: kst.Case) -> None:
-    """kvgeom's receive step on every D rank after a push (zero what nothing wrote)."""
+    """After a push, every D rank zeroes the bytes of its blocks that no write reached (kvgeom's
+    :func:`~kvgeom.plan.receive_step` ranges, applied to unwritten bytes only, so that a wrong write stays
+    visible to the oracle)."""
     r = case.request
-    n = r.num_tokens
     for d in oracle.d:
-        _, zero = receive_step(d, oracle.p[0], r.d_ids, r.p_ids, n, case.pair.prefix_caching, r.p_tokens)
-        oracle.receive(d.global_rank, (), zero, f"receive step of D rank {d.global_rank}")
+        _, zero = receive_step(d, oracle.p[0], r.d_ids, r.p_ids, r.num_tokens, case.pair.prefix_caching, r.p_tokens)
+        rank = d.global_rank
+        for region, offset, length in zero.tolist():
+            unwritten = oracle.writer[rank][region][offset:offset + length] == np.iinfo(np.int64).min
+            oracle.dst[rank][region][offset:offset + length][unwritten] = ZERO
 
 
 def _cases(mode: str):  # noqa: ANN202 - a hypothesis strategy

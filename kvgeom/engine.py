@@ -51,6 +51,9 @@ class EngineConfig:
     ``pp_rank``: pipeline parallelism; the rank holds only the layers of its stage (:mod:`kvgeom.stages`).
     ``packed_rows`` (vLLM's block-outermost ``BLHNC`` layout, MLA models without SSM state): one row per
     kernel block holds every layer's page of that block, so one descriptor moves a block of all layers.
+    ``separate_group``: layers this engine keeps in a KV-cache group of their own, with their own tensors
+    (e.g. a HiSparse decoder's host-resident layers, vLLM PR 40020): P and D then group the same regions
+    differently and pair block lists region by region (:mod:`kvgeom.regionmap`).
     """
 
     tp_size: int
@@ -65,6 +68,7 @@ class EngineConfig:
     pp_size: int = 1
     pp_rank: int = 0
     packed_rows: bool = False
+    separate_group: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "num_blocks"):
@@ -94,6 +98,10 @@ class EngineConfig:
                               value=self.pp_rank, expected=self.pp_size)
         if not isinstance(self.packed_rows, bool):
             raise ConfigError("packed_rows", f"must be a boolean, got {self.packed_rows!r}", value=self.packed_rows)
+        if isinstance(self.separate_group, str) or not all(isinstance(x, str) for x in self.separate_group):
+            raise ConfigError("separate_group", f"must be a list of layer names, got {self.separate_group!r}",
+                              value=self.separate_group)
+        object.__setattr__(self, "separate_group", tuple(self.separate_group))
         object.__setattr__(self, "kernel_block_size", kernel)
         object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
         object.__setattr__(self, "conv_layout", _parse_enum(ConvLayout, self.conv_layout, "conv_layout"))
@@ -139,7 +147,9 @@ class EngineConfig:
         d = asdict(self)
         d["kv_layout"] = self.kv_layout.value
         d["conv_layout"] = self.conv_layout.value
-        for name, default in (("dcp_size", 1), ("pp_size", 1), ("pp_rank", 0), ("packed_rows", False)):
+        d["separate_group"] = list(self.separate_group)
+        for name, default in (("dcp_size", 1), ("pp_size", 1), ("pp_rank", 0), ("packed_rows", False),
+                              ("separate_group", [])):
             if d[name] == default:
                 del d[name]  # cards of engines without these options stay as they were
         return d

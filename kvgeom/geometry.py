@@ -325,6 +325,25 @@ def _check_tp(model: ModelSpec, tp: int) -> None:
             spec.check_tp(tp)
 
 
+def _split(groups: tuple[Group, ...], separate: tuple[str, ...], model: ModelSpec) -> tuple[Group, ...]:
+    """The engine's own grouping: ``separate`` layers in a group of their own (after the others), with their
+    own tensors; kvgeom models it for models of one group of attention or MLA layers."""
+    if not separate:
+        return groups
+    names = {la.name for la in model.layers}
+    unknown = sorted(set(separate) - names)
+    if unknown:
+        raise ConfigError("separate_group", f"layers {unknown} are not cache layers of {model.name!r}", value=unknown)
+    if len(groups) != 1 or model.has_ssm:
+        raise ConfigError("separate_group", "a separate group is modelled for models of one group of attention or "
+                          "MLA layers", value=list(separate))
+    (g,) = groups
+    rest = tuple(n for n in g.layers if n not in separate)
+    if not rest:
+        return groups
+    return (Group(0, g.spec, rest), Group(1, g.spec, tuple(n for n in g.layers if n in separate)))
+
+
 def _project(groups: tuple[Group, ...], held: set[str]) -> tuple[Group, ...]:
     """The groups as one pipeline stage holds them: same indices (the scheduler's), the stage's layers only
     (vLLM projects its global groups onto each stage; a group may hold no layer of a stage)."""
@@ -339,7 +358,7 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
     if not held:
         raise ConfigError("pp_rank", f"pipeline stage {engine.pp_rank} of {engine.pp_size} holds no cache layer of "
                           f"{model.name!r}", value=engine.pp_rank, expected=engine.pp_size)
-    groups = _project(_make_groups(model), held)
+    groups = _project(_split(_make_groups(model), engine.separate_group, model), held)
     ppl = engine.ppl
     nb_kernel = engine.num_blocks * ppl
     ssm_spec = model.ssm_spec
@@ -347,9 +366,10 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         raise ConfigError("packed_rows", "kvgeom models packed (block-outermost) rows for MLA models without SSM "
                           "state (vLLM moves only those rows whole: a row of head-sharded pages cannot be cut by "
                           "heads)", value=True)
-    if len(groups) == 1 and not ssm_spec:
-        regions = _uniform_regions(groups[0], engine, nb_kernel, model)
-        page = sum(r.block_stride for r in regions if r.name.startswith(groups[0].layers[0])) * ppl
+    if (len(groups) == 1 or engine.separate_group) and not ssm_spec:
+        regions = _uniform_regions(groups, engine, nb_kernel, model)
+        first = regions[0].members[0][1]
+        page = sum(r.block_stride for r in regions if r.members[0][1] == first) * ppl
         if engine.packed_rows:
             regions = _packed(regions)
         return RankGeometry(model, engine, groups, regions, page, None)
@@ -422,12 +442,15 @@ def _parts(spec: LayerSpec, engine: EngineConfig) -> list[tuple[str, int]]:
     raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
 
 
-def _uniform_regions(group: Group, engine: EngineConfig, nb_kernel: int, model: ModelSpec) -> tuple[Region, ...]:
-    """Regions of a single-group attention model: one per layer (two if K and V are split)."""
+def _uniform_regions(groups: tuple[Group, ...], engine: EngineConfig, nb_kernel: int, model: ModelSpec
+                     ) -> tuple[Region, ...]:
+    """Regions of an attention model without shared tensors: one per layer in model order (two if K and V are
+    split), each viewed by its layer's group."""
     specs = {la.name: la.spec for la in model.layers}
+    group_of = {name: g for g in groups for name in g.layers}
     regions = []
-    for name in group.layers:
-        spec = specs[name]
+    for name in (la.name for la in model.layers if la.name in group_of):
+        spec, group = specs[name], group_of[name]
         for part, length in _parts(spec, engine):
             idx = len(regions)
             regions.append(Region(idx, name if part == "kv" else f"{name}.{part}", length, length, nb_kernel,

@@ -17,7 +17,7 @@ from .dlist import EngineView
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
 from .geometry import RankGeometry
 from .spec import AttentionSpec
-from .streams import pair_streams
+from .streams import pair_streams, region_group_ids, region_mapped
 from .tp import tp_ratio as _tp_ratio
 
 __all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio", "check_csa_linear_tp_layout"]
@@ -122,15 +122,22 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
-        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and remote.tp_size <= k:
-            raise _err("kv_layout", "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP "
-                       "unless the remote replicates its KV heads (kvgeom mode cuts token-major pages per token)",
-                       local.engine.kv_layout.value, remote.engine.kv_layout.value)
+        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and (remote.tp_size <= k or head_split):
+            # vLLM refuses it unless the remote replicates its KV heads, yet then still cuts the token-major page
+            # into head slices when the heads per rank differ: refused too, the oracle finds those bytes wrong
+            raise _err("kv_layout", "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP: "
+                       "it cuts pages into head slices, which a token-major page does not hold (kvgeom mode cuts "
+                       "token-major pages per token)", local.engine.kv_layout.value, remote.engine.kv_layout.value)
         if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
     if local.has_draft:
         _check_draft(local, remote, mode, compat, ratio, bsr)
+    if region_mapped(local, remote, streams):
+        _check_region_mapped(local, remote, mode, compat)
+    elif len(local.groups) != len(remote.groups):
+        raise _err("separate_group", "P and D group the layers differently but this rank's regions cannot tell",
+                   list(local.engine.separate_group), list(remote.engine.separate_group))
     _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         _check_ssm(local, remote, ratio, compat, prefix_caching)
@@ -150,6 +157,28 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             local=local.block_size, remote=remote.block_size,
         )
     return PairShape(ratio, bsr, split, streams)
+
+
+def _check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> None:
+    """P and D group the same regions differently (:mod:`kvgeom.regionmap`): block lists pair region by region.
+    vLLM 0.33.0 does it in pulls of pure MLA models with equal kernel block sizes; kvgeom in pulls of regions
+    of one group each with equal kernel block sizes, without DCP."""
+    if mode != "pull":
+        raise UnsupportedError("separate_group", "P and D grouping the same regions differently is planned for pulls "
+                               "(vLLM 0.33.0's push connector refuses it)", local=list(local.engine.separate_group),
+                               remote=list(remote.engine.separate_group))
+    if local.block_size != remote.block_size:
+        raise UnsupportedError("block_size", "regions grouped differently pair page by page: equal kernel block sizes "
+                               "needed", local=local.block_size, remote=remote.block_size)
+    if local.dcp_size > 1 or remote.dcp_size > 1:
+        raise UnsupportedError("dcp_size", "regions grouped differently are not planned with decode context "
+                               "parallelism", local=local.dcp_size, remote=remote.dcp_size)
+    if compat == "vllm" and (not local.is_mla or local.has_ssm or local.has_draft):
+        raise UnsupportedError("separate_group", "vLLM 0.33.0 pairs differently grouped regions only for pure MLA "
+                               "models; kvgeom mode plans it", value=local.model.name)
+    if compat == "kvgeom" and (-1 in region_group_ids(local) or -1 in region_group_ids(remote)):
+        raise UnsupportedError("separate_group", "a region viewed by several groups has no single token order to "
+                               "pair by", value=local.model.name)
 
 
 def _check_draft(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat, ratio: int, bsr: int) -> None:

@@ -23,7 +23,7 @@ from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
 from .route import Route, route
 from .splits import build_local_splits, expand_strided
-from .streams import unpseudo
+from .streams import region_mapped, unpseudo
 from .tp import TPMapping, compute_tp_mapping, needs_split_local_handles
 
 __all__ = ["Pairing", "LocalKey"]
@@ -123,6 +123,11 @@ class Pairing:
     @property
     def bsr(self) -> int:
         return self.shape.bsr
+
+    @cached_property
+    def region_mapped(self) -> bool:
+        """P and D group the same regions differently: block lists pair region by region (:mod:`kvgeom.regionmap`)."""
+        return region_mapped(self.local, self.remotes[self.targets[0]], (self.local_view, self.remote_view(self.targets[0])))
 
     @property
     def dcp_active(self) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .align import Page, consumer_zero_rows, group_pages, list_starts, overlap
+from .align import Page, consumer_zero_rows, group_pages, list_starts, overlap, page_heads
 from .blocks import (
     BlockIds,
     apply_prefix_caching,
@@ -34,6 +34,8 @@ from .dlist import EngineView
 from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
+from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
+from .streams import region_group_ids
 
 __all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "check_writes",
            "contiguous_runs", "MOVE_COLUMNS"]
@@ -169,6 +171,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
     lids = as_group_ids([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
     any_local = any(x.size for x in lids)
+    if pairing.region_mapped:
+        return _plan_by_region(pairing, lids, remote_ids, request_id, remote_request_id, num_tokens, prefill_tokens)
     rids = as_group_ids(remote_ids, kinds, "remote_ids")
     _check_ids(lids, local, "local")
     _check_ids(rids, pairing.remotes[pairing.targets[0]], "remote")
@@ -234,6 +238,105 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
             regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
+
+
+def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockIds, request_id: str,
+                    remote_request_id: str | None, num_tokens: int | None, prefill_tokens: int | None) -> RequestPlan:
+    """A pull between sides that group the same regions differently (:mod:`kvgeom.regionmap`): each side's
+    kernel ids expanded to one list per region, paired region by region (vLLM mode: vLLM's page-position or
+    end-trim pairing, refused where it would pair other tokens than the token axis does; kvgeom mode: by
+    tokens), descriptor ids with every region its own list, and D's pages nothing filled zeroed per region."""
+    local, rank0 = pairing.local, pairing.targets[0]
+    remote = pairing.remotes[rank0]
+    rids = as_group_ids(remote_ids, remote.group_is_ssm, "remote_ids")
+    _check_ids(lids, local, "local")
+    _check_ids(rids, remote, "remote")
+    lgid, rgid = region_group_ids(local), region_group_ids(remote)
+    l_by = block_ids_by_region(logical_to_kernel(lids, local.ppl, local.group_is_ssm), lgid)
+    r_by = block_ids_by_region(logical_to_kernel(rids, remote.ppl, remote.group_is_ssm), rgid)
+    kb = local.block_size  # equal kernel blocks on both sides (handshake)
+    spans, starts = [], []
+    for r, (lg, rg) in enumerate(zip(lgid, rgid)):
+        if lg < 0 or rg < 0:  # vLLM mode only (kvgeom mode refuses shared regions at handshake)
+            spans.append(None), starts.append(0)
+            continue
+        c0, p0 = list_starts(lids[lg].size, local.logical_block_size, rids[rg].size, remote.logical_block_size,
+                             num_tokens, pairing.prefix_caching, _sliding(local.groups[lg]), r, prefill_tokens)
+        spans.append(overlap(c0 // kb, l_by[r].size, p0 // kb, r_by[r].size))
+        starts.append(c0)
+    if pairing.compat == "kvgeom":
+        la = [x[c:c + n] for x, (c, _, n) in zip(l_by, spans)]
+        ra = [x[p:p + n] for x, (_, p, n) in zip(r_by, spans)]
+    else:
+        computed, total = None, None
+        tokens = prefill_tokens  # vLLM's remote_num_tokens: without it vLLM end-trims each region
+        if tokens is not None and min(lgid) >= 0 and min(rgid) >= 0:
+            counts = [_cached_blocks(pairing, x.size, num_tokens, g) for g, x in enumerate(lids)]
+            computed = [counts[g] * local.ppl for g in lgid]
+            total = math.ceil(tokens / remote.block_size)
+        elif any(x.size for x in l_by) and remote.ppl != local.ppl:
+            raise UnsupportedError("prefill_tokens", "vLLM 0.33.0 pairs differently grouped regions of different "
+                                   "logical block sizes only by page position, from the request's token counts",
+                                   local=local.ppl, remote=remote.ppl)
+        la, ra = apply_prefix_caching_by_region(l_by, r_by, computed, total, remote_rank=rank0)
+        computed_tokens = prefill_tokens if prefill_tokens is not None else num_tokens
+        for r, span in enumerate(spans):
+            if span is None:
+                continue
+            c, p, n = span  # vLLM's pairs must be the token axis's, and leave no page holding a computed token
+            exact = dict(zip(l_by[r][c:c + n].tolist(), r_by[r][p:p + n].tolist()))
+            wrong = any(exact.get(a) != b for a, b in zip(la[r].tolist(), ra[r].tolist()))
+            left = [j for j in range(c, c + n) if l_by[r][j] not in set(la[r].tolist())
+                    and (computed_tokens is None or starts[r] + j * kb < computed_tokens)]
+            if wrong or left:
+                raise UnsupportedError(f"regions[{r}]", "vLLM 0.33.0 would pair other pages of this region than the "
+                                       "token axis does, or leave pages P computed unread; kvgeom mode plans it",
+                                       local=la[r].tolist()[:8], remote=ra[r].tolist()[:8])
+    n = local.num_regions
+    tag = remote_request_id if remote_request_id is not None else request_id
+    expected = pairing.mapping.local_consumers
+    transfers = []
+    if any(x.size for x in la):
+        for rank in pairing.transfer_ranks:
+            key = ("segments-by-region", rank)
+            rows = pairing.token_rows  # kvgeom mode cuts token-major pages per token when heads differ
+            if key not in pairing._cache:
+                flat = [False] * n
+                lv, rv = pairing.local_view, pairing.remote_view(rank)
+                pairing._cache[key] = tuple(desc_segments(n, v.num_blocks, n, rows if rows > 1 else None, v.ppl, flat,
+                                                          region_group_ids=list(range(n)),
+                                                          uses_region_group_mapping=n > 1) for v in (lv, rv))
+            lseg, rseg = pairing._cache[key]
+            lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
+            rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
+            transfers.append(Transfer(rank, pairing.local_key(rank), apply_segments(lseg, lx), apply_segments(rseg, rx),
+                                      f"{tag}:{expected}"))
+    sent = {t.remote_rank for t in transfers}
+    zero = [np.zeros((0, 3), dtype=np.int64)]
+    for r, region in enumerate(local.regions):
+        if pairing.compat == "vllm" or spans[r] is None:
+            stale = l_by[r][la[r].size:]
+            zero.append(np.stack([np.full(stale.size, r), stale * region.block_stride,
+                                  np.full(stale.size, region.block_len)], axis=1))
+        else:
+            page = Page(r, 0, region.block_len, region.block_stride, page_heads(local, region.members[0][1]))
+            zero.append(consumer_zero_rows([page], l_by[r], 1, spans[r][0], spans[r][2], kb))
+    return RequestPlan(request_id, "pull", tuple(transfers), tuple(r for r in pairing.targets if r not in sent),
+                       expected, local.tp_rank, (), np.concatenate(zero).astype(np.int64))
+
+
+def _cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: int) -> int:
+    """D's cached blocks of a group (its list is the uncached tail of ``ceil(num_tokens / block)``)."""
+    if num_tokens is None:
+        if pairing.prefix_caching:
+            raise PlanError("num_tokens", f"group {group}: with prefix caching D's list starts after its cached blocks: "
+                            "pass num_tokens", value=None)
+        return 0
+    cached = math.ceil(num_tokens / pairing.local.logical_block_size) - count
+    if cached < 0:
+        raise PlanError(f"block_ids[{group}]", f"D's {count} blocks are more than num_tokens={num_tokens} need",
+                        value=count)
+    return cached
 
 
 def _segments(pairing: Pairing, side: str, rank: int) -> Segments:

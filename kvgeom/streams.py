@@ -43,7 +43,8 @@ from .layerroute import (
 from .spec import MambaSpec
 from .stages import stage_range
 
-__all__ = ["Registration", "registration", "hma_required", "pair_streams", "pseudo", "unpseudo"]
+__all__ = ["Registration", "registration", "hma_required", "region_group_ids", "region_mapped", "pair_streams",
+           "pseudo", "unpseudo"]
 
 _SHIFT = 44
 
@@ -77,9 +78,14 @@ class Registration:
     transfer_groups: tuple[int, ...] = ()
 
 
-def _group_id(members: list[tuple[int, str]]) -> int:
+def _group_id(members: list[tuple[int, str]] | tuple[tuple[int, str], ...]) -> int:
     groups = {g for g, _ in members}
     return groups.pop() if len(groups) == 1 else SHARED_GROUP
+
+
+def region_group_ids(geom: RankGeometry) -> tuple[int, ...]:
+    """Each region's KV-cache group, or ``-1`` when several groups view it (vLLM ``region_group_ids``)."""
+    return tuple(_group_id(r.members) for r in geom.regions)
 
 
 def registration(geom: RankGeometry, mode: str) -> Registration:
@@ -206,7 +212,8 @@ def _vllm_streams(local: RankGeometry, remote: RankGeometry, mode: str) -> tuple
 
 
 def _structure(geom: RankGeometry) -> list[tuple[object, ...]]:
-    return [(r.members, tuple(o for o, _ in r.slots), r.part) for r in geom.regions]
+    """Which layers view each region, where in its blocks (groups may differ: :mod:`kvgeom.regionmap`)."""
+    return [(tuple(n for _, n in r.members), tuple(o for o, _ in r.slots), r.part) for r in geom.regions]
 
 
 def _pages(geom: RankGeometry) -> dict[str, tuple[int, int, int, int]]:
@@ -249,6 +256,14 @@ def _kvgeom_streams(local: RankGeometry, remote: RankGeometry) -> tuple[EngineVi
                     transfer_groups=t, group_ids=t),
             replace(rview, bases=tuple(rb), block_lens=tuple(rl), block_strides=tuple(rs), region_is_mla=tuple(lm),
                     transfer_groups=t, group_ids=t))
+
+
+def region_mapped(local: RankGeometry, remote: RankGeometry, streams: tuple[EngineView, EngineView]) -> bool:
+    """Both sides register the same regions (stream ``r`` is region ``r``) but group them differently: block
+    lists then pair region by region (:mod:`kvgeom.regionmap`)."""
+    identity = all(not v.bases and not v.transfer_groups and v.num_regions == g.num_regions
+                   for v, g in zip(streams, (local, remote)))
+    return identity and region_group_ids(local) != region_group_ids(remote)
 
 
 def pair_streams(local: RankGeometry, remote: RankGeometry, mode: str, compat: str) -> tuple[EngineView, EngineView]:

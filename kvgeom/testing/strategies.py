@@ -30,7 +30,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import assume
 from hypothesis import strategies as st
@@ -229,13 +229,15 @@ class PDPair:
 
 @st.composite
 def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
-             models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False) -> PDPair:
+             models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False,
+             pipeline: bool = True) -> PDPair:
     """A P/D pair kvgeom accepts. Choices are steered towards pairs kvgeom can plan (the local kernel
     block, D's in pull and P's in push, a multiple of the remote one; head-major layouts when TP splits
     heads in vllm mode; DS conv layouts across TP sizes; no prefix caching for Mamba hybrids whose kernel blocks per
     logical block differ); a pair kvgeom still refuses is rejected (``assume``). ``equal_blocks``: P and
     D use the same logical block size (for a hybrid, a common multiple of both aligned sizes); kernel
-    blocks may still differ."""
+    blocks may still differ. ``pipeline=False``: no engine in pipeline stages (for a connector that runs one
+    stage per engine)."""
     model = draw(models if models is not None else model_specs())
     mode = mode or draw(st.sampled_from(MODES))
     compat = compat or draw(st.sampled_from(COMPATS))
@@ -270,7 +272,7 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
             d_block, d_kernel = p_block, p_kernel
     p_pp = d_pp = 1
     stages = min(3, model.num_hidden_layers)
-    if not model.has_ssm and stages > 1 and p_dcp == d_dcp == 1 and draw(st.integers(0, 3)) == 0:
+    if pipeline and not model.has_ssm and stages > 1 and p_dcp == d_dcp == 1 and draw(st.integers(0, 3)) == 0:
         # pipeline stages: vLLM runs them on the side that moves bytes (P in push, D in pull); kvgeom on either
         local_pp = draw(st.integers(2, stages))
         remote_pp = draw(st.sampled_from((1, 1, 2))) if compat == "kvgeom" else 1
@@ -281,6 +283,13 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
         p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
     p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv, p_dcp, p_pp, p_packed)
     d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv, d_dcp, d_pp, d_packed)
+    if mode == "pull" and _group_count(model) == 1 and not model.has_ssm and len(model.layers) > 1 \
+            and p_dcp == d_dcp == 1 and p_pp == d_pp == 1 and not (p_packed or d_packed) \
+            and draw(st.integers(0, 4)) == 0:
+        # D keeps some layers in a group of their own (a HiSparse decoder): regions paired region by region
+        names = [la.name for la in model.layers]
+        own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
+        d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=p.kernel * d.ppl)
     prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
     pair = PDPair(model, p, d, mode, compat, prefix_caching)
     try:
@@ -300,7 +309,7 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     p_geom = engine_geometries(pair.model, pair.p_engine)[0]
     d_geom = engine_geometries(pair.model, pair.d_engine)[0]
     ssm = [g.is_ssm for g in p_geom.groups]
-    n_attn, n_ssm = ssm.count(False), ssm.count(True)
+    n_attn, n_ssm = max(ssm.count(False), len(d_geom.groups) - ssm.count(True)), ssm.count(True)
     pb, db = p_geom.scheduler_block, d_geom.scheduler_block  # tokens per list entry (DCP: a page per rank)
     if n_attn:
         most = min((p_geom.logical_num_blocks - n_ssm) // n_attn * pb, (d_geom.logical_num_blocks - n_ssm) // n_attn * db)
@@ -316,7 +325,7 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     for geom, count in ((p_geom, math.ceil(computed / pb)), (d_geom, d_blocks - hit)):
         pool = draw(st.permutations(range(geom.logical_num_blocks)))
         ids, used = [], 0
-        for is_ssm in ssm:
+        for is_ssm in geom.group_is_ssm:
             n = 1 if is_ssm else count
             ids.append(tuple(pool[used:used + n]))
             used += n
@@ -343,7 +352,8 @@ class Case:
 
 @st.composite
 def cases(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
-          models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False) -> Case:
+          models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False,
+          pipeline: bool = True) -> Case:
     """A :class:`Case`: a pair from :func:`pd_pairs` (same arguments) and a request from :func:`requests`."""
-    pair = draw(pd_pairs(mode, compat, models, equal_blocks))
+    pair = draw(pd_pairs(mode, compat, models, equal_blocks, pipeline))
     return Case(pair, draw(requests(pair)))

@@ -207,7 +207,7 @@ def worker(geom: RankGeometry, mode: str, prefix_caching: bool, engine_id: str, 
         _group_spec_types=tuple(_spec_type(g) for g in geom.groups),
         kv_cache_config=SimpleNamespace(transfer_groups=[
             SimpleNamespace(kv_cache_spec=object.__new__(_spec_type(g)), layer_names=layers[g.index])
-            for g in geom.groups]),
+            for g in geom.groups], transfer_group_ids=list(range(len(geom.groups)))),
         num_regions=n, num_descs=sum(xfer_caps), region_members=[list(m) for m in t.members],
         _transfer_layer_region_indices=reg.transfer_regions, _transfer_layer_names=reg.transfer_names,
         _transfer_layer_group_ids=reg.transfer_groups, _packed_member_layouts=dict(t.packed),
@@ -352,6 +352,16 @@ def pull(d_geom: RankGeometry, p_geoms: list[RankGeometry], d_ids: list[list[int
     w._reap_expired_send_leases = lambda done: None
     w._cleanup_remote_engines = lambda: None
     w._reqs_to_send = {}
+
+    def zero_region_blocks(block_ids: list[list[int]]) -> None:
+        # vLLM zeroes page ``block`` of each region's (blocks, block_len) view at its block stride; its own code
+        # maps the region's address into the cache's storage, which this harness's encoded addresses are not
+        for region, blocks in enumerate(block_ids):
+            length, stride = w.block_len_per_layer[region], w.block_stride_per_layer[region]
+            for block in blocks:
+                buffers[region][block * stride:block * stride + length] = 0
+
+    w._zero_region_blocks = zero_region_blocks
     result = w.get_transfer_results()
     assert result.finished_recving == {"req"}
     post = []

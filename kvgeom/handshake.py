@@ -16,7 +16,7 @@ from .dcp import check_parallel_pair
 from .dlist import EngineView
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
 from .geometry import RankGeometry
-from .spec import AttentionSpec
+from .spec import AttentionSpec, MLASpec
 from .streams import pair_streams, region_group_ids, region_mapped
 from .tp import tp_ratio as _tp_ratio
 
@@ -211,21 +211,18 @@ def _check_draft(local: RankGeometry, remote: RankGeometry, mode: str, compat: C
 
 
 def _check_dcp(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
-    """Decode context parallelism (:mod:`kvgeom.dcp`): pages are matched by global position, which kvgeom
-    plans for pulls of pure MLA models with equal page geometry on both sides (vLLM's push path does not
-    match DCP pages at all)."""
+    """Decode context parallelism (:mod:`kvgeom.dcp`): vLLM scopes it to MLA (with equal DCP sizes for
+    MLA + SSM hybrids); kvgeom pairs every unit by its global token position (any page and kernel sizes whose
+    kernel blocks divide one another), pulls and pushes alike."""
     check_parallel_pair(1, local.dcp_size, 1, remote.dcp_size, local.has_ssm)
-    if mode != "pull":
-        raise UnsupportedError("dcp_size", "decode context parallelism is planned for pulls only (vLLM's push path "
-                               "pairs blocks without their DCP positions)", local=local.dcp_size,
-                               remote=remote.dcp_size)
-    if local.has_ssm or not all(local.region_is_mla):
-        raise UnsupportedError("dcp_size", "kvgeom plans decode context parallelism for pure MLA models (vLLM scopes "
-                               "it to MLA)", local=local.dcp_size, remote=remote.dcp_size)
-    if local.block_size != remote.block_size or local.ppl != remote.ppl:
-        raise UnsupportedError("block_size", "with decode context parallelism kvgeom needs equal kernel and logical "
-                               "block sizes on both sides", local=(local.logical_block_size, local.block_size),
-                               remote=(remote.logical_block_size, remote.block_size))
+    attn = [la for la in local.model.layers if not la.kind.is_ssm]
+    if not attn or not all(isinstance(la.spec, MLASpec) for la in attn):
+        raise UnsupportedError("dcp_size", "decode context parallelism is planned for MLA models (with or without "
+                               "SSM layers), as vLLM scopes it", local=local.dcp_size, remote=remote.dcp_size)
+    big, small = max(local.block_size, remote.block_size), min(local.block_size, remote.block_size)
+    if big % small:
+        raise UnsupportedError("block_size", "with decode context parallelism kernel blocks must divide one another",
+                               local=local.block_size, remote=remote.block_size)
 
 
 def check_csa_linear_tp_layout(local_tp: int, remote_tp: int, total_kv_heads: int) -> None:

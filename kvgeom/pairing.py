@@ -21,7 +21,7 @@ from .dtypes import dtype_size
 from .errors import IncompatiblePairError, UnsupportedError
 from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
-from .route import Route, route
+from .route import Route, dcp_pages_differ, route
 from .splits import build_local_splits, expand_strided
 from .streams import region_mapped, unpseudo
 from .tp import TPMapping, compute_tp_mapping, needs_split_local_handles
@@ -78,12 +78,17 @@ class Pairing:
                                             local=rank, remote=g.tp_rank)
         shape = check_pair(lg, first, mode, compat, prefix_caching)
         targets = dcp_handshake_targets(lg.tp_rank, lg.tp_size, lg.dcp_size, first.tp_size, first.dcp_size)
+        spread = compat == "kvgeom" and dcp_pages_differ(lg, first, mode)
+        if spread:  # any remote rank may hold (pull) or need (push) some of this rank's tokens
+            targets = tuple(range(first.tp_size))
         missing = [t for t in targets if t not in rg]
         if missing:
             raise IncompatiblePairError("remotes", f"handshake targets {missing} have no card", value=missing,
                                         expected=list(targets))
         mapping = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
                                      lg.group_is_ssm, lg.dcp_size, first.dcp_size)
+        if spread:  # every local rank notifies every remote rank
+            mapping = replace(mapping, local_consumers=lg.tp_size)
         draft = None
         if lg.has_draft:  # head-sharded layers next to MLA layers: their own mapping (by the draft's heads)
             draft = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,

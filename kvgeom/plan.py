@@ -28,7 +28,7 @@ from .blocks import (
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
 )
-from .dcp import apply_dcp_prefix_caching, global_pages
+from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
 from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
 from .errors import BlockIdError, PlanError, UnsupportedError
@@ -36,6 +36,7 @@ from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
 from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
 from .streams import region_group_ids
+from .tp import compute_tp_mapping
 
 __all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "check_writes",
            "contiguous_runs", "MOVE_COLUMNS"]
@@ -188,14 +189,10 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     exact = _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local and not dcp else None
     aligned = exact if pairing.compat == "kvgeom" else None
     transfers = []
-    covered: list[np.ndarray] = []
     for rank in pairing.transfer_ranks if any_local else ():
         keep = pairing.group_mask(rank)
         if dcp:
-            lg, rg, pos = _dcp_lists(pairing, rank, _select(lids, keep), _select(rids, keep), num_tokens,
-                                     prefill_tokens)
-            covered.append(pos)
-            lg, rg = logical_to_kernel(lg, local.ppl, kinds), logical_to_kernel(rg, rview.ppl, kinds)
+            lg, rg = _dcp_pairs(pairing, rank, _select(lids, keep), _select(rids, keep), num_tokens, prefill_tokens)
         elif aligned is not None:
             lg, rg = _select(aligned[0], keep), _select(aligned[1], keep)
         else:
@@ -229,8 +226,9 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     regroup: tuple[Regroup, ...] = ()
     zero = np.zeros((0, 3), dtype=np.int64)
     if mode == "pull" and any_local:
-        if dcp:
-            zero = _dcp_zero_rows(local, lids, covered) if pairing.compat == "kvgeom" else zero
+        if dcp and pairing.compat == "kvgeom":
+            zero = _dcp_zero_rows(local, pairing.remotes[pairing.targets[0]], lids, rids, num_tokens, prefill_tokens,
+                                  pairing.prefix_caching)
         elif aligned is not None:
             regroup = _regroups(local, lk, bsr, pairing.zero_pages)
             zero = _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
@@ -358,74 +356,144 @@ def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
     return pairing._cache[key]
 
 
-def _dcp_first(pairing: Pairing, n_local: int, num_tokens: int | None, group: int) -> int:
-    """D's first list position (its cached scheduler blocks) in a DCP pull."""
+def _first_position(consumer: RankGeometry, n: int, num_tokens: int | None, prefix_caching: bool, group: int) -> int:
+    """The consumer's first list position (its cached scheduler blocks) of an attention group."""
     if num_tokens is not None:
-        first = math.ceil(num_tokens / pairing.local.scheduler_block) - n_local
+        first = math.ceil(num_tokens / consumer.scheduler_block) - n
         if first < 0:
-            raise PlanError(f"block_ids[{group}]", f"D's {n_local} blocks are more than num_tokens={num_tokens} need",
-                            value=n_local)
+            raise PlanError(f"block_ids[{group}]", f"D's {n} blocks are more than num_tokens={num_tokens} need",
+                            value=n)
         return first
-    if not pairing.prefix_caching:
+    if not prefix_caching:
         return 0
     raise PlanError("num_tokens", f"group {group}: with prefix caching D's pages start after its cached ones: pass "
                     "num_tokens (the tokens D holds blocks for) to place them", value=None)
 
 
-def _dcp_lists(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray], num_tokens: int | None,
-               prefill_tokens: int | None) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """The logical ids remote rank ``rank`` supplies with DCP, per group, and the local list positions they
-    fill (``group * 2**32 + position``). Pages pair by global position (:mod:`kvgeom.dcp`): kvgeom mode
-    intersects the pages both hold (those P computed), vLLM mode uses vLLM's closed form and refuses when
-    it would pair other pages or leave a page P computed unread."""
-    local, remote = pairing.local, pairing.remotes[rank]
-    ld, d, rd, rr = local.dcp_size, local.dcp_rank, remote.dcp_size, remote.dcp_rank
-    page = local.logical_block_size
-    out_l, out_r, positions = [], [], []
-    for g, (lo, ro) in enumerate(zip(lids, rids)):
-        if not lo.size:
-            out_l.append(lo), out_r.append(ro[:0])
+def _units(consumer: RankGeometry, producer: RankGeometry, c_ids: np.ndarray, p_ids: np.ndarray,
+           num_tokens: int | None, prefill_tokens: int | None, prefix_caching: bool, group: int
+           ) -> dict[str, np.ndarray]:
+    """Every unit of the consumer rank's pages of one attention group and where P holds it
+    (:func:`kvgeom.dcp.dcp_units`)."""
+    first = _first_position(consumer, c_ids.size, num_tokens, prefix_caching, group)
+    tokens = prefill_tokens if prefill_tokens is not None else num_tokens
+    limit = tokens if tokens is not None else p_ids.size * producer.scheduler_block
+    return dcp_units(c_ids, first, consumer.logical_block_size, consumer.block_size, consumer.dcp_size,
+                     consumer.dcp_rank, p_ids, producer.logical_block_size, producer.block_size, producer.dcp_size,
+                     limit)
+
+
+def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray], num_tokens: int | None,
+               prefill_tokens: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """With decode context parallelism, what this rank exchanges with remote rank ``rank``, per group: local
+    ids at the local table's granularity and remote kernel ids. Attention units pair by global token position
+    (:mod:`kvgeom.dcp`); SSM slots pair as without DCP. kvgeom mode takes the units P computed; vLLM mode
+    pairs as vLLM does (pages by its closed form in pull, by counts in push) and refuses when that differs."""
+    local, remote, pull = pairing.local, pairing.remotes[rank], pairing.mode == "pull"
+    consumer, producer = (local, remote) if pull else (remote, local)
+    c_all, p_all = (lids, rids) if pull else (rids, lids)
+    kinds = local.group_is_ssm
+    lk, rk = logical_to_kernel(lids, local.ppl, kinds), logical_to_kernel(rids, pairing.remote_view(rank).ppl, kinds)
+    exact_l, exact_r, allowed = [], [], []
+    for g, ssm in enumerate(kinds):
+        if ssm or not c_all[g].size or not p_all[g].size:
+            exact_l.append(lk[g][:0]), exact_r.append(rk[g][:0]), allowed.append(set())
             continue
-        first = _dcp_first(pairing, lo.size, num_tokens, g)
-        lpages, rpages = global_pages(first, lo.size, ld, d), global_pages(0, ro.size, rd, rr)
-        tokens = prefill_tokens if prefill_tokens is not None else num_tokens
-        limit = math.ceil(tokens / page) if tokens is not None else int(rpages.max(initial=-1)) + 1
-        _, li, ri = np.intersect1d(lpages, rpages[rpages < limit], return_indices=True)
-        if pairing.compat == "kvgeom":
-            a, b = lo[li], ro[ri]
-        else:
-            a, b = apply_dcp_prefix_caching(lo, ro, rank, ld, d, rd, first)
-            idx = np.argsort(lo)
-            got_l = lpages[idx[np.searchsorted(lo, a, sorter=idx)]] if a.size else a
-            idx = np.argsort(ro)
-            got_r = rpages[idx[np.searchsorted(ro, b, sorter=idx)]] if b.size else b
-            wrong = not np.array_equal(got_l, got_r)
-            missing = np.setdiff1d(lpages[li], got_l).size > 0
-            if wrong or missing:
-                raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0 would pair DCP pages {got_l[:4].tolist()}... "
-                                       f"with {got_r[:4].tolist()}...{' and leave pages P computed unread' if missing else ''}"
-                                       "; kvgeom mode pairs them by global page", local=got_l.tolist()[:8],
-                                       remote=got_r.tolist()[:8])
-            li = np.searchsorted(lpages, got_l)
-        out_l.append(np.asarray(a, dtype=np.int64)), out_r.append(np.asarray(b, dtype=np.int64))
-        positions.append((np.int64(g) << 32) + np.asarray(li, dtype=np.int64))
-    return out_l, out_r, np.concatenate([np.zeros(0, np.int64), *positions])
+        u = _units(consumer, producer, c_all[g], p_all[g], num_tokens, prefill_tokens, pairing.prefix_caching, g)
+        rank_of = u["p_rank"] == producer.dcp_rank
+        mine = u["ok"] & rank_of
+        c_fine, p_fine = u["c_fine"], u["p_fine"]  # ids at the tables' granularity on both sides
+        exact_l.append((c_fine if pull else p_fine)[mine]), exact_r.append((p_fine if pull else c_fine)[mine])
+        held = u["held"] & rank_of  # same tokens on both sides, computed by P or not
+        allowed.append(set(zip((c_fine if pull else p_fine)[held].tolist(), (p_fine if pull else c_fine)[held].tolist())))
+    ssm_l, ssm_r = _select(lk, kinds), _select(rk, kinds)
+    if pull:
+        ssm_l, ssm_r = apply_prefix_caching(ssm_l, ssm_r, local.ppl, remote.ppl, kinds)
+    else:
+        ssm_r, ssm_l = apply_prefix_caching(ssm_r, ssm_l, remote.ppl, local.ppl, kinds)
+    exact_l = [s if ssm else e for s, e, ssm in zip(ssm_l, exact_l, kinds)]
+    exact_r = [s if ssm else e for s, e, ssm in zip(ssm_r, exact_r, kinds)]
+    if pairing.compat == "kvgeom":
+        return exact_l, exact_r
+    if pull:  # vLLM's closed form on logical pages, then its block-size-ratio map
+        lg, rg = [], []
+        for g, (lo, ro, ssm) in enumerate(zip(lids, rids, kinds)):
+            if ssm or not lo.size:
+                lg.append(lo), rg.append(ro if ssm else ro[:0])
+                continue
+            first = _first_position(local, lo.size, num_tokens, pairing.prefix_caching, g)
+            a, b = apply_dcp_prefix_caching(lo, ro, rank, local.dcp_size, local.dcp_rank, remote.dcp_size, first)
+            lg.append(a), rg.append(b)
+        lg, rg = logical_to_kernel(lg, local.ppl, kinds), logical_to_kernel(rg, pairing.remote_view(rank).ppl, kinds)
+        if pairing.bsr > 1:
+            lg, rg = map_block_ids_for_block_size_ratio(lg, rg, pairing.bsr, kinds)
+            if not lg:
+                lg = [x[:0] for x in rg]
+    else:
+        lg, rg = _vllm_pair(pairing, lk, rk, pairing.remote_view(rank))
+        if not lg:
+            lg, rg = [x[:0] for x in lk], [x[:0] for x in rk]
+    if not pull and c_all and any(x.size for x, ssm in zip(c_all, kinds) if not ssm):
+        _vllm_push_covers(pairing, rank, c_all, p_all, num_tokens, prefill_tokens)
+    for g, ssm in enumerate(kinds):
+        if ssm:
+            continue
+        got = set(zip(lg[g].tolist(), rg[g].tolist()))
+        want = set(zip(exact_l[g].tolist(), exact_r[g].tolist()))
+        if not got <= allowed[g] or not want <= got:  # other tokens paired, or tokens P computed left unread
+            raise UnsupportedError(f"block_ids[{g}]", "with decode context parallelism vLLM 0.33.0 would pair other "
+                                   f"pages ({sorted(got - allowed[g])[:4]}...) or leave pages P computed unread "
+                                   f"({sorted(want - got)[:4]}...); kvgeom mode pairs them by token",
+                                   local=sorted(got)[:8], remote=sorted(want)[:8])
+    return lg, rg
 
 
-def _dcp_zero_rows(consumer: RankGeometry, lids: list[np.ndarray], covered: list[np.ndarray]) -> np.ndarray:
-    """kvgeom mode, DCP: zero the D pages no source rank filled (pages holding no token P computed)."""
-    done = np.unique(np.concatenate([np.zeros(0, np.int64), *covered]))
+def _vllm_push_covers(pairing: Pairing, rank: int, d_ids: list[np.ndarray], p_ids: list[np.ndarray],
+                      num_tokens: int | None, prefill_tokens: int | None) -> None:
+    """vLLM's push writes D rank ``rank`` only from the P ranks whose TP mapping names it: refuse when some
+    unit P computed for that D rank lives on another P rank (it would stay unwritten)."""
+    local, d = pairing.local, pairing.remotes[rank]
+    writers = set()
+    for q in range(local.tp_size):
+        m = compute_tp_mapping(q, local.tp_size, d.tp_size, local.num_kv_heads, local.is_mla, local.group_is_ssm,
+                               local.dcp_size, d.dcp_size)
+        every = local.is_mla and not local.has_ssm and pairing.tp_ratio < 0
+        targets = dcp_handshake_targets(q, local.tp_size, local.dcp_size, d.tp_size, d.dcp_size)
+        if rank in (targets if every else m.all_source_ranks):
+            writers.add(q % local.dcp_size)
+    for g, (c, p) in enumerate(zip(d_ids, p_ids)):
+        if local.groups[g].is_ssm or not c.size or not p.size:
+            continue
+        u = _units(d, local, c, p, num_tokens, prefill_tokens, pairing.prefix_caching, g)
+        lost = u["ok"] & ~np.isin(u["p_rank"], sorted(writers))
+        if lost.any():
+            raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0's push writes D rank {rank} only from P ranks "
+                                   f"{sorted(writers)}, so tokens {u['token'][lost][:4].tolist()}... P computed on other "
+                                   "ranks would stay unwritten; kvgeom mode writes every D rank that needs them",
+                                   local=sorted(writers), remote=rank)
+
+
+def _dcp_zero_rows(consumer: RankGeometry, producer: RankGeometry, lids: list[np.ndarray], rids: list[np.ndarray],
+                   num_tokens: int | None, prefill_tokens: int | None, prefix_caching: bool) -> np.ndarray:
+    """kvgeom mode, DCP: zero every unit of the consumer's pages no producer rank holds (tokens P did not
+    compute), in every page of the group's layers."""
     rows = [np.zeros((0, 3), dtype=np.int64)]
-    for group, ids in zip(consumer.groups, lids):
-        if group.is_ssm or not ids.size:
+    for group, c_ids, p_ids in zip(consumer.groups, lids, rids):
+        if group.is_ssm or not c_ids.size:
             continue
-        filled = done[(done >> 32) == group.index] & 0xFFFFFFFF
-        todo = np.setdiff1d(np.arange(ids.size), filled)
-        if not todo.size:
+        u = _units(consumer, producer, c_ids, p_ids, num_tokens, prefill_tokens, prefix_caching, group.index)
+        todo = ~u["ok"]
+        if not todo.any():
             continue
-        kernel = (ids[todo][:, None] * consumer.ppl + np.arange(consumer.ppl)).reshape(-1)
-        rows.append(consumer_zero_rows(group_pages(consumer, group.index), kernel, 1, 0, 0, consumer.block_size))
-    return np.concatenate(rows)
+        kernel, sub, unit = u["c_kernel"][todo], u["c_sub"][todo], int(u["unit"])
+        for page in group_pages(consumer, group.index):
+            per_head = page.length // page.heads
+            tok = per_head // consumer.block_size
+            starts = (kernel * page.stride + page.offset + sub * unit * tok)[:, None] + \
+                np.arange(page.heads)[None, :] * per_head
+            rows.append(np.stack([np.full(starts.size, page.region), starts.reshape(-1),
+                                  np.full(starts.size, unit * tok)], axis=1))
+    return np.concatenate(rows).astype(np.int64)
 
 
 def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rview: EngineView
@@ -559,6 +627,8 @@ def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: B
     kinds = consumer.group_is_ssm
     dl = as_group_ids(consumer_ids, kinds, "consumer_ids")
     pl = as_group_ids(producer_ids, kinds, "producer_ids")
+    if consumer.dcp_size > 1 or producer.dcp_size > 1:
+        return (), _dcp_zero_rows(consumer, producer, dl, pl, num_tokens, prefill_tokens, prefix_caching)
     dk = logical_to_kernel(dl, consumer.ppl, kinds)
     pk = logical_to_kernel(pl, producer.ppl, kinds)
     if producer.block_size % consumer.block_size:

@@ -23,7 +23,7 @@ from .geometry import RankGeometry
 from .spec import MambaSpec, Shard
 from .tp import compute_tp_mapping
 
-__all__ = ["Slice", "Route", "route"]
+__all__ = ["Slice", "Route", "route", "dcp_pages_differ"]
 
 Slice = tuple[int, int, int]  # (local offset, remote offset, length) within a (sub-)block or state page
 
@@ -76,6 +76,13 @@ def _ssm_slices(spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int,
     return out
 
 
+def dcp_pages_differ(a: RankGeometry, b: RankGeometry, mode: str = "pull") -> bool:
+    """Decode context parallelism where a rank's tokens come from (pull with pages of different sizes) or go to
+    (push) any rank of the other side, not only those vLLM's closed form names: kvgeom pairs such a rank with
+    every rank of the other side, and the units pick what each pair exchanges."""
+    return (a.dcp_size > 1 or b.dcp_size > 1) and (a.logical_block_size != b.logical_block_size or mode == "push")
+
+
 def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str, local_rows: int,
           remote_row_lens: tuple[int, ...], local_lens: tuple[int, ...] | None = None,
           local_is_mla: tuple[bool, ...] | None = None) -> Route:
@@ -94,7 +101,8 @@ def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str
     draft = spec.num_kv_heads if local.is_mla and spec is not None else None  # head-sharded layers next to MLA
     cmap = compute_tp_mapping(c_rank, c_tp, p_tp, local.num_kv_heads, local.is_mla, kinds, c_geom.dcp_size,
                               p_geom.dcp_size, head_sharded_kv_heads=draft)
-    groups = tuple(p_rank in srcs for srcs in cmap.source_ranks_per_group)
+    spread = dcp_pages_differ(c_geom, p_geom, mode)  # any producer rank may hold a token of the consumer's
+    groups = tuple((spread and not ssm) or p_rank in srcs for srcs, ssm in zip(cmap.source_ranks_per_group, kinds))
     attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
     fa = []
     lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)

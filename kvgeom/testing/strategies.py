@@ -10,8 +10,8 @@ choices are ``sampled_from`` lists in order of simplicity and small integers are
   layouts); a hybrid's block size comes from :func:`~kvgeom.geometry.align_hybrid_block_size`, so the
   attention page holds the SSM state (TP-dependent, as in vLLM);
 * :func:`pd_pairs` -- a :class:`PDPair` (model, P engine, D engine, mode, compat) that
-  :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank (MLA pulls sometimes with decode
-  context parallelism on either side; models without SSM state sometimes in pipeline stages; pure MLA
+  :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank (MLA models, with or without SSM
+  layers, sometimes with decode context parallelism on either side; models without SSM state sometimes in pipeline stages; pure MLA
   models sometimes with packed block-outermost rows);
 * :func:`requests` -- a :class:`~kvgeom.testing.oracle.Request` for a pair: token count, sparse and
   shuffled block ids, prefix hits on D;
@@ -263,13 +263,14 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
     groups = _group_count(model)
     p_nb, d_nb = (draw(st.integers(groups + 1, 3 * groups + 6)) for _ in range(2))
     p_dcp = d_dcp = 1
-    if mode == "pull" and model.is_mla and not model.has_ssm and draw(st.integers(0, 2)) == 0:
-        # decode context parallelism: pages of a request sharded over the ranks (equal page geometry)
+    mla_only = all(isinstance(la.spec, MLASpec) for la in model.layers if not la.kind.is_ssm)
+    if model.is_mla and mla_only and draw(st.integers(0, 2)) == 0:
+        # decode context parallelism: pages of a request sharded over the ranks (a hybrid: equal DCP sizes)
         p_dcp, d_dcp = draw(st.sampled_from((p_tp, 1))), draw(st.sampled_from((d_tp, 1)))
-        if p_dcp % d_dcp and d_dcp % p_dcp:
+        if (p_dcp % d_dcp and d_dcp % p_dcp) or (model.has_ssm and p_dcp != d_dcp):
             p_dcp = d_dcp = 1
-        elif p_dcp > 1 or d_dcp > 1:
-            d_block, d_kernel = p_block, p_kernel
+        elif (p_dcp > 1 or d_dcp > 1) and draw(st.booleans()):
+            d_block, d_kernel = p_block, p_kernel  # equal page geometry (what vLLM pairs right most often)
     p_pp = d_pp = 1
     stages = min(3, model.num_hidden_layers)
     if pipeline and not model.has_ssm and stages > 1 and p_dcp == d_dcp == 1 and draw(st.integers(0, 3)) == 0:

@@ -189,6 +189,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     exact = _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local and not dcp else None
     aligned = exact if pairing.compat == "kvgeom" else None
     transfers = []
+    if dcp and any_local and pairing.compat == "vllm" and mode == "pull":
+        _vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
     for rank in pairing.transfer_ranks if any_local else ():
         keep = pairing.group_mask(rank)
         if dcp:
@@ -446,6 +448,33 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
                                    f"({sorted(want - got)[:4]}...); kvgeom mode pairs them by token",
                                    local=sorted(got)[:8], remote=sorted(want)[:8])
     return lg, rg
+
+
+def _vllm_pull_covers(pairing: Pairing, d_ids: list[np.ndarray], p_ids: list[np.ndarray], num_tokens: int | None,
+                      prefill_tokens: int | None) -> None:
+    """vLLM's pull reads only from the DCP source ranks of its closed form: refuse when a unit P computed for
+    this D rank lives on another P rank (pages of other sizes)."""
+    local, remote = pairing.local, pairing.remotes[pairing.targets[0]]
+    sources = sorted({r % remote.dcp_size for r in pairing.transfer_ranks})
+    for g, (c, p) in enumerate(zip(d_ids, p_ids)):
+        if local.groups[g].is_ssm or not c.size or not p.size:
+            continue
+        u = _units(local, remote, c, p, num_tokens, prefill_tokens, pairing.prefix_caching, g)
+        lost = u["ok"] & ~np.isin(u["p_rank"], sources)
+        if lost.any():
+            raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0 reads this D rank only from P ranks {sources}, so "
+                                   f"tokens {u['token'][lost][:4].tolist()}... P computed on other ranks would stay "
+                                   "unread; kvgeom mode reads every rank that holds them", local=sources,
+                                   remote=sorted(set(u["p_rank"][lost].tolist())))
+        rview = pairing.remote_view(pairing.targets[0])
+        if pairing.bsr > 1 or rview.ppl != local.ppl:  # vLLM's receive step zeroes past what P's whole list covers
+            covered = min(c.size * local.ppl * pairing.bsr, p.size * rview.ppl)
+            zeroed = u["ok"] & (np.arange(u["ok"].size) >= covered)
+            if zeroed.any():
+                raise UnsupportedError(f"block_ids[{g}]", "with decode context parallelism vLLM 0.33.0's receive step "
+                                       f"counts P's whole list and zeroes tokens {u['token'][zeroed][:4].tolist()}... "
+                                       "this rank received; kvgeom mode zeroes only what no rank wrote",
+                                       local=int(c.size), remote=int(p.size))
 
 
 def _vllm_push_covers(pairing: Pairing, rank: int, d_ids: list[np.ndarray], p_ids: list[np.ndarray],

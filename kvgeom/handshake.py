@@ -122,7 +122,9 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
-        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and (remote.tp_size <= k or head_split):
+        multi_token = max(local.block_size, remote.block_size) > 1  # a one-token page is head-major too
+        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and (
+                remote.tp_size <= k or (head_split and multi_token)):
             # vLLM refuses it unless the remote replicates its KV heads, yet then still cuts the token-major page
             # into head slices when the heads per rank differ: refused too, the oracle finds those bytes wrong
             raise _err("kv_layout", "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP: "

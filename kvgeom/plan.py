@@ -284,11 +284,12 @@ def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockI
             if span is None:
                 continue
             c, p, n = span  # vLLM's pairs must be the token axis's, and leave no page holding a computed token
-            exact = dict(zip(l_by[r][c:c + n].tolist(), r_by[r][p:p + n].tolist()))
-            wrong = any(exact.get(a) != b for a, b in zip(la[r].tolist(), ra[r].tolist()))
-            left = [j for j in range(c, c + n) if l_by[r][j] not in set(la[r].tolist())
-                    and (computed_tokens is None or starts[r] + j * kb < computed_tokens)]
-            if wrong or left:
+            exact, got = _pairs(l_by[r][c:c + n], r_by[r][p:p + n]), _pairs(la[r], ra[r])
+            positions = np.arange(c, c + n)
+            left = ~np.isin(l_by[r][positions], la[r])
+            if computed_tokens is not None:
+                left &= starts[r] + positions * kb < computed_tokens
+            if not np.isin(got, exact).all() or left.any():
                 raise UnsupportedError(f"regions[{r}]", "vLLM 0.33.0 would pair other pages of this region than the "
                                        "token axis does, or leave pages P computed unread; kvgeom mode plans it",
                                        local=la[r].tolist()[:8], remote=ra[r].tolist()[:8])
@@ -399,7 +400,7 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
     exact_l, exact_r, allowed = [], [], []
     for g, ssm in enumerate(kinds):
         if ssm or not c_all[g].size or not p_all[g].size:
-            exact_l.append(lk[g][:0]), exact_r.append(rk[g][:0]), allowed.append(set())
+            exact_l.append(lk[g][:0]), exact_r.append(rk[g][:0]), allowed.append(np.zeros(0, np.int64))
             continue
         u = _units(consumer, producer, c_all[g], p_all[g], num_tokens, prefill_tokens, pairing.prefix_caching, g)
         rank_of = u["p_rank"] == producer.dcp_rank
@@ -407,7 +408,7 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
         c_fine, p_fine = u["c_fine"], u["p_fine"]  # ids at the tables' granularity on both sides
         exact_l.append((c_fine if pull else p_fine)[mine]), exact_r.append((p_fine if pull else c_fine)[mine])
         held = u["held"] & rank_of  # same tokens on both sides, computed by P or not
-        allowed.append(set(zip((c_fine if pull else p_fine)[held].tolist(), (p_fine if pull else c_fine)[held].tolist())))
+        allowed.append(_pairs((c_fine if pull else p_fine)[held], (p_fine if pull else c_fine)[held]))
     ssm_l, ssm_r = _select(lk, kinds), _select(rk, kinds)
     if pull:
         ssm_l, ssm_r = apply_prefix_caching(ssm_l, ssm_r, local.ppl, remote.ppl, kinds)
@@ -440,14 +441,23 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
     for g, ssm in enumerate(kinds):
         if ssm:
             continue
-        got = set(zip(lg[g].tolist(), rg[g].tolist()))
-        want = set(zip(exact_l[g].tolist(), exact_r[g].tolist()))
-        if not got <= allowed[g] or not want <= got:  # other tokens paired, or tokens P computed left unread
+        got, want = _pairs(lg[g], rg[g]), _pairs(exact_l[g], exact_r[g])
+        if not np.isin(got, allowed[g]).all() or not np.isin(want, got).all():
+            # other tokens paired, or tokens P computed left unread
             raise UnsupportedError(f"block_ids[{g}]", "with decode context parallelism vLLM 0.33.0 would pair other "
-                                   f"pages ({sorted(got - allowed[g])[:4]}...) or leave pages P computed unread "
-                                   f"({sorted(want - got)[:4]}...); kvgeom mode pairs them by token",
-                                   local=sorted(got)[:8], remote=sorted(want)[:8])
+                                   f"pages ({_unpairs(np.setdiff1d(got, allowed[g]))[:4]}...) or leave pages P "
+                                   f"computed unread ({_unpairs(np.setdiff1d(want, got))[:4]}...); kvgeom mode pairs "
+                                   "them by token", local=_unpairs(got)[:8], remote=_unpairs(want)[:8])
     return lg, rg
+
+
+def _pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Id pairs ``(a[i], b[i])`` as one sortable ``int64`` each (ids are below 2**31)."""
+    return (np.asarray(a, dtype=np.int64) << 32) | np.asarray(b, dtype=np.int64)
+
+
+def _unpairs(x: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(v) >> 32, int(v) & 0xFFFFFFFF) for v in np.asarray(x)[:8]]
 
 
 def _vllm_pull_covers(pairing: Pairing, d_ids: list[np.ndarray], p_ids: list[np.ndarray], num_tokens: int | None,
@@ -482,14 +492,18 @@ def _vllm_push_covers(pairing: Pairing, rank: int, d_ids: list[np.ndarray], p_id
     """vLLM's push writes D rank ``rank`` only from the P ranks whose TP mapping names it: refuse when some
     unit P computed for that D rank lives on another P rank (it would stay unwritten)."""
     local, d = pairing.local, pairing.remotes[rank]
-    writers = set()
-    for q in range(local.tp_size):
-        m = compute_tp_mapping(q, local.tp_size, d.tp_size, local.num_kv_heads, local.is_mla, local.group_is_ssm,
-                               local.dcp_size, d.dcp_size)
-        every = local.is_mla and not local.has_ssm and pairing.tp_ratio < 0
-        targets = dcp_handshake_targets(q, local.tp_size, local.dcp_size, d.tp_size, d.dcp_size)
-        if rank in (targets if every else m.all_source_ranks):
-            writers.add(q % local.dcp_size)
+    key = ("push-writers", rank)
+    if key not in pairing._cache:  # shape-only: the P ranks vLLM's mappings send to D rank ``rank``
+        writers = set()
+        for q in range(local.tp_size):
+            m = compute_tp_mapping(q, local.tp_size, d.tp_size, local.num_kv_heads, local.is_mla,
+                                   local.group_is_ssm, local.dcp_size, d.dcp_size)
+            every = local.is_mla and not local.has_ssm and pairing.tp_ratio < 0
+            targets = dcp_handshake_targets(q, local.tp_size, local.dcp_size, d.tp_size, d.dcp_size)
+            if rank in (targets if every else m.all_source_ranks):
+                writers.add(q % local.dcp_size)
+        pairing._cache[key] = writers
+    writers = pairing._cache[key]
     for g, (c, p) in enumerate(zip(d_ids, p_ids)):
         if local.groups[g].is_ssm or not c.size or not p.size:
             continue

@@ -17,6 +17,8 @@ Layout facts (kernel block ``kb``, ``ppl = block_size // kb``):
   ``[H, kb, head_size * e]`` (or token-major) each; local head ``j`` is global head
   ``first_unit(rank, tp) + j``;
 * MLA page ``[kb, latent * e]``;
+* a packed row (block-outermost layout) holds each member layer's page at its ``Region.slot`` offset
+  inside the kernel block; a pipeline stage's rank holds (and is checked on) its stage's layers only;
 * an SSM state sits in its slot ``s`` at byte ``s * page`` (``page = block_stride * ppl``): the conv
   pieces in order (DS: channel-major, ``conv_kernel - 1`` rows per channel; SD: row-major over all
   channels), then the temporal state at ``conv_bytes``.

@@ -140,18 +140,17 @@ class LocalTables:
 
 def timed_pull(kv: Any, engine_id: str, plan: Any, tables: LocalTables, timeout_s: float,
                sync: Callable[[], None] | None = None) -> tuple[float, list[Any]]:
-    """Post every transfer of ``plan`` (one per source rank, as KVRank does), send the notify-only
-    notifications and wait for all; returns (seconds from the first post to the last completion,
-    per-transfer Telemetry). ``make_prepped_xfer`` is inside the timed span (NIXL's per-request cost)."""
+    """Post every transfer of ``plan`` (one per source rank, as KVRank does: a READ carries no
+    notification, the producers learn of completion from notices sent afterwards, not timed here) and
+    wait for all; returns (seconds from the first post to the last completion, per-transfer Telemetry).
+    ``make_prepped_xfer`` is inside the timed span (NIXL's per-request cost)."""
     links = kv.links[engine_id]
     deadline = time.monotonic() + timeout_s
     if sync:
         sync()
     t0 = time.perf_counter()
-    posted = [kv.ep.post(plan.op, tables[t.local_table], t.local_ids, links[t.remote_rank].prepped, t.remote_ids,
-                         t.notif.encode()) for t in plan.transfers]
-    for r in plan.notify_only:
-        kv.ep.send_notif(links[r].agent, f"{plan.request_id}:{plan.expected_notifications}".encode())
+    posted = [kv.ep.post(plan.op, tables[t.local_table], t.local_ids, links[t.remote_rank].prepped, t.remote_ids)
+              for t in plan.transfers]
     tels = [x.wait(deadline) for x in posted]
     if sync:
         sync()

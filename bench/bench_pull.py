@@ -358,7 +358,7 @@ def main() -> int:
         ap.error("the scenario must be a pull")
     spec = {"scenario": scenario, "tokens": args.tokens, "reps": args.reps, "timeout_s": args.timeout,
             "seed": 7 if args.ids == "shuffled" else None, "serve_poll_s": args.serve_poll_us * 1e-6,
-            "config": {"progress_thread": args.progress_thread}}
+            "config": {"progress_thread": args.progress_thread, "secret": os.urandom(32).hex()}}
     print(f"bench_pull: {sc.describe()}; {args.tokens} tokens; starting {sc.prefill.tp_size} P + "
           f"{sc.decode.tp_size} D processes ...", flush=True)
     t0 = time.monotonic()

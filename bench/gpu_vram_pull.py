@@ -325,7 +325,8 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     reqs = [{"id": f"r{i}", "tokens": n} for i, n in enumerate(args.tokens)] + [{"id": "bench", "tokens": args.bench_tokens}]
     return {"scenario": scenario, "device": args.device, "reps": args.reps, "timeout_s": args.timeout,
             "serve_poll_s": args.serve_poll_us * 1e-6, "requests": assign_blocks(sc, reqs, ["prefill"]),
-            "config": {"progress_thread": args.progress_thread, "poll_interval_s": 0.0}}
+            "config": {"progress_thread": args.progress_thread, "poll_interval_s": 0.0,
+                       "secret": os.urandom(32).hex()}}
 
 
 def report(res: dict, sc: Scenario, env: dict, args: argparse.Namespace, wall: float) -> tuple[str, bool]:

@@ -126,12 +126,21 @@ def group_pages(geom: object, group: int) -> list[Page]:
     return list(out.values())
 
 
+def _as_page(page: object, heads: int | None) -> Page:
+    """A :class:`Page`, or a region-like value (``index``, ``block_len``, ``block_stride``: a whole block)."""
+    if isinstance(page, Page):
+        return page if heads is None else Page(page.region, page.offset, page.length, page.stride, heads)
+    return Page(page.index, 0, page.block_len, page.block_stride, heads or 1)  # type: ignore[attr-defined]
+
+
 def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, first: int, count: int,
-                       tokens: int) -> np.ndarray:
+                       tokens: int, heads: int | None = None) -> np.ndarray:
     """``(region, offset, length)`` rows zeroing the consumer's kernel blocks ``kernel_ids`` outside fine
     positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens), in
-    every page of ``pages``. Head-major pages (``heads`` > 1) zero one run per head; others one run per token
+    every page of ``pages`` (:class:`Page` values, or region-like values viewed whole). Head-major pages
+    (``heads`` > 1: each page's own, or ``heads`` for all) zero one run per head; others one run per token
     range."""
+    pages = [_as_page(p, heads) for p in pages]
     n = kernel_ids.size * units
     lo, hi = first, first + count
     blocks = np.arange(kernel_ids.size)

@@ -18,6 +18,7 @@ __all__ = [
     "BlockIds",
     "as_ids",
     "as_group_ids",
+    "check_distinct",
     "check_positive_int",
     "logical_to_kernel",
     "get_mapped_blocks",
@@ -78,6 +79,26 @@ def as_group_ids(block_ids: BlockIds, group_is_ssm: Sequence[bool], field: str) 
             expected=len(group_is_ssm),
         )
     return [as_ids(g, f"{field}[{i}]") for i, g in enumerate(block_ids)]
+
+
+def check_distinct(groups: Sequence[np.ndarray], field: str) -> None:
+    """Refuse a request whose block ids repeat: twice in one group (two transfers into one page), or one
+    id in two groups (hybrid groups share one block pool and one page per id, so two groups would alias).
+    :class:`BlockIdError` names the group(s) and the id. Vectorised: one sort over all ids."""
+    sizes = [int(np.asarray(g).size) for g in groups]
+    if sum(sizes) < 2:
+        return
+    ids = np.concatenate([np.asarray(g, dtype=np.int64).ravel() for g in groups])
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    order = np.argsort(ids, kind="stable")
+    dup = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+    if dup.size:
+        i = int(dup[0])
+        a, b, bid = int(owner[order[i]]), int(owner[order[i + 1]]), int(ids[order[i]])
+        if a == b:
+            raise BlockIdError(f"{field}[{a}]", f"block id {bid} appears twice in group {a}", value=bid, group=a)
+        raise BlockIdError(f"{field}[{b}]", f"block id {bid} is in group {a} and in group {b}; groups share one "
+                           "block pool, so one id cannot belong to two groups", value=bid, groups=(a, b))
 
 
 def _expand(ids: np.ndarray, ratio: int) -> np.ndarray:

@@ -21,9 +21,55 @@ from .errors import CardError, KvgeomError
 from .geometry import RankGeometry, rank_geometry
 from .spec import ModelSpec
 
-__all__ = ["CARD_VERSION", "GeometryCard", "card_of"]
+__all__ = ["CARD_VERSION", "CardLimits", "DEFAULT_LIMITS", "GeometryCard", "card_of"]
 
 CARD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CardLimits:
+    """Bounds a card received from a peer must respect, checked on the raw JSON before anything is
+    derived or allocated (a card is untrusted input: its sizes decide how large the peer's descriptor
+    tables are). ``max_table_rows`` bounds kernel blocks x layers, the size of one descriptor table."""
+
+    max_layers: int = 1024
+    max_kernel_blocks: int = 1 << 22
+    max_table_rows: int = 1 << 25
+
+
+DEFAULT_LIMITS = CardLimits()
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _check_limits(data: dict[str, Any], limits: CardLimits) -> None:
+    """Refuse a card whose layer, region or block counts exceed ``limits`` (before parsing it)."""
+    model, engine, derived = data.get("model"), data.get("engine"), data.get("derived")
+    layers = model.get("layers") if isinstance(model, dict) else None
+    n_layers = len(layers) if isinstance(layers, list) else 0
+    if n_layers > limits.max_layers:
+        raise CardError("model.layers", f"{n_layers} layers exceed the limit of {limits.max_layers}",
+                        value=n_layers, expected=limits.max_layers)
+    regions = derived.get("regions") if isinstance(derived, dict) else None
+    if isinstance(regions, list) and len(regions) > max(limits.max_layers, n_layers):
+        raise CardError("derived.regions", f"{len(regions)} regions exceed the limit of {limits.max_layers}",
+                        value=len(regions), expected=limits.max_layers)
+    if not isinstance(engine, dict):
+        return
+    blocks, size = _int(engine.get("num_blocks")), _int(engine.get("block_size"))
+    kernel = _int(engine.get("kernel_block_size")) or size
+    if blocks is None or size is None or not kernel or kernel <= 0 or size <= 0:
+        return  # malformed: EngineConfig refuses it with its own error
+    kernel_blocks = blocks * max(1, size // kernel)
+    if kernel_blocks > limits.max_kernel_blocks:
+        raise CardError("engine.num_blocks", f"{blocks} blocks ({kernel_blocks} kernel blocks) exceed the limit of "
+                        f"{limits.max_kernel_blocks} kernel blocks", value=blocks, expected=limits.max_kernel_blocks)
+    if kernel_blocks * max(1, n_layers) > limits.max_table_rows:
+        raise CardError("engine.num_blocks", f"{kernel_blocks} kernel blocks x {n_layers} layers exceed the limit "
+                        f"of {limits.max_table_rows} table rows", value=kernel_blocks * n_layers,
+                        expected=limits.max_table_rows)
 
 
 def _derived(geom: RankGeometry) -> dict[str, Any]:
@@ -106,7 +152,9 @@ class GeometryCard:
         return hashlib.sha256(self.model.dumps().encode()).hexdigest()[:16]
 
     @classmethod
-    def from_json(cls, data: dict[str, Any] | str) -> GeometryCard:
+    def from_json(cls, data: dict[str, Any] | str, limits: CardLimits = DEFAULT_LIMITS) -> GeometryCard:
+        """Parse and check a card: ``limits`` first (on the raw JSON), then the spec, then its derived
+        numbers against the spec's own."""
         if isinstance(data, (str, bytes)):
             try:
                 data = json.loads(data)
@@ -121,6 +169,7 @@ class GeometryCard:
         for key in ("engine_id", "model", "engine", "derived"):
             if key not in data:
                 raise CardError(key, "missing from the card", value=None)
+        _check_limits(data, limits)
         try:
             card = cls(str(data["engine_id"]), ModelSpec.from_json(data["model"]),
                        EngineConfig.from_json(data["engine"]), str(data.get("mode", "pull")))

@@ -24,6 +24,7 @@ from .blocks import (
     BlockIds,
     apply_prefix_caching,
     as_group_ids,
+    check_distinct,
     get_mapped_blocks,
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
@@ -146,6 +147,7 @@ def _select(ids: list[np.ndarray], groups: Sequence[bool]) -> list[np.ndarray]:
 
 
 def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
+    check_distinct(ids, f"{side}_ids")
     for g, x in enumerate(ids):
         if x.size and int(x.max()) >= geom.logical_num_blocks:
             raise BlockIdError(f"{side}_ids[{g}]", f"block id {int(x.max())} is past the {side} pool of "
@@ -670,6 +672,7 @@ def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: B
     kinds = consumer.group_is_ssm
     dl = as_group_ids(consumer_ids, kinds, "consumer_ids")
     pl = as_group_ids(producer_ids, kinds, "producer_ids")
+    check_distinct(dl, "consumer_ids")
     if consumer.dcp_size > 1 or producer.dcp_size > 1:
         return (), _dcp_zero_rows(consumer, producer, dl, pl, num_tokens, prefill_tokens, prefix_caching)
     dk = logical_to_kernel(dl, consumer.ppl, kinds)

@@ -24,7 +24,7 @@ from .dcp import apply_dcp_prefix_caching
 from .descids import SHARED_GROUP
 from .errors import GroupMismatchError, PlanError
 
-__all__ = ["block_ids_by_region", "apply_prefix_caching_by_region", "region_zero_ids"]
+__all__ = ["block_ids_by_region", "apply_prefix_caching_by_region", "region_zero_ids", "region_zero_rows"]
 
 
 def block_ids_by_region(block_ids: BlockIds, region_group_ids: Sequence[int]) -> list[np.ndarray]:
@@ -95,3 +95,19 @@ def region_zero_ids(local_by_region: Sequence[np.ndarray], matched_by_rank: Sequ
         covered = sum(int(np.asarray(spec[r]).size) for spec in matched_by_rank)
         out.append(np.asarray(ids, dtype=np.int64)[covered:].copy())
     return out
+
+
+def region_zero_rows(block_ids_by_region: Sequence[Sequence[int] | np.ndarray], block_lens: Sequence[int],
+                     block_strides: Sequence[int]) -> np.ndarray:
+    """``(region, offset, length)`` rows clearing pages ``block_ids_by_region[r]`` of each region ``r``
+    (page ``b`` of region ``r`` is ``[b * stride_r, b * stride_r + len_r)``), region by region."""
+    if len(block_ids_by_region) > len(block_lens) or len(block_lens) != len(block_strides):
+        raise GroupMismatchError("block_ids_by_region", f"{len(block_ids_by_region)} id lists for {len(block_lens)} "
+                                 f"regions ({len(block_strides)} strides)", value=len(block_ids_by_region),
+                                 expected=len(block_lens))
+    ids = [as_ids(x, f"block_ids_by_region[{r}]") for r, x in enumerate(block_ids_by_region)]
+    region = np.repeat(np.arange(len(ids), dtype=np.int64), [x.size for x in ids])
+    flat = np.concatenate([np.zeros(0, np.int64), *ids])
+    strides = np.asarray(block_strides, dtype=np.int64)
+    lens = np.asarray(block_lens, dtype=np.int64)
+    return np.stack([region, flat * strides[region], lens[region]], axis=1)

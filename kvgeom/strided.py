@@ -149,7 +149,8 @@ def mamba_remote_rows(remote_bases: Sequence[int], remote_block_strides: Sequenc
     rows = _ssm_rows(remote_bases, remote_block_strides, regions, pieces, rppl, nbl, device)
     if ple_region is not None:
         if local_ple_len is None or remote_ple_len is None or local_ple_len != remote_ple_len:
-            raise IncompatiblePairError("ple_block_len", "replicated state pages need identical P/D geometry",
+            raise IncompatiblePairError("ple_block_len", "PLE pages require identical P/D geometry: replicated state "
+                                        "pages are copied whole",
                                         local=local_ple_len, remote=remote_ple_len)
         rows.append((int(remote_bases[ple_region]), remote_ple_len, device,
                      int(remote_block_strides[ple_region]) * rppl, nbl))

@@ -1,14 +1,17 @@
-"""NIXL transport for kvgeom: bounded, typed wrappers around a NIXL agent, a TCP side channel for the
-handshake, and a process launcher for multi-rank runs and tests.
+"""NIXL transport for kvgeom: bounded, typed wrappers around a NIXL agent, an authenticated TCP side
+channel for the handshake, fencing of failed transfers, and a process launcher for multi-rank runs and
+tests.
 
 Importing this package is cheap: ``nixl`` and ``torch`` are imported only when an
 :class:`Endpoint` is created or tensors are registered. See ``docs/adapter.md``.
 """
 
 from .agent import Endpoint, Prepped, Region, Telemetry, Transfer, descs_from_regions
+from .auth import Auth, Notice, decode_notice, encode_notice
 from .config import TransportConfig
 from .errors import (
     AdapterError,
+    AuthenticationError,
     HandshakeTimeout,
     NotifTimeout,
     PeerGone,
@@ -16,11 +19,30 @@ from .errors import (
     StaleMetadata,
     TransferError,
 )
+from .fence import Fence, Held
 from .procs import ChildFailed, Proc, ProcGroup, Result, spawn
-from .sidechannel import SideChannelServer, check_generation, fetch, make_payload, query_generation
+from .sidechannel import (
+    SideChannelServer,
+    check_generation,
+    fetch,
+    make_payload,
+    open_payload,
+    query_generation,
+    seal_payload,
+    validate_payload,
+)
 
 __all__ = [
     "TransportConfig",
+    "Auth",
+    "Notice",
+    "encode_notice",
+    "decode_notice",
+    "Fence",
+    "Held",
+    "seal_payload",
+    "open_payload",
+    "validate_payload",
     "Endpoint",
     "Region",
     "Prepped",
@@ -40,6 +62,7 @@ __all__ = [
     "AdapterError",
     "HandshakeTimeout",
     "ProtocolError",
+    "AuthenticationError",
     "TransferError",
     "NotifTimeout",
     "PeerGone",

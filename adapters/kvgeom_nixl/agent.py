@@ -17,7 +17,7 @@ completed"; with the progress thread off the target must poll ``get_new_notifs``
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -152,8 +152,11 @@ class Prepped:
 
 
 class Transfer:
-    """A posted READ or WRITE. Call :meth:`wait` exactly once; it releases the NIXL handle whatever
-    happens (done, error, timeout)."""
+    """A posted READ or WRITE. :meth:`wait` releases the NIXL handle once the transfer ended (done or
+    error). At the deadline it raises but leaves the transfer *live*: NIXL's cancellation (releasing an
+    active handle) does not stop bytes that are still on their way (measured: a cancelled READ over TCP
+    still landed all of its bytes once the peer resumed), so the caller keeps the destination fenced and
+    polls it (:meth:`poll`) until it ends (see docs/reliability.md)."""
 
     def __init__(
         self, endpoint: Endpoint, handle: Any, op: str, peer: str, count: int, t_post: float, state: str
@@ -172,12 +175,21 @@ class Transfer:
     def state(self) -> str:
         return self._state
 
+    @property
+    def live(self) -> bool:
+        """Posted and not yet ended: its bytes may still land."""
+        return not self._released
+
     def poll(self) -> str:
         """One non-blocking state check (also drives progress when the progress thread is off)."""
-        if self._state != "PROC":
+        if self._state != "PROC" or self._released:
             return self._state
         try:
             self._state = self._endpoint._agent.check_xfer_state(self._handle)
+            if self._state == "DONE" and self._telemetry is None:
+                self._finish()
+            elif self._state == "ERR":
+                self._fail()
         except Exception as e:
             self._fail()
             raise _wrap(
@@ -187,8 +199,8 @@ class Transfer:
 
     def wait(self, deadline: float | None = None, *, timeout_s: float | None = None) -> Telemetry:
         """Poll until DONE; raise :class:`TransferError` on an error state or at the deadline (absolute
-        ``time.monotonic()``; default now + ``transfer_timeout_s``), :class:`PeerGone` if the peer
-        disconnected. Returns the transfer's :class:`Telemetry`."""
+        ``time.monotonic()``; default now + ``transfer_timeout_s``; the transfer then stays live),
+        :class:`PeerGone` if the peer disconnected. Returns the transfer's :class:`Telemetry`."""
         if self._telemetry is not None:
             return self._telemetry
         if self._released:
@@ -206,7 +218,6 @@ class Transfer:
             if state == "DONE":
                 return self._finish()
             if state == "ERR":
-                self._fail()
                 raise TransferError(
                     f"{self.op} of {self.count} descriptors ended in state ERR",
                     stage="wait",
@@ -215,10 +226,9 @@ class Transfer:
                 )
             now = time.monotonic()
             if now >= end:
-                self._fail()
                 raise TransferError(
-                    f"{self.op} of {self.count} descriptors not done after {now - self._t_post:.3f}s "
-                    "(deadline passed; cancellation requested, but the bytes and the notification may still reach the peer)",
+                    f"{self.op} of {self.count} descriptors not done after {now - self._t_post:.3f}s; the "
+                    "transfer stays live (releasing it would not stop its bytes): poll it until it ends",
                     stage="wait",
                     peer=self.peer,
                     status="TIMEOUT",
@@ -227,6 +237,8 @@ class Transfer:
                 time.sleep(min(pause, max(0.0, end - now)))
 
     def _finish(self) -> Telemetry:
+        if self._telemetry is not None:
+            return self._telemetry
         wall = time.monotonic() - self._t_post
         desc = total = post = xfer = None
         ep = self._endpoint
@@ -301,7 +313,8 @@ class Endpoint:
         self._prepped: set[Prepped] = set()
         self._transfers: set[Transfer] = set()
         self._leaked: list[Any] = []
-        self._notifs: dict[str, Counter[bytes]] = {}
+        self._notifs: deque[tuple[float, str, bytes]] = deque()  # (arrival, peer, message), oldest first
+        self.dropped_notifs = 0  # expired or over the cap, never consumed
         self._closed = False
 
     # ------------------------------------------------------------------------------ registration
@@ -422,8 +435,14 @@ class Endpoint:
         return name
 
     def remove_peer(self, name: str) -> None:
-        """Forget a peer: release our prepared handles towards it and drop its metadata. Unknown: no-op."""
+        """Forget a peer: release our prepared handles towards it and drop its metadata. Unknown: no-op.
+        Refused (``TransferError``, status ``BUSY``) while transfers towards it are live: removing the
+        peer does not stop their bytes (measured), and their handles refer to its metadata."""
         self._check_open()
+        live = [x for x in self._transfers if x.peer == name and x.live]
+        if live:
+            raise TransferError(f"{len(live)} transfer(s) towards {name} are still live; let them end first",
+                                stage="remove_peer", peer=name, status="BUSY")
         for p in [p for p in self._prepped if p.peer == name]:
             p.release()
         if self._peers.pop(name, None) is None:
@@ -540,19 +559,43 @@ class Endpoint:
         return xfer
 
     # ------------------------------------------------------------------------------ notifications
-    def notifications(self) -> dict[str, Counter[bytes]]:
-        """Drain NIXL's new notifications into our per-peer counters and return a copy of them (not
-        consumed). Also drives progress: a target must call this (or :meth:`wait_notifications`)
-        while transfers towards it are in flight when the progress thread is off."""
-        self._check_open()
+    def _pull_notifs(self) -> None:
+        """Move NIXL's new notifications into our bounded, expiring store (drives progress too)."""
         try:
             new = self._agent.get_new_notifs()
         except Exception as e:
             raise _wrap(e, "get_new_notifs", stage="notif", peer=None) from e
+        now = time.monotonic()
         for peer, msgs in new.items():
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-            self._notifs.setdefault(peer, Counter()).update(bytes(m) for m in msgs)
-        return {p: Counter(c) for p, c in self._notifs.items() if c}
+            self._notifs.extend((now, peer, bytes(m)) for m in msgs)
+        old = now - self.config.notif_ttl_s
+        cap = self.config.max_pending_notifs
+        while self._notifs and (self._notifs[0][0] < old or len(self._notifs) > cap):
+            self._notifs.popleft()
+            self.dropped_notifs += 1
+
+    def notifications(self) -> dict[str, Counter[bytes]]:
+        """Drain NIXL's new notifications into our store and return a per-peer count of what is pending
+        (not consumed). Also drives progress: a target must call this (or :meth:`take_notifications`,
+        :meth:`wait_notifications`) while transfers towards it are in flight when the progress thread
+        is off. Unconsumed notifications expire after ``notif_ttl_s``; at most ``max_pending_notifs``
+        are kept."""
+        self._check_open()
+        self._pull_notifs()
+        out: dict[str, Counter[bytes]] = {}
+        for _, p, m in self._notifs:
+            out.setdefault(p, Counter())[m] += 1
+        return out
+
+    def take_notifications(self) -> list[tuple[str, bytes]]:
+        """Drain and consume every pending notification: ``[(peer, message), ...]`` in arrival order.
+        ``peer`` is the name the sender *claims* (NIXL does not authenticate it)."""
+        self._check_open()
+        self._pull_notifs()
+        out = [(p, m) for _, p, m in self._notifs]
+        self._notifs.clear()
+        return out
 
     def wait_notifications(
         self,
@@ -565,34 +608,26 @@ class Endpoint:
     ) -> list[tuple[str, bytes]]:
         """Wait until ``count`` notifications starting with ``tag_prefix`` arrived (from ``peer``, or
         from anyone if ``None``), consume and return them as ``(peer, message)``. Raises
-        :class:`NotifTimeout` at the deadline (default now + ``notif_timeout_s``), consuming nothing."""
+        :class:`NotifTimeout` at the deadline (default now + ``notif_timeout_s``), consuming nothing.
+        Prefix matching is for simple tools and tests; :class:`~kvgeom_nixl.kvrank.KVRank` matches
+        authenticated notices exactly instead."""
         end = _deadline(deadline, timeout_s, self.config.notif_timeout_s)
         tag_prefix = tag_prefix.encode() if isinstance(tag_prefix, str) else bytes(tag_prefix)
         pause = self.config.poll_interval_s
         while True:
-            self.notifications()
-            matches = [
-                (p, m, n)
-                for p, c in self._notifs.items()
-                if peer is None or p == peer
-                for m, n in c.items()
-                if n > 0 and m.startswith(tag_prefix)
-            ]
-            if sum(n for _, _, n in matches) >= count:
-                taken: list[tuple[str, bytes]] = []
-                for p, m, n in sorted(matches):
-                    k = min(n, count - len(taken))
-                    self._notifs[p][m] -= k
-                    if self._notifs[p][m] <= 0:
-                        del self._notifs[p][m]
-                    taken.extend([(p, m)] * k)
-                    if len(taken) == count:
-                        return taken
+            self._check_open()
+            self._pull_notifs()
+            hits = [i for i, (_, p, m) in enumerate(self._notifs)
+                    if (peer is None or p == peer) and m.startswith(tag_prefix)]
+            if len(hits) >= count:
+                keep = set(hits[:count])
+                taken = [(p, m) for i, (_, p, m) in enumerate(self._notifs) if i in keep]
+                self._notifs = deque(x for i, x in enumerate(self._notifs) if i not in keep)
+                return taken
             now = time.monotonic()
             if now >= end:
-                have = sum(n for _, _, n in matches)
                 raise NotifTimeout(
-                    f"{have} of {count} notification(s) with prefix {tag_prefix!r} arrived before the deadline",
+                    f"{len(hits)} of {count} notification(s) with prefix {tag_prefix!r} arrived before the deadline",
                     stage="notif",
                     peer=peer,
                     status="TIMEOUT",
@@ -609,6 +644,17 @@ class Endpoint:
         except Exception as e:
             raise _wrap(e, "send_notif", stage="notif", peer=peer) from e
 
+    # ------------------------------------------------------------------------------ accounting
+    def live_transfers(self, peer: str | None = None) -> list[Transfer]:
+        """Transfers posted and not yet ended (towards ``peer``, or all)."""
+        return [x for x in self._transfers if x.live and (peer is None or x.peer == peer)]
+
+    def handle_counts(self) -> dict[str, int]:
+        """What this endpoint holds: prepared lists, live transfers, handles NIXL refused to release,
+        peers, pending (unconsumed) notifications. Flat across requests in a healthy process."""
+        return {"prepped": len(self._prepped), "transfers": len(self._transfers), "leaked": len(self._leaked),
+                "peers": len(self._peers), "pending_notifs": len(self._notifs)}
+
     # ------------------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
         if self._closed:
@@ -619,9 +665,7 @@ class Endpoint:
         end = time.monotonic() + seconds
         while True:
             try:
-                for peer, msgs in self._agent.get_new_notifs().items():
-                    peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-                    self._notifs.setdefault(peer, Counter()).update(bytes(m) for m in msgs)
+                self._pull_notifs()
             except Exception:
                 pass
             if time.monotonic() >= end:

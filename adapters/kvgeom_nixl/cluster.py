@@ -1,15 +1,26 @@
 """P and D engines as separate OS processes on loopback, one NIXL agent per rank, running requests end
-to end and checking every received byte.
+to end, with a scheduler that reuses blocks, retries failed requests and injects faults, and every byte
+of D checked at the end.
 
 ``run_cluster(spec)`` starts every rank of every prefill engine and of the decode engine (``spawn``
-processes), exchanges side-channel ports, lets the local side (D in pull, P in push) run the requests,
-and collects each rank's report. A spec is a plain dict (it crosses process boundaries)::
+processes) and plays the scheduler in the parent: it hands each request D block ids from a pool (LIFO:
+a block given back is the next one handed out, so a fencing bug shows at once), sends the request to
+the D ranks (pull: they read; push: they wait while the P ranks write), retries a failed request with a
+new attempt, and gives a failed attempt's blocks back only once every D rank reports them *settled*
+(:meth:`KVRank.settle`: nothing can write them any more). A spec is a plain dict::
 
     {"scenario": {...},                      # kvgeom.scenario.Scenario JSON: model, prefill, decode, mode
-     "requests": [{"id": "r0", "tokens": 700, "engine": "prefill"}, ...],
+     "requests": [{"id": "r0", "tokens": 700, "engine": "prefill"}, ...],  # an id listed again: a later retry;
+                                              # "delay_s": pause before sending this entry
      "prefill_engines": ["prefill"],          # several P engines may serve one D engine
-     "config": {...},                         # TransportConfig fields
-     "faults": {...}}                         # optional, see FAULTS
+     "config": {...},                         # TransportConfig fields (``secret`` or ``insecure``)
+     "retries": 0,                            # extra attempts of a failed request
+     "env": {"UCX_TLS": "tcp"},               # environment of every rank (before NIXL loads)
+     "push_deadline": True,                   # P refuses to post an attempt past its deadline
+     "drain_s": 5.0,                          # how long D ranks settle quarantined blocks at the end
+     "linger_s": 0.0,                         # how long D ranks keep driving NIXL at the end in any case
+     "check_each": True,                      # check each request's bytes when it completes (costly)
+     "faults": {...}}                         # optional, see FAULTS (``at``: a request id or a list)
 
 Every wait is bounded; every process is ended when ``run_cluster`` returns (``ProcGroup``).
 """
@@ -19,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import queue as queue_mod
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,24 +43,42 @@ from kvgeom.scenario import Scenario
 from kvgeom.testing import CoordSpace
 
 from .config import TransportConfig
-from .content import BACKGROUND, POISON_BYTE, fill_source, verify
+from .content import BACKGROUND, POISON_BYTE, check_request, fill_source, verify_report
 from .errors import AdapterError, StaleMetadata
 from .kvrank import KVRank
 from .procs import ProcGroup
 
-__all__ = ["FAULTS", "assign_blocks", "run_cluster"]
+__all__ = ["FAULTS", "BlockPool", "assign_blocks", "run_cluster"]
 
 FAULTS = {
-    "kill": "SIGKILL every rank of engine `engine` once D reports request `after` done",
+    "kill": "SIGKILL every rank of engine `engine` once request `after` is done",
     "silent": "engine `engine` serves a side channel that never answers (its metadata never arrives)",
-    "bad_regions": "engine `engine` advertises region addresses it never registered (prep fails)",
-    "reregister": "engine `engine` re-registers its memory once D reports request `after` done",
+    "bad_regions": "engine `engine` advertises region addresses it never registered",
+    "reregister": "engine `engine` re-registers its memory once request `after` is done",
+    "stop": "SIGSTOP engine `engine` (every rank, or rank `rank`) just before attempt `attempt` (default 1) of "
+            "request `at` is sent (`when`: before), or `delay_s` after D starts it (`when`: after_post); SIGCONT "
+            "`seconds` later",
+    "busy": "engine `engine` (every rank, or rank `rank`) stops driving NIXL (alive, its side channel answers) "
+            "for `seconds` before attempt `attempt` (default 1) of request `at`",
+    "lie": "engine `engine` serves a lying handshake payload: `what` is num_blocks | sizes | unregistered | "
+           "overlap | impersonate | swap",
+    "rogue": "a process with no role tries every side channel without the secret; given the ranks' leaked NIXL "
+             "metadata it forges W notices to D and D notices to P for attempt `attempt` of request `at`",
 }
 STEP_S = 30.0
 
 
 def _config(spec: dict) -> TransportConfig:
     return TransportConfig(**spec.get("config", {}))
+
+
+def _groups(sc: Scenario, engine: Any) -> list[bool]:
+    return [g.is_ssm for g in rank_geometry(sc.model, engine).groups]
+
+
+def _need(sc: Scenario, engine: Any, tokens: int) -> list[int]:
+    """Blocks per group a request of ``tokens`` needs on ``engine``."""
+    return [1 if ssm else math.ceil(tokens / engine.block_size) for ssm in _groups(sc, engine)]
 
 
 def assign_blocks(sc: Scenario, requests: list[dict], engines: list[str]) -> list[dict]:
@@ -62,10 +92,8 @@ def assign_blocks(sc: Scenario, requests: list[dict], engines: list[str]) -> lis
         r = dict(req)
         r.setdefault("engine", engines[0])
         for side, eng, pool in (("p_ids", sc.prefill, pools[r["engine"]]), ("d_ids", sc.decode, pools["decode"])):
-            groups = rank_geometry(sc.model, eng).groups
             ids = []
-            for g in groups:
-                n = 1 if g.is_ssm else math.ceil(r["tokens"] / eng.block_size)
+            for n in _need(sc, eng, r["tokens"]):
                 if n > len(pool):
                     raise KvgeomError("num_blocks", f"the requests need more blocks than the {side[0].upper()} pool "
                                       "holds", value=eng.num_blocks)
@@ -75,34 +103,176 @@ def assign_blocks(sc: Scenario, requests: list[dict], engines: list[str]) -> lis
     return out
 
 
+class BlockPool:
+    """The logical block ids of one engine, as a scheduler hands them out: a LIFO free list (the block
+    given back last is the next one handed out), so that a block given back too early is reused at once."""
+
+    def __init__(self, num_blocks: int, seed: int = 1234) -> None:
+        self.free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
+        self.out: set[int] = set()
+
+    def take(self, counts: list[int]) -> list[list[int]] | None:
+        """One id list per group (``counts[g]`` ids each), or ``None`` if the pool is short."""
+        if sum(counts) > len(self.free):
+            return None
+        ids = [[self.free.pop() for _ in range(n)] for n in counts]
+        self.out.update(b for g in ids for b in g)
+        return ids
+
+    def give(self, ids: list[list[int]]) -> None:
+        for b in (b for g in ids for b in g):
+            if b not in self.out:
+                raise ValueError(f"block {b} given back but not handed out")
+            self.out.discard(b)
+            self.free.append(b)
+
+
+def _sources(spec: dict) -> list[dict]:
+    """One entry per distinct (request id, engine): the P blocks holding that request on that engine."""
+    seen: dict[tuple[str, str], dict] = {}
+    for r in spec["requests"]:
+        seen.setdefault((r["id"], r["engine"]), r)
+    return list(seen.values())
+
+
+def _prepare(sc: Scenario, requests: list[dict], engines: list[str]) -> list[dict]:
+    """Each entry gets its engine, its request's salt (one per request id) and P ids per (id, engine)."""
+    salts: dict[str, int] = {}
+    entries = []
+    for r in requests:
+        r = dict(r)
+        r.setdefault("engine", engines[0])
+        r["salt"] = salts.setdefault(r["id"], len(salts))
+        entries.append(r)
+    blocks = {(r["id"], r["engine"]): r for r in assign_blocks(sc, _sources({"requests": entries}), engines)}
+    return [dict(r, p_ids=blocks[(r["id"], r["engine"])]["p_ids"]) for r in entries]
+
+
 def _space(sc: Scenario, requests: list[dict]) -> CoordSpace:
     return CoordSpace(sc.model, max(r["tokens"] for r in requests) + max(sc.prefill.block_size, sc.decode.block_size))
 
 
-# ----------------------------------------------------------------------------------------- ranks
+def _env(spec: dict) -> None:
+    os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
+
+
+def _poll_inbox(inbox: Any, timeout: float) -> tuple[str, Any] | None:
+    try:
+        return inbox.get(timeout=timeout)
+    except queue_mod.Empty:
+        return None
+
+
+# ----------------------------------------------------------------------------------------- producer
 def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) -> dict:
+    _env(spec)
     sc = Scenario.from_json(spec["scenario"])
     card = GeometryCard(engine, sc.model, sc.prefill.with_rank(rank), sc.mode)
     fault = spec.get("faults", {})
-    mine = [r for r in spec["requests"] if r["engine"] == engine]
+    mine = [(r["salt"], r) for r in _sources(spec) if r["engine"] == engine]
+    space = _space(sc, spec["requests"])
     with KVRank(card, _config(spec)) as kv:
-        for t in kv.tensors:
-            t.fill_(BACKGROUND)
-        space = _space(sc, spec["requests"])
-        for r in mine:
-            fill_source(kv.tensors, card, space, r["p_ids"], r["tokens"])
-        if fault.get("silent") == engine:
-            port = _silent_port()
-        else:
-            port = kv.port
+        _fill(kv, card, space, mine)
+        port = _silent_port() if fault.get("silent") == engine else kv.port
         if fault.get("bad_regions") == engine:
             payload = kv.payload()
             payload["regions"] = [(a + (1 << 40), n, d) for a, n, d in payload["regions"]]
             kv.server.update(payload)
+        lie = fault.get("lie", {})
+        if lie.get("engine") == engine:
+            kv.server.update(_lie(kv, lie["what"]))
         events.put(("ready", engine, rank, port))
-        if sc.mode == "push":
-            return _produce_push(spec, sc, kv, engine, mine, events, inbox)
-        return _serve_pull(sc, kv, engine, mine, space, events, inbox)
+        if "rogue" in fault:
+            events.put(("leak", engine, rank, {"agent": kv.ep.name, "metadata": kv.ep.metadata()}))
+        ports = _wait_ports(inbox)
+        out = {"engine": engine, "rank": rank, "results": [], "released": []}
+        released: set[str] = set()
+        expected = max(1, sc.decode.tp_size // sc.prefill.tp_size)
+        deadline = time.monotonic() + 20 * STEP_S
+        exiting = None
+        connected = False
+        while time.monotonic() < deadline:
+            for rid, n in kv.released().items():  # consumes the D notices (authenticated, one per D rank)
+                if n >= expected:
+                    released.add(rid)
+                    kv.forget_released(rid)
+            kv.settle()  # our fenced WRITEs: their W (or A) notices go out when they end
+            if exiting is not None and (time.monotonic() > exiting or (
+                    not kv.quarantined() if sc.mode == "push" else all(r["id"] in released for _, r in mine))):
+                break
+            msg = _poll_inbox(inbox, 0.002)
+            if msg is None:
+                continue
+            cmd, data = msg
+            if cmd == "exit":
+                exiting = time.monotonic() + 3.0  # bounded wait for stragglers' notices
+            elif cmd == "busy":
+                time.sleep(float(data))  # alive, answering its side channel, but not driving NIXL
+            elif cmd == "reregister":
+                kv.reregister()
+                _fill(kv, card, space, mine)
+                events.put(("reregistered", engine, rank, kv.ep.generation))
+            elif cmd == "push":
+                row = _push(kv, spec, sc, data, ports, connected)
+                connected = row.pop("connected")
+                out["results"].append(row)
+                events.put(("pushed", engine, rank, row))
+        kv.check_peers(sc.mode)
+        out.update(released=sorted(released), rejected=kv.rejected, stats=dict(kv.stats),
+                   handles=kv.ep.handle_counts(), held=len(kv.quarantined()))
+        return out
+
+
+def _fill(kv: KVRank, card: GeometryCard, space: CoordSpace, mine: list[tuple[int, dict]]) -> None:
+    for t in kv.tensors:
+        t.fill_(BACKGROUND)
+    for salt, r in mine:
+        fill_source(kv.tensors, card, space, r["p_ids"], r["tokens"], salt)
+
+
+def _push(kv: KVRank, spec: dict, sc: Scenario, req: dict, ports: dict, connected: bool) -> dict:
+    t0 = time.monotonic()
+    try:
+        if not connected:
+            kv.connect("decode", ports["decode"], mode="push", compat=sc.compat)
+            connected = True
+        not_after = req["not_after"] if spec.get("push_deadline", True) else None
+        res = kv.push("decode", req["p_ids"], req["d_ids"], req["id"], req["id"], num_tokens=req["tokens"],
+                      attempt=req["attempt"], not_after=not_after)
+        row = res.__dict__ | {"telemetry": None}
+    except (AdapterError, KvgeomError) as exc:
+        if isinstance(exc, StaleMetadata):
+            connected = False
+        row = {"request_id": req["id"], "attempt": req["attempt"], "ok": False,
+               "error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    return row | {"connected": connected}
+
+
+def _lie(kv: KVRank, what: str) -> dict:
+    """A payload that lies about the rank's geometry or identity (sealed: the liar holds the secret)."""
+    p = kv.payload()
+    card = p["card"]
+    if what == "num_blocks":
+        card["engine"]["num_blocks"] = 1 << 26
+    elif what == "sizes":
+        p["regions"] = [(a, n // 2, d) for a, n, d in p["regions"]]
+    elif what == "unregistered":
+        p["regions"] = [(a + (1 << 40), n, d) for a, n, d in p["regions"]]
+    elif what == "overlap":
+        p["regions"] = [(p["regions"][0][0], n, d) for _, n, d in p["regions"]]
+    elif what == "impersonate":
+        p["engine_id"] = card["engine_id"] = "someone-else"
+    elif what == "swap":  # two regions of equal size trade places: only the liar knows
+        regions = [list(r) for r in p["regions"]]
+        pair = next(((i, j) for i in range(len(regions)) for j in range(i + 1, len(regions))
+                     if regions[i][1] == regions[j][1]), None)
+        if pair:
+            i, j = pair
+            regions[i][0], regions[j][0] = regions[j][0], regions[i][0]
+        p["regions"] = regions
+    else:
+        raise ValueError(f"lie: unknown what={what!r}")
+    return p
 
 
 def _silent_port() -> int:
@@ -116,75 +286,16 @@ def _silent_port() -> int:
     return s.getsockname()[1]
 
 
-def _serve_pull(sc: Scenario, kv: KVRank, engine: str, mine: list[dict], space: CoordSpace, events: Any,
-                inbox: Any) -> dict:
-    """P in pull mode: keep NIXL progressing, validate the D cards that arrive, count releases."""
-    expected = max(1, sc.decode.tp_size // sc.prefill.tp_size)
-    released: dict[str, int] = {}
-    deadline = time.monotonic() + 10 * STEP_S
-    exiting = False
-    while time.monotonic() < deadline:
-        released = {}
-        for counter in kv.ep.notifications().values():  # drives progress (no progress thread)
-            for msg, n in counter.items():
-                rid = msg.decode().split(":")[0]
-                released[rid] = released.get(rid, 0) + n
-        if exiting and all(released.get(r["id"], 0) >= expected for r in mine):
-            break  # every request was released (notifications may trail the consumer's completion)
-        try:
-            cmd, data = inbox.get(timeout=0.002)
-        except queue_mod.Empty:
-            continue
-        if cmd == "exit":
-            exiting, deadline = True, min(deadline, time.monotonic() + 5.0)  # bounded wait for stragglers
-        if cmd == "reregister":
-            kv.reregister()
-            for t in kv.tensors:
-                t.fill_(BACKGROUND)
-            for r in mine:  # fresh memory holds the requests' content again
-                fill_source(kv.tensors, kv.card, space, r["p_ids"], r["tokens"])
-            events.put(("reregistered", engine, kv.rank, kv.ep.generation))
-    kv.check_peers(sc.mode)
-    done = sorted(r["id"] for r in mine if released.get(r["id"], 0) >= expected)
-    return {"engine": engine, "rank": kv.rank, "released": done, "rejected": kv.rejected,
-            "notifications": sum(released.values())}
-
-
-def _produce_push(spec: dict, sc: Scenario, kv: KVRank, engine: str, mine: list[dict], events: Any,
-                  inbox: Any) -> dict:
-    ports = _wait_ports(inbox)
-    results = []
-    try:
-        kv.connect("decode", ports["decode"], mode="push", compat=sc.compat)
-    except (AdapterError, KvgeomError) as exc:
-        return {"engine": engine, "rank": kv.rank, "error": f"{type(exc).__name__}: {exc}", "results": []}
-    for r in mine:
-        res = kv.push("decode", r["p_ids"], r["d_ids"], r["id"], r["id"], num_tokens=r["tokens"])
-        results.append(res.__dict__ | {"telemetry": None})
-    _wait_cmd(inbox, "exit")
-    return {"engine": engine, "rank": kv.rank, "results": results}
-
-
 def _wait_ports(inbox: Any) -> dict:
-    cmd, data = inbox.get(timeout=STEP_S)
+    cmd, data = inbox.get(timeout=10 * STEP_S)  # every rank must be ready first (filling can be slow)
     if cmd != "ports":
         raise RuntimeError(f"expected the port map, got {cmd!r}")
     return {e: {int(r): p for r, p in ranks.items()} for e, ranks in data.items()}
 
 
-def _wait_cmd(inbox: Any, want: str) -> Any:
-    deadline = time.monotonic() + 10 * STEP_S
-    while time.monotonic() < deadline:
-        try:
-            cmd, data = inbox.get(timeout=0.05)
-        except queue_mod.Empty:
-            continue
-        if cmd == want:
-            return data
-    raise TimeoutError(f"no {want!r} command within {10 * STEP_S}s")
-
-
+# ----------------------------------------------------------------------------------------- consumer
 def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
+    _env(spec)
     sc = Scenario.from_json(spec["scenario"])
     card = GeometryCard("decode", sc.model, sc.decode.with_rank(rank), sc.mode)
     space = _space(sc, spec["requests"])
@@ -192,53 +303,219 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
         for t in kv.tensors:
             t.fill_(POISON_BYTE)
         events.put(("ready", "decode", rank, kv.port))
+        if "rogue" in spec.get("faults", {}):
+            events.put(("leak", "decode", rank, {"agent": kv.ep.name, "metadata": kv.ep.metadata()}))
         ports = _wait_ports(inbox)
-        results = []
-        for r in spec["requests"]:
-            t0 = time.monotonic()
-            try:
-                if sc.mode == "pull":
-                    if r["engine"] not in kv.pairings:
-                        kv.connect(r["engine"], ports[r["engine"]], mode="pull", compat=sc.compat)
-                    res = kv.pull(r["engine"], r["d_ids"], r["p_ids"], r["id"], r["id"], num_tokens=r["tokens"])
-                else:
-                    producer = GeometryCard(r["engine"], sc.model, sc.prefill, "push")
-                    expected = max(1, sc.prefill.tp_size // sc.decode.tp_size)
-                    res = kv.wait_received(producer, r["d_ids"], r["p_ids"], r["id"], expected,
-                                           num_tokens=r["tokens"])
-                row = res.__dict__ | {"telemetry": None}
-            except (AdapterError, KvgeomError) as exc:
-                kv.invalidate(r["d_ids"])
-                if isinstance(exc, StaleMetadata):  # handshake again before the next request
-                    kv.pairings.pop(r["engine"], None)
-                row = {"request_id": r["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                       "seconds": time.monotonic() - t0}
-            results.append(row)
-            events.put(("done", "decode", rank, row))
-            _maybe_pause(inbox)
-        first = {r["id"]: 0 for r in spec["requests"]}
-        report = verify(kv.tensors, card, space,
-                        [(r["d_ids"], first[r["id"]], r["tokens"], row["ok"]) for r, row in zip(spec["requests"],
-                                                                                             results)])
-        return {"rank": rank, "results": results, "mismatches": [str(m) for m in report],
-                "checked_bytes": int(sum(t.numel() for t in kv.tensors))}
+        if sc.mode == "push":
+            for e in spec.get("prefill_engines", ["prefill"]):
+                kv.watch(e, ports[e])
+        rows: list[dict] = []
+        last_settle = 0.0
+        deadline = time.monotonic() + 20 * STEP_S
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if now - last_settle > 0.02:
+                last_settle = now
+                for s in kv.settle():
+                    events.put(("settled", "decode", rank, (s.request_id, s.attempt, s.held_s, s.cleared_by)))
+            msg = _poll_inbox(inbox, 0.005)
+            if msg is None:
+                continue
+            cmd, data = msg
+            if cmd == "req":
+                if spec.get("faults", {}).get("stop", {}).get("when") == "after_post":
+                    events.put(("posting", "decode", rank, (data["id"], data["attempt"])))
+                row = _consume(kv, sc, data, ports)
+                if row["ok"] and spec.get("check_each", True):  # what a consumer reads now: every byte checked
+                    row["bad_at_completion"] = check_request(kv.tensors, card, space, data["d_ids"], data["tokens"],
+                                                             data["salt"])
+                rows.append(row)
+                for st in kv.settle():  # before "done": the scheduler reuses what is settled at once
+                    events.put(("settled", "decode", rank, (st.request_id, st.attempt, st.held_s, st.cleared_by)))
+                events.put(("done", "decode", rank, row))
+            elif cmd == "drop":  # a request failed on another rank: its blocks are invalid here too
+                kv.invalidate(data)
+            elif cmd == "finish":
+                drain_s, linger_s = data
+                t_fin = time.monotonic()
+                while time.monotonic() < t_fin + drain_s and (kv.quarantined() or time.monotonic() < t_fin + linger_s):
+                    for s in kv.settle():
+                        events.put(("settled", "decode", rank, (s.request_id, s.attempt, s.held_s, s.cleared_by)))
+                    time.sleep(0.01)
+                events.put(("finished", "decode", rank, [h.token for h in kv.quarantined()]))
+            elif cmd == "verify":
+                rep = verify_report(kv.tensors, card, space, data["requests"], data["free"], data["skip"])
+                return {"rank": rank, "results": rows, "mismatches": [str(m) for m in rep.mismatches],
+                        "bad_bytes": rep.bad_bytes, "bad_outside": rep.bad_outside, "checked_bytes": rep.checked_bytes,
+                        "skipped_bytes": rep.skipped_bytes, "stats": dict(kv.stats),
+                        "handles": kv.ep.handle_counts(), "held": [h.token for h in kv.quarantined()]}
+        raise TimeoutError("consumer: no verify command in time")
 
 
-def _maybe_pause(inbox: Any) -> None:
-    """Let the parent inject a fault between two requests (it answers every 'done' with 'go')."""
-    _wait_cmd(inbox, "go")
+def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict) -> dict:
+    t0 = time.monotonic()
+    try:
+        if sc.mode == "pull":
+            if req["engine"] not in kv.pairings:
+                kv.connect(req["engine"], ports[req["engine"]], mode="pull", compat=sc.compat)
+            res = kv.pull(req["engine"], req["d_ids"], req["p_ids"], req["id"], req["id"], num_tokens=req["tokens"],
+                          attempt=req["attempt"])
+        else:
+            producer = GeometryCard(req["engine"], sc.model, sc.prefill, "push")
+            res = kv.wait_received(producer, req["d_ids"], req["p_ids"], req["id"], num_tokens=req["tokens"],
+                                   attempt=req["attempt"])
+        return res.__dict__ | {"telemetry": None}
+    except (AdapterError, KvgeomError) as exc:
+        if isinstance(exc, StaleMetadata):  # handshake again before the next request
+            kv.pairings.pop(req["engine"], None)
+        return {"request_id": req["id"], "attempt": req["attempt"], "ok": False,
+                "error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+
+
+# ----------------------------------------------------------------------------------------- rogue
+def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
+    """A process with no role: no secret (or a wrong one), NIXL metadata only if it leaked."""
+    _env(spec)
+    from .auth import Auth, Notice, encode_notice
+    from .sidechannel import fetch, query_generation
+
+    ports = _wait_ports(inbox)
+    out: dict[str, Any] = {"sidechannel": [], "forged": 0}
+    for engine, ranks in ports.items():
+        for r, port in ranks.items():
+            for label, auth in (("none", Auth.none()), ("wrong", Auth(os.urandom(32)))):
+                for op in ("get", "generation"):
+                    t0 = time.monotonic()
+                    try:
+                        if op == "get":
+                            fetch("127.0.0.1", port, {"agent_name": "rogue"}, timeout_s=2.0, auth=auth)
+                        else:
+                            query_generation("127.0.0.1", port, timeout_s=2.0, auth=auth)
+                        result = "served"
+                    except AdapterError as exc:
+                        result = type(exc).__name__
+                    out["sidechannel"].append((engine, r, label, op, result, time.monotonic() - t0))
+    cmd, leaked = inbox.get(timeout=10 * STEP_S)
+    from .agent import Endpoint
+
+    with Endpoint(f"rogue-{os.getpid()}", _config(spec)) as ep:
+        import torch
+
+        ep.register_tensors(torch.zeros(4096, dtype=torch.uint8))
+        for who in leaked.values():
+            ep.add_peer(who["agent"], who["metadata"])
+        events.put(("rogue-ready", "rogue", 0, None))
+        while True:
+            msg = _poll_inbox(inbox, 0.01)
+            ep.notifications()
+            if msg is None:
+                continue
+            cmd, data = msg
+            if cmd == "exit":
+                break
+            rid, attempt = data["id"], data["attempt"]
+            wrong = Auth(os.urandom(32))
+            sc = Scenario.from_json(spec["scenario"])
+            for (engine, _r), who in leaked.items():
+                kind = "W" if engine == "decode" else "D"
+                claims = ([(data["engine"], r) for r in range(sc.prefill.tp_size)] if engine == "decode" else
+                          [("decode", r) for r in range(sc.decode.tp_size)])
+                for auth in (Auth.none(), wrong):
+                    for claim in claims:  # claims to be every rank that would send it
+                        msg = encode_notice(auth, Notice(kind, claim[0], claim[1], rid, attempt), ep.name, who["agent"])
+                        ep.send_notif(who["agent"], msg)
+                        out["forged"] += 1
+                ep.send_notif(who["agent"], f"{rid}:1".encode())  # the old, prefix-matched format
+                out["forged"] += 1
+            events.put(("forged", "rogue", 0, out["forged"]))
+    return out
 
 
 # ----------------------------------------------------------------------------------------- parent
+class _Scheduler:
+    def __init__(self, spec: dict, group: ProcGroup, events: Any, inboxes: dict, progress: Callable | None,
+                 deadline: float) -> None:
+        self.spec, self.group, self.events, self.inboxes = spec, group, events, inboxes
+        self.sc = Scenario.from_json(spec["scenario"])
+        self.progress, self.deadline = progress, deadline
+        self.d_ranks = [n for n in inboxes if n[0] == "decode"]
+        self.timers: list[tuple[float, Callable[[], None]]] = []
+        self.settled: dict[tuple[str, int], set[int]] = {}
+        self.settle_log: list[tuple] = []
+        self.pushed: list[dict] = []
+        self.killed: set[str] = set()
+        self.leaks: dict[tuple[str, int], dict] = {}
+
+    def fire_timers(self, all_now: bool = False) -> None:
+        now = time.monotonic()
+        for t, action in [x for x in self.timers if all_now or x[0] <= now]:
+            self.timers.remove((t, action))
+            action()
+
+    def next_event(self, timeout_s: float | None = None) -> tuple | None:
+        """The next event that is not bookkeeping (settled, pushed, leak); ``None`` after ``timeout_s``."""
+        end = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
+        while time.monotonic() < end:
+            self.fire_timers()
+            try:
+                ev = self.events.get(timeout=0.05)
+            except queue_mod.Empty:
+                # nothing ends before the scheduler says so: an early exit is a failure (a rank that raised
+                # exits with code 0 after reporting), except the engines we killed
+                dead = [n for n, p in self.group.procs.items() if not p.is_alive() and p.exitcode != -9]
+                if dead:
+                    res = self.group.collect(1.0, dead)
+                    raise RuntimeError(f"rank(s) {dead} ended early: {[res[d].error for d in dead]}\n"
+                                       + "\n".join(res[d].traceback or "" for d in dead)) from None
+                continue
+            kind, engine, rank, data = ev
+            if kind == "settled":
+                self.settled.setdefault((data[0], data[1]), set()).add(rank)
+                self.settle_log.append((rank, *data))
+            elif kind == "pushed":
+                self.pushed.append(dict(data, engine=engine, rank=rank))
+            elif kind == "leak":
+                self.leaks[(engine, rank)] = data
+            elif kind == "posting":
+                stop = self.spec.get("faults", {}).get("stop", {})
+                if stop and _hits(stop, *data):
+                    self.stop_later(stop, float(stop.get("delay_s", 0.0)))
+            else:
+                return ev
+        if timeout_s is not None and time.monotonic() < self.deadline:
+            return None
+        raise TimeoutError("the cluster did not finish in time")
+
+    def expect(self, kind: str, n: int) -> list[tuple]:
+        got = []
+        while len(got) < n:
+            ev = self.next_event()
+            if ev[0] == kind:
+                got.append(ev)
+        return got
+
+    def stop_later(self, stop: dict, delay_s: float) -> None:
+        """SIGSTOP ``stop['engine']`` in ``delay_s``, SIGCONT ``stop['seconds']`` after that."""
+        t = time.monotonic() + delay_s
+        engine, rank = stop["engine"], stop.get("rank")
+        self.timers.append((t, lambda: self.signal_engine(engine, signal.SIGSTOP, rank)))
+        self.timers.append((t + float(stop["seconds"]), lambda: self.signal_engine(engine, signal.SIGCONT, rank)))
+
+    def signal_engine(self, engine: str, sig: int, rank: int | None = None) -> None:
+        for name, proc in self.group.procs.items():
+            if name.startswith(engine + "-") and (rank is None or name == f"{engine}-{rank}") and proc.is_alive():
+                os.kill(proc.pid, sig)
+
+
 def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, timeout_s: float = 300.0) -> dict:
-    """Run a whole P/D cluster (see the module docstring); returns every rank's report."""
+    """Run a whole P/D cluster (see the module docstring); returns every rank's report and the
+    scheduler's record (``attempts``, ``settled``, ``pushed``)."""
     sc = Scenario.from_json(spec["scenario"])
     engines = list(spec.get("prefill_engines", ["prefill"]))
-    spec = dict(spec, requests=assign_blocks(sc, spec["requests"], engines))
+    spec = dict(spec, requests=_prepare(sc, spec["requests"], engines))
     faults = spec.get("faults", {})
     names = [(e, r) for e in engines for r in range(sc.prefill.tp_size)] + \
             [("decode", r) for r in range(sc.decode.tp_size)]
-    deadline = time.monotonic() + timeout_s
     with ProcGroup() as group:
         events = group.queue()
         inboxes = {n: group.queue() for n in names}
@@ -247,61 +524,154 @@ def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, time
                 group.spawn(_consumer_main, (spec, r, events, inboxes[(e, r)]), f"decode-{r}")
             else:
                 group.spawn(_producer_main, (spec, e, r, events, inboxes[(e, r)]), f"{e}-{r}")
+        if "rogue" in faults:
+            inboxes[("rogue", 0)] = group.queue()
+            group.spawn(_rogue_main, (spec, events, inboxes[("rogue", 0)]), "rogue")
+        s = _Scheduler(spec, group, events, inboxes, progress, time.monotonic() + timeout_s)
         ports: dict[str, dict[int, int]] = {}
         while sum(len(v) for v in ports.values()) < len(names):
-            kind, engine, rank, port = _next_event(events, deadline, group)
+            kind, engine, rank, port = s.next_event()
             if kind == "ready":
                 ports.setdefault(engine, {})[rank] = port
-        for n in names:
+        for n in inboxes:
             inboxes[n].put(("ports", ports))
-        done: dict[str, int] = {}
-        killed: set[str] = set()
-        n_req = len(spec["requests"]) * sc.decode.tp_size
-        while sum(done.values()) < n_req:
-            kind, engine, rank, row = _next_event(events, deadline, group)
-            if kind != "done":
-                continue
-            done[row["request_id"]] = done.get(row["request_id"], 0) + 1
-            if progress:
-                progress(dict(row, rank=rank))
-            if done[row["request_id"]] == sc.decode.tp_size:
-                _inject(faults, row["request_id"], group, inboxes, killed, events)
-                for r in range(sc.decode.tp_size):
-                    inboxes[("decode", r)].put(("go", None))
+        if "rogue" in faults:
+            while len(s.leaks) < len(names):
+                ev = s.next_event(0.1)
+                if ev is not None:
+                    raise RuntimeError(f"unexpected event while collecting leaks: {ev[:3]}")
+            inboxes[("rogue", 0)].put(("leaks", dict(s.leaks)))
+            s.expect("rogue-ready", 1)
+        attempts = _schedule(s, spec, faults)
         for n in names:
-            if n[0] != "decode" and n[0] not in killed:
+            if n[0] != "decode" and n[0] not in s.killed:
                 inboxes[n].put(("exit", None))
-        results = group.collect(max(1.0, deadline - time.monotonic()))
-    return {"spec": spec, "results": {k: (v.value if v.ok else {"error": v.error, "traceback": v.traceback})
-                                      for k, v in results.items()}}
+        if "rogue" in faults:
+            inboxes[("rogue", 0)].put(("exit", None))
+        results = group.collect(max(1.0, s.deadline - time.monotonic()))
+    return {"spec": spec, "attempts": attempts, "settled": s.settle_log, "pushed": s.pushed,
+            "results": {k: (v.value if v.ok else {"error": v.error, "traceback": v.traceback})
+                        for k, v in results.items()}}
 
 
-def _next_event(events: Any, deadline: float, group: ProcGroup) -> tuple:
-    while time.monotonic() < deadline:
-        try:
-            return events.get(timeout=0.1)
-        except queue_mod.Empty:
-            dead = [n for n, p in group.procs.items() if not p.is_alive() and p.exitcode not in (0, None, -9)]
-            if dead:
-                res = group.collect(1.0, dead)
-                raise RuntimeError(f"rank(s) {dead} died: {[res[d].error for d in dead]}") from None
-    raise TimeoutError("the cluster did not finish in time")
+def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
+    """Hand out blocks, send requests (with retries), free failed attempts' blocks once settled."""
+    sc = s.sc
+    pool = BlockPool(sc.decode.num_blocks)
+    counts = {r["id"]: _need(sc, sc.decode, r["tokens"]) for r in spec["requests"]}
+    owners: dict[str, dict] = {}
+    quarantine: dict[tuple[str, int], dict] = {}
+    attempts: list[dict] = []
+    timeout = spec.get("config", {}).get("transfer_timeout_s" if sc.mode == "pull" else "notif_timeout_s", 30.0)
+
+    def reclaim() -> None:
+        for token, q in list(quarantine.items()):
+            if q["ranks"] <= s.settled.get(token, set()):
+                pool.give(q["ids"])
+                del quarantine[token]
+
+    sent: dict[str, int] = {}
+    for req in spec["requests"]:
+        if req["id"] in owners:
+            continue  # an earlier entry of this request succeeded
+        if req.get("delay_s"):  # let earlier faults play out before this entry
+            end = time.monotonic() + float(req["delay_s"])
+            while time.monotonic() < end:
+                if s.next_event(end - time.monotonic()) is not None:
+                    raise RuntimeError("unexpected event while pausing")
+        for _ in range(1 + int(spec.get("retries", 0))):
+            attempt = sent[req["id"]] = sent.get(req["id"], 0) + 1
+            salt = req["salt"]
+            _before(s, faults, req["id"], attempt, req["engine"])
+            reclaim()
+            ids = pool.take(counts[req["id"]])
+            wait_end = time.monotonic() + 2 * timeout + 10
+            while ids is None and quarantine and time.monotonic() < wait_end:  # wait for blocks to settle
+                ev = s.next_event(0.1)
+                if ev is not None:
+                    raise RuntimeError(f"unexpected event while waiting for blocks: {ev[:3]}")
+                reclaim()
+                ids = pool.take(counts[req["id"]])
+            if ids is None:
+                attempts.append({"request_id": req["id"], "attempt": attempt, "ok": False, "error": "no free blocks"})
+                break
+            msg = {"id": req["id"], "attempt": attempt, "d_ids": ids, "p_ids": req["p_ids"], "tokens": req["tokens"],
+                   "engine": req["engine"], "salt": salt, "not_after": time.time() + timeout}
+            if sc.mode == "push":
+                for n in s.inboxes:
+                    if n[0] == req["engine"]:
+                        s.inboxes[n].put(("push", msg))
+            for n in s.d_ranks:
+                s.inboxes[n].put(("req", msg))
+            rows = {ev[2]: ev[3] for ev in s.expect("done", len(s.d_ranks))}
+            for rank, row in sorted(rows.items()):
+                if s.progress:
+                    s.progress(dict(row, rank=rank))
+            ok = all(r["ok"] for r in rows.values())
+            attempts.append({"request_id": req["id"], "attempt": attempt, "ok": ok, "ids": ids, "engine": req["engine"],
+                             "t_sent": msg["not_after"] - timeout,
+                             "bad_at_completion": sum(r.get("bad_at_completion", 0) for r in rows.values()),
+                             "errors": {k: r.get("error") for k, r in rows.items() if not r["ok"]},
+                             "seconds": max(r.get("seconds", 0.0) for r in rows.values())})
+            if ok:
+                owners[req["id"]] = {"ids": ids, "tokens": req["tokens"], "salt": salt}
+            else:
+                failed = {k for k, r in rows.items() if not r["ok"]}
+                for k in set(rows) - failed:
+                    s.inboxes[("decode", k)].put(("drop", ids))
+                quarantine[(req["id"], attempt)] = {"ids": ids, "ranks": failed}
+            _after(s, faults, req["id"])
+            if ok:
+                break
+    for n in s.d_ranks:
+        s.inboxes[n].put(("finish", (float(spec.get("drain_s", 5.0)), float(spec.get("linger_s", 0.0)))))
+    held = {ev[2]: ev[3] for ev in s.expect("finished", len(s.d_ranks))}
+    reclaim()
+    requests = [(o["ids"], 0, o["tokens"], True, o["salt"]) for o in owners.values()]
+    groups = len(counts[spec["requests"][0]["id"]])
+    free = [list(pool.free)] + [[] for _ in range(groups - 1)]
+    for n in s.d_ranks:
+        mine = {tuple(t) for t in held[n[1]]}
+        skip = [b for token, q in quarantine.items() if token in mine for g in q["ids"] for b in g]
+        s.inboxes[n].put(("verify", {"requests": requests, "free": free, "skip": [skip] + [[] for _ in
+                                                                                        range(groups - 1)]}))
+    s.fire_timers(all_now=True)  # pending SIGCONTs fire now: nothing stays stopped
+    return attempts
 
 
-def _inject(faults: dict, request_id: str, group: ProcGroup, inboxes: dict, killed: set, events: Any) -> None:
+def _hits(fault: dict, rid: str, attempt: int) -> bool:
+    """Whether ``fault`` applies to this attempt (``at`` is a request id or a list of them)."""
+    at = fault["at"] if isinstance(fault["at"], list) else [fault["at"]]
+    return rid in at and fault.get("attempt", 1) == attempt
+
+
+def _before(s: _Scheduler, faults: dict, rid: str, attempt: int, engine: str) -> None:
+    stop = faults.get("stop")
+    if stop and _hits(stop, rid, attempt) and stop.get("when", "before") == "before":
+        s.stop_later(stop, 0.0)
+        s.fire_timers()
+    busy = faults.get("busy")
+    if busy and _hits(busy, rid, attempt):
+        for n in s.inboxes:
+            if n[0] == busy["engine"] and busy.get("rank", n[1]) == n[1]:
+                s.inboxes[n].put(("busy", float(busy["seconds"])))
+    rogue = faults.get("rogue")
+    if rogue and _hits(rogue, rid, attempt):
+        s.inboxes[("rogue", 0)].put(("forge", {"id": rid, "attempt": attempt, "engine": engine}))
+        s.expect("forged", 1)
+
+
+def _after(s: _Scheduler, faults: dict, rid: str) -> None:
     kill = faults.get("kill")
-    if kill and kill["after"] == request_id:
-        for name, proc in group.procs.items():
+    if kill and kill["after"] == rid:
+        for name, proc in s.group.procs.items():
             if name.startswith(kill["engine"] + "-"):
-                os.kill(proc.pid, 9)
+                os.kill(proc.pid, signal.SIGKILL)
                 proc.join(5.0)
-        killed.add(kill["engine"])
+        s.killed.add(kill["engine"])
     rereg = faults.get("reregister")
-    if rereg and rereg["after"] == request_id:
-        ranks = [n for n in inboxes if n[0] == rereg["engine"]]
+    if rereg and rereg["after"] == rid:
+        ranks = [n for n in s.inboxes if n[0] == rereg["engine"]]
         for n in ranks:
-            inboxes[n].put(("reregister", None))
-        acks = 0
-        while acks < len(ranks):  # the consumers are paused: only the acknowledgements arrive now
-            kind, *_ = _next_event(events, time.monotonic() + STEP_S, group)
-            acks += kind == "reregistered"
+            s.inboxes[n].put(("reregister", None))
+        s.expect("reregistered", len(ranks))

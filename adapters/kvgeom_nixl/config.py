@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 __all__ = ["TransportConfig"]
 
 _ENV_PREFIX = "KVGEOM_NIXL_"
+_BOOLS = ("progress_thread", "telemetry", "insecure")
+_INTS = ("max_message_bytes", "max_connections", "max_peer_payloads", "max_pending_notifs")
+MIN_SECRET_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,37 @@ class TransportConfig:
     destroying an agent shortly after a peer was SIGKILLed aborted the process in ~1 of 8 runs
     (``arbiter.c: Assertion `ucs_arbiter_group_is_empty(group)' failed``); with 0.1 s, 0 of 40."""
 
+    secret: bytes | None = field(default=None, repr=False)
+    """The deployment's shared secret (at least 16 bytes; a ``str`` is taken as UTF-8). Every
+    side-channel message, handshake payload and notification carries an HMAC-SHA256 under keys derived
+    from it; a peer without it is refused. Read from ``KVGEOM_NIXL_SECRET``. See docs/reliability.md."""
+
+    insecure: bool = False
+    """Run without a secret (no authentication at all). Only for a local experiment: anyone who reaches
+    the side channel gets the agent metadata, which lets it read and write the registered memory."""
+
+    max_message_bytes: int = 16 << 20
+    """Largest side-channel message accepted (a payload with a big model's card and metadata is < 2 MiB)."""
+
+    max_connections: int = 32
+    """Side-channel connections served at once; more are closed on accept."""
+
+    max_peer_payloads: int = 256
+    """Payloads kept from ``exchange`` requests (oldest dropped first)."""
+
+    peer_payload_ttl_s: float = 600.0
+    """How long a payload received through ``exchange`` is kept."""
+
+    replay_window_s: float = 60.0
+    """Side-channel requests older (or newer) than this by their timestamp are refused, and each nonce
+    is accepted once within it. Hosts' clocks must agree to within this window."""
+
+    notif_ttl_s: float = 120.0
+    """Notifications nobody consumed are dropped after this long."""
+
+    max_pending_notifs: int = 65536
+    """At most this many unconsumed notifications are kept (oldest dropped first)."""
+
     def __post_init__(self) -> None:
         backends = self.backends
         if isinstance(backends, str):
@@ -66,11 +100,32 @@ class TransportConfig:
             if not v >= 0:
                 raise ValueError(f"{f}: must be >= 0, got {v!r}")
             object.__setattr__(self, f, v)
+        for f in ("peer_payload_ttl_s", "replay_window_s", "notif_ttl_s"):
+            v = float(getattr(self, f))
+            if not v > 0:
+                raise ValueError(f"{f}: must be > 0, got {v!r}")
+            object.__setattr__(self, f, v)
+        for f in _INTS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f}: must be an integer >= 1, got {v!r}")
+        secret = self.secret
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None:
+            if not isinstance(secret, (bytes, bytearray)):
+                raise ValueError(f"secret: must be bytes or str, got {type(secret).__name__}")
+            if len(secret) < MIN_SECRET_BYTES:
+                raise ValueError(f"secret: must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+            secret = bytes(secret)
+        object.__setattr__(self, "secret", secret)
+        object.__setattr__(self, "insecure", bool(self.insecure))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> TransportConfig:
         """Build a config from ``KVGEOM_NIXL_<FIELD>`` variables (e.g. ``KVGEOM_NIXL_BACKENDS=UCX,GDS``,
-        ``KVGEOM_NIXL_PROGRESS_THREAD=1``, ``KVGEOM_NIXL_TRANSFER_TIMEOUT_S=5``); keyword overrides win."""
+        ``KVGEOM_NIXL_PROGRESS_THREAD=1``, ``KVGEOM_NIXL_TRANSFER_TIMEOUT_S=5``, ``KVGEOM_NIXL_SECRET=...``);
+        keyword overrides win."""
         env = os.environ if env is None else env
         values: dict[str, object] = {}
         for f in fields(cls):
@@ -79,14 +134,16 @@ class TransportConfig:
                 continue
             if f.name == "backends":
                 values[f.name] = tuple(b.strip() for b in raw.split(",") if b.strip())
-            elif f.name in ("progress_thread", "telemetry"):
+            elif f.name == "secret":
+                values[f.name] = raw
+            elif f.name in _BOOLS:
                 low = raw.strip().lower()
                 if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                     raise ValueError(f"{_ENV_PREFIX + f.name.upper()}: not a boolean: {raw!r}")
                 values[f.name] = low in ("1", "true", "yes", "on")
             else:
                 try:
-                    values[f.name] = float(raw)
+                    values[f.name] = int(raw) if f.name in _INTS else float(raw)
                 except ValueError:
                     raise ValueError(f"{_ENV_PREFIX + f.name.upper()}: not a number: {raw!r}") from None
         values.update(overrides)

@@ -1,9 +1,11 @@
 """Known content for real transfers: every source byte encodes its logical coordinate, so that the
 consumer can check each received byte against kvgeom.testing's independent layout model.
 
-``byte_of(tag)`` maps a coordinate tag (see :class:`kvgeom.testing.CoordSpace`) to a byte by hashing;
-``fill_source`` writes a request's coordinates into a producer rank's tensors; ``verify`` compares a
-consumer rank's tensors with the expected bytes of all its requests (and the poison everywhere else).
+``byte_of(tag, salt)`` maps a coordinate tag (see :class:`kvgeom.testing.CoordSpace`) to a byte by hashing;
+the ``salt`` (one per request) makes two requests of equal length hold different bytes, so that one
+request's bytes landing in another's blocks is seen. ``fill_source`` writes a request's coordinates into a
+producer rank's tensors; ``verify_report`` compares a consumer rank's tensors with the expected bytes of
+all its requests, zero-or-poison in free blocks, and the poison everywhere else, and counts bad bytes.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ from kvgeom import GeometryCard
 from kvgeom.testing import CoordSpace
 from kvgeom.testing._layout import NEEDED, OPTIONAL, OUTSIDE, rank_image
 
-__all__ = ["BACKGROUND", "POISON_BYTE", "byte_of", "fill_source", "verify", "Mismatch"]
+__all__ = ["BACKGROUND", "POISON_BYTE", "byte_of", "fill_source", "verify", "verify_report", "check_request",
+           "Mismatch", "Report"]
 
 BACKGROUND = 0x5A  # producer bytes outside any request
 POISON_BYTE = 0xA5  # consumer bytes before anything is received
 
 
-def byte_of(tags: np.ndarray) -> np.ndarray:
-    """One byte per coordinate tag (a multiplicative hash; misplaced bytes differ with p = 255/256)."""
-    h = (np.asarray(tags, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+def byte_of(tags: np.ndarray, salt: int = 0) -> np.ndarray:
+    """One byte per coordinate tag and request salt (a multiplicative hash; misplaced bytes differ with
+    p = 255/256)."""
+    h = (np.asarray(tags, dtype=np.uint64) + np.uint64(1) + np.uint64(salt) * np.uint64(0x100000001B3)) \
+        * np.uint64(0x9E3779B97F4A7C15)
     return (h >> np.uint64(56)).astype(np.uint8)
 
 
@@ -34,14 +39,14 @@ def _np(t) -> np.ndarray:
 
 
 def fill_source(tensors: Sequence, card: GeometryCard, space: CoordSpace, ids: Sequence[Sequence[int]],
-                num_tokens: int) -> int:
+                num_tokens: int, salt: int = 0) -> int:
     """Write a request's coordinate bytes into a producer rank's tensors; returns bytes written."""
     img = rank_image(card.geometry, space, ids, 0, num_tokens)
     written = 0
     for region, t in enumerate(tensors):
         mask = img.tags[region] >= 0
         host = _np(t)  # CPU tensors: a view; CUDA tensors: a copy, written back below
-        host[mask] = byte_of(img.tags[region][mask])
+        host[mask] = byte_of(img.tags[region][mask], salt)
         if t.device.type != "cpu":
             import torch
 
@@ -73,16 +78,48 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), (ends - starts).tolist()))
 
 
+@dataclass(frozen=True)
+class Report:
+    """Outcome of :func:`verify_report`: mismatching runs (at most ``limit``), the number of bad bytes,
+    bytes checked, and bytes not checked because their blocks are still quarantined."""
+
+    mismatches: list[Mismatch]
+    bad_bytes: int
+    checked_bytes: int
+    skipped_bytes: int
+    bad_outside: int = 0  # of bad_bytes, those outside every successful request's blocks
+
+
 def verify(tensors: Sequence, card: GeometryCard, space: CoordSpace,
-           requests: Sequence[tuple[Sequence[Sequence[int]], int, int, bool]], limit: int = 20) -> list[Mismatch]:
-    """Check a consumer rank after its requests. Each request is ``(ids, first_token, num_tokens, ok)``:
-    a successful request's needed bytes must hold their coordinates (optional ones: theirs or zero); a
-    failed request's blocks must be zero or untouched; bytes outside every request keep the poison."""
+           requests: Sequence[tuple], limit: int = 20) -> list[Mismatch]:
+    """Check a consumer rank after its requests (see :func:`verify_report`); the mismatching runs."""
+    return verify_report(tensors, card, space, requests, limit=limit).mismatches
+
+
+def _page_mask(geom, ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    from .kvrank import block_rows
+
+    masks = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
+    for region, off, n in block_rows(geom, ids).tolist():
+        masks[region][off:off + n] = True
+    return masks
+
+
+def verify_report(tensors: Sequence, card: GeometryCard, space: CoordSpace, requests: Sequence[tuple],
+                  free_ids: Sequence[Sequence[int]] = (), skip_ids: Sequence[Sequence[int]] = (),
+                  limit: int = 20) -> Report:
+    """Check a consumer rank after its requests. Each request is ``(ids, first_token, num_tokens, ok)``
+    or ``(..., ok, salt)``: a successful request's needed bytes must hold their coordinates (optional
+    ones: theirs or zero); a failed request's blocks must be zero or untouched. ``free_ids`` (per group)
+    are blocks given back to the pool: zero or untouched. ``skip_ids`` are still quarantined: not
+    checked (nothing hands them out). Every other byte keeps the poison."""
     geom = card.geometry
     expected = [np.full(r.nbytes, -1, dtype=np.int16) for r in geom.regions]  # -1: poison expected
     optional = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
     failed = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
-    for ids, first, num_tokens, ok in requests:
+    for req in requests:
+        ids, first, num_tokens, ok = req[:4]
+        salt = req[4] if len(req) > 4 else 0
         img = rank_image(geom, space, ids, first, num_tokens)
         for region in range(len(expected)):
             inside = img.role[region] != OUTSIDE
@@ -91,9 +128,16 @@ def verify(tensors: Sequence, card: GeometryCard, space: CoordSpace,
                 continue
             expected[region][inside] = -2  # padding: anything
             needed = (img.role[region] == NEEDED) | (img.role[region] == OPTIONAL)
-            expected[region][needed] = byte_of(img.tags[region][needed])
+            expected[region][needed] = byte_of(img.tags[region][needed], salt)
             optional[region] |= img.role[region] == OPTIONAL
+    skip = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
+    if any(len(g) for g in free_ids):
+        for region, m in enumerate(_page_mask(geom, free_ids)):
+            failed[region] |= m
+    if any(len(g) for g in skip_ids):
+        skip = _page_mask(geom, skip_ids)
     out: list[Mismatch] = []
+    bad_total = checked = skipped = outside = 0
     for region, t in enumerate(tensors):
         got = _np(t).astype(np.int16)
         want = expected[region]
@@ -103,8 +147,31 @@ def verify(tensors: Sequence, card: GeometryCard, space: CoordSpace,
         bad |= failed[region] & (got != 0) & (got != POISON_BYTE)
         content = want >= 0
         bad |= content & (got != want) & ~(optional[region] & (got == 0))
-        for off, n in _runs(bad)[:limit]:
-            kind = ("changed outside the request" if want[off] == -1 else
+        bad &= ~skip[region]
+        bad_total += int(bad.sum())
+        outside += int((bad & (want == -1)).sum())
+        skipped += int(skip[region].sum())
+        checked += got.size - int(skip[region].sum())
+        for off, n in _runs(bad)[: max(0, limit - len(out))]:
+            kind = ("changed outside the request" if want[off] == -1 and not failed[region][off] else
+                    "not zero in a failed or free block" if want[off] == -1 else
                     "wrong or missing content" if want[off] >= 0 else "not zeroed after failure")
             out.append(Mismatch(region, off, n, kind))
-    return out
+    return Report(out, bad_total, checked, skipped, outside)
+
+
+def check_request(tensors: Sequence, card: GeometryCard, space: CoordSpace, ids: Sequence[Sequence[int]],
+                  num_tokens: int, salt: int = 0) -> int:
+    """Bad bytes inside one request's blocks right after it completed (content where the oracle expects
+    it, anything in padding): what a consumer checks before it reports the request done."""
+    img = rank_image(card.geometry, space, ids, 0, num_tokens)
+    bad = 0
+    for region, t in enumerate(tensors):
+        needed = (img.role[region] == NEEDED) | (img.role[region] == OPTIONAL)
+        if not needed.any():
+            continue
+        got = _np(t)[needed]
+        want = byte_of(img.tags[region][needed], salt)
+        opt = (img.role[region] == OPTIONAL)[needed]
+        bad += int(((got != want) & ~(opt & (got == 0))).sum())
+    return bad

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 import time
 from typing import Any
@@ -56,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     scenario = json.load(open(args.scenario)) if args.scenario else dict(DEFAULT_SCENARIO)
     if args.mode:
         scenario["mode"] = args.mode
+    # a fresh secret per run: every side-channel message, payload and notification is authenticated
     spec = {"scenario": scenario,
             "requests": [{"id": f"req-{i}", "tokens": n} for i, n in enumerate(args.tokens)],
-            "config": {"progress_thread": args.progress_thread}}
+            "config": {"progress_thread": args.progress_thread, "secret": secrets.token_hex(32)}}
     from kvgeom.scenario import Scenario
 
     sc = Scenario.from_json(scenario)
@@ -91,6 +93,7 @@ def _summary(out: dict, sc, wall: float) -> int:
     xfer_s = sum(r.get("seconds", 0.0) for r in ok)
     nixl_s = sum(r.get("transfer_seconds", 0.0) for r in ok)
     d_reports = [v for k, v in results.items() if k.startswith("decode") and "mismatches" in v]
+    bad = sum(v.get("bad_bytes", 0) for v in d_reports)
     zeroed = sum(r.get("bytes_zeroed", 0) for v in d_reports for r in v["results"] if r.get("ok"))
     mismatches = [m for v in d_reports for m in v["mismatches"]]
     checked = sum(v["checked_bytes"] for v in d_reports)
@@ -105,9 +108,11 @@ def _summary(out: dict, sc, wall: float) -> int:
           f"{moved / max(xfer_s, 1e-9) / 1e9:.2f} GB/s per request end to end ({xfer_s:.3f} s: planning, checks, "
           f"transfers, post-receive); wall {wall:.1f} s incl. process start")
     print(f"  bytes zeroed       : {_fmt_bytes(zeroed)} (token tails and blocks the producer did not cover)")
-    verdict = "PASS" if not mismatches and not failed and len(ok) == len(rows) else "FAIL"
+    verdict = "PASS" if not mismatches and not bad and not failed and len(ok) == len(rows) else "FAIL"
     print(f"  verification       : {verdict}: every byte of {_fmt_bytes(checked)} of D cache checked against the "
-          f"oracle's expected content, {len(mismatches)} mismatching run(s)")
+          f"oracle's expected content, {len(mismatches)} mismatching run(s), {bad} bad byte(s)")
+    print("  authentication     : HMAC-SHA256 with a secret generated for this run (side channel, payloads, "
+          "notifications)")
     for m in mismatches[:10]:
         print(f"    {m}")
     for k in failed:

@@ -12,6 +12,7 @@ __all__ = [
     "AdapterError",
     "HandshakeTimeout",
     "ProtocolError",
+    "AuthenticationError",
     "TransferError",
     "NotifTimeout",
     "PeerGone",
@@ -49,6 +50,12 @@ class HandshakeTimeout(AdapterError):
 
 class ProtocolError(AdapterError):
     """A side-channel peer answered with something that is not a valid message of the protocol."""
+
+
+class AuthenticationError(ProtocolError):
+    """A peer did not prove that it holds the deployment's secret: its side-channel message, handshake
+    payload or notification has no valid HMAC (wrong or missing secret, or a forgery), or it reused a
+    nonce. Nothing it sent was used."""
 
 
 class TransferError(AdapterError):

@@ -1,23 +1,32 @@
 """One engine rank's KV cache on NIXL: kvgeom plans turned into registered tensors, prepared dlists and
-READ/WRITE transfers.
+READ/WRITE transfers, authenticated and fenced.
 
-``KVRank(card)`` allocates the rank's regions as torch tensors laid out as its :class:`RankGeometry`
-says (one tensor per region: hybrid regions are shared by one layer of every group), registers them
-(DRAM for CPU tensors, VRAM for CUDA), serves its handshake payload on the side channel, and then:
+``KVRank(card, config)`` allocates the rank's regions as torch tensors laid out as its
+:class:`RankGeometry` says (one tensor per region: hybrid regions are shared by one layer of every group),
+registers them (DRAM for CPU tensors, VRAM for CUDA), serves its sealed handshake payload on the
+authenticated side channel, and then:
 
-* ``connect(engine_id, ports)`` — fetches the peer ranks' payloads, validates their cards and the pair
-  with kvgeom's handshake rules (a refused pair raises the readable kvgeom error, and the peer sees the
-  same verdict when it checks our card), adds the peers and prepares every remote table;
+* ``connect(engine_id, ports)`` — fetches the peer ranks' payloads within the handshake bound, checks
+  every field, the seal, the card (limits, then kvgeom's rules), the card's regions against what the
+  peer's NIXL metadata registers, and the pair; any failure is a typed error and leaves nothing behind;
 * ``pull(...)`` (D) / ``push(...)`` (P) — plans a request, checks that every write lands in the
-  request's own blocks, checks the peers' metadata generation, posts one transfer per source rank,
-  sends the notify-only notifications and waits, bounded; on D applies the post-receive step
-  (regroup, zero ranges). A failed request zeroes its destination blocks and raises;
-* ``wait_released(...)`` (P in pull) / ``wait_received(...)`` (D in push) — count notifications.
+  request's own blocks, checks the peers' metadata generation, posts one transfer per source rank and
+  waits, bounded. Each call is one *attempt* of the request (``(request id, attempt)`` is its token,
+  carried by every notification); a failed attempt's blocks are zeroed and *quarantined*
+  (:mod:`~kvgeom_nixl.fence`) until nothing can write them any more: :meth:`KVRank.settle` returns them;
+* ``wait_received(...)`` (D in push) — waits for the authenticated ``W`` notice of exactly this attempt
+  from every producer rank that writes to it; ``wait_released(...)`` (P in pull) — for the consumers'
+  ``D`` (done) notices.
+
+Notifications are decoded and checked here (:func:`~kvgeom_nixl.auth.decode_notice`): one without a
+valid tag for its claimed sender and for us is dropped and counted (``stats["rejected_notices"]``).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,14 +35,23 @@ import numpy as np
 
 from kvgeom import GeometryCard, KvgeomError, Pairing, RequestPlan, check_pair, plan_request
 from kvgeom.blocks import as_group_ids, logical_to_kernel
+from kvgeom.card import DEFAULT_LIMITS, CardLimits
 from kvgeom.plan import Regroup, check_writes, contiguous_runs, receive_step
+from kvgeom.tp import handshake_targets
 
-from .agent import Endpoint, Prepped, Telemetry
+from .agent import Endpoint, Prepped, Telemetry, Transfer
+from .auth import Auth, Notice, decode_notice, encode_notice
 from .config import TransportConfig
-from .errors import AdapterError
-from .sidechannel import SideChannelServer, check_generation, fetch, make_payload
+from .errors import AdapterError, HandshakeTimeout, NotifTimeout, PeerGone, ProtocolError, TransferError
+from .fence import Fence, Held, Token
+from .sidechannel import SideChannelServer, check_generation, fetch, make_payload, query_generation
 
-__all__ = ["KVRank", "PeerLink", "RequestResult", "allocate", "apply_post_receive", "request_block_rows"]
+__all__ = ["KVRank", "PeerLink", "RequestResult", "Settled", "allocate", "apply_post_receive", "block_rows",
+           "request_block_rows"]
+
+_PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
+_GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
+MAX_REQUEST_ID = 1024  # a notice carries the request id and must fit MAX_NOTICE_BYTES
 
 
 def allocate(card: GeometryCard, device: str = "cpu") -> list[Any]:
@@ -44,7 +62,8 @@ def allocate(card: GeometryCard, device: str = "cpu") -> list[Any]:
 
 
 def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
-    """Zero ``(region, offset, length)`` rows; vectorised per (region, length) bucket."""
+    """Zero ``(region, offset, length)`` rows; vectorised per (region, length) bucket. Rows aligned to
+    their length (whole pages) are zeroed as rows of a ``[-1, length]`` view, without a per-byte index."""
     import torch
 
     total = 0
@@ -55,9 +74,13 @@ def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
         t = tensors[int(region)]
         for length in np.unique(sel[:, 2]):
             offs = sel[sel[:, 2] == length, 1]
-            idx = (offs[:, None] + np.arange(int(length))[None, :]).ravel()
-            t[torch.from_numpy(idx).to(t.device)] = 0
-            total += idx.size
+            n = int(length)
+            if t.numel() % n == 0 and not (offs % n).any():
+                t.view(-1, n)[torch.from_numpy(offs // n).to(t.device)] = 0
+            else:
+                idx = (offs[:, None] + np.arange(n)[None, :]).ravel()
+                t[torch.from_numpy(idx).to(t.device)] = 0
+            total += offs.size * n
     return total
 
 
@@ -87,7 +110,11 @@ def apply_post_receive(tensors: Sequence[Any], card: GeometryCard, regroups: Seq
 def request_block_rows(card: GeometryCard, ids: Sequence[Sequence[int]]) -> np.ndarray:
     """``(region, offset, length)`` rows covering every block of a request on this rank (all regions,
     whole pages): what a failed request zeroes so that no stale or partial bytes are ever read."""
-    geom = card.geometry
+    return block_rows(card.geometry, ids)
+
+
+def block_rows(geom: Any, ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """:func:`request_block_rows` for a :class:`~kvgeom.geometry.RankGeometry`."""
     kinds = geom.group_is_ssm
     kernel = logical_to_kernel(as_group_ids(ids, kinds, "ids"), geom.ppl, kinds)
     blocks = np.unique(np.concatenate([np.zeros(0, np.int64)] + [
@@ -114,7 +141,7 @@ class PeerLink:
 
 @dataclass
 class RequestResult:
-    """What one request did on this rank."""
+    """What one request (attempt) did on this rank."""
 
     request_id: str
     ok: bool
@@ -127,27 +154,79 @@ class RequestResult:
     transfer_seconds: float = 0.0  # posted -> every transfer observed done (the NIXL part of ``seconds``)
     error: str | None = None
     telemetry: list[Telemetry] = field(default_factory=list)
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Quarantined blocks that nothing can write any more: zeroed again, free to be reused."""
+
+    request_id: str
+    attempt: int
+    ids: list[list[int]]
+    held_s: float
+    cleared_by: tuple[str, ...]
+    reason: str
+
+
+class _Bounded(OrderedDict):
+    """An insertion-ordered map that drops its oldest entries beyond ``cap``."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def touch(self, key: Any, default: Any) -> Any:
+        if key not in self:
+            self[key] = default
+            while len(self) > self.cap:
+                self.popitem(last=False)
+        return self[key]
 
 
 class KVRank:
     """One engine rank with its KV cache registered on a NIXL agent (see the module docstring)."""
 
     def __init__(self, card: GeometryCard, config: TransportConfig | None = None, device: str = "cpu",
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", card_limits: CardLimits = DEFAULT_LIMITS) -> None:
         self.card = card
         self.config = config or TransportConfig()
+        self.auth = Auth.from_config(self.config)  # no secret and not insecure: refused here
+        self.card_limits = card_limits
         self.host = host
         self.tensors = allocate(card, device)
-        self.ep = Endpoint(f"{card.engine_id}-{card.engine.tp_rank}", self.config)
-        self.regions = self.ep.register_tensors(self.tensors)
-        self.mem_type = self.regions[0].mem_type
-        self.server = SideChannelServer(host, 0, self.payload()).start()
+        # a random suffix: two processes never share an agent name, so one cannot evict the other's handles
+        self.ep = Endpoint(f"{card.engine_id}-{card.engine.tp_rank}-{secrets.token_hex(4)}", self.config)
+        try:
+            self.regions = self.ep.register_tensors(self.tensors)
+            self.mem_type = self.regions[0].mem_type
+            cfg = self.config
+            self.server = SideChannelServer(
+                host, 0, self.payload(), auth=self.auth, io_timeout_s=min(5.0, cfg.handshake_timeout_s),
+                max_connections=cfg.max_connections, max_message_bytes=cfg.max_message_bytes,
+                max_peers=cfg.max_peer_payloads, peer_ttl_s=cfg.peer_payload_ttl_s,
+                replay_window_s=cfg.replay_window_s).start()
+        except BaseException:
+            self.ep.close()
+            raise
         self.pairings: dict[str, Pairing] = {}
         self.links: dict[str, dict[int, PeerLink]] = {}
         self._local: dict[tuple[str, tuple[int, int]], Prepped] = {}
         self.rejected: dict[str, str] = {}
+        self.fence = Fence()
+        self.stats = {"rejected_notices": 0, "late_notices": 0, "stale_notices": 0, "impersonations": 0,
+                      "notice_send_errors": 0}
+        cap = self.config.max_pending_notifs
+        self._arrived: _Bounded = _Bounded(cap)  # token -> {writer: (kind, time)}
+        self._released: _Bounded = _Bounded(cap)  # request id -> {consumer: time}
+        self._attempts: _Bounded = _Bounded(cap)  # request id -> last attempt on this rank
+        self._watch: dict[tuple[str, int], tuple[str, int]] = {}  # (engine, rank) -> side channel
+        self._agents: dict[tuple[str, int], str] = {}  # (engine, rank) -> agent name, from authenticated payloads
+        self._probed: dict[tuple[str, int], float] = {}
+        self._aborts: list[tuple[Transfer, Token]] = []  # our fenced WRITEs: an A notice if one ends in error
+        self._swept = 0.0
 
-    # -- handshake -------------------------------------------------------------------------------------
+    # -- identity --------------------------------------------------------------------------------------
     @property
     def rank(self) -> int:
         return self.card.engine.tp_rank
@@ -162,28 +241,138 @@ class KVRank:
                             regions=[(r.addr, r.nbytes, r.device_id) for r in self.regions],
                             device_id=self.regions[0].device_id, generation=self.ep.generation)
 
+    # -- handshake -------------------------------------------------------------------------------------
     def connect(self, engine_id: str, ports: Mapping[int, int], mode: str = "pull", compat: str = "kvgeom",
                 timeout_s: float | None = None) -> Pairing:
-        """Handshake with every rank of a remote engine this rank talks to; validate; prepare tables."""
+        """Handshake with every rank of a remote engine this rank talks to; validate; prepare tables.
+
+        Everything a peer sends is checked before use, within ``timeout_s`` (default
+        ``handshake_timeout_s``) as a whole: payload fields, the seal, the card (limits first, then its
+        own consistency, then the pair's rules), the card's region sizes against the advertised regions
+        and those against the peer's NIXL registrations. A refusal is a typed error (an
+        :class:`AdapterError`, or a :class:`KvgeomError` for a card or pair kvgeom refuses); nothing of
+        the failed handshake is kept. Connecting again to a connected engine replaces its links and
+        releases the old handles."""
         timeout = timeout_s if timeout_s is not None else self.config.handshake_timeout_s
-        payloads = {r: fetch(self.host, p, self.payload(), timeout_s=timeout) for r, p in ports.items()}
+        deadline = time.monotonic() + timeout
         try:
-            cards = {r: GeometryCard.from_json(p["card"]) for r, p in payloads.items()}
+            return self._connect(engine_id, dict(ports), mode, compat, deadline, timeout)
+        except (AdapterError, KvgeomError):
+            raise
+        except Exception as exc:  # anything else a hostile payload provokes is still a typed refusal
+            raise ProtocolError(f"handshake with {engine_id} refused: {type(exc).__name__}: {str(exc)[:200]}",
+                                stage="handshake", peer=engine_id) from exc
+
+    def _left(self, deadline: float, timeout: float, what: str, engine_id: str) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HandshakeTimeout(f"handshake with {engine_id} did not finish within {timeout:.3g}s ({what})",
+                                   stage="handshake", peer=engine_id)
+        return left
+
+    def _connect(self, engine_id: str, ports: dict[int, int], mode: str, compat: str, deadline: float,
+                 timeout: float) -> Pairing:
+        payloads = {}
+        for r, port in ports.items():
+            left = self._left(deadline, timeout, f"fetching rank {r}", engine_id)
+            payloads[r] = fetch(self.host, port, self.payload(), timeout_s=left, auth=self.auth,
+                                max_bytes=self.config.max_message_bytes)
+        cards = {}
+        for r, p in payloads.items():
+            where = f"{engine_id} rank {r} ({self.host}:{ports[r]})"
+            if p["engine_id"] != engine_id or p["rank"] != r:
+                raise ProtocolError(f"{where} answered as engine {p['engine_id']!r} rank {p['rank']}",
+                                    stage="handshake", peer=where)
+            try:
+                card = GeometryCard.from_json(p["card"], self.card_limits)
+            except KvgeomError as exc:
+                self.rejected[engine_id] = str(exc)
+                raise
+            if card.engine_id != engine_id or card.engine.tp_rank != r:
+                raise ProtocolError(f"{where} sent the card of engine {card.engine_id!r} rank "
+                                    f"{card.engine.tp_rank}", stage="handshake", peer=where)
+            self._check_regions(card, p["regions"], where)
+            owner = next((k for k, a in self._agents.items() if a == p["agent_name"] and k != (engine_id, r)), None)
+            if owner is not None:
+                raise ProtocolError(f"{where} uses agent name {p['agent_name']!r}, which belongs to engine "
+                                    f"{owner[0]!r} rank {owner[1]}", stage="handshake", peer=where)
+            cards[r] = card
+            self._left(deadline, timeout, "checking cards", engine_id)
+        try:
             pairing = Pairing.create(self.card, cards, mode=mode, compat=compat)
         except KvgeomError as exc:
             self.rejected[engine_id] = str(exc)
             raise
-        links = {}
-        for r in pairing.targets:
-            p = payloads[r]
-            agent = self.ep.add_peer(p["agent_name"], p["agent_metadata"])
-            link = PeerLink(r, self.host, ports[r], agent, int(p["generation"]), cards[r],
-                            tuple(int(x[0]) for x in p["regions"]), int(p["device_id"]))
-            link.prepped = self.ep.prep_remote(agent, pairing.remote_table(r).bind(link.bases, link.device),
-                                               self.mem_type)
-            links[r] = link
+        self._drop_engine(engine_id)
+        links: dict[int, PeerLink] = {}
+        added: list[str] = []
+        try:
+            for r in pairing.targets:
+                p = payloads[r]
+                agent = p["agent_name"]
+                if agent not in self.ep.peers:
+                    added.append(agent)
+                self.ep.add_peer(agent, p["agent_metadata"])
+                link = PeerLink(r, self.host, ports[r], agent, p["generation"], cards[r],
+                                tuple(x[0] for x in p["regions"]), p["device_id"])
+                self._check_registered(link, p["regions"], f"{engine_id} rank {r}")
+                link.prepped = self.ep.prep_remote(agent, pairing.remote_table(r).bind(link.bases, link.device),
+                                                   self.mem_type)
+                links[r] = link
+                self._left(deadline, timeout, "preparing tables", engine_id)
+        except BaseException:
+            for link in links.values():
+                if link.prepped is not None:
+                    link.prepped.release()
+            for agent in added:
+                try:
+                    self.ep.remove_peer(agent)
+                except AdapterError:
+                    pass
+            raise
+        for r, link in links.items():
+            self._agents[(engine_id, r)] = link.agent
+            self._watch[(engine_id, r)] = (link.host, link.port)
         self.pairings[engine_id], self.links[engine_id] = pairing, links
+        self.rejected.pop(engine_id, None)
         return pairing
+
+    def _check_regions(self, card: GeometryCard, regions: list[list[int]], where: str) -> None:
+        """The card's regions (count, sizes) are the advertised ones, and no two overlap."""
+        want = [r.nbytes for r in card.geometry.regions]
+        if len(regions) != len(want):
+            raise ProtocolError(f"{where} advertises {len(regions)} regions, its card has {len(want)}",
+                                stage="handshake", peer=where)
+        for i, (n_card, (_, n_adv, _)) in enumerate(zip(want, regions)):
+            if n_adv != n_card:
+                raise ProtocolError(f"{where} region {i}: advertised {n_adv} bytes, its card implies {n_card}",
+                                    stage="handshake", peer=where)
+        spans = sorted((a, a + n, i) for i, (a, n, _) in enumerate(regions))
+        for (a0, e0, i0), (a1, _, i1) in zip(spans, spans[1:]):
+            if a1 < e0:
+                raise ProtocolError(f"{where} regions {i0} and {i1} overlap ([{a0:#x}, {e0:#x}) and {a1:#x})",
+                                    stage="handshake", peer=where)
+
+    def _check_registered(self, link: PeerLink, regions: list[list[int]], where: str) -> None:
+        """Every advertised region lies inside what the peer's NIXL metadata registers (prep checks it)."""
+        descs = np.asarray(regions, dtype=np.uint64).reshape(-1, 3)
+        try:
+            probe = self.ep.prep_remote(link.agent, descs, self.mem_type)
+        except TransferError as exc:
+            raise ProtocolError(f"{where}: its card's regions are not all registered in its NIXL metadata "
+                                f"({exc.status})", stage="handshake", peer=where) from exc
+        probe.release()
+
+    def _drop_engine(self, engine_id: str) -> None:
+        """Release what a previous connection to ``engine_id`` prepared (reconnecting must not leak)."""
+        for link in self.links.pop(engine_id, {}).values():
+            if link.prepped is not None and not any(x.live for x in self.ep.live_transfers(link.agent)):
+                link.prepped.release()
+        for key in [k for k in self._local if k[0] == engine_id]:
+            handle = self._local.pop(key)
+            if not self.ep.live_transfers():
+                handle.release()
+        self.pairings.pop(engine_id, None)
 
     def check_peers(self, mode: str = "pull", compat: str = "kvgeom") -> dict[str, str]:
         """Validate the cards of every peer that handshook with us (the other side's checks, run here
@@ -191,7 +380,7 @@ class KVRank:
         out = {}
         for name, payload in self.server.peers().items():
             try:
-                peer = GeometryCard.from_json(payload["card"])
+                peer = GeometryCard.from_json(payload["card"], self.card_limits)
                 if mode == "pull":  # the peer (D) reads us (P): check from its side
                     check_pair(peer.geometry, self.card.geometry, "pull", compat)
                 else:
@@ -201,6 +390,12 @@ class KVRank:
         self.rejected.update(out)
         return out
 
+    def watch(self, engine_id: str, ports: Mapping[int, int]) -> None:
+        """Remember the side channels of a producer engine that writes to us (push), so that the fence
+        can learn when one of its ranks is gone."""
+        for r, port in ports.items():
+            self._watch[(engine_id, int(r))] = (self.host, int(port))
+
     def _local_handle(self, engine_id: str, key: tuple[int, int]) -> Prepped:
         if (engine_id, key) not in self._local:
             rows = self.pairings[engine_id].local_table(key)
@@ -209,86 +404,291 @@ class KVRank:
                                                                self.mem_type)
         return self._local[(engine_id, key)]
 
+    # -- notices ---------------------------------------------------------------------------------------
+    def _notice(self, kind: str, request_id: str, attempt: int, count: int, receiver: str) -> bytes:
+        return encode_notice(self.auth, Notice(kind, self.card.engine_id, self.rank, request_id, attempt, count),
+                             self.ep.name, receiver)
+
+    def _send(self, agent: str, msg: bytes) -> None:
+        try:
+            self.ep.send_notif(agent, msg)
+        except AdapterError:
+            self.stats["notice_send_errors"] += 1
+
+    def drain(self) -> None:
+        """Take every pending notification, drop those without a valid tag, and route the rest: a
+        ``W``/``A`` of a quarantined attempt clears its writer, one of a live attempt is kept for
+        :meth:`wait_received`, a ``D`` counts towards :meth:`wait_released`. Also drives progress."""
+        now = time.monotonic()
+        for sender, msg in self.ep.take_notifications():
+            n = decode_notice(self.auth, msg, sender, self.ep.name)
+            if n is None:
+                self.stats["rejected_notices"] += 1
+                continue
+            who = (n.engine, n.rank)
+            known = self._agents.get(who) or self._exchanged(who)
+            if known is not None and known != sender:
+                self.stats["impersonations"] += 1  # a deployment member claiming another rank's identity
+                continue
+            if n.kind == "D":
+                self._released.touch(n.request, {})[who] = now
+            elif n.token in self.fence:
+                if self.fence.clear_writer(n.token, who, "late " + n.kind):
+                    self.stats["late_notices"] += 1
+            else:
+                last = self._attempts.get(n.request)
+                if last is not None and n.attempt < last:
+                    self.stats["stale_notices"] += 1  # an older attempt, already settled: nothing to do
+                    continue
+                self._arrived.touch(n.token, {})[who] = (n.kind, now)
+        if now - self._swept < 1.0:
+            return
+        self._swept = now
+        old = now - self.config.notif_ttl_s
+        for store in (self._arrived, self._released):
+            for key in [k for k, v in store.items() if all((t[1] if isinstance(t, tuple) else t) < old
+                                                              for t in v.values())]:
+                del store[key]
+
+    def _exchanged(self, who: tuple[str, int]) -> str | None:
+        """The agent name rank ``who`` last announced in an authenticated exchange with us, if any."""
+        for payload in reversed(list(self.server.peers().values())):
+            if (payload["engine_id"], payload["rank"]) == who:
+                return payload["agent_name"]
+        return None
+
     # -- transfers -------------------------------------------------------------------------------------
     def plan(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
              num_tokens: int | None = None) -> RequestPlan:
         return plan_request(self.pairings[engine_id], local_ids, remote_ids, request_id, remote_request_id,
                             num_tokens)
 
-    def _execute(self, engine_id: str, plan: RequestPlan, dst_ids, timeout_s: float | None) -> RequestResult:
+    def _attempt(self, request_id: str, attempt: int | None) -> int:
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
+            raise ValueError(f"request_id: a string of 1..{MAX_REQUEST_ID} characters, got {str(request_id)[:80]!r}")
+        last = self._attempts.get(request_id, 0)
+        if attempt is None:
+            attempt = last + 1
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt <= last:
+            raise ValueError(f"attempt: request {request_id!r} already had attempt {last} on this rank; a new "
+                             f"attempt needs a larger number, got {attempt!r}")
+        self._attempts.touch(request_id, attempt)
+        self._attempts[request_id] = attempt
+        return attempt
+
+    def _execute(self, engine_id: str, plan: RequestPlan, dst_ids, timeout_s: float | None, attempt: int,
+                 posted: list[Transfer], rid: str) -> RequestResult:
         pairing, links = self.pairings[engine_id], self.links[engine_id]
         check_writes(plan, pairing, dst_ids)  # untrusted remote geometry never writes outside the request
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.transfer_timeout_s)
         t0 = time.monotonic()
         for t in plan.transfers:
             link = links[t.remote_rank]
-            check_generation(link.host, link.port, link.generation, timeout_s=max(0.1, deadline - time.monotonic()))
+            check_generation(link.host, link.port, link.generation, timeout_s=max(0.1, deadline - time.monotonic()),
+                             auth=self.auth)
         t_post = time.monotonic()  # CMA transfers complete inside post(): time from the first post
-        posted = [self.ep.post(plan.op, self._local_handle(engine_id, t.local_table), t.local_ids,
-                               links[t.remote_rank].prepped, t.remote_ids, t.notif.encode())
-                  for t in plan.transfers]
-        notif = plan.transfers[0].notif if plan.transfers else None
-        for r in plan.notify_only:
-            self.ep.send_notif(links[r].agent, (notif or f"{plan.request_id}:{plan.expected_notifications}").encode())
+        push = plan.mode == "push"
+        for t in plan.transfers:  # a push WRITE carries its W notice (sent by NIXL once every byte landed)
+            link = links[t.remote_rank]
+            notif = self._notice("W", rid, attempt, plan.expected_notifications, link.agent) if push else b""
+            posted.append(self.ep.post(plan.op, self._local_handle(engine_id, t.local_table), t.local_ids,
+                                       link.prepped, t.remote_ids, notif))
+        if push:
+            for r in plan.notify_only:
+                self._send(links[r].agent, self._notice("W", rid, attempt, plan.expected_notifications,
+                                                        links[r].agent))
         tels = [x.wait(deadline) for x in posted]
         t_done = time.monotonic()
         moves = plan.moves(pairing)
         return RequestResult(plan.request_id, True, plan.num_descriptors, int(moves[:, 6].sum()) if len(moves) else 0,
                              0, sum(t.desc_count or 0 for t in tels), contiguous_runs(moves), time.monotonic() - t0,
-                             t_done - t_post, None, tels)
+                             t_done - t_post, None, tels, attempt)
+
+    def _fail(self, exc: BaseException, token: Token, ids, posted: Sequence[Transfer] = (),
+              writers: Sequence[tuple[str, int]] = (), zero: bool = True) -> None:
+        """A failed attempt: zero its blocks now and quarantine them until nothing can write them."""
+        try:
+            if zero:
+                self.invalidate(ids)
+            self.fence.hold(token, ids, [x for x in posted if x.live], writers, f"{type(exc).__name__}: {exc}")
+        except KvgeomError:
+            pass  # ids that are not this rank's blocks: nothing was posted towards them
+        try:
+            exc.token = token  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
 
     def pull(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
-             timeout_s: float | None = None, num_tokens: int | None = None) -> RequestResult:
-        """Read a request's blocks from the remote engine into ours, then regroup and zero. On any
-        failure the request's blocks are zeroed and the error is raised (bounded by ``timeout_s``)."""
+             timeout_s: float | None = None, num_tokens: int | None = None,
+             attempt: int | None = None) -> RequestResult:
+        """Read a request's blocks from the remote engine into ours, then regroup and zero, then tell
+        every producer rank that we are done (``D`` notice). On any failure (whatever the exception)
+        the blocks are zeroed and quarantined, and the error is raised (bounded by ``timeout_s``)."""
+        attempt = self._attempt(request_id, attempt)
+        posted: list[Transfer] = []
         try:
             plan = self.plan(engine_id, local_ids, remote_ids, request_id, remote_request_id, num_tokens)
-            result = self._execute(engine_id, plan, local_ids, timeout_s)
+            result = self._execute(engine_id, plan, local_ids, timeout_s, attempt, posted, remote_request_id)
             result.bytes_zeroed = apply_post_receive(self.tensors, self.card, plan.regroup, plan.zero)
-            return result
-        except (AdapterError, KvgeomError):
-            self.invalidate(local_ids)
+        except BaseException as exc:
+            self._fail(exc, (request_id, attempt), local_ids, posted)
             raise
+        links = self.links[engine_id]
+        for r in [t.remote_rank for t in plan.transfers] + list(plan.notify_only):
+            self._send(links[r].agent, self._notice("D", remote_request_id, attempt, plan.expected_notifications,
+                                                    links[r].agent))
+        return result
 
     def push(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
-             timeout_s: float | None = None, num_tokens: int | None = None) -> RequestResult:
-        """Write a request's blocks into the remote (D) engine's blocks ``remote_ids``."""
-        plan = self.plan(engine_id, local_ids, remote_ids, request_id, remote_request_id, num_tokens)
-        return self._execute(engine_id, plan, remote_ids, timeout_s)
-
-    def wait_received(self, producer: GeometryCard, local_ids, producer_ids, request_id: str, expected: int,
-                      timeout_s: float | None = None, num_tokens: int | None = None) -> RequestResult:
-        """D in push mode: wait for ``expected`` write notifications of ``request_id``, then apply
-        kvgeom's post-receive step (vLLM never zeroes in push). Zeroes the blocks on timeout."""
-        t0 = time.monotonic()
+             timeout_s: float | None = None, num_tokens: int | None = None, attempt: int = 1,
+             not_after: float | None = None) -> RequestResult:
+        """Write a request's blocks into the remote (D) engine's blocks ``remote_ids``, as attempt
+        ``attempt`` (given by whoever asked for it; D waits for exactly that one). ``not_after`` (seconds
+        since the epoch): past it, nothing is posted and every target gets an ``A`` notice. A WRITE that
+        misses its deadline is never cancelled (cancelling would not stop its bytes, only its
+        notice): it stays fenced here and its ``W`` notice reaches D when it ends."""
+        attempt = self._attempt(remote_request_id, attempt)
+        posted: list[Transfer] = []
+        token = (remote_request_id, attempt)
         try:
-            self.ep.wait_notifications(None, f"{request_id}:".encode(), expected,
-                                       timeout_s=timeout_s if timeout_s is not None else self.config.notif_timeout_s)
-        except AdapterError:
-            self.invalidate(local_ids)
+            plan = self.plan(engine_id, local_ids, remote_ids, request_id, remote_request_id, num_tokens)
+            if not_after is not None and time.time() > not_after:
+                raise TransferError(f"attempt {attempt} of {remote_request_id!r} expired "
+                                    f"{time.time() - not_after:.3f}s before it could be posted", stage="post",
+                                    status="EXPIRED")
+            return self._execute(engine_id, plan, remote_ids, timeout_s, attempt, posted, remote_request_id)
+        except BaseException as exc:
+            done = {x.peer for x in posted if x.state == "DONE"}  # NIXL sent their W notices
+            live = [x for x in posted if x.live]
+            for agent in [link.agent for link in self.links.get(engine_id, {}).values()]:
+                if agent not in done and all(x.peer != agent for x in live):
+                    self._send(agent, self._notice("A", remote_request_id, attempt, 1, agent))
+            self._aborts.extend((x, token) for x in live)  # an A follows if one of them ends in error
+            self._fail(exc, token, local_ids, posted, zero=False)  # our source blocks: keep, do not zero
             raise
-        regroups, zero = receive_step(self.card.geometry, producer.geometry, local_ids, producer_ids, num_tokens)
-        zeroed = apply_post_receive(self.tensors, self.card, regroups, zero)
-        return RequestResult(request_id, True, bytes_zeroed=zeroed, seconds=time.monotonic() - t0)
+
+    def _writers(self, producer: GeometryCard) -> set[tuple[str, int]]:
+        """The producer ranks that write to this rank in push (their handshake targets include us)."""
+        p_tp = producer.engine.tp_size
+        return {(producer.engine_id, p) for p in range(p_tp)
+                if self.rank in handshake_targets(p, p_tp, self.card.engine.tp_size)}
+
+    def wait_received(self, producer: GeometryCard, local_ids, producer_ids, request_id: str,
+                      expected: int | None = None, timeout_s: float | None = None, num_tokens: int | None = None,
+                      attempt: int = 1) -> RequestResult:
+        """D in push: wait for the ``W`` notice of exactly attempt ``attempt`` of ``request_id`` from
+        every producer rank that writes to this rank, then apply kvgeom's post-receive step (vLLM never
+        zeroes in push). An ``A`` notice, the deadline or any other failure zeroes the blocks and
+        quarantines them until every writer that did not finish is cleared (its notice for this
+        attempt, even late, or its process gone)."""
+        t0 = time.monotonic()
+        attempt = self._attempt(request_id, attempt)
+        token = (request_id, attempt)
+        writers = self._writers(producer)
+        if expected is not None and expected != len(writers):
+            raise ValueError(f"expected: {len(writers)} producer ranks write to rank {self.rank}, not {expected}")
+        end = t0 + (timeout_s if timeout_s is not None else self.config.notif_timeout_s)
+        got: dict = {}
+        try:
+            while True:
+                self.drain()
+                got = self._arrived.get(token, {})
+                aborted = sorted(w for w, (kind, _) in got.items() if kind == "A" and w in writers)
+                if aborted:
+                    raise TransferError(f"producer rank(s) {aborted} abandoned attempt {attempt} of {request_id!r}",
+                                        stage="notif", status="ABORTED")
+                if all(w in got for w in writers):
+                    break
+                now = time.monotonic()
+                if now >= end:
+                    raise NotifTimeout(f"{sum(w in got for w in writers)} of {len(writers)} producer rank(s) "
+                                       f"completed attempt {attempt} of {request_id!r} before the deadline",
+                                       stage="notif", status="TIMEOUT")
+                time.sleep(self.config.poll_interval_s)
+            regroups, zero = receive_step(self.card.geometry, producer.geometry, local_ids, producer_ids,
+                                          num_tokens)
+            zeroed = apply_post_receive(self.tensors, self.card, regroups, zero)
+        except BaseException as exc:
+            self._fail(exc, token, local_ids, writers=[w for w in writers if w not in got])
+            raise
+        finally:
+            self._arrived.pop(token, None)
+        return RequestResult(request_id, True, bytes_zeroed=zeroed, seconds=time.monotonic() - t0, attempt=attempt)
 
     def invalidate(self, ids) -> int:
         """Zero every block of a request on this rank (a failed receive must leave no partial or stale
         bytes behind). Returns bytes zeroed."""
         return _zero_rows(self.tensors, request_block_rows(self.card, ids))
 
+    # -- quarantine ------------------------------------------------------------------------------------
+    def settle(self) -> list[Settled]:
+        """Drive the quarantine: take notices, poll our fenced transfers, ask silent writers' side
+        channels whether their process is alive; return the entries nothing can write any more, with
+        their blocks zeroed again (late bytes may have landed in them). Give those ids back to the pool;
+        never reuse a quarantined id before it comes back from here."""
+        self.drain()
+        for x, (rid, attempt) in [a for a in self._aborts if not a[0].live]:
+            if x.state != "DONE":  # ended in error: its W will never come, say so
+                self._send(x.peer, self._notice("A", rid, attempt, 1, x.peer))
+        self._aborts = [a for a in self._aborts if a[0].live]
+        now = time.monotonic()
+        gone = False
+        for w in self.fence.writers():
+            addr = self._watch.get(w)
+            if addr is None or now - self._probed.get(w, 0.0) < _PROBE_EVERY_S:
+                continue
+            self._probed[w] = now
+            try:
+                query_generation(addr[0], addr[1], timeout_s=0.25, auth=self.auth)
+            except PeerGone:  # refused: the process is gone (a stopped one still accepts)
+                gone = self.fence.writer_gone(w) > 0 or gone
+            except AdapterError:
+                pass
+        if gone:  # bytes it sent before dying may still wait in our sockets: let UCX apply them first
+            self.ep._drain(_GONE_DRAIN_S)
+        out = []
+        for held in self.fence.ready():
+            self.invalidate(held.ids)
+            out.append(Settled(held.token[0], held.token[1], held.ids, time.monotonic() - held.since,
+                               tuple(held.cleared_by), held.reason))
+        return out
+
+    def quarantined(self) -> list[Held]:
+        """Attempts whose blocks are still quarantined."""
+        return self.fence.held()
+
+    # -- producer side of pull -------------------------------------------------------------------------
+    def released(self) -> dict[str, int]:
+        """Take notices; ``{request id: number of consumer ranks that said done}``."""
+        self.drain()
+        return {rid: len(v) for rid, v in self._released.items()}
+
     def wait_released(self, request_id: str, expected: int, timeout_s: float | None = None) -> int:
-        """P in pull mode: wait until ``expected`` consumers said they are done with ``request_id``."""
-        got = self.ep.wait_notifications(None, f"{request_id}:".encode(), expected,
-                                         timeout_s=timeout_s if timeout_s is not None else self.config.notif_timeout_s)
-        return len(got)
+        """P in pull: wait until ``expected`` consumer ranks said they are done with ``request_id``
+        (authenticated ``D`` notices, one per consumer rank), consume them and return the count."""
+        end = time.monotonic() + (timeout_s if timeout_s is not None else self.config.notif_timeout_s)
+        while True:
+            n = self.released().get(request_id, 0)
+            if n >= expected:
+                self._released.pop(request_id, None)
+                return n
+            if time.monotonic() >= end:
+                raise NotifTimeout(f"{n} of {expected} consumer rank(s) released {request_id!r} before the deadline",
+                                   stage="notif", status="TIMEOUT")
+            time.sleep(self.config.poll_interval_s)
+
+    def forget_released(self, request_id: str) -> None:
+        self._released.pop(request_id, None)
 
     def reregister(self) -> None:
         """Re-register fresh tensors (e.g. after a cache resize): bumps the generation that peers check."""
         old = self.tensors
+        for h in self._local.values():
+            h.release()
+        self._local.clear()
         self.ep.deregister_all()
         self.tensors = allocate(self.card, old[0].device.type if old else "cpu")
         self.regions = self.ep.register_tensors(self.tensors)
-        self._local.clear()
         self.server.update(self.payload())
 
     def close(self) -> None:

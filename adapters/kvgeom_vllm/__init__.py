@@ -15,12 +15,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from .table import CALLS, FEATURES, REFUSED, TABLE, Entry, counts
+from .table import CALLS, REFUSED, TABLE, Entry, counts
 from .version import SUPPORTED_VLLM_VERSIONS, VllmVersionError, check_vllm_version
 
 __all__ = [
-    "CALLS", "FEATURES", "REFUSED", "TABLE", "Entry", "counts", "SUPPORTED_VLLM_VERSIONS", "VllmVersionError",
-    "check_vllm_version", "KvgeomNixlConnector", "KvgeomNixlPushConnector",
+    "CALLS",
+    "REFUSED",
+    "TABLE",
+    "Entry",
+    "counts",
+    "SUPPORTED_VLLM_VERSIONS",
+    "VllmVersionError",
+    "check_vllm_version",
+    "KvgeomNixlConnector",
+    "KvgeomNixlPushConnector",
 ]
 
 _LAZY = {"KvgeomNixlConnector": "connector", "KvgeomNixlPushConnector": "connector"}

@@ -20,7 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as _nixl
 
 from kvgeom.errors import ConfigError  # noqa: E402
 
-from .worker import KvgeomPullConnectorWorker, KvgeomPushConnectorWorker  # noqa: E402
+from .worker import (  # noqa: E402
+    KvgeomPullConnectorScheduler,
+    KvgeomPullConnectorWorker,
+    KvgeomPushConnectorScheduler,
+    KvgeomPushConnectorWorker,
+)
 
 __all__ = ["KvgeomNixlConnector", "KvgeomNixlPushConnector", "COMPAT_MODES", "compat_of"]
 
@@ -32,8 +37,12 @@ def compat_of(vllm_config: Any) -> str:
     ktc = vllm_config.kv_transfer_config
     value = ktc.get_from_extra_config("compat", "vllm") if ktc is not None else "vllm"
     if value not in COMPAT_MODES:
-        raise ConfigError("kv_connector_extra_config.compat", f"must be one of {COMPAT_MODES}, got {value!r}",
-                          value=value, expected=COMPAT_MODES)
+        raise ConfigError(
+            "kv_connector_extra_config.compat",
+            f"must be one of {COMPAT_MODES}, got {value!r}",
+            value=value,
+            expected=COMPAT_MODES,
+        )
     return str(value)
 
 
@@ -41,7 +50,9 @@ def _with_compat(worker_cls: type, vllm_config: Any) -> type:
     mode = compat_of(vllm_config)
     if mode == worker_cls.kvgeom_compat:
         return worker_cls
-    return type(worker_cls.__name__, (worker_cls,), {"kvgeom_compat": mode, "__module__": worker_cls.__module__})
+    return type(
+        worker_cls.__name__, (worker_cls,), {"kvgeom_compat": mode, "__module__": worker_cls.__module__}
+    )
 
 
 class KvgeomNixlConnector(_nixl.NixlPullConnector):
@@ -51,8 +62,9 @@ class KvgeomNixlConnector(_nixl.NixlPullConnector):
         worker_cls = _with_compat(KvgeomPullConnectorWorker, vllm_config)
         _nixl.NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = _nixl.NixlPullConnectorScheduler(vllm_config, self.engine_id,
-                                                                        kv_cache_config)
+            self.connector_scheduler = KvgeomPullConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = worker_cls(vllm_config, self.engine_id, kv_cache_config)
 
@@ -66,8 +78,9 @@ class KvgeomNixlPushConnector(_nixl.NixlPushConnector):
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = _nixl.NixlPushConnectorScheduler(vllm_config, self.engine_id,
-                                                                        kv_cache_config)
+            self.connector_scheduler = KvgeomPushConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = worker_cls(vllm_config, self.engine_id, kv_cache_config)
         else:

@@ -1,8 +1,8 @@
 """kvgeom's geometry card in vLLM's NIXL handshake.
 
-At registration a kvgeom worker describes its rank as a :class:`kvgeom.GeometryCard` (model layers from
-vLLM's KV-cache specs, engine numbers from the worker) and checks that kvgeom's geometry of that card
-is what vLLM just registered (region lengths, strides, block counts, SSM pieces). The card travels in
+At registration a kvgeom worker describes its rank as a :class:`kvgeom.GeometryCard`
+(:mod:`kvgeom_vllm.card`) and checks that kvgeom's geometry of that card is what vLLM just registered
+(groups, region lengths, strides, block counts, SSM pieces). The card travels in
 the handshake as one more field of vLLM's agent metadata (``kvgeom_card``, JSON); vLLM peers ignore it.
 
 On receipt, ``add_remote_agent`` reads the peer's card (:meth:`GeometryCard.from_json` rejects a card
@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Any
 
-import msgspec
+from kvgeom import GeometryCard, Pairing
+from kvgeom.errors import IncompatiblePairError, KvgeomError
 
-from kvgeom import EngineConfig, GeometryCard, ModelSpec, Pairing
-from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError
-from kvgeom.spec import AttentionSpec, Layer, MambaSpec, MLASpec
-
+from .card import card_of_worker, check_registration
 from .table import CALLS, REFUSED
 
 __all__ = ["CARDLESS", "KvgeomAgentMetadata", "card_of_worker", "check_registration", "pair_with_card"]
@@ -35,6 +32,8 @@ logger = logging.getLogger("kvgeom_vllm")
 
 #: why ranks registered without a card, by the field kvgeom refused (for the test report)
 CARDLESS: Counter[str] = Counter()
+#: one example refusal per field (for the test report)
+CARDLESS_EXAMPLE: dict[str, str] = {}
 
 
 def _metadata_module() -> Any:
@@ -54,146 +53,18 @@ class KvgeomAgentMetadata(_PlainAgentMetadata):
     kvgeom_card: str | None = None
 
 
-# -- vLLM specs -> kvgeom model spec ----------------------------------------------------------------------
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def _dtype(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _mamba_spec(spec: Any, tp: int, hf_config: Any) -> MambaSpec:
-    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    conv, temporal = tuple(spec.shapes[0]), tuple(spec.shapes[1])
-    rows, conv_dim = int(conv[1]), int(conv[0])
-    cd, sd = _dtype(spec.dtypes[0]), _dtype(spec.dtypes[1])
-    if kind == "MAMBA1":
-        return MambaSpec.mamba1(conv_dim * tp, int(temporal[1]), rows + 1, cd, sd)
-    if kind == "MAMBA2":
-        heads, head_dim, state = int(temporal[0]) * tp, int(temporal[1]), int(temporal[2])
-        groups_state = (conv_dim * tp - heads * head_dim) // 2
-        n_groups = next((int(getattr(hf_config, k)) for k in ("n_groups", "mamba_n_groups", "mamba_ngroups")
-                         if isinstance(getattr(hf_config, k, None), int)), groups_state // max(state, 1))
-        return MambaSpec.mamba2(heads, head_dim, n_groups, state, rows + 1, cd, sd)
-    if kind == "GDN_ATTN":
-        v_heads, v_dim, k_dim = int(temporal[0]), int(temporal[1]), int(temporal[2])
-        k_heads = (conv_dim - v_heads * v_dim) // 2 // max(k_dim, 1)
-        return MambaSpec.gdn(k_heads * tp, k_dim, v_heads * tp, v_dim, rows + 1, cd, sd)
-    raise SpecError("mamba_type", f"no kvgeom layer kind for vLLM mamba_type {kind}", value=kind)
-
-
-def _layer_spec(spec: Any, worker: Any) -> Any:
-    from vllm.v1 import kv_cache_interface as kvi
-
-    tp = int(worker.world_size)
-    if isinstance(spec, kvi.MambaSpec):
-        return _mamba_spec(spec, tp, getattr(worker.vllm_config.model_config, "hf_config", None))
-    if isinstance(spec, (kvi.MLAAttentionSpec, getattr(kvi, "SlidingWindowMLASpec", kvi.MLAAttentionSpec))):
-        window = getattr(spec, "sliding_window", None)
-        return MLASpec(int(spec.head_size), _dtype(spec.dtype), int(window) if window else None)
-    if type(spec) in (kvi.FullAttentionSpec, kvi.SlidingWindowSpec):
-        heads = int(worker.model_config.get_total_num_kv_heads())
-        window = getattr(spec, "sliding_window", None)
-        head_v = getattr(spec, "head_size_v", None)
-        return AttentionSpec(heads, int(spec.head_size), _dtype(spec.dtype),
-                             int(head_v) if head_v and head_v != spec.head_size else None,
-                             int(window) if window else None)
-    raise SpecError("kv_cache_spec", f"kvgeom has no layer kind for vLLM's {type(spec).__name__}",
-                    value=type(spec).__name__)
-
-
-_LAYOUTS = {"LBHNC": "head_major", "HND": "head_major", "LBNHC": "token_major", "NHD": "token_major"}
-
-
-def card_of_worker(worker: Any) -> GeometryCard:
-    """This rank's geometry card, from the worker's vLLM configuration (:class:`KvgeomError` when
-    kvgeom cannot describe it)."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    if any(getattr(g, "host_resident", False) for g in worker.kv_cache_config.transfer_groups):
-        raise SpecError("kv_cache_groups", "host-resident (HiSparse) cache groups have no kvgeom geometry",
-                        value=True)
-    layers = []
-    for pos, (name, spec) in enumerate(worker._layer_specs.items()):
-        m = _LAYER_INDEX.search(name)
-        layers.append(Layer(name, int(m.group(1)) if m else pos, _layer_spec(spec, worker)))
-    model = ModelSpec(str(getattr(worker.model_config, "model", "")), tuple(layers))
-    layout = _LAYOUTS.get(str(worker.kv_cache_layout))
-    if layout is None and model.attention_spec is not None:
-        raise ConfigError("kv_cache_layout", f"kvgeom has no geometry for the {worker.kv_cache_layout} layout",
-                          value=str(worker.kv_cache_layout))
-    ppl = int(worker._physical_blocks_per_logical_kv_block)
-    engine = EngineConfig(tp_size=int(worker.world_size), tp_rank=int(worker.tp_rank),
-                          block_size=int(worker.block_size) * ppl, kernel_block_size=int(worker.block_size),
-                          num_blocks=int(worker._logical_num_blocks), kv_layout=layout or "head_major",
-                          conv_layout="DS" if is_conv_state_dim_first() else "SD")
-    return GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
-
-
-def check_registration(card: GeometryCard, worker: Any) -> None:
-    """Refuse (:class:`IncompatiblePairError`) unless kvgeom's geometry of ``card`` is what vLLM
-    registered: region count, lengths, strides and block counts, and the SSM pieces."""
-    geom = card.geometry
-    ours = {
-        "num_regions": geom.num_regions,
-        "block_len_per_layer": [r.block_len for r in geom.regions],
-        "block_stride_per_layer": [r.block_stride for r in geom.regions],
-        "region_num_blocks": [r.num_blocks for r in geom.regions],
-        "num_blocks": geom.num_blocks,
-    }
-    theirs = {
-        "num_regions": int(worker.num_regions),
-        "block_len_per_layer": [int(x) for x in worker.block_len_per_layer],
-        "block_stride_per_layer": [int(x) for x in worker.block_stride_per_layer],
-        "region_num_blocks": [int(x) for x in worker.region_num_blocks],
-        "num_blocks": int(worker.num_blocks),
-    }
-    if geom.ssm is not None:
-        ours["ssm_sizes"] = list(geom.ssm.sizes)
-        ours["conv_offsets"] = [list(o) for o in geom.ssm.conv_offsets]
-        ours["ssm_region_indices"] = list(geom.ssm.region_indices)
-        theirs["ssm_sizes"] = [int(x) for x in worker._mamba_ssm_size]
-        theirs["conv_offsets"] = [list(o) for o in worker._conv_decomp.local_conv_offsets]
-        theirs["ssm_region_indices"] = [int(x) for x in worker._ssm_region_indices]
-    for key, value in ours.items():
-        if theirs[key] != value:
-            raise IncompatiblePairError(key, f"kvgeom's geometry of this rank differs from vLLM's registration "
-                                        f"(kvgeom {value}, vLLM {theirs[key]})", local=value, remote=theirs[key])
-
-
-def _reencode(payload: Any, card: GeometryCard | None) -> None:
-    meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=KvgeomAgentMetadata)
-    meta.kvgeom_card = card.dumps() if card is not None else None
-    payload.agent_metadata_bytes = msgspec.msgpack.encode(meta)
-
-
-def register_kv_caches_wrapper(register: Any) -> Any:
-    """vLLM's ``register_kv_caches``, then the card: built, checked against the registration, sent."""
-
-    @functools.wraps(register)
-    def register_kv_caches(self: Any, kv_caches: Any) -> None:
-        register(self, kv_caches)
-        self._kvgeom_topology()
-        name = "NixlBaseConnectorWorker.register_kv_caches"
-        CALLS[name] += 1
-        self.kvgeom_card = None
-        self.kvgeom_card_error = None
-        try:
-            card = card_of_worker(self)
-            check_registration(card, self)
-            self.kvgeom_card = card
-        except KvgeomError as exc:
-            REFUSED[name] += 1
-            CARDLESS[exc.field] += 1
-            self.kvgeom_card_error = exc
-            if self.kvgeom_compat == "kvgeom":
-                raise ConfigError("compat", f"kvgeom mode needs this rank's geometry card, and kvgeom cannot "
-                                  f"describe it: {exc}", value="kvgeom") from exc
-            logger.info("kvgeom_vllm: no geometry card for this rank (%s); vLLM's own checks pair it", exc)
-        if self.xfer_handshake_metadata is not None:
-            _reencode(self.xfer_handshake_metadata, self.kvgeom_card)
-
-    return register_kv_caches
+def _outside_kvgeom(worker: Any, meta: Any) -> tuple[str, str, Any] | None:
+    """What of this set-up kvgeom's pairings do not plan, as ``(field, what, value)``: pipeline-parallel
+    stages, KV staged through a host buffer (the registered bytes are not the cache tensors), and vLLM's
+    repacking for a CPU attention backend paired with another backend."""
+    if int(getattr(worker, "pp_size", 1)) > 1:
+        return "pipeline_parallel_size", "pipeline-parallel stages", int(worker.pp_size)
+    if getattr(worker, "use_host_buffer", False):
+        return "kv_buffer_device", "KV staged through a host buffer", True
+    backend = getattr(worker, "backend_name", None)
+    if backend == "CPU_ATTN" and getattr(meta, "attn_backend_name", backend) != backend:
+        return "attn_backend_name", "repacking between attention backends", meta.attn_backend_name
+    return None
 
 
 def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: int) -> Pairing | None:
@@ -201,45 +72,109 @@ def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: 
     has no card and the worker runs vLLM-compatible."""
     text = getattr(meta, "kvgeom_card", None)
     local: GeometryCard | None = getattr(worker, "kvgeom_card", None)
+    outside = _outside_kvgeom(worker, meta)
+    if outside is not None:  # a set-up kvgeom's pairings do not plan: vLLM's path, or refused in kvgeom mode
+        if worker.kvgeom_compat == "kvgeom":
+            field, what, value = outside
+            raise IncompatiblePairError(
+                field, f"kvgeom mode does not plan {what} yet; use compat 'vllm'", value=value
+            )
+        return None
     if text is None or local is None:
         if worker.kvgeom_compat == "kvgeom":
             side = "the peer sent no kvgeom geometry card" if text is None else "this rank has no card"
-            raise IncompatiblePairError("kvgeom_card", f"kvgeom mode needs kvgeom_vllm on both sides: {side}",
-                                        local=local is not None, remote=text is not None)
+            raise IncompatiblePairError(
+                "kvgeom_card",
+                f"kvgeom mode needs kvgeom_vllm on both sides: {side}",
+                local=local is not None,
+                remote=text is not None,
+            )
         return None
     remote = GeometryCard.from_json(text)
     if remote.engine.tp_size != remote_tp_size or remote.engine.tp_rank != remote_tp_rank:
-        raise IncompatiblePairError("kvgeom_card.engine", "the card's TP rank/size differ from the handshake's",
-                                    local=(remote_tp_rank, remote_tp_size),
-                                    remote=(remote.engine.tp_rank, remote.engine.tp_size))
-    ranks = {r: remote if r == remote_tp_rank else GeometryCard(remote.engine_id, remote.model,
-                                                                   remote.engine.with_rank(r), remote.mode)
-             for r in range(remote_tp_size)}
+        raise IncompatiblePairError(
+            "kvgeom_card.engine",
+            "the card's TP rank/size differ from the handshake's",
+            local=(remote_tp_rank, remote_tp_size),
+            remote=(remote.engine.tp_rank, remote.engine.tp_size),
+        )
+    ranks = {
+        r: remote
+        if r == remote_tp_rank
+        else GeometryCard(remote.engine_id, remote.model, remote.engine.with_rank(r), remote.mode)
+        for r in range(remote_tp_size)
+    }
     prefix = bool(getattr(worker.vllm_config.cache_config, "enable_prefix_caching", False))
     return Pairing.create(local, ranks, mode=local.mode, compat=worker.kvgeom_compat, prefix_caching=prefix)
 
 
+def _slice_pp_window(worker: Any, meta: Any) -> None:
+    """A PP stage (no layer-name routing) reads the window of a PP-1 peer's regions that holds its layers
+    (:func:`kvgeom.layerroute.slice_regions` from the stage's :func:`~kvgeom.layerroute.pp_region_offset`).
+    vLLM slices inline in ``add_remote_agent``; done here first, its own slicing finds nothing left to do."""
+    n = len(worker.block_len_per_layer)
+    if (
+        worker.pp_size <= 1
+        or worker._transfer_layer_region_indices
+        or len(meta.kv_caches_base_addr) <= n
+        or (meta.packed_member_layouts and not worker._packed_member_layouts)
+    ):
+        return
+    from kvgeom.layerroute import slice_regions
+
+    from .answers.regions import _table
+
+    packed = meta.packed_member_layouts
+    table = slice_regions(_table(meta), int(worker._remote_region_offset), n)
+    meta.kv_caches_base_addr, meta.block_lens = list(table.bases), list(table.block_lens)
+    meta.block_strides = list(table.block_strides)
+    for attr, value in (
+        ("region_num_blocks", table.num_blocks),
+        ("region_group_ids", table.group_ids),
+        ("region_names", table.names),
+        ("region_mem_types", table.mem_types),
+    ):
+        if getattr(meta, attr) is not None:
+            setattr(meta, attr, list(value) if value is not None else None)
+    meta.packed_member_layouts = packed
+
+
 def add_remote_agent_wrapper(add: Any) -> Any:
-    """vLLM's ``add_remote_agent``, preceded by the card check."""
+    """vLLM's ``add_remote_agent``, preceded by the card check and the PP window. When both sides carry a
+    card the pair is prepared by :func:`kvgeom_vllm.kvgeom_mode.add_remote_agent` instead of vLLM's code
+    (in vLLM-compatible mode on a pairing that refuses what vLLM refuses)."""
 
     @functools.wraps(add)
-    def add_remote_agent(self: Any, nixl_agent_meta: Any, remote_tp_rank: int = 0, remote_tp_size: int = 1,
-                         remote_dcp_size: int = 1) -> str:
+    def add_remote_agent(
+        self: Any,
+        nixl_agent_meta: Any,
+        remote_tp_rank: int = 0,
+        remote_tp_size: int = 1,
+        remote_dcp_size: int = 1,
+    ) -> str:
         engine_id = nixl_agent_meta.engine_id
-        known = (0, remote_tp_rank) in self._remote_agents.get(engine_id, {})
-        if not known and (getattr(nixl_agent_meta, "kvgeom_card", None) is not None
-                          or self.kvgeom_compat == "kvgeom"):
-            name = "NixlBaseConnectorWorker.add_remote_agent"
-            CALLS[name] += 1
-            try:
+        if (0, remote_tp_rank) in self._remote_agents.get(engine_id, {}):
+            return add(self, nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
+        name = "NixlBaseConnectorWorker.add_remote_agent"
+        CALLS[name] += 1
+        pairing = None
+        try:
+            if getattr(nixl_agent_meta, "kvgeom_card", None) is not None or self.kvgeom_compat == "kvgeom":
                 pairing = pair_with_card(self, nixl_agent_meta, remote_tp_rank, remote_tp_size)
-            except KvgeomError as exc:
-                REFUSED[name] += 1
-                from .worker import as_vllm_error
+            _slice_pp_window(self, nixl_agent_meta)
+        except KvgeomError as exc:
+            REFUSED[name] += 1
+            from .worker import as_vllm_error
 
-                raise as_vllm_error(exc, RuntimeError) from None
-            if pairing is not None:
-                self.kvgeom_pairings = {**getattr(self, "kvgeom_pairings", {}), engine_id: pairing}
+            raise as_vllm_error(exc, RuntimeError) from None
+        if pairing is not None:
+            self.kvgeom_pairings = {**getattr(self, "kvgeom_pairings", {}), engine_id: pairing}
+        if pairing is not None:  # both sides carry a card: kvgeom prepares the pair (in either compat mode)
+            from . import kvgeom_mode
+
+            return kvgeom_mode.add_remote_agent(
+                self, nixl_agent_meta, pairing, remote_tp_rank, remote_tp_size, remote_dcp_size
+            )
         return add(self, nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
     return add_remote_agent

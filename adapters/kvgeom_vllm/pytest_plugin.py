@@ -1,41 +1,37 @@
 """Run vLLM's own NIXL connector tests through kvgeom: ``pytest -p kvgeom_vllm.pytest_plugin ...``.
 
 Before any test module is imported, the plugin puts kvgeom's integration in place of vLLM's NIXL
-geometry everywhere vLLM's modules hold it: the worker, connector, topology, conv-split and metadata
-classes become kvgeom_vllm's subclasses, and the module functions the tests import by name
+geometry everywhere vLLM's modules hold it: the worker, scheduler, connector, topology, conv-split and
+metadata classes become kvgeom_vllm's subclasses, and the module functions the tests import by name
 (``compute_tp_mapping``, ``derive_mamba_conv_split``, ...) become kvgeom's counted adapters. A test
 module's ``from x import y`` then binds kvgeom's object.
 
 At the end it prints, per row of :data:`kvgeom_vllm.table.TABLE`, how many calls reached kvgeom (and how
-many kvgeom refused), and the outcomes per test file. A row that should be exercised and got no call
-fails the run: a pass must not come from vLLM's own code.
-
-``--kvgeom-gaps FILE`` lists tests that need a kvgeom feature that does not exist yet (one node id and
-feature per line); they run as strict expected failures that must fail with kvgeom's refusal, so that
-each one turns into a required pass (strict xfail) the day kvgeom gains the feature.
+many kvgeom refused), and the outcomes per test file. A row that vLLM's tests exercise and that got no
+call fails the run: a pass must not come from vLLM's own code.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .table import ANSWERED, CALLS, EXERCISED, FEATURES, REFUSED, TABLE
+from .table import CALLS, EXERCISED, REFUSED, TABLE
 
 _OUTCOMES: dict[str, Counter[str]] = defaultdict(Counter)
-_GAPS: dict[str, str] = {}
 _REPLACED: list[tuple[str, str]] = []
 
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("kvgeom_vllm")
-    group.addoption("--kvgeom-gaps", default=None, help="file of tests that need a kvgeom feature not built yet")
-    group.addoption("--kvgeom-no-zero-check", action="store_true",
-                    help="do not fail the run when an answered function got no call")
+    group.addoption(
+        "--kvgeom-no-zero-check",
+        action="store_true",
+        help="do not fail the run when an exercised function got no call",
+    )
 
 
 def _replace_everywhere(original: Any, replacement: Any, label: str) -> int:
@@ -60,21 +56,23 @@ def install() -> None:
     import importlib
 
     from . import connector, handshake, worker
-    from .answers import _ORIGINAL_CONV_SPLIT_INFO
+    from .answers import ORIGINAL_CONV_SPLIT_INFO
 
-    for e in ANSWERED:  # module functions: the tests import them by name
-        if e.owner is None:
+    for e in TABLE:  # module functions: the tests import them by name
+        if e.kind == "function":
             mod = importlib.import_module(e.module)
             answer = worker.counted(e)
-            _replace_everywhere(getattr(mod, e.attr), answer, e.qualname)
-            if e.qualname in worker.DISPATCHERS:  # in the tests every call goes to kvgeom, whatever its topology
+            if e.qualname in worker.DISPATCHERS:  # in the tests every call goes to kvgeom, whoever makes it
                 _replace_everywhere(worker.DISPATCHERS[e.qualname], answer, e.qualname)
+            _replace_everywhere(getattr(mod, e.attr), answer, e.qualname)
     classes = [
         (worker._TransferTopology, worker.KvgeomTransferTopology),
-        (_ORIGINAL_CONV_SPLIT_INFO, worker.KvgeomConvSplitInfo),
+        (ORIGINAL_CONV_SPLIT_INFO, worker.KvgeomConvSplitInfo),
         (worker._BaseWorker, worker.KvgeomBaseWorker),
         (worker._PullWorker, worker.KvgeomPullConnectorWorker),
         (worker._PushWorker, worker.KvgeomPushConnectorWorker),
+        (worker._PullScheduler, worker.KvgeomPullConnectorScheduler),
+        (worker._PushScheduler, worker.KvgeomPushConnectorScheduler),
         (handshake._PlainAgentMetadata, handshake.KvgeomAgentMetadata),
         (connector._nixl.NixlPullConnector, connector.KvgeomNixlConnector),
         (connector._nixl.NixlPushConnector, connector.KvgeomNixlPushConnector),
@@ -85,34 +83,12 @@ def install() -> None:
 
 def pytest_configure(config: Any) -> None:
     install()
-    path = config.getoption("--kvgeom-gaps")
-    if path:
-        for line in Path(path).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                nodeid, feature = line.split()
-                if feature not in FEATURES:
-                    raise pytest.UsageError(f"{path}: unknown feature {feature!r} (known: {sorted(FEATURES)})")
-                _GAPS[nodeid] = feature
-
-
-def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    from kvgeom.errors import UnsupportedError
-
-    for item in items:
-        feature = _GAPS.get(item.nodeid)
-        if feature is not None:
-            item.add_marker(pytest.mark.xfail(strict=True, raises=UnsupportedError,
-                                              reason=f"kvgeom lacks {FEATURES[feature]} ({feature})"))
 
 
 def pytest_runtest_logreport(report: Any) -> None:
     file = report.nodeid.split("::", 1)[0]
     if report.when == "call" or (report.when == "setup" and not report.passed):
-        outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
-        if hasattr(report, "wasxfail") and report.passed:
-            outcome = "xpassed"
-        _OUTCOMES[file][outcome] += 1
+        _OUTCOMES[file][report.outcome] += 1
 
 
 def _zero_rows() -> list[str]:
@@ -124,31 +100,33 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
     tr.section("kvgeom_vllm: calls that reached kvgeom, per vLLM geometry function")
     width = max(len(e.qualname) for e in TABLE)
     for e in TABLE:
-        if e.answer is not None:
-            mark = "" if e.exercised else " (not reached by these tests)"
-            tr.write_line(f"  {e.qualname:<{width}}  {CALLS[e.qualname]:>7} calls  {REFUSED[e.qualname]:>5} refused"
-                          f"   <- {e.kvgeom}{mark}")
-    tr.write_line(f"  total: {sum(CALLS[e.qualname] for e in ANSWERED)} calls reached kvgeom")
-    tr.write_line("  vLLM's own code (kvgeom lacks the feature): " + ", ".join(
-        f"{e.qualname} [{e.missing}]" for e in TABLE if e.answer is None))
-    from .handshake import CARDLESS
+        mark = "" if e.exercised else " (not reached by these tests)"
+        tr.write_line(
+            f"  {e.qualname:<{width}}  {CALLS[e.qualname]:>7} calls  {REFUSED[e.qualname]:>5} refused"
+            f"   <- {e.kvgeom}{mark}"
+        )
+    tr.write_line(f"  total: {sum(CALLS[e.qualname] for e in TABLE)} calls reached kvgeom")
+    from .handshake import CARDLESS, CARDLESS_EXAMPLE
 
     if CARDLESS:
-        tr.write_line("  ranks registered without a kvgeom card, by the field kvgeom could not describe: " + ", ".join(
-            f"{field} x{n}" for field, n in CARDLESS.most_common()))
+        tr.write_line(
+            "  ranks registered without a kvgeom card (vLLM-compatible mode pairs them on the numbers they "
+            "advertise), by the field kvgeom could not describe:"
+        )
+        for field, n in CARDLESS.most_common():
+            tr.write_line(f"    {field} x{n}, e.g. {CARDLESS_EXAMPLE[field][:160]}")
     tr.section("kvgeom_vllm: outcomes per test file")
     for file in sorted(_OUTCOMES):
         c = _OUTCOMES[file]
-        tr.write_line(f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "xfailed", "xpassed")
-                                               if c[k]))
-    if _GAPS:
-        by_feature = Counter(_GAPS.values())
-        tr.write_line("  known gaps (strict xfail, kvgeom refuses): " + ", ".join(
-            f"{n} x {f}" for f, n in sorted(by_feature.items())))
+        tr.write_line(
+            f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "skipped") if c[k])
+        )
     zero = _zero_rows()
     if zero and not config.getoption("--kvgeom-no-zero-check"):
-        tr.write_line(f"  FAILED: no call reached kvgeom for {zero}: a pass there would come from vLLM's own code",
-                      red=True)
+        tr.write_line(
+            f"  FAILED: no call reached kvgeom for {zero}: a pass there would come from vLLM's own code",
+            red=True,
+        )
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

@@ -25,12 +25,21 @@ def check_vllm_version(version: str | None = None) -> str:
         try:
             import vllm
         except ImportError as exc:
-            raise VllmVersionError("vllm", f"kvgeom_vllm needs vLLM {' or '.join(SUPPORTED_VLLM_VERSIONS)}, and "
-                                   f"vLLM is not installed ({exc})", value=None,
-                                   expected=SUPPORTED_VLLM_VERSIONS) from None
+            raise VllmVersionError(
+                "vllm",
+                f"kvgeom_vllm needs vLLM {' or '.join(SUPPORTED_VLLM_VERSIONS)}, and "
+                f"vLLM is not installed ({exc})",
+                value=None,
+                expected=SUPPORTED_VLLM_VERSIONS,
+            ) from None
         version = str(getattr(vllm, "__version__", "unknown"))
     if version not in SUPPORTED_VLLM_VERSIONS:
-        raise VllmVersionError("vllm", f"kvgeom_vllm supports vLLM {' or '.join(SUPPORTED_VLLM_VERSIONS)} only, "
-                               f"found {version}: install vllm=={SUPPORTED_VLLM_VERSIONS[-1]} or use vLLM's own "
-                               "NixlConnector", value=version, expected=SUPPORTED_VLLM_VERSIONS)
+        raise VllmVersionError(
+            "vllm",
+            f"kvgeom_vllm supports vLLM {' or '.join(SUPPORTED_VLLM_VERSIONS)} only, "
+            f"found {version}: install vllm=={SUPPORTED_VLLM_VERSIONS[-1]} or use vLLM's own "
+            "NixlConnector",
+            value=version,
+            expected=SUPPORTED_VLLM_VERSIONS,
+        )
     return version

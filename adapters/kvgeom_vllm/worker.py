@@ -1,22 +1,26 @@
-"""vLLM 0.33.0's NIXL workers with every geometry step answered by kvgeom.
+"""vLLM 0.33.0's NIXL workers and schedulers with every geometry step answered by kvgeom.
 
 The classes here subclass vLLM's own (``NixlPullConnectorWorker``, ``NixlPushConnectorWorker``,
-``TransferTopology``, ``MambaConvSplitInfo``); their geometry methods are the adapters of
-:mod:`kvgeom_vllm.answers`, installed from :data:`kvgeom_vllm.table.TABLE` and counted. vLLM's threads,
-agents, side channel, scheduler and completion tracking run unchanged.
+``NixlPull/PushConnectorScheduler``, ``TransferTopology``, ``MambaConvSplitInfo``); their geometry members
+are the adapters of :mod:`kvgeom_vllm.answers`, installed from :data:`kvgeom_vllm.table.TABLE` and
+counted. vLLM's threads, agents, side channel, scheduler and completion tracking run unchanged.
 
-Two of vLLM's geometry functions are module functions its worker calls by name
-(``compute_tp_mapping`` in ``add_remote_agent``, ``derive_mamba_conv_split`` in ``__init__``).
-:func:`install_dispatchers` replaces them in vLLM's ``base_worker`` module by dispatchers that send the
-calls of kvgeom workers (recognised by their :class:`KvgeomTransferTopology`) to kvgeom and every other
-call to vLLM's function, so a plain ``NixlConnector`` in the same process keeps vLLM's behaviour.
+vLLM's worker calls two geometry functions by module name in code that still runs:
+``derive_mamba_conv_split`` (``__init__``) and ``compute_tp_mapping`` (``add_remote_agent`` with a peer
+that sends no card);
+``_region_sort_key`` is kvgeom's own registration's. :func:`install_dispatchers` replaces the three in
+vLLM's ``base_worker`` module by dispatchers that answer with kvgeom while a kvgeom worker runs one of
+those methods (a context variable marks it) and with vLLM's function otherwise, so a plain
+``NixlConnector`` in the same process keeps vLLM's behaviour.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvgeom.errors import KvgeomError
@@ -25,24 +29,42 @@ from . import answers
 from .table import CALLS, REFUSED, TABLE, Entry, entry
 
 __all__ = [
-    "KvgeomTransferTopology", "KvgeomBaseWorker", "KvgeomPullConnectorWorker", "KvgeomPushConnectorWorker",
-    "KvgeomConvSplitInfo", "counted", "counted_call", "install_dispatchers", "as_vllm_error",
+    "KvgeomTransferTopology",
+    "KvgeomBaseWorker",
+    "KvgeomPullConnectorWorker",
+    "KvgeomPushConnectorWorker",
+    "KvgeomPullConnectorScheduler",
+    "KvgeomPushConnectorScheduler",
+    "KvgeomConvSplitInfo",
+    "counted",
+    "counted_call",
+    "install_dispatchers",
+    "as_vllm_error",
+    "kvgeom_active",
 ]
 
-_COMPAT_CLASSES: dict[tuple[type, type], type] = {}
-_BUILTIN_ERRORS = {"AssertionError": AssertionError, "ValueError": ValueError, "RuntimeError": RuntimeError,
-                   "NotImplementedError": NotImplementedError}
+_COMPAT_CLASSES: dict[tuple[type, ...], type] = {}
+_BUILTIN_ERRORS = {
+    "AssertionError": AssertionError,
+    "ValueError": ValueError,
+    "RuntimeError": RuntimeError,
+    "NotImplementedError": NotImplementedError,
+    "IndexError": IndexError,
+}
 
 
-def as_vllm_error(exc: KvgeomError, vllm_cls: type[BaseException]) -> KvgeomError:
-    """kvgeom's typed error, also an instance of the class vLLM raises at that point (an assert is an
+def as_vllm_error(exc: KvgeomError, *vllm_classes: type[BaseException]) -> KvgeomError:
+    """kvgeom's typed error, also an instance of every class vLLM raises at that point (an assert is an
     ``AssertionError``), so that vLLM's callers catch what they always caught."""
-    if isinstance(exc, vllm_cls):
+    missing = tuple(c for c in vllm_classes if not isinstance(exc, c))
+    # the most specific classes suffice (NotImplementedError is a RuntimeError)
+    missing = tuple(c for c in missing if not any(d is not c and issubclass(d, c) for d in missing))
+    if not missing:
         return exc
-    key = (type(exc), vllm_cls)
+    key = (type(exc), *missing)
     cls = _COMPAT_CLASSES.get(key)
     if cls is None:
-        cls = type(type(exc).__name__, (type(exc), vllm_cls), {"__module__": type(exc).__module__})
+        cls = type(type(exc).__name__, (type(exc), *missing), {"__module__": type(exc).__module__})
         _COMPAT_CLASSES[key] = cls
     out = cls.__new__(cls, *exc.args)
     out.__dict__.update(exc.__dict__)
@@ -51,18 +73,19 @@ def as_vllm_error(exc: KvgeomError, vllm_cls: type[BaseException]) -> KvgeomErro
 
 
 def counted_call(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call the adapter of table row ``name``: count it, translate a refusal to vLLM's exception type."""
+    """Call the adapter of table row ``name``: count it, translate a refusal to vLLM's exception types."""
     CALLS[name] += 1
     try:
         return fn(*args, **kwargs)
     except KvgeomError as exc:
         REFUSED[name] += 1
-        raise as_vllm_error(exc, _BUILTIN_ERRORS[entry(name).raises]).with_traceback(exc.__traceback__) from None
+        raised = tuple(_BUILTIN_ERRORS[n] for n in entry(name).raises)
+        raise as_vllm_error(exc, *raised).with_traceback(exc.__traceback__) from None
 
 
 def counted(e: Entry) -> Callable[..., Any]:
     """The adapter of row ``e``, counted (what gets installed in vLLM's place)."""
-    fn = getattr(answers, e.answer)  # type: ignore[arg-type]
+    fn = getattr(answers, e.answer)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -72,80 +95,202 @@ def counted(e: Entry) -> Callable[..., Any]:
     return wrapper
 
 
-def _install_methods(cls: type, owner: str) -> type:
-    """Set every answered method of ``owner`` (a vLLM class name in the table) on ``cls``."""
+def _install(cls: type, owner: str, base: bool = False) -> type:
+    """Set every answered member of ``owner`` (a vLLM class name in the table) on ``cls`` (``base``: the
+    members installed below vLLM's pull/push subclasses)."""
     for e in TABLE:
-        if e.answer is not None and e.owner == owner and e.answer in vars(answers):
-            setattr(cls, e.attr, counted(e))
+        if e.owner != owner or e.kind in ("wrapper", "attribute", "function") or (e.kind == "base") != base:
+            continue
+        fn = counted(e)
+        member: Any = {"static": staticmethod, "property": property}.get(e.kind, lambda f: f)(fn)
+        setattr(cls, e.attr, member)
     return cls
+
+
+# -- marking the methods of kvgeom workers, for the module-function dispatchers -----------------------------
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("kvgeom_vllm_active", default=False)
+
+
+def kvgeom_active() -> bool:
+    """Whether the running code is a method of a kvgeom worker (module functions then answer with kvgeom)."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def _active() -> Iterator[None]:
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _marked(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _active():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 def _vllm_classes() -> Any:
     from vllm.distributed.kv_transfer.kv_connector import utils
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, pull_worker, push_worker
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+        base_worker,
+        pull_scheduler,
+        pull_worker,
+        push_scheduler,
+        push_worker,
+    )
 
-    return utils.TransferTopology, base_worker.NixlBaseConnectorWorker, pull_worker.NixlPullConnectorWorker, \
-        push_worker.NixlPushConnectorWorker
+    return (
+        utils.TransferTopology,
+        base_worker.NixlBaseConnectorWorker,
+        pull_worker.NixlPullConnectorWorker,
+        push_worker.NixlPushConnectorWorker,
+        pull_scheduler.NixlPullConnectorScheduler,
+        push_scheduler.NixlPushConnectorScheduler,
+    )
 
 
-_TransferTopology, _BaseWorker, _PullWorker, _PushWorker = _vllm_classes()
+_TransferTopology, _BaseWorker, _PullWorker, _PushWorker, _PullScheduler, _PushScheduler = _vllm_classes()
 KvgeomConvSplitInfo = answers.KvgeomConvSplitInfo
 
 
 class KvgeomTransferTopology(_TransferTopology):
-    """vLLM's ``TransferTopology`` whose TP arithmetic is kvgeom's."""
+    """vLLM's ``TransferTopology`` whose TP, DCP and head arithmetic is kvgeom's."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.local_physical_heads = counted_call(
+            f"{_TransferTopology.__name__}.local_physical_heads", answers.topology_local_physical_heads, self
+        )
 
 
-_install_methods(KvgeomTransferTopology, "TransferTopology")
+_install(KvgeomTransferTopology, "TransferTopology")
 
 
 class KvgeomWorkerMixin:
     """The geometry methods of vLLM's NIXL worker, answered by kvgeom (installed from the table), plus
-    what makes vLLM's own methods reach kvgeom: the conv split in ``__init__`` and the topology class."""
+    what makes vLLM's own methods reach kvgeom: the dispatch mark on the methods that call vLLM's module
+    functions by name, and the topology class."""
 
-    #: "vllm" (default): refuse what vLLM 0.33.0 refuses; "kvgeom": let kvgeom decide (see handshake.py)
+    #: "vllm" (default): refuse what vLLM 0.33.0 refuses; "kvgeom": let kvgeom decide (see kvgeom_mode.py)
     kvgeom_compat: str = "vllm"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if getattr(self, "_conv_decomp", None) is not None:
-            # vLLM derived it by name inside its __init__; the kvgeom answer replaces it.
-            spec = next(s for s in self._layer_specs.values() if isinstance(s, answers._KVI.MambaSpec)
-                        and (not self._is_csa_linear or not s.tp_replicated))
-            self._conv_decomp = counted_call("derive_mamba_conv_split", answers.derive_mamba_conv_split, spec,
-                                             self.vllm_config.parallel_config.tensor_parallel_size)
-            self._mamba_ssm_size = self._conv_decomp.ssm_sizes
+        with _active():
+            super().__init__(*args, **kwargs)
 
-    def _kvgeom_topology(self) -> None:
-        topo = getattr(self, "transfer_topo", None)
-        if topo is not None and type(topo) is _TransferTopology:
-            topo.__class__ = KvgeomTransferTopology
+    def _kvgeom_plans(self, engine_id: str) -> bool:
+        """Whether kvgeom plans this engine's requests: always in kvgeom mode, and in vLLM-compatible mode
+        once the handshake paired both sides' cards; a peer without a card gets vLLM's per-request code."""
+        return self.kvgeom_compat == "kvgeom" or engine_id in getattr(self, "kvgeom_pairings", {})
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        """Pull: kvgeom's plan (:mod:`kvgeom_vllm.kvgeom_mode`), or vLLM's per-request code for a peer
+        without a card."""
+        if not self._kvgeom_plans(meta.remote.engine_id):
+            return super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
+        from . import kvgeom_mode
+
+        return counted_call(
+            "NixlPullConnectorWorker._read_blocks_for_req",
+            kvgeom_mode.read_blocks_for_req,
+            self,
+            req_id,
+            meta,
+        )
+
+    def _do_start_push_kv(
+        self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]
+    ) -> None:
+        """Push (P side): keep the token count D registered with the request (kvgeom's push scheduler adds it)
+        for kvgeom's plan, then vLLM's code."""
+        tokens = registration_data.get("kvgeom_num_tokens")
+        if tokens is not None:
+            self.__dict__.setdefault("_kvgeom_push_tokens", {})[request_id] = int(tokens)
+        return super()._do_start_push_kv(request_id, local_block_ids, registration_data)  # type: ignore[misc]
+
+    def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        """Push: kvgeom's plan, or vLLM's per-request code for a peer without a card."""
+        if not self._kvgeom_plans(meta.remote.engine_id):
+            return super()._xfer_blocks_for_req(req_id, meta)  # type: ignore[misc]
+        from . import kvgeom_mode
+
+        return counted_call(
+            "NixlPushConnectorWorker._xfer_blocks_for_req",
+            kvgeom_mode.xfer_blocks_for_req,
+            self,
+            req_id,
+            meta,
+        )
 
 
-_install_methods(KvgeomWorkerMixin, "NixlBaseConnectorWorker")
+_install(KvgeomWorkerMixin, "NixlBaseConnectorWorker")
+
+
+class KvgeomRegistration(_BaseWorker):
+    """vLLM's base worker with kvgeom's registration (region discovery and the card). It sits below vLLM's
+    pull and push workers in the class order, so that their own ``register_kv_caches`` (the push writer
+    thread) still runs around it."""
+
+
+_install(KvgeomRegistration, "NixlBaseConnectorWorker", base=True)
 
 
 def _with_handshake(cls: type) -> type:
     from . import handshake
 
-    cls.register_kv_caches = handshake.register_kv_caches_wrapper(cls.register_kv_caches)
-    cls.add_remote_agent = handshake.add_remote_agent_wrapper(cls.add_remote_agent)
+    cls.register_kv_caches = _marked(cls.register_kv_caches)
+    cls.add_remote_agent = handshake.add_remote_agent_wrapper(_marked(cls.add_remote_agent))
     return cls
 
 
 @_with_handshake
-class KvgeomBaseWorker(KvgeomWorkerMixin, _BaseWorker):
+class KvgeomBaseWorker(KvgeomWorkerMixin, KvgeomRegistration):
     """vLLM's base NIXL worker with kvgeom geometry."""
 
 
 @_with_handshake
-class KvgeomPullConnectorWorker(KvgeomWorkerMixin, _PullWorker):
+class KvgeomPullConnectorWorker(KvgeomWorkerMixin, _PullWorker, KvgeomRegistration):
     """vLLM's pull (READ) NIXL worker with kvgeom geometry."""
 
 
 @_with_handshake
-class KvgeomPushConnectorWorker(KvgeomWorkerMixin, _PushWorker):
+class KvgeomPushConnectorWorker(KvgeomWorkerMixin, _PushWorker, KvgeomRegistration):
     """vLLM's push (WRITE) NIXL worker with kvgeom geometry."""
+
+
+class KvgeomSchedulerMixin:
+    """The geometry methods of vLLM's NIXL scheduler (which blocks and tokens a request exchanges),
+    answered by kvgeom; the sliding-window block counts vLLM computes in ``__init__`` are kvgeom's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.blocks_per_sw = counted_call(
+            "NixlBaseConnectorScheduler.blocks_per_sw", answers.blocks_per_window, self
+        )
+
+
+_install(KvgeomSchedulerMixin, "NixlBaseConnectorScheduler")
+
+
+class KvgeomPullConnectorScheduler(KvgeomSchedulerMixin, _PullScheduler):
+    """vLLM's pull scheduler with kvgeom's exchange rules."""
+
+
+class KvgeomPushConnectorScheduler(KvgeomSchedulerMixin, _PushScheduler):
+    """vLLM's push scheduler with kvgeom's exchange rules. D's registration also carries the request's token
+    count (``kvgeom_num_tokens``): P's worker places D's block list with it (a prefix hit on D skips
+    blocks)."""
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        registration = self._push_pending_registrations.get(request.request_id)
+        if registration is not None:
+            registration["kvgeom_num_tokens"] = int(request.num_prompt_tokens)
 
 
 # -- dispatchers for the module functions vLLM's worker calls by name ---------------------------------------
@@ -153,28 +298,30 @@ _DISPATCH_LOCK = threading.Lock()
 _DISPATCHED = False
 #: the dispatchers installed in vLLM's modules, by table row (the test plugin replaces them outright)
 DISPATCHERS: dict[str, Callable[..., Any]] = {}
+_BY_NAME = ("compute_tp_mapping", "derive_mamba_conv_split", "_region_sort_key")
 
 
 def install_dispatchers() -> None:
-    """Route ``base_worker.compute_tp_mapping`` calls made with a :class:`KvgeomTransferTopology` to
-    kvgeom; every other call keeps vLLM's function. Idempotent."""
+    """Route the module functions vLLM's worker calls by name to kvgeom while a kvgeom worker runs (see
+    the module doc); every other call keeps vLLM's function. Idempotent."""
     global _DISPATCHED
     with _DISPATCH_LOCK:
         if _DISPATCHED:
             return
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-        original = base_worker.compute_tp_mapping
-        kvgeom_fn = counted(entry("compute_tp_mapping"))
+        for name in _BY_NAME:
+            original = getattr(base_worker, name)
+            kvgeom_fn = counted(entry(name))
 
-        @functools.wraps(original)
-        def compute_tp_mapping(transfer_topology: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(transfer_topology, KvgeomTransferTopology):
-                return kvgeom_fn(transfer_topology, *args, **kwargs)
-            return original(transfer_topology, *args, **kwargs)
+            def dispatcher(
+                *args: Any, _original: Any = original, _kvgeom: Any = kvgeom_fn, **kwargs: Any
+            ) -> Any:
+                return (_kvgeom if _ACTIVE.get() else _original)(*args, **kwargs)
 
-        base_worker.compute_tp_mapping = compute_tp_mapping
-        DISPATCHERS["compute_tp_mapping"] = compute_tp_mapping
+            functools.update_wrapper(dispatcher, original)
+            setattr(base_worker, name, dispatcher)
+            DISPATCHERS[name] = dispatcher
         # The handshake decodes peers' metadata with this name: the subclass keeps their card (a plain vLLM
         # worker ignores the field, and reads None from a plain peer).
         from .handshake import KvgeomAgentMetadata, _PlainAgentMetadata

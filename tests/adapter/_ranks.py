@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from kvgeom_nixl import (
     AdapterError,
+    Auth,
     Endpoint,
     HandshakeTimeout,
     PeerGone,
@@ -30,6 +31,7 @@ from kvgeom_nixl import (
 
 HOST = "127.0.0.1"
 STEP_S = 20.0  # bound of every single wait inside a rank
+AUTH = Auth(b"transport-test-secret-0123456789")
 
 
 def pattern(nbytes: int, gen: int) -> np.ndarray:
@@ -92,7 +94,7 @@ def prefill_rank(spec: dict, to_parent: Any, inbox: Any) -> dict:
         out["agent_s"] = time.monotonic() - t0
         src = torch.from_numpy(pattern(nbytes, 0))
         regions = ep.register_tensors(src)
-        server = SideChannelServer(HOST, 0, _payload(ep, "prefill", regions, ep.generation)).start()
+        server = SideChannelServer(HOST, 0, _payload(ep, "prefill", regions, ep.generation), auth=AUTH).start()
         try:
             to_parent.put(("P", "ready", {"port": server.port, "generation": ep.generation}))
             if spec["mode"] == "push":
@@ -144,7 +146,7 @@ class _Link:
 
     def handshake(self, my_payload: dict) -> None:
         t0 = time.monotonic()
-        peer = fetch(HOST, self.port, my_payload, timeout_s=STEP_S)
+        peer = fetch(HOST, self.port, my_payload, timeout_s=STEP_S, auth=AUTH)
         self.generation = peer["generation"]
         self.name = self.ep.add_peer(peer["agent_name"], peer["agent_metadata"])
         self.base, self.nbytes, _ = peer["regions"][0]
@@ -170,7 +172,7 @@ def decode_rank(spec: dict, to_parent: Any, inbox: Any) -> dict:
         if spec["mode"] == "silent":  # the peer's side channel accepts but never answers
             t0 = time.monotonic()
             try:
-                fetch(HOST, port, me, timeout_s=spec["handshake_timeout_s"])
+                fetch(HOST, port, me, timeout_s=spec["handshake_timeout_s"], auth=AUTH)
             except HandshakeTimeout as e:
                 return {"error": type(e).__name__, "message": str(e), "elapsed_s": time.monotonic() - t0}
             return {"error": None}
@@ -183,7 +185,7 @@ def decode_rank(spec: dict, to_parent: Any, inbox: Any) -> dict:
 
         def read_and_verify(gen: int, notif: bytes) -> dict:
             dst.zero_()
-            check_generation(HOST, port, link.generation)
+            check_generation(HOST, port, link.generation, auth=AUTH)
             tel = ep.post("READ", local, ids, link.remote, perm, notif).wait()
             want = pattern(nbytes, gen).reshape(nblk, -1)[perm]
             ok = bool(np.array_equal(dst.numpy().reshape(nblk, -1), want))
@@ -239,7 +241,7 @@ def _decode_kill(ep, link, local, ids, perm, port, mode, to_parent, inbox) -> di
         _get(inbox, "killed")
         t0 = time.monotonic()
         try:
-            check_generation(HOST, port, link.generation, timeout_s=2.0)
+            check_generation(HOST, port, link.generation, timeout_s=2.0, auth=AUTH)
         except AdapterError as e:
             out["errors"].append(("generation", type(e).__name__, time.monotonic() - t0))
         t0 = time.monotonic()

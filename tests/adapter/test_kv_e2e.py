@@ -16,7 +16,8 @@ from kvgeom import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 
 pytestmark = pytest.mark.nixl
 
-FAST = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 10.0, "notif_timeout_s": 10.0}
+FAST = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 10.0, "notif_timeout_s": 10.0,
+        "secret": "kvgeom-e2e-test-secret-0123456789"}
 
 
 def _run(scenario: dict, tokens: list[int], engines: list[str] | None = None, faults: dict | None = None,

@@ -1,7 +1,9 @@
-"""Side channel alone: in-process server threads and clients, no NIXL."""
+"""Side channel alone: in-process server threads and clients, no NIXL. Every call is authenticated
+with ``AUTH``; the attacks on the side channel (issue 8 items 3, 8, 9) are in ``test_hostile.py``."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 from kvgeom_nixl import (
     AdapterError,
+    Auth,
     HandshakeTimeout,
     PeerGone,
     ProtocolError,
@@ -23,6 +26,7 @@ from kvgeom_nixl import (
 from kvgeom_nixl.sidechannel import MAX_MESSAGE_BYTES, decode, encode
 
 HOST = "127.0.0.1"
+AUTH = Auth(b"side-channel-test-secret-0123")
 
 
 def _payload(name: str = "P", gen: int = 1, md: bytes = b"\x00md\xff" * 10) -> dict:
@@ -46,9 +50,9 @@ def _free_port() -> int:
 
 def test_encode_decode_roundtrip_bytes_nested_and_numpy():
     msg = {"a": b"\x00\x01", "b": [b"x", {"c": b""}], "n": np.int64(5), "arr": np.arange(3, dtype=np.uint64)}
-    frame = encode(msg)
+    frame = encode(msg, AUTH)
     assert int.from_bytes(frame[:4], "big") == len(frame) - 4
-    assert decode(frame[4:]) == {"a": b"\x00\x01", "b": [b"x", {"c": b""}], "n": 5, "arr": [0, 1, 2]}
+    assert decode(frame[4 + 32:]) == {"a": b"\x00\x01", "b": [b"x", {"c": b""}], "n": 5, "arr": [0, 1, 2]}
 
 
 def test_decode_rejects_garbage():
@@ -62,29 +66,29 @@ def test_decode_rejects_garbage():
 
 def test_get_exchange_and_generation():
     mine = _payload("D", gen=4, md=b"decode-md")
-    with SideChannelServer(HOST, 0, _payload()) as server:
-        got = fetch(HOST, server.port, timeout_s=2)
+    with SideChannelServer(HOST, 0, _payload(), auth=AUTH) as server:
+        got = fetch(HOST, server.port, timeout_s=2, auth=AUTH)
         assert got == _payload()
         assert got["regions"][1][0] == 2**63 + 5  # 64-bit addresses survive JSON
-        assert query_generation(HOST, server.port) == 1
-        assert fetch(HOST, server.port, mine, timeout_s=2) == _payload()
+        assert query_generation(HOST, server.port, auth=AUTH) == 1
+        assert fetch(HOST, server.port, mine, timeout_s=2, auth=AUTH) == _payload()
         assert server.wait_peer("D", timeout_s=1) == mine
         assert server.peers() == {"D": mine}
-        assert check_generation(HOST, server.port, 1) == 1
+        assert check_generation(HOST, server.port, 1, auth=AUTH) == 1
         server.update(_payload(gen=2, md=b"new"))
         assert server.generation == 2
         with pytest.raises(StaleMetadata) as ei:
-            check_generation(HOST, server.port, 1)
+            check_generation(HOST, server.port, 1, auth=AUTH)
         assert (ei.value.expected, ei.value.seen) == (1, 2)
-        assert fetch(HOST, server.port, timeout_s=2)["agent_metadata"] == b"new"
+        assert fetch(HOST, server.port, timeout_s=2, auth=AUTH)["agent_metadata"] == b"new"
 
 
 def test_many_concurrent_clients():
-    with SideChannelServer(HOST, 0, _payload()) as server:
+    with SideChannelServer(HOST, 0, _payload(), auth=AUTH) as server:
         out: list = []
 
         def client(i: int) -> None:
-            out.append(fetch(HOST, server.port, _payload(f"D{i}"), timeout_s=5)["agent_name"])
+            out.append(fetch(HOST, server.port, _payload(f"D{i}"), timeout_s=5, auth=AUTH)["agent_name"])
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
         for t in threads:
@@ -101,13 +105,13 @@ def test_fetch_retries_until_peer_comes_up():
 
     def late_server() -> None:
         time.sleep(0.4)
-        box["server"] = SideChannelServer(HOST, port, _payload()).start()
+        box["server"] = SideChannelServer(HOST, port, _payload(), auth=AUTH).start()
 
     t = threading.Thread(target=late_server)
     t.start()
     try:
         t0 = time.monotonic()
-        assert fetch(HOST, port, timeout_s=5)["agent_name"] == "P"
+        assert fetch(HOST, port, timeout_s=5, auth=AUTH)["agent_name"] == "P"
         assert 0.3 < time.monotonic() - t0 < 3
     finally:
         t.join(5)
@@ -119,7 +123,7 @@ def test_nothing_listening_times_out_naming_the_address():
     port = _free_port()
     t0 = time.monotonic()
     with pytest.raises(HandshakeTimeout) as ei:
-        fetch(HOST, port, timeout_s=0.5)
+        fetch(HOST, port, timeout_s=0.5, auth=AUTH)
     assert 0.45 < time.monotonic() - t0 < 1.5
     assert f"{HOST}:{port}" in str(ei.value) and "ConnectionRefusedError" in str(ei.value)
     assert isinstance(ei.value, AdapterError) and isinstance(ei.value, RuntimeError)
@@ -149,10 +153,10 @@ def test_peer_that_never_answers_times_out(accepting: bool):
     try:
         t0 = time.monotonic()
         with pytest.raises(HandshakeTimeout):
-            fetch(HOST, port, _payload("D"), timeout_s=0.6)
+            fetch(HOST, port, _payload("D"), timeout_s=0.6, auth=AUTH)
         assert 0.55 < time.monotonic() - t0 < 1.5
         with pytest.raises(HandshakeTimeout):
-            query_generation(HOST, port, timeout_s=0.3)
+            query_generation(HOST, port, timeout_s=0.3, auth=AUTH)
     finally:
         stop.set()
         if accepting:
@@ -163,12 +167,12 @@ def test_peer_that_never_answers_times_out(accepting: bool):
 
 
 def test_closed_server_means_peer_gone():
-    server = SideChannelServer(HOST, 0, _payload()).start()
+    server = SideChannelServer(HOST, 0, _payload(), auth=AUTH).start()
     port = server.port
-    assert query_generation(HOST, port) == 1
+    assert query_generation(HOST, port, auth=AUTH) == 1
     server.close()
     with pytest.raises(PeerGone):
-        query_generation(HOST, port, timeout_s=1)
+        query_generation(HOST, port, timeout_s=1, auth=AUTH)
 
 
 def test_bad_replies_are_protocol_errors():
@@ -190,32 +194,40 @@ def test_bad_replies_are_protocol_errors():
     try:
         for _ in replies:
             with pytest.raises(ProtocolError):
-                fetch(HOST, port, timeout_s=2)
+                fetch(HOST, port, timeout_s=2, auth=AUTH)
     finally:
         t.join(2)
         lsock.close()
 
 
+def _raw(port: int, msg: dict, auth: Auth = AUTH) -> dict:
+    """One hand-made request (fresh nonce and timestamp unless given); the decoded reply."""
+    msg = {"v": 2, "nonce": os.urandom(16).hex(), "ts": time.time(), **msg}
+    with socket.create_connection((HOST, port), timeout=2) as s:
+        s.sendall(encode(msg, auth))
+        head = s.recv(4, socket.MSG_WAITALL)
+        body = s.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
+    return decode(body[32:])
+
+
 def test_server_refuses_unknown_ops_and_versions():
-    with SideChannelServer(HOST, 0, _payload()) as server:
-        for msg in ({"v": 1, "op": "nope"}, {"v": 99, "op": "get"}, {"v": 1, "op": "exchange", "payload": 3}):
-            with socket.create_connection((HOST, server.port), timeout=2) as s:
-                s.sendall(encode(msg))
-                n = int.from_bytes(s.recv(4), "big")
-                reply = decode(s.recv(n))
-            assert reply["ok"] is False and reply["error"]
+    with SideChannelServer(HOST, 0, _payload(), auth=AUTH) as server:
+        for msg in ({"op": "nope"}, {"v": 99, "op": "get"}, {"op": "exchange", "payload": 3},
+                    {"op": "get", "ts": time.time() - 3600}):
+            reply = _raw(server.port, msg)
+            assert reply["ok"] is False and reply["error"], msg
         # a client that sends garbage and hangs up does not disturb the server
         with socket.create_connection((HOST, server.port), timeout=2) as s:
             s.sendall(b"\xff\xff")
-        assert query_generation(HOST, server.port) == 1
+        assert query_generation(HOST, server.port, auth=AUTH) == 1
 
 
 def test_server_rejects_bad_payloads():
     with pytest.raises(TypeError):
-        SideChannelServer(HOST, 0, {"generation": "1"})
+        SideChannelServer(HOST, 0, {"generation": "1"}, auth=AUTH)
     with pytest.raises(TypeError):
-        SideChannelServer(HOST, 0, {"x": object()})
-    with SideChannelServer(HOST, 0, _payload()) as server:
+        SideChannelServer(HOST, 0, {"x": object()}, auth=AUTH)
+    with SideChannelServer(HOST, 0, _payload(), auth=AUTH) as server:
         with pytest.raises(TypeError):
             server.update({"generation": 1.5})
         assert server.generation == 1

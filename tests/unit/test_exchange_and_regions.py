@@ -26,7 +26,12 @@ from kvgeom.layerroute import (
     split_packed_rows,
     transfer_layers,
 )
-from kvgeom.regionmap import apply_prefix_caching_by_region, block_ids_by_region, region_zero_ids
+from kvgeom.regionmap import (
+    apply_prefix_caching_by_region,
+    block_ids_by_region,
+    region_zero_ids,
+    region_zero_rows,
+)
 
 
 def lists(groups: list) -> list:
@@ -158,3 +163,11 @@ def test_csa_linear_pairs_stay_on_one_side_of_the_head_boundary(heads: int, loca
         with pytest.raises(IncompatiblePairError) as info:
             check_csa_linear_tp_layout(local_tp, remote_tp, heads)
         assert info.value.values == {"local": local_tp, "remote": remote_tp}
+
+
+def test_region_zero_rows_clear_each_page_in_its_own_region() -> None:
+    rows = region_zero_rows([[3, 0], [], [2]], block_lens=[100, 50, 64], block_strides=[128, 50, 64])
+    assert rows.tolist() == [[0, 384, 100], [0, 0, 100], [2, 128, 64]]
+    assert region_zero_rows([], [1], [1]).shape == (0, 3)
+    with pytest.raises(GroupMismatchError):
+        region_zero_rows([[1], [2]], [8], [8])

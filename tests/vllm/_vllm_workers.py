@@ -30,12 +30,37 @@ LAYERS = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(12)]
 
 
 class RecordingNixl:
-    """NIXL agent stand-in: records prepared descriptor lists, never moves bytes."""
+    """NIXL agent stand-in: records prepared descriptor lists, transfers and notifications; never moves
+    bytes (every transfer reports done at once)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.dlists: dict[int, np.ndarray] = {}
         self.remote_agents: list[bytes] = []
+        self.xfers: list[tuple[str, int, np.ndarray, int, np.ndarray, bytes]] = []
+        self.notifs: list[tuple[str, bytes]] = []
         self._next = 1
+
+    def make_prepped_xfer(
+        self, op: str, local: int, local_ids: Any, remote: int, remote_ids: Any, notif_msg: bytes = b""
+    ) -> int:
+        self.xfers.append((op, local, np.asarray(local_ids), remote, np.asarray(remote_ids), notif_msg))
+        handle, self._next = self._next, self._next + 1
+        return handle
+
+    def transfer(self, handle: int) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        return "DONE"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        pass
+
+    def send_notif(self, agent: str, notif_msg: bytes = b"") -> None:
+        self.notifs.append((agent, notif_msg))
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return {}
 
     def get_reg_descs(self, caches_data: Any, mem_type: Any) -> Any:
         return caches_data
@@ -65,17 +90,24 @@ class RecordingNixl:
         pass
 
 
-def vllm_config(block_size: int = 32, extra: dict[str, Any] | None = None, kv_role: str = "kv_both") -> VllmConfig:
+def vllm_config(
+    block_size: int = 32, extra: dict[str, Any] | None = None, kv_role: str = "kv_both"
+) -> VllmConfig:
     model_config = ModelConfig(model=MODEL, dtype="float16", seed=42)
     cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, enable_prefix_caching=True)
     cache_config.kv_cache_layout = "LBHNC"
     return VllmConfig(
         model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=10000,
-                                         is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=64, max_model_len=10000, is_encoder_decoder=False
+        ),
         cache_config=cache_config,
-        kv_transfer_config=KVTransferConfig(kv_connector="KvgeomNixlConnector", kv_connector_module_path="kvgeom_vllm",
-                                            kv_role=kv_role, kv_connector_extra_config=extra or {}),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvgeomNixlConnector",
+            kv_connector_module_path="kvgeom_vllm",
+            kv_role=kv_role,
+            kv_connector_extra_config=extra or {},
+        ),
         device_config=DeviceConfig("cpu"),
         attention_config=AttentionConfig(),
     )
@@ -85,8 +117,10 @@ def kv_cache_config(block_size: int, num_blocks: int) -> tuple[KVCacheConfig, di
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=12, head_size=64, dtype=torch.float16)
     caches = {name: torch.zeros((num_blocks, 12, block_size, 128), dtype=torch.float16) for name in LAYERS}
     page = block_size * 12 * 128 * 2
-    tensors = [KVCacheTensor(size=caches[name].nbytes, layers=[name], layer_stride=page, block_stride=page)
-               for name in LAYERS]
+    tensors = [
+        KVCacheTensor(size=caches[name].nbytes, layers=[name], layer_stride=page, block_stride=page)
+        for name in LAYERS
+    ]
     return KVCacheConfig(num_blocks, tensors, [KVCacheGroupSpec(list(LAYERS), spec)]), caches
 
 
@@ -100,8 +134,13 @@ def cpu_runtime() -> ExitStack:
     return stack
 
 
-def make_worker(worker_cls: type, engine_id: str, block_size: int = 32, num_blocks: int = 8,
-                extra: dict[str, Any] | None = None) -> Any:
+def make_worker(
+    worker_cls: type,
+    engine_id: str,
+    block_size: int = 32,
+    num_blocks: int = 8,
+    extra: dict[str, Any] | None = None,
+) -> Any:
     """A registered worker of ``worker_cls`` (TP1) for opt-125m with ``num_blocks`` blocks."""
     config = vllm_config(block_size, extra)
     kvc, caches = kv_cache_config(block_size, num_blocks)

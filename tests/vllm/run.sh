@@ -22,12 +22,14 @@ CONSTRAINTS=$ROOT/constraints-dev.txt
 PIP_QUIET=${PIP_QUIET:--q}
 # The light dependencies of the import chain vLLM's connector tests walk through: vLLM's own requirements
 # minus everything CUDA, plus what a bare venv lacks for that chain (cloudpickle, requests, regex, ...).
-# Explicit and sufficient for the three test files; not minimised.
+# Explicit and sufficient for the three test files; not minimised. hypothesis is for tests/vllm's differential
+# tests, nixl (CPU-capable, no CUDA) for its end-to-end tests with real NIXL agents.
 LIGHT_DEPS=(
   numpy pydantic pytest psutil pyzmq "transformers>=5.16.1,<5.21.0" cbor2 aiohttp openai_harmony openai pillow
   pybase64 cachetools msgspec uvloop prometheus_client "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0"
   partial-json-parser "llguidance>=1.7.0,<1.8.0" einops cloudpickle requests regex pyyaml sentencepiece
   blake3 py-cpuinfo gguf diskcache lark tiktoken
+  hypothesis nixl
 )
 TIMEFORMAT='%R'
 
@@ -96,7 +98,7 @@ vllm_env() {  # the environment vLLM's CPU code path needs (see docs/vllm.md)
 run_vllm_tests() {  # vLLM's own tests, its NIXL geometry replaced by kvgeom_vllm (plugin)
   echo "== vLLM $VLLM_VERSION's NIXL connector tests through kvgeom"
   vllm_env
-  (cd "$SRC" && "$VENV/bin/python" -m pytest -p kvgeom_vllm.pytest_plugin --kvgeom-gaps="$ROOT/tests/vllm/known_gaps.txt" \
+  (cd "$SRC" && "$VENV/bin/python" -m pytest -p kvgeom_vllm.pytest_plugin \
     --rootdir=. -c pyproject.toml --confcutdir=tests/v1/kv_connector/unit -p no:cacheprovider -q "${VLLM_TESTS[@]}" --deselect "$GPU_ONLY" "$@")
 }
 

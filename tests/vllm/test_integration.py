@@ -50,7 +50,10 @@ def test_connector_builds_kvgeom_workers_in_the_configured_mode(compat: str) -> 
         connector.register_kv_caches(caches)
     worker = connector.connector_worker
     assert isinstance(worker, KvgeomPullConnectorWorker) and worker.kvgeom_compat == compat
-    assert worker.kvgeom_card is not None and connector.get_handshake_metadata() is worker.xfer_handshake_metadata
+    assert (
+        worker.kvgeom_card is not None
+        and connector.get_handshake_metadata() is worker.xfer_handshake_metadata
+    )
 
 
 def test_unsupported_vllm_version_is_refused_in_one_line() -> None:
@@ -67,41 +70,66 @@ def test_bad_compat_mode_is_refused_naming_the_field() -> None:
 
     with pytest.raises(ConfigError, match="kv_connector_extra_config.compat"):
         compat_of(vllm_config(extra={"compat": "fast"}))
-    assert compat_of(vllm_config()) == "vllm" and compat_of(vllm_config(extra={"compat": "kvgeom"})) == "kvgeom"
+    assert (
+        compat_of(vllm_config()) == "vllm" and compat_of(vllm_config(extra={"compat": "kvgeom"})) == "kvgeom"
+    )
 
 
 def test_every_table_row_names_a_vllm_0_33_function_and_an_adapter() -> None:
-    from kvgeom_vllm import answers, handshake
+    import inspect
+
+    from kvgeom_vllm import answers, handshake, kvgeom_mode
 
     for e in TABLE:
         obj = importlib.import_module(e.module)
-        for part in e.qualname.split("."):
-            obj = getattr(obj, part)
-        assert callable(obj), e.qualname
-        if e.answer is not None:
-            assert callable(getattr(answers, e.answer, None) or getattr(handshake, e.answer)), e.answer
+        if e.kind == "attribute":  # computed in vLLM's constructor: the class names it there
+            cls = getattr(obj, e.owner)
+            init = inspect.getsource(cls.__post_init__ if hasattr(cls, "__post_init__") else cls.__init__)
+            assert f"self.{e.attr} =" in init, e.qualname
         else:
-            assert e.missing in kvgeom_vllm.FEATURES
+            for part in e.qualname.split("."):
+                obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+            assert callable(obj) or isinstance(obj, (property, staticmethod)), e.qualname
+        where = [m for m in (answers, handshake, kvgeom_mode) if callable(getattr(m, e.answer, None))]
+        assert where, e.answer
 
 
-# -- the module-function dispatcher keeps plain vLLM workers on vLLM's code ------------------------------
-def test_compute_tp_mapping_dispatch_by_topology() -> None:
+# -- the module-function dispatchers keep plain vLLM workers on vLLM's code ------------------------------
+def test_module_functions_answer_with_kvgeom_only_inside_kvgeom_workers() -> None:
     worker = _workers()
     from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    def topo(cls: type) -> object:
-        t = object.__new__(cls)
-        t.tp_rank, t.tp_size, t.is_mla, t.total_num_kv_heads, t.dcp_size = 1, 4, False, 8, 1
-        return t
-
+    topo = object.__new__(TransferTopology)
+    topo.tp_rank, topo.tp_size, topo.is_mla, topo.total_num_kv_heads, topo.dcp_size = 1, 4, False, 8, 1
     before = CALLS["compute_tp_mapping"]
-    plain = bw.compute_tp_mapping(topo(TransferTopology), 2, (FullAttentionSpec,))
-    assert CALLS["compute_tp_mapping"] == before
-    ours = bw.compute_tp_mapping(topo(worker.KvgeomTransferTopology), 2, (FullAttentionSpec,))
+    plain = bw.compute_tp_mapping(topo, 2, (FullAttentionSpec,))
+    assert CALLS["compute_tp_mapping"] == before  # a plain vLLM worker's call: vLLM's function
+    with worker._active():
+        ours = bw.compute_tp_mapping(topo, 2, (FullAttentionSpec,))
     assert CALLS["compute_tp_mapping"] == before + 1
     assert ours == plain  # D TP4 rank 1 reads P TP2 rank 0, second half of its heads
     assert ours.all_source_ranks == (0,) and ours.rank_offset_factor == 1
+    names = ["model.layers.10.attn", "model.layers.2.attn", "model.embed"]
+    with worker._active():
+        assert sorted(names, key=bw._region_sort_key) == [
+            "model.embed",
+            "model.layers.2.attn",
+            "model.layers.10.attn",
+        ]
+    assert CALLS["_region_sort_key"] >= 3
+
+
+def test_kvgeom_workers_mark_the_methods_that_call_module_functions() -> None:
+    before = {k: CALLS[k] for k in ("_region_sort_key", "compute_tp_mapping")}
+    d = make_worker(
+        _workers().KvgeomPullConnectorWorker, "D"
+    )  # registration sorts its 12 layers through kvgeom
+    assert CALLS["_region_sort_key"] >= before["_region_sort_key"] + 12
+    p = make_worker(_workers().KvgeomPullConnectorWorker, "P")
+    plain = msgspec.msgpack.decode(p.xfer_handshake_metadata.agent_metadata_bytes, type=PlainMetadata)
+    d.add_remote_agent(plain, 0, 1)  # a peer without a card: vLLM's handshake code, asking kvgeom by name
+    assert CALLS["compute_tp_mapping"] == before["compute_tp_mapping"] + 1
 
 
 # -- registration: the card ----------------------------------------------------------------------------------
@@ -122,25 +150,36 @@ def test_registration_builds_a_card_matching_vllms_regions_and_sends_it() -> Non
 
 
 def _metadata(worker: object) -> object:
-    return msgspec.msgpack.decode(worker.xfer_handshake_metadata.agent_metadata_bytes, type=bw.NixlAgentMetadata)
+    return msgspec.msgpack.decode(
+        worker.xfer_handshake_metadata.agent_metadata_bytes, type=bw.NixlAgentMetadata
+    )
 
 
-def test_handshake_pairs_cards_then_prepares_vllms_descriptors() -> None:
+def _descs(prepared: np.ndarray) -> list[tuple[int, int]]:
+    """``(addr, len)`` of every descriptor of a prepared list (N x 3 rows, or N x 5 strided rows)."""
+    rows = np.asarray(prepared, dtype=np.int64)
+    if rows.shape[1] == 5:
+        rows = np.concatenate(
+            [np.stack([r[0] + r[3] * np.arange(r[4]), np.full(r[4], r[1])], axis=1) for r in rows]
+        )
+    return sorted(map(tuple, rows[:, :2].tolist()))
+
+
+def test_card_pairs_are_prepared_by_kvgeom_and_describe_the_bytes_vllms_code_does() -> None:
     wk = _workers()
     p = make_worker(wk.KvgeomPullConnectorWorker, "P", num_blocks=6)
-    d = make_worker(wk.KvgeomPullConnectorWorker, "D", num_blocks=8)
+    with_card = make_worker(wk.KvgeomPullConnectorWorker, "D", num_blocks=8)
+    without = make_worker(wk.KvgeomPullConnectorWorker, "D", num_blocks=8)
     before = CALLS["NixlBaseConnectorWorker.add_remote_agent"]
-    d.add_remote_agent(_metadata(p), remote_tp_rank=0, remote_tp_size=1)
-    assert CALLS["NixlBaseConnectorWorker.add_remote_agent"] == before + 1
-    pairing = d.kvgeom_pairings["P"]
-    assert pairing.remote_tp == 1 and pairing.bsr == 1
-    # the remote table vLLM prepared is kvgeom's remote table of P, bound to P's addresses
-    handle = d.dst_xfer_side_handles["P"][0]
-    prepared = d.nixl_wrapper.dlists[handle]
-    bases = p.kv_caches_base_addr["P"][0]
-    expected = pairing.remote_table(0).bind(bases, 0)
-    starts = prepared[:, 0][:, None] + prepared[:, 3][:, None] * np.arange(int(prepared[0, 4]))[None, :]
-    assert np.array_equal(np.sort(starts.ravel()), np.sort(expected[:, 0]))
+    with_card.add_remote_agent(_metadata(p), remote_tp_rank=0, remote_tp_size=1)
+    plain = msgspec.msgpack.decode(p.xfer_handshake_metadata.agent_metadata_bytes, type=PlainMetadata)
+    without.add_remote_agent(plain, remote_tp_rank=0, remote_tp_size=1)  # vLLM's code on kvgeom's answers
+    assert CALLS["NixlBaseConnectorWorker.add_remote_agent"] == before + 2
+    pairing = with_card.kvgeom_pairings["P"]
+    assert pairing.remote_tp == 1 and pairing.bsr == 1 and not getattr(without, "kvgeom_pairings", {})
+    ours = with_card.nixl_wrapper.dlists[with_card.dst_xfer_side_handles["P"][0]]
+    theirs = without.nixl_wrapper.dlists[without.dst_xfer_side_handles["P"][0]]
+    assert _descs(ours) == _descs(theirs) and len(_descs(ours)) == 12 * 6  # every block of P's 12 layers
 
 
 def test_handshake_refuses_an_incompatible_peer_before_preparing_anything() -> None:
@@ -171,3 +210,20 @@ def test_every_answered_row_is_installed_on_the_workers() -> None:
         if e.owner == "NixlBaseConnectorWorker" and e.attr not in ("register_kv_caches", "add_remote_agent"):
             for cls in (wk.KvgeomPullConnectorWorker, wk.KvgeomPushConnectorWorker):
                 assert getattr(cls, e.attr).__kvgeom_entry__ is e
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_a_set_up_kvgeom_does_not_plan_takes_vllms_path_or_is_refused_in_kvgeom_mode(compat: str) -> None:
+    # D's CPU attention backend paired with another backend needs vLLM's repacking after each receive
+    wk = _workers()
+    p = make_worker(wk.KvgeomPullConnectorWorker, "P")
+    d = make_worker(wk.KvgeomPullConnectorWorker, "D")
+    d.kvgeom_compat, d.backend_name = compat, "CPU_ATTN"
+    meta = _metadata(p)
+    meta.attn_backend_name = "FLASH_ATTN"
+    if compat == "kvgeom":
+        with pytest.raises(IncompatiblePairError, match="repacking between attention backends"):
+            d.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
+        return
+    d.add_remote_agent(meta, remote_tp_rank=0, remote_tp_size=1)
+    assert "P" not in getattr(d, "kvgeom_pairings", {}) and d.enable_heterogeneous_attn_post_process

@@ -454,8 +454,10 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
 
 
 def _pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Id pairs ``(a[i], b[i])`` as one sortable ``int64`` each (ids are below 2**31)."""
-    return (np.asarray(a, dtype=np.int64) << 32) | np.asarray(b, dtype=np.int64)
+    """Id pairs ``(a[i], b[i])`` as one sortable ``int64`` each (ids are below 2**31), over the shorter of the
+    two lists (as ``zip`` pairs them: lists of unequal length pair their common prefix)."""
+    n = min(len(a), len(b))
+    return (np.asarray(a[:n], dtype=np.int64) << 32) | np.asarray(b[:n], dtype=np.int64)
 
 
 def _unpairs(x: np.ndarray) -> list[tuple[int, int]]:

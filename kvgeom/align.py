@@ -25,12 +25,13 @@ block more.)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["list_starts", "overlap", "consumer_zero_rows"]
+__all__ = ["list_starts", "overlap", "Page", "page_heads", "group_pages", "consumer_zero_rows"]
 
 
 def _producer_end(n_p: int, b_p: int, prefill_tokens: int | None, sliding: bool, p_end_hint: int | None,
@@ -91,20 +92,64 @@ def overlap(c_start: int, n_c: int, p_start: int, n_p: int) -> tuple[int, int, i
     return lo - c_start, lo - p_start, count
 
 
-def consumer_zero_rows(regions: list, kernel_ids: np.ndarray, units: int, first: int, count: int, tokens: int,
-                       heads: int) -> np.ndarray:
+@dataclass(frozen=True)
+class Page:
+    """One layer's page of every kernel block of a region (all layers of a shared region view the same
+    page): it starts ``offset`` bytes into each block, spans ``length`` bytes, blocks ``stride`` apart."""
+
+    region: int
+    offset: int
+    length: int
+    stride: int
+    heads: int = 1  # runs per kernel block when zeroing a token range: the local heads of a head-major page
+
+
+def page_heads(geom: object, layer: str) -> int:
+    """Local KV heads of ``layer``'s head-major attention page on ``geom`` (1 for latents, states and
+    token-major pages)."""
+    spec = geom.layer_specs[layer]  # type: ignore[attr-defined]
+    if getattr(spec, "num_kv_heads", None) is None or geom.engine.kv_layout.value != "head_major":  # type: ignore
+        return 1
+    return spec.heads_per_rank(geom.tp_size)  # type: ignore[attr-defined]
+
+
+def group_pages(geom: object, group: int) -> list[Page]:
+    """The pages of ``geom``'s (a :class:`~kvgeom.geometry.RankGeometry`) layers of group ``group``: one per
+    region it views, or per layer's slot in a packed row."""
+    out: dict[tuple[int, int], Page] = {}
+    for region in geom.regions:  # type: ignore[attr-defined]
+        for g, name in region.members:
+            if g == group:
+                off, length = region.slot(name)
+                out.setdefault((region.index, off), Page(region.index, off, length, region.block_stride,
+                                                         page_heads(geom, name)))
+    return list(out.values())
+
+
+def _as_page(page: object, heads: int | None) -> Page:
+    """A :class:`Page`, or a region-like value (``index``, ``block_len``, ``block_stride``: a whole block)."""
+    if isinstance(page, Page):
+        return page if heads is None else Page(page.region, page.offset, page.length, page.stride, heads)
+    return Page(page.index, 0, page.block_len, page.block_stride, heads or 1)  # type: ignore[attr-defined]
+
+
+def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, first: int, count: int,
+                       tokens: int, heads: int | None = None) -> np.ndarray:
     """``(region, offset, length)`` rows zeroing the consumer's kernel blocks ``kernel_ids`` outside fine
-    positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens).
-    Head-major pages (``heads`` > 1) zero one run per head; others one run per token range."""
+    positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens), in
+    every page of ``pages`` (:class:`Page` values, or region-like values viewed whole). Head-major pages
+    (``heads`` > 1: each page's own, or ``heads`` for all) zero one run per head; others one run per token
+    range."""
+    pages = [_as_page(p, heads) for p in pages]
     n = kernel_ids.size * units
     lo, hi = first, first + count
     blocks = np.arange(kernel_ids.size)
     whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
     inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
     rows = []
-    for r in regions:
+    for p in pages:
         ids = kernel_ids[whole]
-        rows.append(np.stack([np.full(ids.size, r.index), ids * r.block_stride, np.full(ids.size, r.block_len)],
+        rows.append(np.stack([np.full(ids.size, p.region), ids * p.stride + p.offset, np.full(ids.size, p.length)],
                              axis=1))
     for k in np.flatnonzero(~whole & ~inside):  # at most the two blocks at the ends of the overlap
         start, end = int(k) * units, (int(k) + 1) * units
@@ -113,10 +158,10 @@ def consumer_zero_rows(regions: list, kernel_ids: np.ndarray, units: int, first:
             if b <= a or b > n:
                 continue
             t0, t1 = (a - start) * tokens // units, (b - start) * tokens // units
-            for r in regions:
-                per_head = r.block_len // heads
+            for p in pages:
+                per_head = p.length // p.heads
                 tok = per_head // tokens
-                base = int(kernel_ids[k]) * r.block_stride + t0 * tok
-                rows.append(np.stack([np.full(heads, r.index), base + np.arange(heads) * per_head,
-                                      np.full(heads, (t1 - t0) * tok)], axis=1))
+                base = int(kernel_ids[k]) * p.stride + p.offset + t0 * tok
+                rows.append(np.stack([np.full(p.heads, p.region), base + np.arange(p.heads) * per_head,
+                                      np.full(p.heads, (t1 - t0) * tok)], axis=1))
     return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), dtype=np.int64)

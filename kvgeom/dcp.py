@@ -30,6 +30,7 @@ __all__ = [
     "check_parallel_pair",
     "global_pages",
     "apply_dcp_prefix_caching",
+    "dcp_units",
 ]
 
 
@@ -180,3 +181,36 @@ def apply_dcp_prefix_caching(local_ids: IdsLike, remote_ids: IdsLike, remote_ran
                         "requested", local=int(lsl.size), remote=int(rsl.size))
     return lsl[:n].copy(), rsl[:n].copy()
 
+
+
+def dcp_units(c_ids: IdsLike, c_first: int, c_page: int, c_kernel: int, c_dcp: int, c_rank: int, p_ids: IdsLike,
+              p_page: int, p_kernel: int, p_dcp: int, limit: int) -> dict[str, np.ndarray]:
+    """Where every unit of a consumer rank's pages comes from, token by token (any page and kernel sizes).
+
+    The consumer (D) rank ``c_rank`` of ``c_dcp`` holds list positions ``c_first ..`` of pages of ``c_page``
+    tokens (ids ``c_ids``); the producer (P) engine's ``p_dcp`` ranks hold pages of ``p_page`` tokens, list
+    positions from 0 (ids ``p_ids``, the same on every P rank). A **unit** is ``gcd(c_kernel, p_kernel)``
+    tokens (one kernel block of the finer side when they divide). Unit ``k`` of consumer position ``j`` starts at token
+    ``t = ((c_first + j) * c_dcp + c_rank) * c_page + k * unit``, which lives in producer global page
+    ``t // p_page``: on P rank ``(t // p_page) % p_dcp``, list position ``(t // p_page) // p_dcp``. Returns
+    arrays over the units (consumer list position, kernel id, sub-unit within it and ``fine`` id at unit
+    granularity; the same for the producer with its rank; the unit's first token; ``held`` where the producer
+    holds that page, ``ok`` where it also computed the unit: ``t < limit``)."""
+    c = as_ids(c_ids, "consumer_ids")
+    p = as_ids(p_ids, "producer_ids")
+    unit = math.gcd(c_kernel, p_kernel)
+    per_page = c_page // unit
+    j = np.repeat(np.arange(c.size, dtype=np.int64), per_page)
+    k = np.tile(np.arange(per_page, dtype=np.int64), c.size)
+    t = ((c_first + j) * c_dcp + c_rank) * c_page + k * unit
+    gp = t // p_page
+    i = gp // p_dcp
+    held = i < p.size
+    ok = (t < limit) & held
+    safe = np.minimum(i, max(p.size - 1, 0))
+    p_kernel_id = (p[safe] if p.size else np.zeros_like(safe)) * (p_page // p_kernel) + (t % p_page) // p_kernel
+    c_kernel_id = c[j] * (c_page // c_kernel) + (k * unit) // c_kernel if c.size else j
+    c_sub, p_sub = (k * unit % c_kernel) // unit, (t % p_kernel) // unit
+    return {"c_pos": j, "c_kernel": c_kernel_id, "c_sub": c_sub, "c_fine": c_kernel_id * (c_kernel // unit) + c_sub,
+            "p_rank": gp % p_dcp, "p_kernel": p_kernel_id, "p_sub": p_sub,
+            "p_fine": p_kernel_id * (p_kernel // unit) + p_sub, "token": t, "ok": ok, "held": held, "unit": np.asarray(unit)}

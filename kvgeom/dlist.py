@@ -16,7 +16,7 @@ All tables are built with numpy broadcasting (no Python loop per descriptor).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -87,6 +87,13 @@ class EngineView:
 
     Built from a :class:`~kvgeom.geometry.RankGeometry` by :meth:`of`; kept separate so that a peer's
     advertised numbers can be rescaled (non-dividing block sizes) without touching its geometry.
+
+    The per-region tuples describe the rank's **streams**: runs of kernel blocks, one row per block, as a
+    transfer pairs them (:mod:`kvgeom.streams`). By default stream ``r`` is region ``r``; ``bases`` (one
+    pseudo-address ``region << 44 | offset`` each) lets a stream start inside a region's block (a layer's
+    page in a packed row) and several streams view one region (a region's member layers, each with its own
+    group: ``transfer_groups``, vLLM's layer-name routing). ``group_ids`` are the streams' KV-cache groups
+    (``-1``: several) where they differ (region-mapped descriptor ids).
     """
 
     tp_size: int
@@ -100,6 +107,9 @@ class EngineView:
     ssm_region_indices: tuple[int, ...]
     ssm_sizes: tuple[int, int] | None
     conv_offsets: tuple[tuple[int, int], ...] | None
+    bases: tuple[int, ...] = ()
+    group_ids: tuple[int, ...] = ()
+    transfer_groups: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, geom) -> EngineView:  # geom: RankGeometry (not imported: dlist sits below geometry users)
@@ -125,13 +135,16 @@ class EngineView:
     def region_bytes(self) -> tuple[int, ...]:
         return tuple(self.num_blocks * s for s in self.block_strides)
 
+    def pseudo_bases(self) -> list[int]:
+        """Each stream's first byte as a pseudo-address (``region << 44 | offset``)."""
+        return list(self.bases) if self.bases else _pseudo_bases(self.num_regions)
+
     def rescaled(self, split: int) -> EngineView:
         """The same memory seen at ``split``-times finer blocks (vLLM B.6.7): block size / split, ppl and
         block counts x split, lengths / split, strides := lengths."""
         lens = tuple(x // split for x in self.block_lens)
-        return EngineView(self.tp_size, self.tp_rank, self.block_size // split, self.ppl * split,
-                          self.num_blocks * split, lens, lens, self.region_is_mla, self.ssm_region_indices,
-                          self.ssm_sizes, self.conv_offsets)
+        return replace(self, block_size=self.block_size // split, ppl=self.ppl * split,
+                       num_blocks=self.num_blocks * split, block_lens=lens, block_strides=lens)
 
 
 def _ssm_rows(regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -149,13 +162,15 @@ def _ssm_rows(regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[
     return rows.reshape(-1, 3)
 
 
-def _fa_rows(lens: np.ndarray, strides: np.ndarray, nb: int, bsr: int) -> np.ndarray:
-    """Attention rows: region-major, block-minor, ``bsr`` sub-blocks per block."""
+def _fa_rows(lens: np.ndarray, strides: np.ndarray, nb: int, bsr: int, bases: Sequence[int]) -> np.ndarray:
+    """Attention rows: stream-major, block-minor, ``bsr`` sub-blocks per block (streams start at ``bases``)."""
     r = lens.size
     sub = lens // bsr
+    pseudo = np.asarray(bases, dtype=np.int64)
     rows = np.empty((r, nb, bsr, 3), dtype=np.int64)
-    rows[..., 0] = np.arange(r, dtype=np.int64)[:, None, None]
-    rows[..., 1] = (strides[:, None, None] * np.arange(nb, dtype=np.int64)[None, :, None]
+    rows[..., 0] = (pseudo >> _REGION_SHIFT)[:, None, None]
+    rows[..., 1] = ((pseudo & ((1 << _REGION_SHIFT) - 1))[:, None, None]
+                    + strides[:, None, None] * np.arange(nb, dtype=np.int64)[None, :, None]
                     + sub[:, None, None] * np.arange(bsr, dtype=np.int64)[None, None, :])
     rows[..., 2] = sub[:, None, None]
     return rows.reshape(-1, 3)
@@ -182,27 +197,31 @@ def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
     if bsr < 1 or np.any(lens % bsr):
         raise PlanError("block_size_ratio", f"{bsr} does not divide every block length {view.block_lens}",
                         value=bsr, expected=view.block_lens)
-    bases = _pseudo_bases(view.num_regions)
-    fa = fa_local_rows(bases, view.block_lens, view.block_strides, [view.num_blocks] * view.num_regions, bsr)
+    fa = fa_local_rows(view.pseudo_bases(), view.block_lens, view.block_strides,
+                       [view.num_blocks] * view.num_regions, bsr)
     ssm = None
     if view.ssm_sizes is not None and view.conv_offsets is not None:
-        ssm = mamba_local_rows(bases, view.block_strides, view.ssm_region_indices, view.conv_offsets,
+        ssm = mamba_local_rows(_pseudo_bases(view.num_regions), view.block_strides, view.ssm_region_indices, view.conv_offsets,
                                view.ssm_sizes, view.ppl, view.logical_num_blocks)
     return _table(fa, ssm)
 
 
 def remote_dlist(local: EngineView, remote: EngineView, bsr: int, attn_reads: int, rank_offset_factor: int,
-                 ssm_pieces: Sequence[tuple[int, int]] | None) -> Dlist:
+                 ssm_pieces: Sequence[tuple[int, int]] | None, draft: tuple[int, int] | None = None) -> Dlist:
     """A remote rank's table as this rank reads it (vLLM B.2.4): every attention row cut to this rank's
-    share (``attn_reads`` sources split a SPLIT row; MLA rows are read whole), then per SSM region one
-    row per logical block for each of ``ssm_pieces`` (``(offset, length)`` in the remote state page of
-    every conv piece and the temporal state, as this rank reads them)."""
+    share (``attn_reads`` sources split a SPLIT row; MLA rows are read whole; ``draft``: ``(reads, rank offset
+    factor)`` of the head-sharded layers next to MLA layers), then per SSM region one row per logical block
+    for each of ``ssm_pieces`` (``(offset, length)`` in the remote state page of every conv piece and the
+    temporal state, as this rank reads them)."""
     if local.num_regions != remote.num_regions:
         raise PlanError("num_regions", f"local has {local.num_regions} regions, remote {remote.num_regions}",
                         local=local.num_regions, remote=remote.num_regions)
     bases = _pseudo_bases(remote.num_regions)
-    fa = fa_remote_rows(bases, remote.block_strides, [remote.num_blocks] * remote.num_regions, local.block_lens,
-                        local.region_is_mla, bsr, max(attn_reads, 1), rank_offset_factor)
+    drafts = [k for k, mla in enumerate(local.region_is_mla) if not mla] if draft is not None else []
+    reads, factor = draft if draft is not None else (1, 0)
+    fa = fa_remote_rows(remote.pseudo_bases(), remote.block_strides, [remote.num_blocks] * remote.num_regions,
+                        local.block_lens, local.region_is_mla, bsr, max(attn_reads, 1), rank_offset_factor,
+                        draft_regions=drafts, draft_reads=max(reads, 1), draft_offset_factor=factor)
     ssm = None
     if ssm_pieces is not None:
         ssm = _rows_over(bases, remote.block_strides, local.ssm_region_indices, ssm_pieces, remote.ppl,
@@ -228,11 +247,12 @@ def routed_tables(local: EngineView, remote: EngineView, local_rows: int, remote
     llen = np.asarray(local.block_lens, dtype=np.int64)
     lstride = np.asarray(local.block_strides, dtype=np.int64)
     rstride = np.asarray(remote.block_strides, dtype=np.int64)
-    base = _fa_rows(llen, lstride, local.num_blocks, local_rows)
+    base = _fa_rows(llen, lstride, local.num_blocks, local_rows, local.pseudo_bases())
     per_region = local.num_blocks * local_rows
     base[:, 1] += np.repeat(lo, per_region)
     base[:, 2] = np.repeat(ln, per_region)
-    rrows = _fa_rows(np.asarray(remote.block_lens, dtype=np.int64), rstride, remote.num_blocks, remote_rows)
+    rrows = _fa_rows(np.asarray(remote.block_lens, dtype=np.int64), rstride, remote.num_blocks, remote_rows,
+                     remote.pseudo_bases())
     per_remote = remote.num_blocks * remote_rows
     rrows[:, 1] += np.repeat(ro, per_remote)
     rrows[:, 2] = np.repeat(ln, per_remote)

@@ -47,7 +47,13 @@ class EngineConfig:
     kernel uses inside it (default: the logical block). ``num_blocks`` counts logical blocks in the pool.
     ``kv_split`` stores K and V as two regions per layer instead of one packed K|V page. ``dcp_size``
     (decode context parallelism: 1, or the TP size) shards every request's pages over the ranks: the
-    scheduler's block is then ``dcp_size`` pages, one per rank (:mod:`kvgeom.dcp`).
+    scheduler's block is then ``dcp_size`` pages, one per rank (:mod:`kvgeom.dcp`). ``pp_size`` /
+    ``pp_rank``: pipeline parallelism; the rank holds only the layers of its stage (:mod:`kvgeom.stages`).
+    ``packed_rows`` (vLLM's block-outermost ``BLHNC`` layout, MLA models without SSM state): one row per
+    kernel block holds every layer's page of that block, so one descriptor moves a block of all layers.
+    ``separate_group``: layers this engine keeps in a KV-cache group of their own, with their own tensors
+    (e.g. a HiSparse decoder's host-resident layers, vLLM PR 40020): P and D then group the same regions
+    differently and pair block lists region by region (:mod:`kvgeom.regionmap`).
     """
 
     tp_size: int
@@ -59,6 +65,10 @@ class EngineConfig:
     kv_split: bool = False
     conv_layout: ConvLayout = ConvLayout.DS
     dcp_size: int = 1
+    pp_size: int = 1
+    pp_rank: int = 0
+    packed_rows: bool = False
+    separate_group: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "num_blocks"):
@@ -81,6 +91,17 @@ class EngineConfig:
         if self.dcp_size not in (1, self.tp_size):
             raise ConfigError("dcp_size", f"must be 1 (replicated) or the TP size {self.tp_size} (sharded), got "
                               f"{self.dcp_size!r}", value=self.dcp_size, expected=self.tp_size)
+        if not isinstance(self.pp_size, int) or isinstance(self.pp_size, bool) or self.pp_size < 1:
+            raise ConfigError("pp_size", f"must be a positive integer, got {self.pp_size!r}", value=self.pp_size)
+        if not isinstance(self.pp_rank, int) or not 0 <= self.pp_rank < self.pp_size:
+            raise ConfigError("pp_rank", f"{self.pp_rank!r} is outside [0, pp_size={self.pp_size})",
+                              value=self.pp_rank, expected=self.pp_size)
+        if not isinstance(self.packed_rows, bool):
+            raise ConfigError("packed_rows", f"must be a boolean, got {self.packed_rows!r}", value=self.packed_rows)
+        if isinstance(self.separate_group, str) or not all(isinstance(x, str) for x in self.separate_group):
+            raise ConfigError("separate_group", f"must be a list of layer names, got {self.separate_group!r}",
+                              value=self.separate_group)
+        object.__setattr__(self, "separate_group", tuple(self.separate_group))
         object.__setattr__(self, "kernel_block_size", kernel)
         object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
         object.__setattr__(self, "conv_layout", _parse_enum(ConvLayout, self.conv_layout, "conv_layout"))
@@ -104,8 +125,20 @@ class EngineConfig:
     def dcp_rank(self) -> int:
         return self.tp_rank % self.dcp_size
 
-    def with_rank(self, rank: int) -> EngineConfig:
-        return EngineConfig(**{**self._fields(), "tp_rank": rank})
+    @property
+    def global_rank(self) -> int:
+        """This rank's index among all ranks of the engine: ``pp_rank * tp_size + tp_rank``."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole engine (every TP rank of every pipeline stage)."""
+        return self.pp_size * self.tp_size
+
+    def with_rank(self, rank: int, pp_rank: int | None = None) -> EngineConfig:
+        """The same engine seen from TP rank ``rank`` (of stage ``pp_rank``, default this one's)."""
+        stage = self.pp_rank if pp_rank is None else pp_rank
+        return EngineConfig(**{**self._fields(), "tp_rank": rank, "pp_rank": stage})
 
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -114,8 +147,11 @@ class EngineConfig:
         d = asdict(self)
         d["kv_layout"] = self.kv_layout.value
         d["conv_layout"] = self.conv_layout.value
-        if self.dcp_size == 1:
-            del d["dcp_size"]  # cards of engines without DCP stay as they were
+        d["separate_group"] = list(self.separate_group)
+        for name, default in (("dcp_size", 1), ("pp_size", 1), ("pp_rank", 0), ("packed_rows", False),
+                              ("separate_group", [])):
+            if d[name] == default:
+                del d[name]  # cards of engines without these options stay as they were
         return d
 
     @classmethod

@@ -24,6 +24,7 @@ from .dtypes import dtype_size
 from .engine import EngineConfig
 from .errors import ConfigError, SpecError
 from .spec import AttentionSpec, LayerKind, LayerSpec, MambaSpec, MLASpec, ModelSpec
+from .stages import stage_layers
 
 __all__ = ["Group", "Region", "SSMLayout", "RankGeometry", "rank_geometry", "align_hybrid_block_size"]
 
@@ -55,6 +56,9 @@ class Region:
 
     ``members`` are ``(group index, layer name)`` pairs viewing this span; ``part`` is ``"kv"`` for a
     packed K|V page, ``"k"`` / ``"v"`` for split K/V regions, ``"state"`` for an SSM-only region.
+    ``slots`` give each member's page as ``(offset, length)`` within a kernel block's row: empty when
+    every member views the whole block (``(0, block_len)``); a packed row (block-outermost layout) holds
+    every layer's page side by side.
     """
 
     index: int
@@ -65,10 +69,23 @@ class Region:
     is_mla: bool
     members: tuple[tuple[int, str], ...]
     part: str = "kv"
+    slots: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_stride
+
+    @property
+    def is_packed(self) -> bool:
+        """Members hold pages at different offsets of one row (block-outermost layout)."""
+        return any(off for off, _ in self.slots)
+
+    def slot(self, layer: str) -> tuple[int, int]:
+        """``(offset, length)`` of ``layer``'s page within a kernel block of this region."""
+        for k, (_, name) in enumerate(self.members):
+            if name == layer:
+                return self.slots[k] if self.slots else (0, self.block_len)
+        raise SpecError("layer", f"layer {layer!r} does not view region {self.index} ({self.name})", value=layer)
 
     def member_of(self, group: int) -> str | None:
         for g, name in self.members:
@@ -130,7 +147,12 @@ def _spec_key(spec: LayerSpec) -> tuple[object, ...]:
 
 def _make_groups(model: ModelSpec) -> tuple[Group, ...]:
     """vLLM HMA grouping: one group per spec if the model is uniform, else chunks of the smallest
-    per-spec layer count; attention-like groups first, SSM groups after, each in layer order."""
+    per-spec layer count; attention-like groups first, SSM groups after, each in layer order. A model whose
+    layers are all full attention (GQA or MLA latents, any sizes: e.g. a GQA draft under an MLA target) is one
+    group of per-layer regions, as vLLM merges layers that need the same token slots."""
+    full = [la for la in model.layers if isinstance(la.spec, (AttentionSpec, MLASpec)) and not la.spec.sliding_window]
+    if len(full) == len(model.layers) and len({la.spec for la in full}) > 1:
+        return (Group(0, model.layers[0].spec, tuple(la.name for la in model.layers)),)
     by_spec: dict[tuple[object, ...], list[str]] = {}
     specs: dict[tuple[object, ...], LayerSpec] = {}
     for layer in model.layers:
@@ -179,6 +201,34 @@ class RankGeometry:
     @property
     def dcp_size(self) -> int:
         return self.engine.dcp_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.engine.pp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.engine.pp_rank
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's index among all ranks of its engine (``pp_rank * tp_size + tp_rank``)."""
+        return self.engine.global_rank
+
+    @cached_property
+    def layer_specs(self) -> dict[str, LayerSpec]:
+        return {la.name: la.spec for la in self.model.layers}
+
+    @property
+    def has_draft(self) -> bool:
+        """Head-sharded attention layers next to MLA layers (a GQA draft under an MLA target)."""
+        return self.is_mla and self.model.attention_spec is not None
+
+    @cached_property
+    def layer_names(self) -> tuple[str, ...]:
+        """The cache-holding layers this rank holds (its pipeline stage's), in model order."""
+        held = {name for r in self.regions for _, name in r.members}
+        return tuple(la.name for la in self.model.layers if la.name in held)
 
     @property
     def dcp_rank(self) -> int:
@@ -250,8 +300,11 @@ class RankGeometry:
             f"(kernel {self.block_size}, ppl {self.ppl}), {self.logical_num_blocks} logical blocks, "
             f"layout {self.engine.kv_layout.value}",
         ]
+        if self.pp_size > 1:
+            lines[0] += f", pipeline stage {self.pp_rank} of {self.pp_size}"
         for g in self.groups:
-            lines.append(f"  group {g.index}: {g.kind.value} x{len(g.layers)} ({g.layers[0]} ...)")
+            first = f"{g.layers[0]} ..." if g.layers else "none on this stage"
+            lines.append(f"  group {g.index}: {g.kind.value} x{len(g.layers)} ({first})")
         for r in self.regions:
             lines.append(
                 f"  region {r.index} {r.name}: block_len {r.block_len} B, stride {r.block_stride} B, "
@@ -272,17 +325,53 @@ def _check_tp(model: ModelSpec, tp: int) -> None:
             spec.check_tp(tp)
 
 
+def _split(groups: tuple[Group, ...], separate: tuple[str, ...], model: ModelSpec) -> tuple[Group, ...]:
+    """The engine's own grouping: ``separate`` layers in a group of their own (after the others), with their
+    own tensors; kvgeom models it for models of one group of attention or MLA layers."""
+    if not separate:
+        return groups
+    names = {la.name for la in model.layers}
+    unknown = sorted(set(separate) - names)
+    if unknown:
+        raise ConfigError("separate_group", f"layers {unknown} are not cache layers of {model.name!r}", value=unknown)
+    if len(groups) != 1 or model.has_ssm:
+        raise ConfigError("separate_group", "a separate group is modelled for models of one group of attention or "
+                          "MLA layers", value=list(separate))
+    (g,) = groups
+    rest = tuple(n for n in g.layers if n not in separate)
+    if not rest:
+        return groups
+    return (Group(0, g.spec, rest), Group(1, g.spec, tuple(n for n in g.layers if n in separate)))
+
+
+def _project(groups: tuple[Group, ...], held: set[str]) -> tuple[Group, ...]:
+    """The groups as one pipeline stage holds them: same indices (the scheduler's), the stage's layers only
+    (vLLM projects its global groups onto each stage; a group may hold no layer of a stage)."""
+    return tuple(Group(g.index, g.spec, tuple(name for name in g.layers if name in held)) for g in groups)
+
+
 def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
     """Derive the geometry of ``engine``'s rank for ``model`` (see the module docstring)."""
     tp = engine.tp_size
     _check_tp(model, tp)
-    groups = _make_groups(model)
+    held = {la.name for la in stage_layers(model, engine.pp_rank, engine.pp_size)}
+    if not held:
+        raise ConfigError("pp_rank", f"pipeline stage {engine.pp_rank} of {engine.pp_size} holds no cache layer of "
+                          f"{model.name!r}", value=engine.pp_rank, expected=engine.pp_size)
+    groups = _project(_split(_make_groups(model), engine.separate_group, model), held)
     ppl = engine.ppl
     nb_kernel = engine.num_blocks * ppl
     ssm_spec = model.ssm_spec
-    if len(groups) == 1 and not ssm_spec:
-        regions = _uniform_regions(groups[0], engine, nb_kernel)
-        page = sum(r.block_stride for r in regions if r.name.startswith(groups[0].layers[0])) * ppl
+    if engine.packed_rows and (ssm_spec is not None or not all(isinstance(la.spec, MLASpec) for la in model.layers)):
+        raise ConfigError("packed_rows", "kvgeom models packed (block-outermost) rows for MLA models without SSM "
+                          "state (vLLM moves only those rows whole: a row of head-sharded pages cannot be cut by "
+                          "heads)", value=True)
+    if (len(groups) == 1 or engine.separate_group) and not ssm_spec:
+        regions = _uniform_regions(groups, engine, nb_kernel, model)
+        first = regions[0].members[0][1]
+        page = sum(r.block_stride for r in regions if r.members[0][1] == first) * ppl
+        if engine.packed_rows:
+            regions = _packed(regions)
         return RankGeometry(model, engine, groups, regions, page, None)
 
     if engine.kv_split:
@@ -311,6 +400,8 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         is_mla = any(groups[gi].is_mla for gi, _ in members)
         part = "state" if all(groups[gi].is_ssm for gi, _ in members) else "kv"
         regions.append(Region(i, members[0][1], page // ppl, page // ppl, nb_kernel, is_mla, members, part))
+    if engine.packed_rows:
+        return RankGeometry(model, engine, groups, _packed(tuple(regions)), page, None)
     ssm = None
     if ssm_spec is not None:
         offs, pos = [], 0
@@ -322,25 +413,45 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
     return RankGeometry(model, engine, groups, tuple(regions), page, ssm)
 
 
-def _uniform_regions(group: Group, engine: EngineConfig, nb_kernel: int) -> tuple[Region, ...]:
-    """Regions of a single-group attention model: one per layer (two if K and V are split)."""
-    spec = group.spec
-    tp = engine.tp_size
-    kernel = engine.kernel
+def _packed(regions: tuple[Region, ...]) -> tuple[Region, ...]:
+    """The block-outermost layout of ``regions``: one row per kernel block holding each region's block
+    side by side, in region order (vLLM ``BLHNC``: every layer's page of a block in one row)."""
+    offsets, pos = [], 0
+    for r in regions:
+        offsets.append(pos)
+        pos += r.block_len
+    members = tuple(m for r in regions for m in r.members)
+    slots = tuple((off, r.block_len) for r, off in zip(regions, offsets) for _ in r.members)
+    first = regions[0]
+    return (Region(0, first.name, pos, pos, first.num_blocks, all(r.is_mla for r in regions), members, "kv",
+                   slots),)
+
+
+def _parts(spec: LayerSpec, engine: EngineConfig) -> list[tuple[str, int]]:
+    """The regions one layer registers: ``(part, kernel block bytes)``."""
+    tp, kernel = engine.tp_size, engine.kernel
     if isinstance(spec, MLASpec):
-        parts: list[tuple[str, int]] = [("kv", kernel * spec.token_bytes(tp))]
-    elif isinstance(spec, AttentionSpec):
+        return [("kv", kernel * spec.token_bytes(tp))]
+    if isinstance(spec, AttentionSpec):
         e = dtype_size(spec.dtype)
         h = spec.heads_per_rank(tp)
         if engine.kv_split:
-            parts = [("k", kernel * h * spec.head_size * e), ("v", kernel * h * spec.v_size * e)]
-        else:
-            parts = [("kv", kernel * spec.token_bytes(tp))]
-    else:  # pragma: no cover - SSM-only single groups go through the hybrid path
-        raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
+            return [("k", kernel * h * spec.head_size * e), ("v", kernel * h * spec.v_size * e)]
+        return [("kv", kernel * spec.token_bytes(tp))]
+    # pragma: no cover - SSM-only single groups go through the hybrid path
+    raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
+
+
+def _uniform_regions(groups: tuple[Group, ...], engine: EngineConfig, nb_kernel: int, model: ModelSpec
+                     ) -> tuple[Region, ...]:
+    """Regions of an attention model without shared tensors: one per layer in model order (two if K and V are
+    split), each viewed by its layer's group."""
+    specs = {la.name: la.spec for la in model.layers}
+    group_of = {name: g for g in groups for name in g.layers}
     regions = []
-    for name in group.layers:
-        for part, length in parts:
+    for name in (la.name for la in model.layers if la.name in group_of):
+        spec, group = specs[name], group_of[name]
+        for part, length in _parts(spec, engine):
             idx = len(regions)
             regions.append(Region(idx, name if part == "kv" else f"{name}.{part}", length, length, nb_kernel,
                                   isinstance(spec, MLASpec), ((group.index, name),), part))

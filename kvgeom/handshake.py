@@ -10,12 +10,14 @@ because every rule is symmetric in the data it reads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .dcp import check_parallel_pair
+from .dlist import EngineView
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
 from .geometry import RankGeometry
-from .spec import AttentionSpec
+from .spec import AttentionSpec, MLASpec
+from .streams import pair_streams, region_group_ids, region_mapped
 from .tp import tp_ratio as _tp_ratio
 
 __all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio", "check_csa_linear_tp_layout"]
@@ -25,11 +27,13 @@ Compat = str  # "vllm" (refuse what vLLM 0.33.0 refuses) or "kvgeom" (lift refus
 
 @dataclass(frozen=True)
 class PairShape:
-    """The ratios a valid pair is planned with, from the local side."""
+    """The ratios a valid pair is planned with, from the local side, and both sides' transfer streams
+    (:mod:`kvgeom.streams`; the remote's as seen from any rank of its stage)."""
 
     tp_ratio: int
     bsr: int
     remote_split: int  # > 1: the remote's blocks are read as this many finer blocks (vLLM B.6.7)
+    streams: tuple[EngineView, EngineView] | None = field(default=None, compare=False, repr=False)
 
 
 def _err(field: str, what: str, local: object, remote: object) -> IncompatiblePairError:
@@ -62,8 +66,8 @@ def block_size_ratio(local: RankGeometry, remote: RankGeometry, mode: str, compa
     lens_ok = all(r.block_len % split == 0 and r.block_len == r.block_stride for r in remote.regions)
     if compat == "vllm":
         ok = local.is_mla and local.has_ssm and all(local.region_is_mla) and max(split, lbs // u) <= 128
-    else:
-        ok = _token_splittable(remote)
+    else:  # a packed row's pages do not split into evenly spaced finer blocks
+        ok = _token_splittable(remote) and not any(r.is_packed for r in remote.regions)
     if mode == "pull" and ok and lens_ok:
         return lbs // u, split
     raise RatioError(
@@ -105,9 +109,10 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     if local.dcp_size > 1 or remote.dcp_size > 1:
         _check_dcp(local, remote, mode)
     bsr, split = block_size_ratio(local, remote, mode, compat)
-    if local.num_regions != remote.num_regions:
-        raise _err("num_regions", "both sides must register the same regions", local.num_regions,
-                   remote.num_regions)
+    streams = pair_streams(local, remote, mode, compat)
+    if streams[0].num_regions != streams[1].num_regions:
+        raise _err("num_regions", "both sides must register the same regions", streams[0].num_regions,
+                   streams[1].num_regions)
     if local.engine.kv_split != remote.engine.kv_split:
         raise _err("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
     attn = local.model.attention_spec
@@ -117,14 +122,25 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
-        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and remote.tp_size <= k:
-            raise _err("kv_layout", "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP "
-                       "unless the remote replicates its KV heads (kvgeom mode cuts token-major pages per token)",
-                       local.engine.kv_layout.value, remote.engine.kv_layout.value)
+        multi_token = max(local.block_size, remote.block_size) > 1  # a one-token page is head-major too
+        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and (
+                remote.tp_size <= k or (head_split and multi_token)):
+            # vLLM refuses it unless the remote replicates its KV heads, yet then still cuts the token-major page
+            # into head slices when the heads per rank differ: refused too, the oracle finds those bytes wrong
+            raise _err("kv_layout", "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP: "
+                       "it cuts pages into head slices, which a token-major page does not hold (kvgeom mode cuts "
+                       "token-major pages per token)", local.engine.kv_layout.value, remote.engine.kv_layout.value)
         if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
                        "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
-    _check_block_lens(local, remote, bsr, split)
+    if local.has_draft:
+        _check_draft(local, remote, mode, compat, ratio, bsr)
+    if region_mapped(local, remote, streams):
+        _check_region_mapped(local, remote, mode, compat)
+    elif len(local.groups) != len(remote.groups):
+        raise _err("separate_group", "P and D group the layers differently but this rank's regions cannot tell",
+                   list(local.engine.separate_group), list(remote.engine.separate_group))
+    _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         _check_ssm(local, remote, ratio, compat, prefix_caching)
     if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
@@ -134,7 +150,7 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             f"in vLLM-compatible mode (bsr {bsr}, tp_ratio {ratio}); kvgeom mode plans it",
             local=local.block_size, remote=remote.block_size,
         )
-    if mode == "push" and bsr > 1 and not local.is_mla and attn is not None \
+    if mode == "push" and bsr > 1 and (not local.is_mla or local.has_draft) and attn is not None \
             and local.engine.kv_layout.value == "head_major" and _heads(attn, local.tp_size) > 1:
         raise UnsupportedError(
             "block_size",
@@ -142,25 +158,73 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             "interleave heads in D's blocks; use equal kernel block sizes or pull",
             local=local.block_size, remote=remote.block_size,
         )
-    return PairShape(ratio, bsr, split)
+    return PairShape(ratio, bsr, split, streams)
+
+
+def _check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> None:
+    """P and D group the same regions differently (:mod:`kvgeom.regionmap`): block lists pair region by region.
+    vLLM 0.33.0 does it in pulls of pure MLA models with equal kernel block sizes; kvgeom in pulls of regions
+    of one group each with equal kernel block sizes, without DCP."""
+    if mode != "pull":
+        raise UnsupportedError("separate_group", "P and D grouping the same regions differently is planned for pulls "
+                               "(vLLM 0.33.0's push connector refuses it)", local=list(local.engine.separate_group),
+                               remote=list(remote.engine.separate_group))
+    if local.block_size != remote.block_size:
+        raise UnsupportedError("block_size", "regions grouped differently pair page by page: equal kernel block sizes "
+                               "needed", local=local.block_size, remote=remote.block_size)
+    if local.dcp_size > 1 or remote.dcp_size > 1:
+        raise UnsupportedError("dcp_size", "regions grouped differently are not planned with decode context "
+                               "parallelism", local=local.dcp_size, remote=remote.dcp_size)
+    if compat == "vllm" and (not local.is_mla or local.has_ssm or local.has_draft):
+        raise UnsupportedError("separate_group", "vLLM 0.33.0 pairs differently grouped regions only for pure MLA "
+                               "models; kvgeom mode plans it", value=local.model.name)
+    if compat == "kvgeom" and (-1 in region_group_ids(local) or -1 in region_group_ids(remote)):
+        raise UnsupportedError("separate_group", "a region viewed by several groups has no single token order to "
+                               "pair by", value=local.model.name)
+
+
+def _check_draft(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat, ratio: int, bsr: int) -> None:
+    """Head-sharded attention layers next to MLA layers (a GQA draft under an MLA target): vLLM 0.33.0 maps
+    them with their own heads only when the local TP is at least the remote's, without DCP (push: equal TP),
+    on the same head-major layout when the heads differ. kvgeom plans every TP pair (MLA pages gathered in
+    chunks from the draft's sources), not with DCP."""
+    if local.dcp_size > 1 or remote.dcp_size > 1:
+        raise UnsupportedError("dcp_size", "decode context parallelism with head-sharded (draft) layers next to MLA "
+                               "layers is not planned (vLLM 0.33.0 refuses it too)", local=local.dcp_size,
+                               remote=remote.dcp_size)
+    if compat != "vllm":
+        return
+    if ratio < 0 or (mode == "push" and ratio != 1):
+        raise UnsupportedError("tp_size", "vLLM 0.33.0 maps a GQA draft under an MLA target only with local TP >= "
+                               "remote TP (push: equal TP); kvgeom mode plans it", local=local.tp_size,
+                               remote=remote.tp_size)
+    spec = local.model.attention_spec
+    if spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size) and (
+            local.engine.kv_layout.value != "head_major" or remote.engine.kv_layout != local.engine.kv_layout):
+        raise _err("kv_layout", "vLLM 0.33.0 slices a draft's heads only on the same head-major layout on both "
+                   "sides (kvgeom mode cuts token-major pages per token)", local.engine.kv_layout.value,
+                   remote.engine.kv_layout.value)
+    if mode == "pull" and bsr > 1 and spec.heads_per_rank(local.tp_size) > 1 \
+            and local.engine.kv_layout.value == "head_major":
+        raise UnsupportedError("block_size", "vLLM 0.33.0 skips its block-size regroup in MLA models, so a draft's "
+                               f"head-major pages received as {bsr} finer remote blocks would keep their heads "
+                               "interleaved; kvgeom mode regroups them", local=local.block_size,
+                               remote=remote.block_size)
 
 
 def _check_dcp(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
-    """Decode context parallelism (:mod:`kvgeom.dcp`): pages are matched by global position, which kvgeom
-    plans for pulls of pure MLA models with equal page geometry on both sides (vLLM's push path does not
-    match DCP pages at all)."""
+    """Decode context parallelism (:mod:`kvgeom.dcp`): vLLM scopes it to MLA (with equal DCP sizes for
+    MLA + SSM hybrids); kvgeom pairs every unit by its global token position (any page and kernel sizes whose
+    kernel blocks divide one another), pulls and pushes alike."""
     check_parallel_pair(1, local.dcp_size, 1, remote.dcp_size, local.has_ssm)
-    if mode != "pull":
-        raise UnsupportedError("dcp_size", "decode context parallelism is planned for pulls only (vLLM's push path "
-                               "pairs blocks without their DCP positions)", local=local.dcp_size,
-                               remote=remote.dcp_size)
-    if local.has_ssm or not all(local.region_is_mla):
-        raise UnsupportedError("dcp_size", "kvgeom plans decode context parallelism for pure MLA models (vLLM scopes "
-                               "it to MLA)", local=local.dcp_size, remote=remote.dcp_size)
-    if local.block_size != remote.block_size or local.ppl != remote.ppl:
-        raise UnsupportedError("block_size", "with decode context parallelism kvgeom needs equal kernel and logical "
-                               "block sizes on both sides", local=(local.logical_block_size, local.block_size),
-                               remote=(remote.logical_block_size, remote.block_size))
+    attn = [la for la in local.model.layers if not la.kind.is_ssm]
+    if not attn or not all(isinstance(la.spec, MLASpec) for la in attn):
+        raise UnsupportedError("dcp_size", "decode context parallelism is planned for MLA models (with or without "
+                               "SSM layers), as vLLM scopes it", local=local.dcp_size, remote=remote.dcp_size)
+    big, small = max(local.block_size, remote.block_size), min(local.block_size, remote.block_size)
+    if big % small:
+        raise UnsupportedError("block_size", "with decode context parallelism kernel blocks must divide one another",
+                               local=local.block_size, remote=remote.block_size)
 
 
 def check_csa_linear_tp_layout(local_tp: int, remote_tp: int, total_kv_heads: int) -> None:
@@ -177,23 +241,25 @@ def _heads(spec: AttentionSpec, tp: int) -> int:
     return spec.heads_per_rank(tp)
 
 
-def _check_block_lens(local: RankGeometry, remote: RankGeometry, bsr: int, split: int) -> None:
+def _check_block_lens(local: RankGeometry, remote: RankGeometry, streams: tuple[EngineView, EngineView], bsr: int,
+                      split: int) -> None:
+    """Per stream (region, or a layer's page), the remote length must be the local one scaled by the heads
+    each side holds and the block-size ratio (replicated latents: by the ratio only)."""
     attn = local.model.attention_spec
     lh = attn.heads_per_rank(local.tp_size) if attn else 1
     rh = attn.heads_per_rank(remote.tp_size) if attn else 1
     if attn is None and not local.is_mla:
         return  # an attention-free (pure SSM) model: state pages scale with TP, no length rule applies
-    for i, (lr, rr) in enumerate(zip(local.regions, remote.regions)):
-        rlen = rr.block_len // split
-        if lr.is_mla != rr.is_mla:
-            raise _err(f"regions[{i}].is_mla", "region kinds differ", lr.is_mla, rr.is_mla)
-        want = (lr.block_len if lr.is_mla or not attn else lr.block_len * rh // lh) // bsr
-        if local.is_mla and local.has_ssm and lr.block_len != rlen * bsr:
+    lview, rview = streams
+    for i, (llen, rlen0, mla) in enumerate(zip(lview.block_lens, rview.block_lens, lview.region_is_mla)):
+        rlen = rlen0 // split
+        want = (llen if mla or not attn else llen * rh // lh) // bsr
+        if local.is_mla and local.has_ssm and llen != rlen * bsr:
             raise _err(f"regions[{i}].block_len", "Hybrid MLA kernel-granularity block lengths must match "
-                       "between P and D", lr.block_len, rr.block_len)
+                       "between P and D", llen, rlen0)
         if rlen != want:
             raise _err(f"regions[{i}].block_len", f"remote block length should be {want} B for this pair",
-                       lr.block_len, rr.block_len)
+                       llen, rlen0)
 
 
 def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, compat: Compat, prefix_caching: bool) -> None:

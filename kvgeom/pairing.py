@@ -9,9 +9,10 @@ plans (:mod:`kvgeom.plan`) only pick rows of these tables.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+from .align import Page, group_pages, page_heads
 from .card import GeometryCard
 from .conv import remote_conv_offsets
 from .dcp import dcp_handshake_targets
@@ -20,8 +21,9 @@ from .dtypes import dtype_size
 from .errors import IncompatiblePairError, UnsupportedError
 from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
-from .route import Route, route
+from .route import Route, dcp_pages_differ, route
 from .splits import build_local_splits, expand_strided
+from .streams import region_mapped, unpseudo
 from .tp import TPMapping, compute_tp_mapping, needs_split_local_handles
 
 __all__ = ["Pairing", "LocalKey"]
@@ -44,6 +46,7 @@ class Pairing:
     shape: PairShape
     mapping: TPMapping
     prefix_caching: bool = False
+    draft_mapping: TPMapping | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -75,13 +78,23 @@ class Pairing:
                                             local=rank, remote=g.tp_rank)
         shape = check_pair(lg, first, mode, compat, prefix_caching)
         targets = dcp_handshake_targets(lg.tp_rank, lg.tp_size, lg.dcp_size, first.tp_size, first.dcp_size)
+        spread = compat == "kvgeom" and dcp_pages_differ(lg, first, mode)
+        if spread:  # any remote rank may hold (pull) or need (push) some of this rank's tokens
+            targets = tuple(range(first.tp_size))
         missing = [t for t in targets if t not in rg]
         if missing:
             raise IncompatiblePairError("remotes", f"handshake targets {missing} have no card", value=missing,
                                         expected=list(targets))
         mapping = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
                                      lg.group_is_ssm, lg.dcp_size, first.dcp_size)
-        pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching)
+        if spread:  # every local rank notifies every remote rank
+            mapping = replace(mapping, local_consumers=lg.tp_size)
+        draft = None
+        if lg.has_draft:  # head-sharded layers next to MLA layers: their own mapping (by the draft's heads)
+            draft = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
+                                       lg.group_is_ssm, lg.dcp_size, first.dcp_size,
+                                       head_sharded_kv_heads=lg.model.attention_spec.num_kv_heads)
+        pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching, draft)
         pairing._validate_routes()
         return pairing
 
@@ -91,7 +104,7 @@ class Pairing:
         tables and refuses a pair where vLLM would leave a consumer's group unwritten (push into replicated
         KV heads of a hybrid)."""
         for rank in self.targets:
-            needed = self.route(rank).groups
+            needed = tuple(n and self.carries(g) for g, n in enumerate(self.route(rank).groups))
             if self.compat == "kvgeom":
                 continue
             sent = self.group_mask(rank) if rank in self.transfer_ranks else tuple(False for _ in needed)
@@ -104,7 +117,8 @@ class Pairing:
         local_bytes = [r.nbytes for r in self.local.regions]
         for rank in self.transfer_ranks:  # invariant I6: every row lies inside its registered region
             self.local_table(self.local_key(rank)).check_bounds(local_bytes, "local")
-            self.remote_table(rank).check_bounds(self.remote_view(rank).region_bytes(), f"remote rank {rank}")
+            self.remote_table(rank).check_bounds([r.nbytes for r in self.remotes[rank].regions],
+                                                 f"remote rank {rank}")
 
     # -- ratios -------------------------------------------------------------------------------------
     @property
@@ -114,6 +128,11 @@ class Pairing:
     @property
     def bsr(self) -> int:
         return self.shape.bsr
+
+    @cached_property
+    def region_mapped(self) -> bool:
+        """P and D group the same regions differently: block lists pair region by region (:mod:`kvgeom.regionmap`)."""
+        return region_mapped(self.local, self.remotes[self.targets[0]], (self.local_view, self.remote_view(self.targets[0])))
 
     @property
     def dcp_active(self) -> bool:
@@ -129,7 +148,7 @@ class Pairing:
         """Rows per remote kernel block: 1, or its tokens when kvgeom mode cuts token-major pages whose
         heads differ between the sides (a head slice is then one run per token: Part C item 3)."""
         spec = self.local.model.attention_spec
-        if self.compat != "kvgeom" or spec is None or self.local.is_mla \
+        if self.compat != "kvgeom" or spec is None \
                 or self.local.engine.kv_layout.value != "token_major" \
                 or spec.heads_per_rank(self.local.tp_size) == spec.heads_per_rank(self.remote_tp):
             return 1
@@ -146,12 +165,44 @@ class Pairing:
 
     @cached_property
     def local_view(self) -> EngineView:
-        return EngineView.of(self.local)
+        """This rank's transfer streams (:mod:`kvgeom.streams`; by default one per region)."""
+        return self.shape.streams[0] if self.shape.streams is not None else EngineView.of(self.local)
 
     def remote_view(self, rank: int) -> EngineView:
-        """The remote rank's numbers as planned with (rescaled for non-dividing block sizes)."""
-        view = EngineView.of(self.remotes[rank])
-        return view.rescaled(self.shape.remote_split) if self.shape.remote_split > 1 else view
+        """The remote rank's streams as planned with (rescaled for non-dividing block sizes)."""
+        key = ("view", rank)
+        if key not in self._cache:
+            view = replace(self.shape.streams[1], tp_rank=rank) if self.shape.streams is not None else \
+                EngineView.of(self.remotes[rank])
+            self._cache[key] = view.rescaled(self.shape.remote_split) if self.shape.remote_split > 1 else view
+        return self._cache[key]
+
+    def zero_pages(self, group: int) -> list[Page]:
+        """The local pages of group ``group`` this pairing fills (pull): every page of the group's layers, or,
+        when streams pair layer by layer, the pages of the layers this pairing transfers."""
+        key = ("pages", group)
+        if key not in self._cache:
+            view = self.local_view
+            if view.transfer_groups or view.num_regions != self.local.num_regions:  # layer by layer
+                pages = []
+                for b, length, stride, g in zip(view.bases, view.block_lens, view.block_strides, view.transfer_groups):
+                    region, offset = unpseudo(b)
+                    layer = next((name for k, (gg, name) in enumerate(self.local.regions[region].members)
+                                  if gg == g and self.local.regions[region].slot(name)[0] == offset), None)
+                    if g == group and layer is not None:
+                        pages.append(Page(region, offset, length, stride, page_heads(self.local, layer)))
+                self._cache[key] = pages
+            else:
+                self._cache[key] = group_pages(self.local, group)
+        return self._cache[key]
+
+    def carries(self, group: int) -> bool:
+        """Whether any stream carries group ``group`` (under layer-name routing a pipeline stage may hold no
+        layer of a group; its ids then stay home)."""
+        view = self.local_view
+        if not view.num_regions:
+            return False
+        return not view.transfer_groups or group in view.transfer_groups or self.local.groups[group].is_ssm
 
     @property
     def needs_split(self) -> bool:
@@ -174,15 +225,17 @@ class Pairing:
         key = ("route", rank)
         if key not in self._cache:
             rows = self.token_rows
+            lview = self.local_view
             self._cache[key] = route(self.local, self.remotes[rank], rank, self.mode, self.local_rows,
-                                     tuple(x // rows for x in self.remote_view(rank).block_lens))
+                                     tuple(x // rows for x in self.remote_view(rank).block_lens), lview.block_lens,
+                                     lview.region_is_mla)
         return self._cache[key]
 
     @property
     def transfer_ranks(self) -> tuple[int, ...]:
         """The remote ranks a request's transfers go to (the others are only notified)."""
         if self.compat == "kvgeom":
-            return tuple(r for r in self.targets if any(self.route(r).groups))
+            return tuple(r for r in self.targets if any(self.group_mask(r)))
         pure_mla = self.local.is_mla and not self.local.has_ssm
         if self.mode == "push" and pure_mla and self.tp_ratio < 0:
             return self.targets  # vLLM writes the replicated latent to every D rank
@@ -190,12 +243,17 @@ class Pairing:
 
     def group_mask(self, rank: int) -> tuple[bool, ...]:
         """Which groups' ids travel to/from remote rank ``rank``."""
-        if self.compat == "kvgeom":
-            return self.route(rank).groups
-        srcs = self.mapping.source_ranks_per_group
-        if self.mode == "push" and self.local.is_mla and self.tp_ratio < 0:
-            return tuple((not ssm) or rank in s for ssm, s in zip(self.local.group_is_ssm, srcs))
-        return tuple(rank in s for s in srcs)
+        key = ("mask", rank)
+        if key not in self._cache:
+            if self.compat == "kvgeom":
+                mask = self.route(rank).groups
+            elif self.mode == "push" and self.local.is_mla and self.tp_ratio < 0:
+                srcs = self.mapping.source_ranks_per_group
+                mask = tuple((not ssm) or rank in s for ssm, s in zip(self.local.group_is_ssm, srcs))
+            else:
+                mask = tuple(rank in s for s in self.mapping.source_ranks_per_group)
+            self._cache[key] = tuple(m and self.carries(g) for g, m in enumerate(mask))
+        return self._cache[key]
 
     def local_key(self, rank: int) -> LocalKey:
         """The local table a transfer to/from remote rank ``rank`` uses."""
@@ -213,9 +271,10 @@ class Pairing:
                 self._routed(rank)
             else:
                 whole = self.local_table((bsr, -1))
+                view = self.local_view
                 splits = build_local_splits(
                     whole.pseudo_addresses(), self.mapping, whole.num_fa, bsr, self.local.group_is_ssm,
-                    self.local.region_is_mla, [self.local.num_blocks] * self.local.num_regions)
+                    view.region_is_mla, [view.num_blocks] * view.num_regions)
                 for src, rows in zip(self.mapping.all_source_ranks, splits):
                     self._cache[(bsr, src)] = Dlist.from_pseudo(expand_strided(rows), whole.num_fa)
         return self._cache[key]
@@ -228,9 +287,12 @@ class Pairing:
                 self._routed(rank)
             else:
                 attn_reads = len(self._first_sources(ssm=False)) or 1
+                draft = self.draft_mapping
                 self._cache[key] = remote_dlist(self.local_view, self.remote_view(rank), self.bsr, attn_reads,
                                                 self.mapping.rank_offset_factor,
-                                                self._vllm_ssm_pieces(self.remote_view(rank)))
+                                                self._vllm_ssm_pieces(self.remote_view(rank)),
+                                                None if draft is None else
+                                                (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor))
         return self._cache[key]
 
     def _routed(self, rank: int) -> None:

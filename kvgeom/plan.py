@@ -14,12 +14,12 @@ B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descri
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .align import consumer_zero_rows, list_starts, overlap
+from .align import Page, consumer_zero_rows, group_pages, list_starts, overlap, page_heads
 from .blocks import (
     BlockIds,
     apply_prefix_caching,
@@ -29,14 +29,15 @@ from .blocks import (
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
 )
-from .dcp import apply_dcp_prefix_caching, global_pages
+from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
 from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
-from .engine import KVLayout
 from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
-from .spec import AttentionSpec
+from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
+from .streams import region_group_ids
+from .tp import compute_tp_mapping
 
 __all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "check_writes",
            "contiguous_runs", "MOVE_COLUMNS"]
@@ -98,7 +99,7 @@ class RequestPlan:
     def moves(self, pairing: Pairing) -> np.ndarray:
         """Byte moves, one row per descriptor pair, columns :data:`MOVE_COLUMNS`."""
         out = []
-        me = pairing.local.tp_rank
+        me = pairing.local.global_rank
         for t in self.transfers:
             lrows = np.take(pairing.local_table(t.local_table).rows, t.local_ids, axis=0)
             rrows = np.take(pairing.remote_table(t.remote_rank).rows, t.remote_ids, axis=0)
@@ -109,7 +110,8 @@ class RequestPlan:
                                 f"length {lrows[i, 2]} and remote length {rrows[i, 2]}", local=int(lrows[i, 2]),
                                 remote=int(rrows[i, 2]))
             src, dst = (rrows, lrows) if self.mode == "pull" else (lrows, rrows)
-            src_rank, dst_rank = (t.remote_rank, me) if self.mode == "pull" else (me, t.remote_rank)
+            peer = pairing.remotes[t.remote_rank].global_rank
+            src_rank, dst_rank = (peer, me) if self.mode == "pull" else (me, peer)
             m = np.empty((len(t), 7), dtype=np.int64)
             m[:, 0], m[:, 1], m[:, 2] = src_rank, src[:, 0], src[:, 1]
             m[:, 3], m[:, 4], m[:, 5] = dst_rank, dst[:, 0], dst[:, 1]
@@ -172,6 +174,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
     lids = as_group_ids([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
     any_local = any(x.size for x in lids)
+    if pairing.region_mapped:
+        return _plan_by_region(pairing, lids, remote_ids, request_id, remote_request_id, num_tokens, prefill_tokens)
     rids = as_group_ids(remote_ids, kinds, "remote_ids")
     _check_ids(lids, local, "local")
     _check_ids(rids, pairing.remotes[pairing.targets[0]], "remote")
@@ -187,14 +191,12 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     exact = _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local and not dcp else None
     aligned = exact if pairing.compat == "kvgeom" else None
     transfers = []
-    covered: list[np.ndarray] = []
+    if dcp and any_local and pairing.compat == "vllm" and mode == "pull":
+        _vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
     for rank in pairing.transfer_ranks if any_local else ():
         keep = pairing.group_mask(rank)
         if dcp:
-            lg, rg, pos = _dcp_lists(pairing, rank, _select(lids, keep), _select(rids, keep), num_tokens,
-                                     prefill_tokens)
-            covered.append(pos)
-            lg, rg = logical_to_kernel(lg, local.ppl, kinds), logical_to_kernel(rg, rview.ppl, kinds)
+            lg, rg = _dcp_pairs(pairing, rank, _select(lids, keep), _select(rids, keep), num_tokens, prefill_tokens)
         elif aligned is not None:
             lg, rg = _select(aligned[0], keep), _select(aligned[1], keep)
         else:
@@ -228,14 +230,116 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     regroup: tuple[Regroup, ...] = ()
     zero = np.zeros((0, 3), dtype=np.int64)
     if mode == "pull" and any_local:
-        if dcp:
-            zero = _dcp_zero_rows(local, lids, covered) if pairing.compat == "kvgeom" else zero
+        if dcp and pairing.compat == "kvgeom":
+            zero = _dcp_zero_rows(local, pairing.remotes[pairing.targets[0]], lids, rids, num_tokens, prefill_tokens,
+                                  pairing.prefix_caching)
         elif aligned is not None:
-            regroup, zero = _regroups(local, lk, bsr), _zero_rows(local, lk, bsr, aligned[2])
+            regroup = _regroups(local, lk, bsr, pairing.zero_pages)
+            zero = _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
         else:
             regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
+
+
+def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockIds, request_id: str,
+                    remote_request_id: str | None, num_tokens: int | None, prefill_tokens: int | None) -> RequestPlan:
+    """A pull between sides that group the same regions differently (:mod:`kvgeom.regionmap`): each side's
+    kernel ids expanded to one list per region, paired region by region (vLLM mode: vLLM's page-position or
+    end-trim pairing, refused where it would pair other tokens than the token axis does; kvgeom mode: by
+    tokens), descriptor ids with every region its own list, and D's pages nothing filled zeroed per region."""
+    local, rank0 = pairing.local, pairing.targets[0]
+    remote = pairing.remotes[rank0]
+    rids = as_group_ids(remote_ids, remote.group_is_ssm, "remote_ids")
+    _check_ids(lids, local, "local")
+    _check_ids(rids, remote, "remote")
+    lgid, rgid = region_group_ids(local), region_group_ids(remote)
+    l_by = block_ids_by_region(logical_to_kernel(lids, local.ppl, local.group_is_ssm), lgid)
+    r_by = block_ids_by_region(logical_to_kernel(rids, remote.ppl, remote.group_is_ssm), rgid)
+    kb = local.block_size  # equal kernel blocks on both sides (handshake)
+    spans, starts = [], []
+    for r, (lg, rg) in enumerate(zip(lgid, rgid)):
+        if lg < 0 or rg < 0:  # vLLM mode only (kvgeom mode refuses shared regions at handshake)
+            spans.append(None), starts.append(0)
+            continue
+        c0, p0 = list_starts(lids[lg].size, local.logical_block_size, rids[rg].size, remote.logical_block_size,
+                             num_tokens, pairing.prefix_caching, _sliding(local.groups[lg]), r, prefill_tokens)
+        spans.append(overlap(c0 // kb, l_by[r].size, p0 // kb, r_by[r].size))
+        starts.append(c0)
+    if pairing.compat == "kvgeom":
+        la = [x[c:c + n] for x, (c, _, n) in zip(l_by, spans)]
+        ra = [x[p:p + n] for x, (_, p, n) in zip(r_by, spans)]
+    else:
+        computed, total = None, None
+        tokens = prefill_tokens  # vLLM's remote_num_tokens: without it vLLM end-trims each region
+        if tokens is not None and min(lgid) >= 0 and min(rgid) >= 0:
+            counts = [_cached_blocks(pairing, x.size, num_tokens, g) for g, x in enumerate(lids)]
+            computed = [counts[g] * local.ppl for g in lgid]
+            total = math.ceil(tokens / remote.block_size)
+        elif any(x.size for x in l_by) and remote.ppl != local.ppl:
+            raise UnsupportedError("prefill_tokens", "vLLM 0.33.0 pairs differently grouped regions of different "
+                                   "logical block sizes only by page position, from the request's token counts",
+                                   local=local.ppl, remote=remote.ppl)
+        la, ra = apply_prefix_caching_by_region(l_by, r_by, computed, total, remote_rank=rank0)
+        computed_tokens = prefill_tokens if prefill_tokens is not None else num_tokens
+        for r, span in enumerate(spans):
+            if span is None:
+                continue
+            c, p, n = span  # vLLM's pairs must be the token axis's, and leave no page holding a computed token
+            exact, got = _pairs(l_by[r][c:c + n], r_by[r][p:p + n]), _pairs(la[r], ra[r])
+            positions = np.arange(c, c + n)
+            left = ~np.isin(l_by[r][positions], la[r])
+            if computed_tokens is not None:
+                left &= starts[r] + positions * kb < computed_tokens
+            if not np.isin(got, exact).all() or left.any():
+                raise UnsupportedError(f"regions[{r}]", "vLLM 0.33.0 would pair other pages of this region than the "
+                                       "token axis does, or leave pages P computed unread; kvgeom mode plans it",
+                                       local=la[r].tolist()[:8], remote=ra[r].tolist()[:8])
+    n = local.num_regions
+    tag = remote_request_id if remote_request_id is not None else request_id
+    expected = pairing.mapping.local_consumers
+    transfers = []
+    if any(x.size for x in la):
+        for rank in pairing.transfer_ranks:
+            key = ("segments-by-region", rank)
+            rows = pairing.token_rows  # kvgeom mode cuts token-major pages per token when heads differ
+            if key not in pairing._cache:
+                flat = [False] * n
+                lv, rv = pairing.local_view, pairing.remote_view(rank)
+                pairing._cache[key] = tuple(desc_segments(n, v.num_blocks, n, rows if rows > 1 else None, v.ppl, flat,
+                                                          region_group_ids=list(range(n)),
+                                                          uses_region_group_mapping=n > 1) for v in (lv, rv))
+            lseg, rseg = pairing._cache[key]
+            lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
+            rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
+            transfers.append(Transfer(rank, pairing.local_key(rank), apply_segments(lseg, lx), apply_segments(rseg, rx),
+                                      f"{tag}:{expected}"))
+    sent = {t.remote_rank for t in transfers}
+    zero = [np.zeros((0, 3), dtype=np.int64)]
+    for r, region in enumerate(local.regions):
+        if pairing.compat == "vllm" or spans[r] is None:
+            stale = l_by[r][la[r].size:]
+            zero.append(np.stack([np.full(stale.size, r), stale * region.block_stride,
+                                  np.full(stale.size, region.block_len)], axis=1))
+        else:
+            page = Page(r, 0, region.block_len, region.block_stride, page_heads(local, region.members[0][1]))
+            zero.append(consumer_zero_rows([page], l_by[r], 1, spans[r][0], spans[r][2], kb))
+    return RequestPlan(request_id, "pull", tuple(transfers), tuple(r for r in pairing.targets if r not in sent),
+                       expected, local.tp_rank, (), np.concatenate(zero).astype(np.int64))
+
+
+def _cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: int) -> int:
+    """D's cached blocks of a group (its list is the uncached tail of ``ceil(num_tokens / block)``)."""
+    if num_tokens is None:
+        if pairing.prefix_caching:
+            raise PlanError("num_tokens", f"group {group}: with prefix caching D's list starts after its cached blocks: "
+                            "pass num_tokens", value=None)
+        return 0
+    cached = math.ceil(num_tokens / pairing.local.logical_block_size) - count
+    if cached < 0:
+        raise PlanError(f"block_ids[{group}]", f"D's {count} blocks are more than num_tokens={num_tokens} need",
+                        value=count)
+    return cached
 
 
 def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
@@ -246,85 +350,197 @@ def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
         kinds, rows = pairing.local.group_is_ssm, pairing.token_rows
         if side == "remote":
             v = pairing.remote_view(rank)
-            seg = desc_segments(len(kinds), v.num_blocks, v.num_regions, rows if rows > 1 else None, v.ppl, kinds,
-                                v.ssm_region_indices or None, v.num_conv_pieces or 3)
+            ratio = rows if rows > 1 else None
+            pieces = v.num_conv_pieces or 3
         else:
-            g = pairing.local
-            seg = desc_segments(len(kinds), g.num_blocks, g.num_regions, pairing.local_rows, g.ppl, kinds,
-                                g.ssm_region_indices or None, g.ssm.num_pieces if g.ssm else 3)
+            v, g = pairing.local_view, pairing.local
+            ratio, pieces = pairing.local_rows, g.ssm.num_pieces if g.ssm else 3
+        seg = desc_segments(len(kinds), v.num_blocks, v.num_regions, ratio, v.ppl, kinds, v.ssm_region_indices or None,
+                            pieces, region_group_ids=v.group_ids or None, transfer_layer_group_ids=v.transfer_groups)
         pairing._cache[key] = seg
     return pairing._cache[key]
 
 
-def _dcp_first(pairing: Pairing, n_local: int, num_tokens: int | None, group: int) -> int:
-    """D's first list position (its cached scheduler blocks) in a DCP pull."""
+def _first_position(consumer: RankGeometry, n: int, num_tokens: int | None, prefix_caching: bool, group: int) -> int:
+    """The consumer's first list position (its cached scheduler blocks) of an attention group."""
     if num_tokens is not None:
-        first = math.ceil(num_tokens / pairing.local.scheduler_block) - n_local
+        first = math.ceil(num_tokens / consumer.scheduler_block) - n
         if first < 0:
-            raise PlanError(f"block_ids[{group}]", f"D's {n_local} blocks are more than num_tokens={num_tokens} need",
-                            value=n_local)
+            raise PlanError(f"block_ids[{group}]", f"D's {n} blocks are more than num_tokens={num_tokens} need",
+                            value=n)
         return first
-    if not pairing.prefix_caching:
+    if not prefix_caching:
         return 0
     raise PlanError("num_tokens", f"group {group}: with prefix caching D's pages start after its cached ones: pass "
                     "num_tokens (the tokens D holds blocks for) to place them", value=None)
 
 
-def _dcp_lists(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray], num_tokens: int | None,
-               prefill_tokens: int | None) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """The logical ids remote rank ``rank`` supplies with DCP, per group, and the local list positions they
-    fill (``group * 2**32 + position``). Pages pair by global position (:mod:`kvgeom.dcp`): kvgeom mode
-    intersects the pages both hold (those P computed), vLLM mode uses vLLM's closed form and refuses when
-    it would pair other pages or leave a page P computed unread."""
-    local, remote = pairing.local, pairing.remotes[rank]
-    ld, d, rd, rr = local.dcp_size, local.dcp_rank, remote.dcp_size, remote.dcp_rank
-    page = local.logical_block_size
-    out_l, out_r, positions = [], [], []
-    for g, (lo, ro) in enumerate(zip(lids, rids)):
-        if not lo.size:
-            out_l.append(lo), out_r.append(ro[:0])
+def _units(consumer: RankGeometry, producer: RankGeometry, c_ids: np.ndarray, p_ids: np.ndarray,
+           num_tokens: int | None, prefill_tokens: int | None, prefix_caching: bool, group: int
+           ) -> dict[str, np.ndarray]:
+    """Every unit of the consumer rank's pages of one attention group and where P holds it
+    (:func:`kvgeom.dcp.dcp_units`)."""
+    first = _first_position(consumer, c_ids.size, num_tokens, prefix_caching, group)
+    tokens = prefill_tokens if prefill_tokens is not None else num_tokens
+    limit = tokens if tokens is not None else p_ids.size * producer.scheduler_block
+    return dcp_units(c_ids, first, consumer.logical_block_size, consumer.block_size, consumer.dcp_size,
+                     consumer.dcp_rank, p_ids, producer.logical_block_size, producer.block_size, producer.dcp_size,
+                     limit)
+
+
+def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray], num_tokens: int | None,
+               prefill_tokens: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """With decode context parallelism, what this rank exchanges with remote rank ``rank``, per group: local
+    ids at the local table's granularity and remote kernel ids. Attention units pair by global token position
+    (:mod:`kvgeom.dcp`); SSM slots pair as without DCP. kvgeom mode takes the units P computed; vLLM mode
+    pairs as vLLM does (pages by its closed form in pull, by counts in push) and refuses when that differs."""
+    local, remote, pull = pairing.local, pairing.remotes[rank], pairing.mode == "pull"
+    consumer, producer = (local, remote) if pull else (remote, local)
+    c_all, p_all = (lids, rids) if pull else (rids, lids)
+    kinds = local.group_is_ssm
+    lk, rk = logical_to_kernel(lids, local.ppl, kinds), logical_to_kernel(rids, pairing.remote_view(rank).ppl, kinds)
+    exact_l, exact_r, allowed = [], [], []
+    for g, ssm in enumerate(kinds):
+        if ssm or not c_all[g].size or not p_all[g].size:
+            exact_l.append(lk[g][:0]), exact_r.append(rk[g][:0]), allowed.append(np.zeros(0, np.int64))
             continue
-        first = _dcp_first(pairing, lo.size, num_tokens, g)
-        lpages, rpages = global_pages(first, lo.size, ld, d), global_pages(0, ro.size, rd, rr)
-        tokens = prefill_tokens if prefill_tokens is not None else num_tokens
-        limit = math.ceil(tokens / page) if tokens is not None else int(rpages.max(initial=-1)) + 1
-        _, li, ri = np.intersect1d(lpages, rpages[rpages < limit], return_indices=True)
-        if pairing.compat == "kvgeom":
-            a, b = lo[li], ro[ri]
-        else:
-            a, b = apply_dcp_prefix_caching(lo, ro, rank, ld, d, rd, first)
-            idx = np.argsort(lo)
-            got_l = lpages[idx[np.searchsorted(lo, a, sorter=idx)]] if a.size else a
-            idx = np.argsort(ro)
-            got_r = rpages[idx[np.searchsorted(ro, b, sorter=idx)]] if b.size else b
-            wrong = not np.array_equal(got_l, got_r)
-            missing = np.setdiff1d(lpages[li], got_l).size > 0
-            if wrong or missing:
-                raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0 would pair DCP pages {got_l[:4].tolist()}... "
-                                       f"with {got_r[:4].tolist()}...{' and leave pages P computed unread' if missing else ''}"
-                                       "; kvgeom mode pairs them by global page", local=got_l.tolist()[:8],
-                                       remote=got_r.tolist()[:8])
-            li = np.searchsorted(lpages, got_l)
-        out_l.append(np.asarray(a, dtype=np.int64)), out_r.append(np.asarray(b, dtype=np.int64))
-        positions.append((np.int64(g) << 32) + np.asarray(li, dtype=np.int64))
-    return out_l, out_r, np.concatenate([np.zeros(0, np.int64), *positions])
+        u = _units(consumer, producer, c_all[g], p_all[g], num_tokens, prefill_tokens, pairing.prefix_caching, g)
+        rank_of = u["p_rank"] == producer.dcp_rank
+        mine = u["ok"] & rank_of
+        c_fine, p_fine = u["c_fine"], u["p_fine"]  # ids at the tables' granularity on both sides
+        exact_l.append((c_fine if pull else p_fine)[mine]), exact_r.append((p_fine if pull else c_fine)[mine])
+        held = u["held"] & rank_of  # same tokens on both sides, computed by P or not
+        allowed.append(_pairs((c_fine if pull else p_fine)[held], (p_fine if pull else c_fine)[held]))
+    ssm_l, ssm_r = _select(lk, kinds), _select(rk, kinds)
+    if pull:
+        ssm_l, ssm_r = apply_prefix_caching(ssm_l, ssm_r, local.ppl, remote.ppl, kinds)
+    else:
+        ssm_r, ssm_l = apply_prefix_caching(ssm_r, ssm_l, remote.ppl, local.ppl, kinds)
+    exact_l = [s if ssm else e for s, e, ssm in zip(ssm_l, exact_l, kinds)]
+    exact_r = [s if ssm else e for s, e, ssm in zip(ssm_r, exact_r, kinds)]
+    if pairing.compat == "kvgeom":
+        return exact_l, exact_r
+    if pull:  # vLLM's closed form on logical pages, then its block-size-ratio map
+        lg, rg = [], []
+        for g, (lo, ro, ssm) in enumerate(zip(lids, rids, kinds)):
+            if ssm or not lo.size:
+                lg.append(lo), rg.append(ro if ssm else ro[:0])
+                continue
+            first = _first_position(local, lo.size, num_tokens, pairing.prefix_caching, g)
+            a, b = apply_dcp_prefix_caching(lo, ro, rank, local.dcp_size, local.dcp_rank, remote.dcp_size, first)
+            lg.append(a), rg.append(b)
+        lg, rg = logical_to_kernel(lg, local.ppl, kinds), logical_to_kernel(rg, pairing.remote_view(rank).ppl, kinds)
+        if pairing.bsr > 1:
+            lg, rg = map_block_ids_for_block_size_ratio(lg, rg, pairing.bsr, kinds)
+            if not lg:
+                lg = [x[:0] for x in rg]
+    else:
+        lg, rg = _vllm_pair(pairing, lk, rk, pairing.remote_view(rank))
+        if not lg:
+            lg, rg = [x[:0] for x in lk], [x[:0] for x in rk]
+    if not pull and c_all and any(x.size for x, ssm in zip(c_all, kinds) if not ssm):
+        _vllm_push_covers(pairing, rank, c_all, p_all, num_tokens, prefill_tokens)
+    for g, ssm in enumerate(kinds):
+        if ssm:
+            continue
+        got, want = _pairs(lg[g], rg[g]), _pairs(exact_l[g], exact_r[g])
+        if not np.isin(got, allowed[g]).all() or not np.isin(want, got).all():
+            # other tokens paired, or tokens P computed left unread
+            raise UnsupportedError(f"block_ids[{g}]", "with decode context parallelism vLLM 0.33.0 would pair other "
+                                   f"pages ({_unpairs(np.setdiff1d(got, allowed[g]))[:4]}...) or leave pages P "
+                                   f"computed unread ({_unpairs(np.setdiff1d(want, got))[:4]}...); kvgeom mode pairs "
+                                   "them by token", local=_unpairs(got)[:8], remote=_unpairs(want)[:8])
+    return lg, rg
 
 
-def _dcp_zero_rows(consumer: RankGeometry, lids: list[np.ndarray], covered: list[np.ndarray]) -> np.ndarray:
-    """kvgeom mode, DCP: zero the D pages no source rank filled (pages holding no token P computed)."""
-    done = np.unique(np.concatenate([np.zeros(0, np.int64), *covered]))
+def _pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Id pairs ``(a[i], b[i])`` as one sortable ``int64`` each (ids are below 2**31), over the shorter of the
+    two lists (as ``zip`` pairs them: lists of unequal length pair their common prefix)."""
+    n = min(len(a), len(b))
+    return (np.asarray(a[:n], dtype=np.int64) << 32) | np.asarray(b[:n], dtype=np.int64)
+
+
+def _unpairs(x: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(v) >> 32, int(v) & 0xFFFFFFFF) for v in np.asarray(x)[:8]]
+
+
+def _vllm_pull_covers(pairing: Pairing, d_ids: list[np.ndarray], p_ids: list[np.ndarray], num_tokens: int | None,
+                      prefill_tokens: int | None) -> None:
+    """vLLM's pull reads only from the DCP source ranks of its closed form: refuse when a unit P computed for
+    this D rank lives on another P rank (pages of other sizes)."""
+    local, remote = pairing.local, pairing.remotes[pairing.targets[0]]
+    sources = sorted({r % remote.dcp_size for r in pairing.transfer_ranks})
+    for g, (c, p) in enumerate(zip(d_ids, p_ids)):
+        if local.groups[g].is_ssm or not c.size or not p.size:
+            continue
+        u = _units(local, remote, c, p, num_tokens, prefill_tokens, pairing.prefix_caching, g)
+        lost = u["ok"] & ~np.isin(u["p_rank"], sources)
+        if lost.any():
+            raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0 reads this D rank only from P ranks {sources}, so "
+                                   f"tokens {u['token'][lost][:4].tolist()}... P computed on other ranks would stay "
+                                   "unread; kvgeom mode reads every rank that holds them", local=sources,
+                                   remote=sorted(set(u["p_rank"][lost].tolist())))
+        rview = pairing.remote_view(pairing.targets[0])
+        if pairing.bsr > 1 or rview.ppl != local.ppl:  # vLLM's receive step zeroes past what P's whole list covers
+            covered = min(c.size * local.ppl * pairing.bsr, p.size * rview.ppl)
+            zeroed = u["ok"] & (np.arange(u["ok"].size) >= covered)
+            if zeroed.any():
+                raise UnsupportedError(f"block_ids[{g}]", "with decode context parallelism vLLM 0.33.0's receive step "
+                                       f"counts P's whole list and zeroes tokens {u['token'][zeroed][:4].tolist()}... "
+                                       "this rank received; kvgeom mode zeroes only what no rank wrote",
+                                       local=int(c.size), remote=int(p.size))
+
+
+def _vllm_push_covers(pairing: Pairing, rank: int, d_ids: list[np.ndarray], p_ids: list[np.ndarray],
+                      num_tokens: int | None, prefill_tokens: int | None) -> None:
+    """vLLM's push writes D rank ``rank`` only from the P ranks whose TP mapping names it: refuse when some
+    unit P computed for that D rank lives on another P rank (it would stay unwritten)."""
+    local, d = pairing.local, pairing.remotes[rank]
+    key = ("push-writers", rank)
+    if key not in pairing._cache:  # shape-only: the P ranks vLLM's mappings send to D rank ``rank``
+        writers = set()
+        for q in range(local.tp_size):
+            m = compute_tp_mapping(q, local.tp_size, d.tp_size, local.num_kv_heads, local.is_mla,
+                                   local.group_is_ssm, local.dcp_size, d.dcp_size)
+            every = local.is_mla and not local.has_ssm and pairing.tp_ratio < 0
+            targets = dcp_handshake_targets(q, local.tp_size, local.dcp_size, d.tp_size, d.dcp_size)
+            if rank in (targets if every else m.all_source_ranks):
+                writers.add(q % local.dcp_size)
+        pairing._cache[key] = writers
+    writers = pairing._cache[key]
+    for g, (c, p) in enumerate(zip(d_ids, p_ids)):
+        if local.groups[g].is_ssm or not c.size or not p.size:
+            continue
+        u = _units(d, local, c, p, num_tokens, prefill_tokens, pairing.prefix_caching, g)
+        lost = u["ok"] & ~np.isin(u["p_rank"], sorted(writers))
+        if lost.any():
+            raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0's push writes D rank {rank} only from P ranks "
+                                   f"{sorted(writers)}, so tokens {u['token'][lost][:4].tolist()}... P computed on other "
+                                   "ranks would stay unwritten; kvgeom mode writes every D rank that needs them",
+                                   local=sorted(writers), remote=rank)
+
+
+def _dcp_zero_rows(consumer: RankGeometry, producer: RankGeometry, lids: list[np.ndarray], rids: list[np.ndarray],
+                   num_tokens: int | None, prefill_tokens: int | None, prefix_caching: bool) -> np.ndarray:
+    """kvgeom mode, DCP: zero every unit of the consumer's pages no producer rank holds (tokens P did not
+    compute), in every page of the group's layers."""
     rows = [np.zeros((0, 3), dtype=np.int64)]
-    for group, ids in zip(consumer.groups, lids):
-        if group.is_ssm or not ids.size:
+    for group, c_ids, p_ids in zip(consumer.groups, lids, rids):
+        if group.is_ssm or not c_ids.size:
             continue
-        filled = done[(done >> 32) == group.index] & 0xFFFFFFFF
-        todo = np.setdiff1d(np.arange(ids.size), filled)
-        if not todo.size:
+        u = _units(consumer, producer, c_ids, p_ids, num_tokens, prefill_tokens, prefix_caching, group.index)
+        todo = ~u["ok"]
+        if not todo.any():
             continue
-        kernel = (ids[todo][:, None] * consumer.ppl + np.arange(consumer.ppl)).reshape(-1)
-        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
-        rows.append(consumer_zero_rows(regions, kernel, 1, 0, 0, consumer.block_size, 1))
-    return np.concatenate(rows)
+        kernel, sub, unit = u["c_kernel"][todo], u["c_sub"][todo], int(u["unit"])
+        for page in group_pages(consumer, group.index):
+            per_head = page.length // page.heads
+            tok = per_head // consumer.block_size
+            starts = (kernel * page.stride + page.offset + sub * unit * tok)[:, None] + \
+                np.arange(page.heads)[None, :] * per_head
+            rows.append(np.stack([np.full(starts.size, page.region), starts.reshape(-1),
+                                  np.full(starts.size, unit * tok)], axis=1))
+    return np.concatenate(rows).astype(np.int64)
 
 
 def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rview: EngineView
@@ -415,39 +631,36 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     return lsel, rsel, spans
 
 
-def _heads(consumer: RankGeometry, group: int) -> int:
-    """Runs per kernel block when zeroing a token range: one per local head on head-major pages."""
-    spec = consumer.groups[group].spec
-    if isinstance(spec, AttentionSpec) and consumer.engine.kv_layout is KVLayout.HEAD_MAJOR:
-        return spec.heads_per_rank(consumer.tp_size)
-    return 1
-
-
-def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int) -> tuple[Regroup, ...]:
-    """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9)."""
+def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int,
+              pages: Callable[[int], list[Page]] | None = None) -> tuple[Regroup, ...]:
+    """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9), in the
+    regions of each group's ``pages`` (default: every page of the group's layers) holding several heads."""
     out = []
     for group, L in zip(consumer.groups, kernel_ids):
-        heads = _heads(consumer, group.index)
-        if group.is_ssm or group.is_mla or not L.size or bsr == 1 or heads == 1:
+        if group.is_ssm or not L.size or bsr == 1:
             continue
-        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
-        for part in sorted({r.part for r in regions}):
-            rs = tuple(r.index for r in regions if r.part == part)
-            block_len = consumer.regions[rs[0]].block_len
-            out.append(Regroup(rs, L.copy(), bsr, heads, consumer.block_size,
-                               block_len // (heads * consumer.block_size)))
+        where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
+        kinds: dict[tuple[str, int, int], list[int]] = {}
+        for p in where:
+            region = consumer.regions[p.region]
+            if p.heads > 1 and p.region not in kinds.get((region.part, p.heads, p.length), []):
+                kinds.setdefault((region.part, p.heads, p.length), []).append(p.region)
+        for (_, heads, length), rs in sorted(kinds.items()):
+            out.append(Regroup(tuple(rs), L.copy(), bsr, heads, consumer.block_size,
+                               length // (heads * consumer.block_size)))
     return tuple(out)
 
 
 def _zero_rows(consumer: RankGeometry, kernel_ids: list[np.ndarray], units: int,
-               spans: list[tuple[int, int, int]]) -> np.ndarray:
-    """Zero every byte of the consumer's attention blocks outside the units the transfer covered."""
+               spans: list[tuple[int, int, int]], pages: Callable[[int], list[Page]] | None = None) -> np.ndarray:
+    """Zero every byte of the consumer's attention blocks outside the units the transfer covered, in the
+    pages of each group (``pages``; default: every page of the group's layers)."""
     rows = [np.zeros((0, 3), dtype=np.int64)]
     for group, L, (cpos, _, n) in zip(consumer.groups, kernel_ids, spans):
         if group.is_ssm or not L.size:
             continue
-        regions = [r for r in consumer.regions if r.member_of(group.index) is not None]
-        rows.append(consumer_zero_rows(regions, L, units, cpos, n, consumer.block_size, _heads(consumer, group.index)))
+        where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
+        rows.append(consumer_zero_rows(where, L, units, cpos, n, consumer.block_size))
     return np.concatenate(rows)
 
 
@@ -462,6 +675,8 @@ def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: B
     dl = as_group_ids(consumer_ids, kinds, "consumer_ids")
     pl = as_group_ids(producer_ids, kinds, "producer_ids")
     check_distinct(dl, "consumer_ids")
+    if consumer.dcp_size > 1 or producer.dcp_size > 1:
+        return (), _dcp_zero_rows(consumer, producer, dl, pl, num_tokens, prefill_tokens, prefix_caching)
     dk = logical_to_kernel(dl, consumer.ppl, kinds)
     pk = logical_to_kernel(pl, producer.ppl, kinds)
     if producer.block_size % consumer.block_size:

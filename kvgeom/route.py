@@ -23,7 +23,7 @@ from .geometry import RankGeometry
 from .spec import MambaSpec, Shard
 from .tp import compute_tp_mapping
 
-__all__ = ["Slice", "Route", "route"]
+__all__ = ["Slice", "Route", "route", "dcp_pages_differ"]
 
 Slice = tuple[int, int, int]  # (local offset, remote offset, length) within a (sub-)block or state page
 
@@ -76,27 +76,50 @@ def _ssm_slices(spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int,
     return out
 
 
+def dcp_pages_differ(a: RankGeometry, b: RankGeometry, mode: str = "pull") -> bool:
+    """Decode context parallelism where a rank's tokens come from (pull with pages of different sizes) or go to
+    (push) any rank of the other side, not only those vLLM's closed form names: kvgeom pairs such a rank with
+    every rank of the other side, and the units pick what each pair exchanges."""
+    return (a.dcp_size > 1 or b.dcp_size > 1) and (a.logical_block_size != b.logical_block_size or mode == "push")
+
+
 def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str, local_rows: int,
-          remote_row_lens: tuple[int, ...]) -> Route:
+          remote_row_lens: tuple[int, ...], local_lens: tuple[int, ...] | None = None,
+          local_is_mla: tuple[bool, ...] | None = None) -> Route:
     """The route between ``local`` and remote rank ``remote_rank`` (``remote``: any rank of that engine).
     ``local_rows``: rows per local kernel block (the block-size ratio, times the tokens per remote block
-    when pages are cut per token); ``remote_row_lens``: the remote rows' lengths as planned."""
+    when pages are cut per token); ``remote_row_lens``: the remote rows' lengths as planned, one per
+    stream; ``local_lens`` / ``local_is_mla``: the local streams' page lengths and kinds (default: one
+    stream per local region, :mod:`kvgeom.streams`)."""
     pull = mode == "pull"
     c_geom, p_geom = (local, remote) if pull else (remote, local)
     c_rank = local.tp_rank if pull else remote_rank
     p_rank = remote_rank if pull else local.tp_rank
     c_tp, p_tp = c_geom.tp_size, p_geom.tp_size
     kinds = local.group_is_ssm
-    cmap = compute_tp_mapping(c_rank, c_tp, p_tp, local.num_kv_heads, local.is_mla, kinds, c_geom.dcp_size,
-                              p_geom.dcp_size)
-    groups = tuple(p_rank in srcs for srcs in cmap.source_ranks_per_group)
-    attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
     spec = local.model.attention_spec
+    draft = spec.num_kv_heads if local.is_mla and spec is not None else None  # head-sharded layers next to MLA
+    cmap = compute_tp_mapping(c_rank, c_tp, p_tp, local.num_kv_heads, local.is_mla, kinds, c_geom.dcp_size,
+                              p_geom.dcp_size, head_sharded_kv_heads=draft)
+    spread = dcp_pages_differ(c_geom, p_geom, mode)  # any producer rank may hold a token of the consumer's
+    groups = tuple((spread and not ssm) or p_rank in srcs for srcs, ssm in zip(cmap.source_ranks_per_group, kinds))
+    attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
     fa = []
-    for r, (region, rlen) in enumerate(zip(local.regions, remote_row_lens)):
-        llen = region.block_len // local_rows  # sub-blocks (or token rows) of a local kernel block
+    lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)
+    mla = local_is_mla if local_is_mla is not None else local.region_is_mla
+    for r, (length, is_mla, rlen) in enumerate(zip(lens, mla, remote_row_lens)):
+        llen = length // local_rows  # sub-blocks (or token rows) of a local kernel block
         c_len, p_len = (llen, rlen) if pull else (rlen, llen)
-        whole = region.is_mla or spec is None or p_rank not in attn_src or (
+        if is_mla and draft is not None and p_rank in attn_src and len(attn_src) > 1:
+            # the draft's sources all hold identical copies of the latent: a chunk from each
+            n, j = len(attn_src), attn_src.index(p_rank)
+            if c_len % n or c_len != p_len:
+                raise UnsupportedError(f"regions[{r}].block_len", f"a {c_len}-byte replicated page cannot be gathered "
+                                       f"from {n} sources in equal chunks", local=llen, remote=rlen)
+            ch = c_len // n
+            fa.append((j * ch, j * ch, ch))
+            continue
+        whole = is_mla or spec is None or p_rank not in attn_src or (
             spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
         if whole:  # the row as it is: a replicated latent, or the same heads on both sides
             if c_len != p_len and p_rank in attn_src and spec is not None:

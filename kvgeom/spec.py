@@ -341,6 +341,11 @@ class ModelSpec:
         return cls(name, tuple(layers))
 
     @property
+    def num_hidden_layers(self) -> int:
+        """Decoder layers of the model (the highest cache-holding index + 1): what pipeline stages split."""
+        return max(layer.index for layer in self.layers) + 1
+
+    @property
     def kinds(self) -> set[LayerKind]:
         return {layer.kind for layer in self.layers}
 

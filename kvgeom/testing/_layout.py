@@ -17,6 +17,8 @@ Layout facts (kernel block ``kb``, ``ppl = block_size // kb``):
   ``[H, kb, head_size * e]`` (or token-major) each; local head ``j`` is global head
   ``first_unit(rank, tp) + j``;
 * MLA page ``[kb, latent * e]``;
+* a packed row (block-outermost layout) holds each member layer's page at its ``Region.slot`` offset
+  inside the kernel block; a pipeline stage's rank holds (and is checked on) its stage's layers only;
 * an SSM state sits in its slot ``s`` at byte ``s * page`` (``page = block_stride * ppl``): the conv
   pieces in order (DS: channel-major, ``conv_kernel - 1`` rows per channel; SD: row-major over all
   channels), then the temporal state at ``conv_bytes``.
@@ -58,7 +60,7 @@ class RankImage:
     @classmethod
     def empty(cls, geom: RankGeometry) -> RankImage:
         sizes = [r.nbytes for r in geom.regions]
-        return cls(geom.tp_rank, [np.full(n, -1, dtype=np.int64) for n in sizes],
+        return cls(geom.global_rank, [np.full(n, -1, dtype=np.int64) for n in sizes],
                    [np.zeros(n, dtype=np.int8) for n in sizes])
 
     def put(self, region: int, offsets: np.ndarray, tags: np.ndarray, role: np.ndarray | int) -> None:
@@ -93,6 +95,7 @@ def rank_image(geom: RankGeometry, space: CoordSpace, ids: Sequence[Sequence[int
         for block in gids:
             for region in geom.regions:
                 img.claim(region.index, block * ppl * region.block_stride, ppl * region.block_stride)
+
     for group, gids in zip(geom.groups, ids, strict=True):
         blocks = np.asarray(gids, dtype=np.int64)
         for layer in group.layers:
@@ -117,10 +120,11 @@ def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLAS
     kblock = blocks[pos // bs] * ppl + (pos % bs) // kb
     n = pos % kb
     role = np.where(tokens < num_tokens, NEEDED, OPTIONAL)[:, None]
-    block_start = kblock * region.block_stride
+    offset, page = region.slot(layer)  # a packed row holds each layer's page at its own offset
+    block_start = kblock * region.block_stride + offset
     if isinstance(spec, MLASpec):
         width = spec.latent_size * dtype_size(spec.dtype)
-        _check_fits(region, kb * width)
+        _check_fits(region, kb * width, page)
         b = np.arange(width)
         img.put(region.index, (block_start + n * width)[:, None] + b[None, :],
                 space.tag(layer, "latent", tokens[:, None], b[None, :]), role)
@@ -132,7 +136,7 @@ def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLAS
     c = sum(size for _, _, size in pieces)  # bytes per token-head in this region
     heads = spec.heads.units_per_rank(geom.tp_size)
     first_head = spec.heads.first_unit(geom.tp_rank, geom.tp_size)
-    _check_fits(region, heads * kb * c)
+    _check_fits(region, heads * kb * c, page)
     for j in range(heads):
         if eng.kv_layout is KVLayout.HEAD_MAJOR:
             within = j * kb * c + n * c
@@ -144,10 +148,10 @@ def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLAS
                     space.tag(layer, "kv", tokens[:, None], first_head + j, kv, b[None, :]), role)
 
 
-def _check_fits(region: Region, content: int) -> None:
-    if content > region.block_len:
+def _check_fits(region: Region, content: int, page: int) -> None:
+    if content > page:
         raise LayoutError(f"region {region.index} ({region.name}): {content} content bytes per kernel block "
-                          f"exceed block_len {region.block_len}")
+                          f"exceed the page of {page} bytes")
 
 
 def _place_state(img: RankImage, geom: RankGeometry, spec: MambaSpec, layer: str, region: Region, slot: int,

@@ -95,5 +95,6 @@ def _geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
 
 
 def engine_geometries(model: ModelSpec, engine: EngineConfig) -> list[RankGeometry]:
-    """Every rank of the engine ``engine`` (its ``tp_rank`` is ignored)."""
-    return [_geometry(model, engine.with_rank(r)) for r in range(engine.tp_size)]
+    """Every rank of the engine ``engine`` (its ``tp_rank`` and ``pp_rank`` are ignored), stage by stage:
+    rank ``pp_rank * tp_size + tp_rank`` at that index."""
+    return [_geometry(model, engine.with_rank(r, s)) for s in range(engine.pp_size) for r in range(engine.tp_size)]

@@ -70,8 +70,9 @@ class Oracle:
         self.model, self.request = model, request
         self.p, self.d = list(p_geoms), list(d_geoms)
         for side, geoms in (("P", self.p), ("D", self.d)):
-            if [g.tp_rank for g in geoms] != list(range(len(geoms))):
-                raise RequestError(f"{side} geometries must be ranks 0..{len(geoms) - 1} in order")
+            if [g.global_rank for g in geoms] != list(range(len(geoms))):
+                raise RequestError(f"{side} geometries must be ranks 0..{len(geoms) - 1} in order (every TP rank "
+                                   "of every pipeline stage)")
         n, computed = request.num_tokens, request.p_tokens
         pb, db = self.p[0].scheduler_block, self.d[0].scheduler_block  # tokens per list entry (x DCP pages)
         check_side("p_ids", request.p_ids, self.p[0], math.ceil(computed / pb))
@@ -106,7 +107,7 @@ class Oracle:
         for block in own:
             for region in geom.regions:
                 span = geom.ppl * region.block_stride
-                self.dst[geom.tp_rank][region.index][block * span:(block + 1) * span] = ZERO
+                self.dst[geom.global_rank][region.index][block * span:(block + 1) * span] = ZERO
 
     @classmethod
     def for_engines(cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig,
@@ -225,7 +226,7 @@ class Oracle:
         both kept, so that an unequal pair is reported (I2), not raised; ids outside their descriptor table
         are reported (I6) and left out."""
         plan, pairing, label = rank_plan.plan, rank_plan.pairing, self._label(rank_plan)
-        me = pairing.local.tp_rank
+        me = pairing.local.global_rank
         out = [np.zeros((0, 8), dtype=np.int64)]
         for k, t in enumerate(plan.transfers):
             tables = (pairing.local_table(t.local_table).rows, pairing.remote_table(t.remote_rank).rows)
@@ -245,7 +246,8 @@ class Oracle:
                 ok &= ~bad
             local, remote = tables[0][ids[0][ok]], tables[1][ids[1][ok]]
             src, dst = (remote, local) if plan.mode == "pull" else (local, remote)
-            src_rank, dst_rank = (t.remote_rank, me) if plan.mode == "pull" else (me, t.remote_rank)
+            peer = pairing.remotes[t.remote_rank].global_rank
+            src_rank, dst_rank = (peer, me) if plan.mode == "pull" else (me, peer)
             m = np.empty((src.shape[0], 8), dtype=np.int64)
             m[:, 0], m[:, 1], m[:, 2] = src_rank, src[:, 0], src[:, 1]
             m[:, 3], m[:, 4], m[:, 5] = dst_rank, dst[:, 0], dst[:, 1]
@@ -302,16 +304,20 @@ def _told(request: Request, tell_num_tokens: bool, tell_prefill_tokens: bool | N
 def _plans(mode: str, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
            compat: str, prefix_caching: bool | None, tell_num_tokens: bool,
            tell_prefill_tokens: bool | None = None) -> list[RankPlan]:
-    """Every local rank (D in pull, P in push) paired with the other engine's ranks, and its plan."""
+    """Every local rank (D in pull, P in push) paired with each pipeline stage of the other engine (one
+    pairing per stage), and its plan."""
     p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
     local, remote = (d_geoms, p_geoms) if mode == "pull" else (p_geoms, d_geoms)
+    remote_tp = (p_engine if mode == "pull" else d_engine).tp_size
+    stages = [remote[s:s + remote_tp] for s in range(0, len(remote), remote_tp)]
     local_ids, remote_ids = (request.d_ids, request.p_ids) if mode == "pull" else (request.p_ids, request.d_ids)
     n, computed = _told(request, tell_num_tokens, tell_prefill_tokens)
     out = []
     for geom in local:
-        pairing = Pairing.create(geom, remote, mode, compat, _prefix_caching(request, prefix_caching))
-        plan = plan_request(pairing, local_ids, remote_ids, num_tokens=n, prefill_tokens=computed)
-        out.append(RankPlan(geom.tp_rank, pairing, plan))
+        for stage in stages:
+            pairing = Pairing.create(geom, stage, mode, compat, _prefix_caching(request, prefix_caching))
+            plan = plan_request(pairing, local_ids, remote_ids, num_tokens=n, prefill_tokens=computed)
+            out.append(RankPlan(geom.global_rank, pairing, plan))
     return out
 
 
@@ -349,7 +355,7 @@ def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, 
         caching = plans[0].pairing.prefix_caching
         for d in oracle.d:
             regroups, zero = receive_step(d, oracle.p[0], request.d_ids, request.p_ids, n, caching, computed)
-            oracle.receive(d.tp_rank, regroups, zero, f"push receive step of D rank {d.tp_rank}")
+            oracle.receive(d.global_rank, regroups, zero, f"push receive step of D rank {d.global_rank}")
     return oracle.report()
 
 

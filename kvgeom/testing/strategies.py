@@ -10,8 +10,9 @@ choices are ``sampled_from`` lists in order of simplicity and small integers are
   layouts); a hybrid's block size comes from :func:`~kvgeom.geometry.align_hybrid_block_size`, so the
   attention page holds the SSM state (TP-dependent, as in vLLM);
 * :func:`pd_pairs` -- a :class:`PDPair` (model, P engine, D engine, mode, compat) that
-  :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank (MLA pulls sometimes with decode
-  context parallelism on either side);
+  :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank (MLA models, with or without SSM
+  layers, sometimes with decode context parallelism on either side; models without SSM state sometimes in pipeline stages; pure MLA
+  models sometimes with packed block-outermost rows);
 * :func:`requests` -- a :class:`~kvgeom.testing.oracle.Request` for a pair: token count, sparse and
   shuffled block ids, prefix hits on D;
 * :func:`cases` -- a :class:`Case` (pair + request); ``case.run()`` returns the oracle's report.
@@ -29,7 +30,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import assume
 from hypothesis import strategies as st
@@ -97,9 +98,13 @@ def _windowed(spec: AttentionSpec | MLASpec, window: int) -> AttentionSpec | MLA
 @st.composite
 def model_specs(draw: st.DrawFn, families: tuple[str, ...] | None = None) -> ModelSpec:
     """Small models of one family: ``dense`` (attention, maybe with sliding-window layers), ``mla``,
-    ``attn+ssm``, ``mla+ssm`` or ``ssm`` (restrict with ``families``)."""
-    family = draw(st.sampled_from(families or ("dense", "mla", "attn+ssm", "mla+ssm", "ssm")))
+    ``attn+ssm``, ``mla+ssm``, ``ssm`` or ``mla+draft`` (MLA layers, then the head-sharded attention layers of
+    a GQA draft) (restrict with ``families``)."""
+    family = draw(st.sampled_from(families or ("dense", "mla", "attn+ssm", "mla+ssm", "ssm", "mla+draft")))
     layers: list[LayerSpec] = []
+    if family == "mla+draft":
+        target = [draw(mla_specs())] * draw(st.integers(1, 2))
+        return ModelSpec.from_layers(family, target + [draw(attention_specs())] * draw(st.integers(1, 2)))
     if family != "ssm":
         base: AttentionSpec | MLASpec = draw(attention_specs() if family in ("dense", "attn+ssm") else mla_specs())
         n = draw(st.integers(1, 3))
@@ -148,9 +153,10 @@ def _block_size(draw: st.DrawFn, model: ModelSpec, tp: int) -> int:
 
 
 def _engine(model: ModelSpec, tp: int, block: int, kernel: int, num_blocks: int, layout: KVLayout,
-            kv_split: bool, conv: ConvLayout, dcp: int = 1) -> EngineConfig:
+            kv_split: bool, conv: ConvLayout, dcp: int = 1, pp: int = 1, packed: bool = False) -> EngineConfig:
     return EngineConfig(tp_size=tp, block_size=block, num_blocks=num_blocks, kernel_block_size=kernel,
-                        kv_layout=layout, kv_split=kv_split, conv_layout=conv, dcp_size=dcp)
+                        kv_layout=layout, kv_split=kv_split, conv_layout=conv, dcp_size=dcp, pp_size=pp,
+                        packed_rows=packed)
 
 
 def _group_count(model: ModelSpec) -> int:
@@ -198,16 +204,21 @@ class PDPair:
                    tell_num_tokens=tell_num_tokens)
 
     def check(self) -> None:
-        """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair."""
+        """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair (with
+        any pipeline stage of the other engine)."""
         p_geoms = engine_geometries(self.model, self.p_engine)
         d_geoms = engine_geometries(self.model, self.d_engine)
         local, remote = (d_geoms, p_geoms) if self.mode == "pull" else (p_geoms, d_geoms)
+        tp = remote[0].tp_size
         for g in local:
-            Pairing.create(g, remote, self.mode, self.compat, self.prefix_caching)
+            for s in range(0, len(remote), tp):
+                Pairing.create(g, remote[s:s + tp], self.mode, self.compat, self.prefix_caching)
 
     def __str__(self) -> str:
         def eng(e: EngineConfig) -> str:
-            return (f"TP{e.tp_size}{f' DCP{e.dcp_size}' if e.dcp_size > 1 else ''} block {e.block_size}/kernel "
+            return (f"TP{e.tp_size}{f' DCP{e.dcp_size}' if e.dcp_size > 1 else ''}"
+                    f"{f' PP{e.pp_size}' if e.pp_size > 1 else ''}{' packed' if e.packed_rows else ''} "
+                    f"block {e.block_size}/kernel "
                     f"{e.kernel} x{e.num_blocks}"
                     f"{' ' + e.kv_layout.value if e.kv_layout is not KVLayout.HEAD_MAJOR else ''}"
                     f"{' kv_split' if e.kv_split else ''}{' SD' if e.conv_layout is ConvLayout.SD else ''}")
@@ -218,13 +229,15 @@ class PDPair:
 
 @st.composite
 def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
-             models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False) -> PDPair:
+             models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False,
+             pipeline: bool = True) -> PDPair:
     """A P/D pair kvgeom accepts. Choices are steered towards pairs kvgeom can plan (the local kernel
     block, D's in pull and P's in push, a multiple of the remote one; head-major layouts when TP splits
     heads in vllm mode; DS conv layouts across TP sizes; no prefix caching for Mamba hybrids whose kernel blocks per
     logical block differ); a pair kvgeom still refuses is rejected (``assume``). ``equal_blocks``: P and
     D use the same logical block size (for a hybrid, a common multiple of both aligned sizes); kernel
-    blocks may still differ."""
+    blocks may still differ. ``pipeline=False``: no engine in pipeline stages (for a connector that runs one
+    stage per engine)."""
     model = draw(models if models is not None else model_specs())
     mode = mode or draw(st.sampled_from(MODES))
     compat = compat or draw(st.sampled_from(COMPATS))
@@ -250,15 +263,34 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
     groups = _group_count(model)
     p_nb, d_nb = (draw(st.integers(groups + 1, 3 * groups + 6)) for _ in range(2))
     p_dcp = d_dcp = 1
-    if mode == "pull" and model.is_mla and not model.has_ssm and draw(st.integers(0, 2)) == 0:
-        # decode context parallelism: pages of a request sharded over the ranks (equal page geometry)
+    mla_only = all(isinstance(la.spec, MLASpec) for la in model.layers if not la.kind.is_ssm)
+    if model.is_mla and mla_only and draw(st.integers(0, 2)) == 0:
+        # decode context parallelism: pages of a request sharded over the ranks (a hybrid: equal DCP sizes)
         p_dcp, d_dcp = draw(st.sampled_from((p_tp, 1))), draw(st.sampled_from((d_tp, 1)))
-        if p_dcp % d_dcp and d_dcp % p_dcp:
+        if (p_dcp % d_dcp and d_dcp % p_dcp) or (model.has_ssm and p_dcp != d_dcp):
             p_dcp = d_dcp = 1
-        elif p_dcp > 1 or d_dcp > 1:
-            d_block, d_kernel = p_block, p_kernel
-    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv, p_dcp)
-    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv, d_dcp)
+        elif (p_dcp > 1 or d_dcp > 1) and draw(st.booleans()):
+            d_block, d_kernel = p_block, p_kernel  # equal page geometry (what vLLM pairs right most often)
+    p_pp = d_pp = 1
+    stages = min(3, model.num_hidden_layers)
+    if pipeline and not model.has_ssm and stages > 1 and p_dcp == d_dcp == 1 and draw(st.integers(0, 3)) == 0:
+        # pipeline stages: vLLM runs them on the side that moves bytes (P in push, D in pull); kvgeom on either
+        local_pp = draw(st.integers(2, stages))
+        remote_pp = draw(st.sampled_from((1, 1, 2))) if compat == "kvgeom" else 1
+        p_pp, d_pp = (remote_pp, local_pp) if mode == "pull" else (local_pp, remote_pp)
+    p_packed = d_packed = False
+    if model.is_mla and not model.has_ssm and all(isinstance(la.spec, MLASpec) for la in model.layers) \
+            and not kv_split and draw(st.integers(0, 2)) == 0:  # block-outermost rows, mostly on both sides
+        p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
+    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv, p_dcp, p_pp, p_packed)
+    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv, d_dcp, d_pp, d_packed)
+    if mode == "pull" and _group_count(model) == 1 and not model.has_ssm and len(model.layers) > 1 \
+            and p_dcp == d_dcp == 1 and p_pp == d_pp == 1 and not (p_packed or d_packed) \
+            and draw(st.integers(0, 4)) == 0:
+        # D keeps some layers in a group of their own (a HiSparse decoder): regions paired region by region
+        names = [la.name for la in model.layers]
+        own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
+        d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=p.kernel * d.ppl)
     prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
     pair = PDPair(model, p, d, mode, compat, prefix_caching)
     try:
@@ -278,7 +310,7 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     p_geom = engine_geometries(pair.model, pair.p_engine)[0]
     d_geom = engine_geometries(pair.model, pair.d_engine)[0]
     ssm = [g.is_ssm for g in p_geom.groups]
-    n_attn, n_ssm = ssm.count(False), ssm.count(True)
+    n_attn, n_ssm = max(ssm.count(False), len(d_geom.groups) - ssm.count(True)), ssm.count(True)
     pb, db = p_geom.scheduler_block, d_geom.scheduler_block  # tokens per list entry (DCP: a page per rank)
     if n_attn:
         most = min((p_geom.logical_num_blocks - n_ssm) // n_attn * pb, (d_geom.logical_num_blocks - n_ssm) // n_attn * db)
@@ -294,7 +326,7 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     for geom, count in ((p_geom, math.ceil(computed / pb)), (d_geom, d_blocks - hit)):
         pool = draw(st.permutations(range(geom.logical_num_blocks)))
         ids, used = [], 0
-        for is_ssm in ssm:
+        for is_ssm in geom.group_is_ssm:
             n = 1 if is_ssm else count
             ids.append(tuple(pool[used:used + n]))
             used += n
@@ -321,7 +353,8 @@ class Case:
 
 @st.composite
 def cases(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
-          models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False) -> Case:
+          models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False,
+          pipeline: bool = True) -> Case:
     """A :class:`Case`: a pair from :func:`pd_pairs` (same arguments) and a request from :func:`requests`."""
-    pair = draw(pd_pairs(mode, compat, models, equal_blocks))
+    pair = draw(pd_pairs(mode, compat, models, equal_blocks, pipeline))
     return Case(pair, draw(requests(pair)))

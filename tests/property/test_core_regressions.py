@@ -80,6 +80,13 @@ CASES = {
                                      Request(1, [[0]], [[0]]), "pull", OK, None),
     "R1 pure Mamba P TP1 -> D TP2": (MAMBA1, _engine(1, 1, blocks=2), _engine(2, 1, blocks=2),
                                      Request(1, [[0]], [[0]]), "pull", OK, None),
+    # R2: vllm mode's DCP pairing check compared id pairs of lists of unequal length (2 local kernel pages,
+    # 4 remote) with numpy broadcasting: a raw ValueError instead of a plan or a typed refusal.
+    "R2 DCP pairs of unequal length (pull)": (
+        ModelSpec.from_layers("mla+ssm", [MLASpec(4, "float16"), MambaSpec.mamba1(2, 1, 2, "float16")]),
+        EngineConfig(tp_size=2, block_size=4, kernel_block_size=1, num_blocks=3, dcp_size=2),
+        EngineConfig(tp_size=2, block_size=2, kernel_block_size=2, num_blocks=3, dcp_size=2),
+        Request(1, [[0], [1]], [[0], [1]]), "pull", OK, None),
 }
 
 

@@ -43,18 +43,27 @@ def test_token_major_layouts_across_tp_sizes(p_tp: int, d_tp: int, vllm_refuses:
     assert run(DENSE2, p, d, request, "pull", "kvgeom").ok
 
 
-def test_dcp_outside_what_kvgeom_plans_is_refused_in_both_modes() -> None:
-    """Decode context parallelism is planned for pure-MLA pulls with equal page geometry."""
+def test_dcp_with_pages_of_other_sizes_or_in_push_pairs_by_token() -> None:
+    """Decode context parallelism with pages of other sizes on the two sides: vLLM pairs pages by index, which
+    then hold other tokens (P's page 1 holds tokens 4-7 on rank 1, D's page 1 tokens 8-15): vllm mode refuses,
+    kvgeom mode pairs every unit by its global token. In push vLLM pairs by counts, right only when both sides
+    shard alike."""
     p = EngineConfig(tp_size=2, block_size=4, num_blocks=4, dcp_size=2)
     d = EngineConfig(tp_size=1, block_size=8, kernel_block_size=4, num_blocks=4)
-    for compat in ("kvgeom", "vllm"):
-        with pytest.raises(UnsupportedError) as info:
-            run(MLA, p, d, Request.simple(MLA, p, d, 9), "pull", compat)
-        assert info.value.field == "block_size"
-        with pytest.raises(UnsupportedError) as info:
-            run(MLA, p, EngineConfig(tp_size=1, block_size=4, num_blocks=8), Request(9, [[1, 2]], [[1, 2, 3]]),
-                "push", compat)
-        assert info.value.field == "dcp_size"
+    request = Request.simple(MLA, p, d, 9)
+    with pytest.raises(UnsupportedError) as info:
+        run(MLA, p, d, request, "pull", "vllm")
+    assert info.value.field == "block_ids[0]"
+    report = run(MLA, p, d, request, "pull", "kvgeom")
+    assert report.ok and report.bytes_moved == 2 * 3 * 4 * 8 * 2  # 2 layers x 3 four-token units of fp16 latents
+    alike = EngineConfig(tp_size=2, block_size=4, num_blocks=8, dcp_size=2)
+    for compat in ("vllm", "kvgeom"):
+        assert run(MLA, p, alike, Request.simple(MLA, p, alike, 9), "push", compat).ok
+    replicated = EngineConfig(tp_size=4, block_size=4, num_blocks=8, dcp_size=4)
+    request = Request.simple(MLA, EngineConfig(tp_size=1, block_size=4, num_blocks=8), replicated, 9)
+    with pytest.raises(UnsupportedError):
+        run(MLA, EngineConfig(tp_size=1, block_size=4, num_blocks=8), replicated, request, "push", "vllm")
+    assert run(MLA, EngineConfig(tp_size=1, block_size=4, num_blocks=8), replicated, request, "push", "kvgeom").ok
 
 
 ONE_GROUP = ModelSpec.from_layers("mamba2-1g", [AttentionSpec(2, 2, "float16"),

@@ -473,7 +473,7 @@ def test_layer_routing_and_packed_rows(case: tuple, data: st.DataObject) -> None
 def test_the_example_budget_is_at_least_5000() -> None:
     from test_e2e_differential import E2E_EXAMPLES
 
-    assert sum(EXAMPLES.values()) + 2 * E2E_EXAMPLES >= 5000
+    assert sum(EXAMPLES.values()) + 4 * E2E_EXAMPLES >= 5000  # four e2e tests: pull and push, two modes
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

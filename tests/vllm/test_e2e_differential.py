@@ -1,8 +1,9 @@
 """Whole requests: kvgeom's plans against what vLLM 0.33.0's own pull path moves, byte by byte.
 
 Pairs and requests come from :mod:`kvgeom.testing.strategies` (every model family, TP 1-8 on each side,
-kernel and logical block sizes that differ, prefix hits, the N-1 flow); each D rank's pull runs through
-vLLM's real connector code (:mod:`_e2e`) and kvgeom plans the same request. In ``compat="vllm"`` mode
+kernel and logical block sizes that differ, prefix hits, the N-1 flow, DCP, pipeline stages, packed rows);
+each D rank's pull, or each P rank's push, runs through vLLM's real connector code (:mod:`_e2e`) and
+kvgeom plans the same request. In ``compat="vllm"`` mode
 kvgeom must post exactly vLLM's descriptor pairs and leave exactly vLLM's bytes after the receive step,
 or refuse, and then the byte oracle must find vLLM's result wrong (or vLLM must refuse too). In
 ``compat="kvgeom"`` mode every request vLLM moves correctly must be planned, and every kvgeom plan must
@@ -18,37 +19,61 @@ from hypothesis import event, given, settings
 
 from kvgeom.engine import ConvLayout
 from kvgeom.errors import KvgeomError
-from kvgeom.testing import Oracle, engine_geometries
+from kvgeom.plan import receive_step
+from kvgeom.testing import ZERO, Oracle, engine_geometries
 from kvgeom.testing import strategies as kst
-from kvgeom.testing.oracle import pull_plans
+from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
 
 E2E_EXAMPLES = 600
-"""Examples per mode (two modes)."""
+"""Examples per test (four tests: pull and push, each mode)."""
 
 
 def _vllm(case: kst.Case) -> tuple[Oracle | None, list[np.ndarray], BaseException | None]:
-    """vLLM's pull of ``case`` on every D rank: the oracle after its moves and receive steps, the moves
-    per rank, or the exception it refused with."""
+    """vLLM's transfer of ``case`` on every local rank (D in pull, P in push): the oracle after its moves and
+    (pull) receive steps, the moves per rank, or the exception it refused with. vLLM's D never zeroes in
+    push; every D rank then zeroes the bytes no write reached (:func:`_receive`), so what is judged is vLLM's
+    moves."""
     pair, request = case.pair, case.request
     p_geoms, d_geoms = engine_geometries(pair.model, pair.p_engine), engine_geometries(pair.model, pair.d_engine)
     oracle = Oracle(pair.model, p_geoms, d_geoms, request)
     moves = []
-    for geom in d_geoms:
+    pull = pair.mode == "pull"
+    for geom in d_geoms if pull else p_geoms:
         try:
-            pulled = E.pull(geom, p_geoms, [list(x) for x in request.d_ids], [list(x) for x in request.p_ids],
-                            request.prefix_blocks, request.p_tokens, pair.prefix_caching)
+            if pull:
+                pulled = E.pull(geom, p_geoms, [list(x) for x in request.d_ids], [list(x) for x in request.p_ids],
+                                request.prefix_blocks, request.p_tokens, pair.prefix_caching)
+            else:
+                pushed = E.push(geom, d_geoms, [list(x) for x in request.p_ids], [list(x) for x in request.d_ids],
+                                pair.prefix_caching)
         except E.HARNESS_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - vLLM's refusals: asserts, ValueError, RuntimeError, ...
             return None, moves, exc
-        moves.append(pulled.moves)
-        oracle.execute(pulled.moves, f"vLLM pull of D rank {geom.tp_rank}")
-        E.apply_post(oracle, geom.tp_rank, pulled.post)
+        moves.append(pulled.moves if pull else pushed)
+        oracle.execute(moves[-1], f"vLLM {pair.mode} of rank {geom.global_rank}")
+        if pull:
+            E.apply_post(oracle, geom.global_rank, pulled.post)
+    if not pull:
+        _receive(oracle, case)
     return oracle, moves, None
 
 
-def _cases():  # noqa: ANN202 - a hypothesis strategy
-    return kst.cases(mode="pull", compat="kvgeom").filter(
+def _receive(oracle: Oracle, case: kst.Case) -> None:
+    """After a push, every D rank zeroes the bytes of its blocks that no write reached (kvgeom's
+    :func:`~kvgeom.plan.receive_step` ranges, applied to unwritten bytes only, so that a wrong write stays
+    visible to the oracle)."""
+    r = case.request
+    for d in oracle.d:
+        _, zero = receive_step(d, oracle.p[0], r.d_ids, r.p_ids, r.num_tokens, case.pair.prefix_caching, r.p_tokens)
+        rank = d.global_rank
+        for region, offset, length in zero.tolist():
+            unwritten = oracle.writer[rank][region][offset:offset + length] == np.iinfo(np.int64).min
+            oracle.dst[rank][region][offset:offset + length][unwritten] = ZERO
+
+
+def _cases(mode: str):  # noqa: ANN202 - a hypothesis strategy
+    return kst.cases(mode=mode, compat="kvgeom").filter(
         lambda c: not c.pair.p_engine.kv_split and c.pair.p_engine.conv_layout is ConvLayout.DS)
 
 
@@ -57,22 +82,23 @@ def _shape(case: kst.Case) -> None:
     p, d, r = case.pair.p_engine, case.pair.d_engine, case.request
     for name, on in (("DCP", p.dcp_size > 1 or d.dcp_size > 1), ("N-1 flow", r.p_tokens < r.num_tokens),
                      ("prefix hit", r.prefix_blocks > 0), ("TP differs", p.tp_size != d.tp_size),
-                     ("kernel blocks differ", p.kernel != d.kernel), ("SSM", case.pair.model.has_ssm)):
+                     ("kernel blocks differ", p.kernel != d.kernel), ("SSM", case.pair.model.has_ssm),
+                     ("pipeline stages", p.pp_size > 1 or d.pp_size > 1),
+                     ("packed rows", p.packed_rows or d.packed_rows)):
         if on:
             event(f"shape: {name}")
 
 
 def _plan(case: kst.Case, compat: str) -> tuple[list, KvgeomError | None]:
     pair = case.pair
+    make = pull_plans if pair.mode == "pull" else push_plans
     try:
-        return pull_plans(pair.model, pair.p_engine, pair.d_engine, case.request, compat, pair.prefix_caching), None
+        return make(pair.model, pair.p_engine, pair.d_engine, case.request, compat, pair.prefix_caching), None
     except KvgeomError as exc:
         return [], exc
 
 
-@settings(max_examples=E2E_EXAMPLES)
-@given(_cases())
-def test_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+def _vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
     _shape(case)
     vllm, vllm_moves, vllm_refused = _vllm(case)
     plans, refused = _plan(case, "vllm")
@@ -89,8 +115,11 @@ def test_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
     ours = Oracle(case.pair.model, vllm.p, vllm.d, case.request)
     for rp, theirs in zip(plans, vllm_moves, strict=True):
         mine = ours.moves_of(rp)
-        assert np.array_equal(mine, theirs), f"D rank {rp.rank}: kvgeom's descriptor pairs differ from vLLM's: {case}"
+        assert np.array_equal(mine, theirs), (f"rank {rp.rank}: kvgeom's descriptor pairs differ from vLLM's: "
+                                              f"{case}")
         ours.run_plan(rp)
+    if case.pair.mode == "push":
+        _receive(ours, case)
     for rank, (a, b) in enumerate(zip(ours.dst, vllm.dst)):
         for region, (x, y) in enumerate(zip(a, b)):
             diff = np.flatnonzero(x != y)
@@ -101,9 +130,7 @@ def test_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
     event("equal")
 
 
-@settings(max_examples=E2E_EXAMPLES)
-@given(_cases())
-def test_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+def _kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
     _shape(case)
     vllm, _, vllm_refused = _vllm(case)
     vllm_ok = vllm_refused is None and vllm.report().ok
@@ -112,13 +139,34 @@ def test_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
         assert not vllm_ok, f"kvgeom mode refused ({refused}) a request vLLM moves correctly: {case}"
         event("both refused or vLLM wrong")
         return
-    ours = Oracle(case.pair.model, engine_geometries(case.pair.model, case.pair.p_engine),
-                  engine_geometries(case.pair.model, case.pair.d_engine), case.request)
-    for rp in plans:
-        ours.run_plan(rp)
-    report = ours.report()
+    pair = case.pair
+    report = run_plans(pair.model, pair.p_engine, pair.d_engine, case.request, plans)
     assert report.ok, f"{case}\n{report}"
     event("vLLM correct, kvgeom correct" if vllm_ok else "vLLM refused or wrong, kvgeom correct")
+
+
+@settings(max_examples=E2E_EXAMPLES)
+@given(_cases("pull"))
+def test_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=E2E_EXAMPLES)
+@given(_cases("pull"))
+def test_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
+@settings(max_examples=E2E_EXAMPLES)
+@given(_cases("push"))
+def test_vllm_mode_posts_vllms_writes(case: kst.Case) -> None:
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=E2E_EXAMPLES)
+@given(_cases("push"))
+def test_kvgeom_mode_plans_what_vllm_writes_right(case: kst.Case) -> None:
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

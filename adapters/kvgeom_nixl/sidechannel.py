@@ -73,35 +73,29 @@ MAX_NAME = 256
 
 
 # ----------------------------------------------------------------------------------------- encoding
-def _to_jsonable(obj: Any) -> Any:
+def _default(obj: Any) -> Any:
+    """What ``json.dumps`` cannot write itself: ``bytes`` as ``{"$b64": ...}``, other mappings as objects,
+    numpy values as lists or numbers (without importing numpy here)."""
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return {_B64: base64.b64encode(bytes(obj)).decode("ascii")}
     if isinstance(obj, Mapping):
-        out = {}
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise TypeError(f"payload keys must be str, got {k!r}")
-            out[k] = _to_jsonable(v)
-        return out
-    if isinstance(obj, (list, tuple)):
-        return [_to_jsonable(v) for v in obj]
-    if type(obj).__module__ == "numpy":  # numpy scalars and arrays, without importing numpy here
-        return _to_jsonable(obj.tolist())
-    return obj
+        return dict(obj)
+    if type(obj).__module__ == "numpy":
+        return obj.tolist()
+    raise TypeError(f"cannot encode a {type(obj).__name__} in a side-channel message")
 
 
-def _from_jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _B64 in obj and isinstance(obj[_B64], str):
-            return base64.b64decode(obj[_B64].encode("ascii"), validate=True)
-        return {k: _from_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_from_jsonable(v) for v in obj]
+def _b64_hook(obj: dict[str, Any]) -> Any:
+    """``json.loads``' object hook: ``{"$b64": "..."}`` back to ``bytes`` (``ValueError`` if malformed)."""
+    if len(obj) == 1 and _B64 in obj and isinstance(obj[_B64], str):
+        return base64.b64decode(obj[_B64].encode("ascii"), validate=True)
     return obj
 
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(_to_jsonable(obj), separators=(",", ":"), allow_nan=False, sort_keys=True).encode("utf-8")
+    """Canonical JSON (sorted keys, no spaces, no NaN): what tags and seals are computed over. The walk is
+    json's own (C) encoder; only bytes, mappings and numpy values reach :func:`_default`."""
+    return json.dumps(obj, default=_default, separators=(",", ":"), allow_nan=False, sort_keys=True).encode("utf-8")
 
 
 def encode(message: Mapping[str, Any], auth: Auth | None = None, bind: bytes = b"req",
@@ -121,19 +115,14 @@ def _frame(body: bytes, auth: Auth | None, bind: bytes, max_bytes: int) -> bytes
 def decode(body: bytes) -> dict[str, Any]:
     """Inverse of :func:`encode` for the JSON body (without length prefix and tag)."""
     try:
-        obj = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ProtocolError(f"invalid JSON message: {e}", stage="sidechannel") from None
+        obj = json.loads(body.decode("utf-8"), object_hook=_b64_hook)
+    except (UnicodeDecodeError, ValueError) as e:  # binascii.Error (base64) is a ValueError too
+        raise ProtocolError(f"invalid JSON message or base64 field: {e}", stage="sidechannel") from None
     except RecursionError:
         raise ProtocolError("JSON message nested too deeply", stage="sidechannel") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"message is a {type(obj).__name__}, expected an object", stage="sidechannel")
-    try:
-        return _from_jsonable(obj)
-    except ValueError as e:
-        raise ProtocolError(f"invalid base64 field: {e}", stage="sidechannel") from None
-    except RecursionError:
-        raise ProtocolError("JSON message nested too deeply", stage="sidechannel") from None
+    return obj
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:

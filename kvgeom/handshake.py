@@ -199,6 +199,8 @@ def _check_draft(local: RankGeometry, remote: RankGeometry, mode: str, compat: C
                                "remote TP (push: equal TP); kvgeom mode plans it", local=local.tp_size,
                                remote=remote.tp_size)
     spec = local.model.attention_spec
+    if spec is None:  # no head-sharded layer, so no draft to check
+        return
     if spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size) and (
             local.engine.kv_layout.value != "head_major" or remote.engine.kv_layout != local.engine.kv_layout):
         raise _err("kv_layout", "vLLM 0.33.0 slices a draft's heads only on the same head-major layout on both "

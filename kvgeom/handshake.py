@@ -1,6 +1,6 @@
 """Handshake validation: can this local rank exchange a request's bytes with that remote engine?
 
-:func:`check_pair` applies vLLM's handshake rules (primer B.3.2, B.6.8) plus the checks kvgeom adds
+:func:`check_pair` applies vLLM's handshake rules (docs/vllm-behaviour.md B.3.2, B.6.8) plus the checks kvgeom adds
 where vLLM would silently corrupt (replicated Mamba2 B/C, SD conv layouts across TP sizes). Every
 refusal is an :class:`~kvgeom.errors.IncompatiblePairError` (or ``UnsupportedError`` for cases kvgeom
 refuses on purpose) naming the field and both sides' values, and both sides reach the same verdict

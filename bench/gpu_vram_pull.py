@@ -20,7 +20,7 @@ Exit status: 0 all checks passed; 1 a check failed; 2 it cannot run here (no CUD
 nixl missing) -- a GPU check that did not run is never reported as passed.
 
 On the lent GPU machine (one H200, Python 3.12, torch with CUDA 13 preinstalled; nothing can be
-downloaded there, and ``../shared`` does not travel: this script needs only the repo):
+downloaded there; only the repository travels, and this script needs nothing else):
 
 * nixl is not installed there: carry its wheels. Here, once, in the repo root (~56 MiB, it fits
   the 64 MiB that travels; ``nixl-cu13`` matches a CUDA 13 torch, take ``nixl-cu12`` for CUDA 12)::

@@ -13,6 +13,8 @@ Data flows one way: model spec -> rank geometry -> TP mapping -> plan -> descrip
 [0, 1]
 """
 
+from typing import Any
+
 from .card import CARD_VERSION, GeometryCard, card_of
 from .dlist import Dlist, EngineView
 from .engine import ConvLayout, EngineConfig, KVLayout
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # presets load lazily (they read JSON files)
+def __getattr__(name: str) -> Any:  # presets load lazily (they read JSON files)
     if name == "presets":
         import importlib
 

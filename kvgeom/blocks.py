@@ -1,4 +1,5 @@
-"""Block-id algebra of vLLM's NIXL connector (vLLM-compatible, primer B.1, B.3.5, B.3.6, B.6.1 item 8).
+"""Block-id algebra of vLLM's NIXL connector (vLLM-compatible; docs/vllm-behaviour.md B.1, B.3.5,
+B.3.6, B.6.1 item 8).
 
 Block ids are per KV-cache group: a sequence with one id list (or 1-D int array) per group, in group
 order. Group kinds are passed as ``group_is_ssm`` (True for Mamba/SSM groups). Every function returns

@@ -1,4 +1,5 @@
-"""Mamba conv-state decomposition and hetero-TP conv offsets (vLLM-compatible, primer B.3.10, B.6.1 item 1).
+"""Mamba conv-state decomposition and hetero-TP conv offsets (vLLM-compatible; docs/vllm-behaviour.md
+B.3.10, B.6.1 item 1).
 
 The conv state is in the DS layout ``(conv_dim_local, conv_rows)`` (dim-first), so each sub-projection
 (Mamba1 ``x``; Mamba2 ``x|B|C``; GDN/KDA ``Q|K|V``) is one contiguous byte range of the page.

@@ -1,6 +1,6 @@
 """NIXL descriptor ids of a request's blocks (vLLM-compatible ``_compute_desc_ids``).
 
-Primer B.2.3, B.3.4, B.6.4.
+docs/vllm-behaviour.md B.2.3, B.3.4, B.6.4.
 
 A dlist is region-major, block-minor: the attention (FA) descriptors of every region (or of every
 transfer layer, under layer-name routing) first, then the SSM descriptors (per SSM region, per conv

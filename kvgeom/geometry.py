@@ -394,23 +394,23 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         raise ConfigError("kernel_block_size", f"page {page} B is not divisible into {ppl} kernel blocks",
                           value=engine.kernel, expected=engine.block_size)
     count = max(len(g.layers) for g in groups)
-    regions = []
+    hybrid: list[Region] = []
     for i in range(count):
         members = tuple((g.index, g.layers[i]) for g in groups if i < len(g.layers))
         is_mla = any(groups[gi].is_mla for gi, _ in members)
         part = "state" if all(groups[gi].is_ssm for gi, _ in members) else "kv"
-        regions.append(Region(i, members[0][1], page // ppl, page // ppl, nb_kernel, is_mla, members, part))
+        hybrid.append(Region(i, members[0][1], page // ppl, page // ppl, nb_kernel, is_mla, members, part))
     if engine.packed_rows:
-        return RankGeometry(model, engine, groups, _packed(tuple(regions)), page, None)
+        return RankGeometry(model, engine, groups, _packed(tuple(hybrid)), page, None)
     ssm = None
     if ssm_spec is not None:
         offs, pos = [], 0
         for size in ssm_spec.piece_bytes(tp):
             offs.append((pos, size))
             pos += size
-        ssm_regions = tuple(r.index for r in regions if any(groups[g].is_ssm for g, _ in r.members))
+        ssm_regions = tuple(r.index for r in hybrid if any(groups[g].is_ssm for g, _ in r.members))
         ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), ssm_regions)
-    return RankGeometry(model, engine, groups, tuple(regions), page, ssm)
+    return RankGeometry(model, engine, groups, tuple(hybrid), page, ssm)
 
 
 def _packed(regions: tuple[Region, ...]) -> tuple[Region, ...]:
@@ -448,7 +448,7 @@ def _uniform_regions(groups: tuple[Group, ...], engine: EngineConfig, nb_kernel:
     split), each viewed by its layer's group."""
     specs = {la.name: la.spec for la in model.layers}
     group_of = {name: g for g in groups for name in g.layers}
-    regions = []
+    regions: list[Region] = []
     for name in (la.name for la in model.layers if la.name in group_of):
         spec, group = specs[name], group_of[name]
         for part, length in _parts(spec, engine):

@@ -1,6 +1,6 @@
 """Handshake validation: can this local rank exchange a request's bytes with that remote engine?
 
-:func:`check_pair` applies vLLM's handshake rules (primer B.3.2, B.6.8) plus the checks kvgeom adds
+:func:`check_pair` applies vLLM's handshake rules (docs/vllm-behaviour.md B.3.2, B.6.8) plus the checks kvgeom adds
 where vLLM would silently corrupt (replicated Mamba2 B/C, SD conv layouts across TP sizes). Every
 refusal is an :class:`~kvgeom.errors.IncompatiblePairError` (or ``UnsupportedError`` for cases kvgeom
 refuses on purpose) naming the field and both sides' values, and both sides reach the same verdict
@@ -199,6 +199,8 @@ def _check_draft(local: RankGeometry, remote: RankGeometry, mode: str, compat: C
                                "remote TP (push: equal TP); kvgeom mode plans it", local=local.tp_size,
                                remote=remote.tp_size)
     spec = local.model.attention_spec
+    if spec is None:  # no head-sharded layer, so no draft to check
+        return
     if spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size) and (
             local.engine.kv_layout.value != "head_major" or remote.engine.kv_layout != local.engine.kv_layout):
         raise _err("kv_layout", "vLLM 0.33.0 slices a draft's heads only on the same head-major layout on both "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .descids import SHARED_GROUP
 from .errors import GroupMismatchError, IncompatiblePairError, UnsupportedError
@@ -63,8 +64,8 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self.bases)
 
-    def _take(self, picks: Sequence[int]) -> dict[str, object]:
-        def pick(values: Sequence | None) -> tuple | None:
+    def _take(self, picks: Sequence[int]) -> dict[str, Any]:
+        def pick(values: Sequence[Any] | None) -> tuple[Any, ...] | None:
             return None if values is None else tuple(values[i] for i in picks)
 
         return dict(bases=pick(self.bases), block_lens=pick(self.block_lens), block_strides=pick(self.block_strides),
@@ -113,7 +114,7 @@ def align_regions_by_layer(remote: RegionTable, layer_names: Sequence[str], laye
     picks = [by_layer[n] for n in layer_names]
     packed_regions = {by_layer[n] for n in remote.packed if n in by_layer}
     fields = remote._take(picks)
-    bases, lens = list(fields["bases"]), list(fields["block_lens"])  # type: ignore[arg-type]
+    bases, lens = list(fields["bases"]), list(fields["block_lens"])
     for k, name in enumerate(layer_names):
         if picks[k] not in packed_regions:
             continue
@@ -132,7 +133,7 @@ def align_regions_by_layer(remote: RegionTable, layer_names: Sequence[str], laye
         lens[k] = page
     fields.update(bases=tuple(bases), block_lens=tuple(lens),
                   names=None if remote.names is None else tuple(layer_names))
-    return RegionTable(**fields, members=tuple((n,) for n in layer_names), packed={})  # type: ignore[arg-type]
+    return RegionTable(**fields, members=tuple((n,) for n in layer_names), packed={})
 
 
 def split_packed_rows(remote: RegionTable, local_region_names: Sequence[str]) -> RegionTable:
@@ -154,16 +155,20 @@ def split_packed_rows(remote: RegionTable, local_region_names: Sequence[str]) ->
     for name in local_region_names:
         if name in remote.packed:
             off, page = remote.packed[name]
-            picks.append(row), offsets.append(off), pages.append(page)
+            picks.append(row)
+            offsets.append(off)
+            pages.append(page)
         elif name in index:
             r = index[name]
-            picks.append(r), offsets.append(0), pages.append(remote.block_lens[r])
+            picks.append(r)
+            offsets.append(0)
+            pages.append(remote.block_lens[r])
         else:
             raise IncompatiblePairError("region_names", f"the remote has no region for layer {name!r}", value=name)
     fields = remote._take(picks)
-    fields.update(bases=tuple(b + o for b, o in zip(fields["bases"], offsets)),  # type: ignore[arg-type]
+    fields.update(bases=tuple(b + o for b, o in zip(fields["bases"], offsets)),
                   block_lens=tuple(pages), names=tuple(local_region_names))
-    return replace(remote, **fields, packed={})  # type: ignore[arg-type]
+    return replace(remote, **fields, packed={})
 
 
 def pp_region_offset(num_regions: int, start_layer: int, end_layer: int) -> int:
@@ -181,4 +186,4 @@ def slice_regions(remote: RegionTable, start: int, count: int) -> RegionTable:
     if start < 0 or start + count > len(remote):
         raise IncompatiblePairError("num_regions", f"regions [{start}, {start + count}) of a peer with {len(remote)}",
                                     local=count, remote=len(remote))
-    return replace(remote, **remote._take(range(start, start + count)))  # type: ignore[arg-type]
+    return replace(remote, **remote._take(range(start, start + count)))

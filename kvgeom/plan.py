@@ -6,8 +6,8 @@ descriptor ids, and the notification; the ranks that only get a notification; ho
 the other side should expect; and what the consumer does after the bytes land (``regroup`` for
 head-major pages received as finer remote blocks, then ``zero`` ranges for bytes nothing wrote).
 
-Block ids are logical and per KV-cache group; the plan follows vLLM 0.33.0's NIXL connector (primer
-B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descriptor ids are vLLM's.
+Block ids are logical and per KV-cache group; the plan follows vLLM 0.33.0's NIXL connector
+(docs/vllm-behaviour.md B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descriptor ids are vLLM's.
 ``RequestPlan.moves`` resolves a plan into byte moves for the oracle and for humans.
 """
 

@@ -121,7 +121,7 @@ def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str
             continue
         whole = is_mla or spec is None or p_rank not in attn_src or (
             spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
-        if whole:  # the row as it is: a replicated latent, or the same heads on both sides
+        if whole or spec is None:  # the row as it is: a replicated latent, or the same heads on both sides
             if c_len != p_len and p_rank in attn_src and spec is not None:
                 raise UnsupportedError(f"regions[{r}].block_len", "rows of different lengths cannot be paired",
                                        local=llen, remote=rlen)

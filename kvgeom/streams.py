@@ -248,9 +248,14 @@ def _kvgeom_streams(local: RankGeometry, remote: RankGeometry) -> tuple[EngineVi
                 continue  # another stage of the peer holds it
             off, length = region.slot(name)
             r, roff, rlen, rstride = theirs[name]
-            lb.append(pseudo(region.index, off)), ll.append(length), ls.append(region.block_stride)
-            lm.append(region.is_mla), groups.append(group_of[name])
-            rb.append(pseudo(r, roff)), rl.append(rlen), rs.append(rstride)
+            lb.append(pseudo(region.index, off))
+            ll.append(length)
+            ls.append(region.block_stride)
+            lm.append(region.is_mla)
+            groups.append(group_of[name])
+            rb.append(pseudo(r, roff))
+            rl.append(rlen)
+            rs.append(rstride)
     t = tuple(groups)
     return (replace(lview, bases=tuple(lb), block_lens=tuple(ll), block_strides=tuple(ls), region_is_mla=tuple(lm),
                     transfer_groups=t, group_ids=t),

@@ -1,4 +1,5 @@
-"""TP mapping of vLLM's NIXL connector: who reads from whom (vLLM-compatible, primer B.1, B.3.1, B.3.7).
+"""TP mapping of vLLM's NIXL connector: who reads from whom (vLLM-compatible; docs/vllm-behaviour.md
+B.1, B.3.1, B.3.7).
 
 All values are seen from the **local** rank (the reader in pull mode). With decode context parallelism
 (MLA only, :mod:`kvgeom.dcp`) the sources of a sharded remote are the ranks whose pages overlap ours.

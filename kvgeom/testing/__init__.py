@@ -1,6 +1,6 @@
 """kvgeom.testing: check any KV/SSM transfer plan byte by byte.
 
-* :mod:`~kvgeom.testing.oracle` -- the byte oracle (primer Part D): :class:`Request`, :func:`run_pull`,
+* :mod:`~kvgeom.testing.oracle` -- the byte oracle (docs/vllm-behaviour.md Part D): :class:`Request`, :func:`run_pull`,
   :func:`run_push`, :func:`check_moves`, :class:`Oracle`, :class:`Report`;
 * :mod:`~kvgeom.testing.nixl_double` -- a recording stand-in for ``nixl_agent`` whose transfers
   resolve into byte moves for the oracle;

@@ -1,6 +1,6 @@
 """Byte tags: one ``int64`` per byte naming what the byte holds.
 
-A tag ``>= 0`` is a **logical coordinate** of the model (engine-independent, primer Part D):
+A tag ``>= 0`` is a **logical coordinate** of the model (engine-independent, docs/vllm-behaviour.md Part D):
 
 * attention / sliding window: ``(layer, token, global KV head, K or V, byte within the head)``;
 * MLA: ``(layer, token, byte within the latent)``;

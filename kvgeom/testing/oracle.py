@@ -1,4 +1,5 @@
-"""The byte oracle (primer Part D): execute a request's transfer on tagged byte arrays and check I1-I6.
+"""The byte oracle (docs/vllm-behaviour.md Part D): execute a request's transfer on tagged byte arrays
+and check I1-I6.
 
 Every byte of every rank's regions carries an ``int64`` *tag* (:mod:`kvgeom.testing._coords`):
 

@@ -1,5 +1,5 @@
 """Every plan kvgeom makes for a pair it accepts passes the byte oracle (I1-I6), in pull and in push, in
-``compat="kvgeom"`` and ``compat="vllm"`` mode; plus worked examples of the cases the primer names.
+``compat="kvgeom"`` and ``compat="vllm"`` mode; plus worked examples of the cases docs/vllm-behaviour.md names.
 
 Cases kvgeom refuses (a :class:`~kvgeom.errors.KvgeomError` at handshake or plan time) are rejected, as
 Profiles: ``conftest.py``.

@@ -1,4 +1,5 @@
-"""Hand-computed examples of the vLLM-compatible functions (primer Part B) and their input validation."""
+"""Hand-computed examples of the vLLM-compatible functions (docs/vllm-behaviour.md Part B) and their
+input validation."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def lists(groups: Any) -> Any:
 # --- block ids ---------------------------------------------------------------------------------------
 
 
-def test_logical_to_kernel_primer_b1_example() -> None:
+def test_logical_to_kernel_b1_example() -> None:
     assert lists(logical_to_kernel([[1], [2, 3]], 2, [False, False])) == [[2, 3], [4, 5, 6, 7]]
 
 
@@ -71,7 +72,7 @@ def test_map_block_ids_notify_only_and_full_prefix_hit() -> None:
     assert local == []
 
 
-def test_prefix_caching_primer_b36_hetero_ppl() -> None:
+def test_prefix_caching_b36_hetero_ppl() -> None:
     # 640 tokens, kernel 64: prefill ppl 10 -> kernel ids 0..9, decode ppl 6 -> 0..11; both trimmed to 10.
     decode, prefill = apply_prefix_caching(
         [list(range(12)), [7]], [list(range(10)), [3]], 6, 10, [False, True]
@@ -111,7 +112,7 @@ def test_prefix_caching_refusals() -> None:
 # --- descriptor ids ----------------------------------------------------------------------------------
 
 
-def test_desc_ids_primer_b34_fast_path() -> None:
+def test_desc_ids_b34_fast_path() -> None:
     out = compute_desc_ids([[1, 2], [5]], 10, 2, None, 1, [False, False])
     assert out.tolist() == [1, 2, 5, 11, 12, 15] and out.dtype == np.int64
 

@@ -22,7 +22,7 @@ from .errors import IncompatiblePairError, UnsupportedError
 from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
 from .route import Route, dcp_pages_differ, route
-from .splits import build_local_splits, expand_strided
+from .splits import build_local_splits
 from .streams import region_mapped, unpseudo
 from .tp import TPMapping, compute_tp_mapping, needs_split_local_handles
 
@@ -273,10 +273,10 @@ class Pairing:
                 whole = self.local_table((bsr, -1))
                 view = self.local_view
                 splits = build_local_splits(
-                    whole.pseudo_addresses(), self.mapping, whole.num_fa, bsr, self.local.group_is_ssm,
+                    whole.runs, self.mapping, whole.num_fa, bsr, self.local.group_is_ssm,
                     view.region_is_mla, [view.num_blocks] * view.num_regions)
                 for src, rows in zip(self.mapping.all_source_ranks, splits):
-                    self._cache[(bsr, src)] = Dlist.from_pseudo(expand_strided(rows), whole.num_fa)
+                    self._cache[(bsr, src)] = Dlist.from_pseudo(rows, whole.num_fa)
         return self._cache[key]
 
     def remote_table(self, rank: int) -> Dlist:

@@ -101,8 +101,8 @@ class RequestPlan:
         out = []
         me = pairing.local.global_rank
         for t in self.transfers:
-            lrows = np.take(pairing.local_table(t.local_table).rows, t.local_ids, axis=0)
-            rrows = np.take(pairing.remote_table(t.remote_rank).rows, t.remote_ids, axis=0)
+            lrows = pairing.local_table(t.local_table).take(t.local_ids)
+            rrows = pairing.remote_table(t.remote_rank).take(t.remote_ids)
             unequal = lrows[:, 2] != rrows[:, 2]
             if unequal.any():
                 i = int(np.flatnonzero(unequal)[0])
@@ -127,7 +127,7 @@ class RequestPlan:
             line = (f"  rank {t.remote_rank}: {len(t)} descs, local table {which} at ratio {t.local_table[0]}, "
                     f"notif {t.notif!r}")
             if pairing is not None:
-                nbytes = int(pairing.local_table(t.local_table).rows[t.local_ids, 2].sum())
+                nbytes = int(pairing.local_table(t.local_table).take(t.local_ids)[:, 2].sum())
                 line += f", {nbytes} B"
             lines.append(line)
         if self.notify_only:

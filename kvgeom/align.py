@@ -146,11 +146,13 @@ def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, fi
     blocks = np.arange(kernel_ids.size)
     whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
     inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
-    rows = []
-    for p in pages:
-        ids = kernel_ids[whole]
-        rows.append(np.stack([np.full(ids.size, p.region), ids * p.stride + p.offset, np.full(ids.size, p.length)],
-                             axis=1))
+    ids = kernel_ids[whole]
+    cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in pages], dtype=np.int64).reshape(-1, 4)
+    full = np.empty((cols.shape[0], ids.size, 3), dtype=np.int64)  # every page of the whole blocks at once
+    full[..., 0] = cols[:, 0, None]
+    full[..., 1] = ids[None, :] * cols[:, 3, None] + cols[:, 1, None]
+    full[..., 2] = cols[:, 2, None]
+    rows = [full.reshape(-1, 3)]
     for k in np.flatnonzero(~whole & ~inside):  # at most the two blocks at the ends of the overlap
         start, end = int(k) * units, (int(k) + 1) * units
         gaps = [(start, max(start, lo)), (min(end, hi), end)]

@@ -22,12 +22,16 @@ import numpy as np
 from .align import Page, consumer_zero_rows, group_pages, list_starts, overlap, page_heads
 from .blocks import (
     BlockIds,
+    _expand,
     apply_prefix_caching,
     as_group_ids,
     check_distinct,
     get_mapped_blocks,
+    kernel_of,
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
+    map_checked,
+    prefix_checked,
 )
 from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
 from .descids import Segments, apply_segments, desc_segments
@@ -180,8 +184,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     _check_ids(lids, local, "local")
     _check_ids(rids, pairing.remotes[pairing.targets[0]], "remote")
     rview = pairing.remote_view(pairing.targets[0])
-    lk = logical_to_kernel(lids, local.ppl, kinds)
-    rk = logical_to_kernel(rids, rview.ppl, kinds)
+    lk = kernel_of(lids, local.ppl, kinds)
+    rk = kernel_of(rids, rview.ppl, kinds)
     tag = remote_request_id if remote_request_id is not None else request_id
     bsr = pairing.bsr
     # pull: P frees after the D ranks reading it have read (D_TP/P_TP, or DCP's count); push: D ends after P_TP
@@ -237,7 +241,7 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
             regroup = _regroups(local, lk, bsr, pairing.zero_pages)
             zero = _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
         else:
-            regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
+            regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat, pages=lambda g: _pages(pairing, g))
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
 
@@ -340,6 +344,14 @@ def _cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: 
         raise PlanError(f"block_ids[{group}]", f"D's {count} blocks are more than num_tokens={num_tokens} need",
                         value=count)
     return cached
+
+
+def _pages(pairing: Pairing, group: int) -> list[Page]:
+    """Every page of the local rank's layers of ``group`` (cached on the pairing: a shape, not a request)."""
+    key = ("group pages", group)
+    if key not in pairing._cache:
+        pairing._cache[key] = group_pages(pairing.local, group)
+    return pairing._cache[key]
 
 
 def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
@@ -546,14 +558,14 @@ def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rvi
     """vLLM's pairing of one source's lists: block-size-ratio map, then prefix trimming (B.3.5, B.3.6)."""
     local, kinds, bsr = pairing.local, pairing.local.group_is_ssm, pairing.bsr
     if bsr > 1:
-        lg, rg = map_block_ids_for_block_size_ratio(lg, rg, bsr, kinds)
+        lg, rg = map_checked(lg, rg, bsr, kinds)
         if not lg or not any(x.size for x in lg):
             return [], []
     if not any(x.size for x in lg):
         return [], []
     if pairing.mode == "pull":
-        return apply_prefix_caching(lg, rg, local.ppl, rview.ppl, kinds)
-    rg, lg = apply_prefix_caching(rg, lg, rview.ppl, local.ppl, kinds)
+        return prefix_checked(lg, rg, local.ppl, rview.ppl, kinds)
+    rg, lg = prefix_checked(rg, lg, rview.ppl, local.ppl, kinds)
     return lg, rg
 
 
@@ -604,7 +616,7 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     local, kinds, bsr, pull = pairing.local, pairing.local.group_is_ssm, pairing.bsr, pairing.mode == "pull"
     remote = pairing.remotes[pairing.targets[0]]
     rview = pairing.remote_view(pairing.targets[0])
-    lfine = [k if ssm else get_mapped_blocks(k, bsr) for k, ssm in zip(lk, kinds)]
+    lfine = [k if ssm else _expand(k, bsr) for k, ssm in zip(lk, kinds)]
     rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
     if pull:
         spans = _align_groups(local, lids, lfine, rblock, rids, rk, rview.block_size, num_tokens,
@@ -615,9 +627,9 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     empty = [x[:0] for x in lk]
     ssm_l, ssm_r = (_select(lk, kinds), _select(rk, kinds))
     if pull:
-        ssm_l, ssm_r = apply_prefix_caching(ssm_l, ssm_r, local.ppl, rview.ppl, kinds)
+        ssm_l, ssm_r = prefix_checked(ssm_l, ssm_r, local.ppl, rview.ppl, kinds)
     else:
-        ssm_r, ssm_l = apply_prefix_caching(ssm_r, ssm_l, rview.ppl, local.ppl, kinds)
+        ssm_r, ssm_l = prefix_checked(ssm_r, ssm_l, rview.ppl, local.ppl, kinds)
     lsel, rsel = list(empty), list(empty)
     for g, (ssm, (cpos, ppos, n)) in enumerate(zip(kinds, spans)):
         if ssm:
@@ -688,20 +700,23 @@ def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: B
 
 
 def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_ids: list[np.ndarray],
-                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom") -> tuple[tuple[Regroup, ...], np.ndarray]:
+                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom",
+                 pages: Callable[[int], list[Page]] | None = None) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The consumer's post-receive step (vLLM B.3.9 / B.6.11): regroup head-major blocks that arrived as
     ``bsr`` finer remote pages, then zero what the transfer did not write.
 
     Per attention group ``g`` with kernel ids ``L`` (consumer) and ``R`` (the producer's full list):
     ``covered = min(|L| * bsr, |R|)`` remote-block units; the tokens past ``covered mod bsr`` units of
     block ``L[covered div bsr]`` and all of ``L[ceil(covered / bsr):]`` are zeroed, in the regions that
-    hold a layer of group ``g``. vLLM only runs this when ``bsr > 1`` or the two ppl differ;
+    hold a layer of group ``g`` (``pages``: the pages of a group, default :func:`~kvgeom.align.group_pages`,
+    which a planner caches). vLLM only runs this when ``bsr > 1`` or the two ppl differ;
     ``compat="kvgeom"`` always runs it (it zeroes nothing when everything was covered).
     """
     if compat == "vllm" and bsr == 1 and consumer.ppl == producer.ppl:
         return (), np.zeros((0, 3), dtype=np.int64)
     spans = [(0, 0, min(L.size * bsr, R.size)) for L, R in zip(consumer_kernel_ids, producer_kernel_ids)]
-    return _regroups(consumer, consumer_kernel_ids, bsr), _zero_rows(consumer, consumer_kernel_ids, bsr, spans)
+    return (_regroups(consumer, consumer_kernel_ids, bsr, pages),
+            _zero_rows(consumer, consumer_kernel_ids, bsr, spans, pages))
 
 
 def contiguous_runs(moves: np.ndarray) -> int:

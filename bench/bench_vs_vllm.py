@@ -35,9 +35,9 @@ for _k, _v in {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS
     os.environ.setdefault(_k, _v)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
+import _e2e  # noqa: E402  (tests/vllm/_e2e.py: the vLLM worker harness of the differential tests)
 import numpy as np  # noqa: E402
 
-import _e2e  # noqa: E402  (tests/vllm/_e2e.py: the vLLM worker harness of the differential tests)
 from kvgeom.plan import plan_request  # noqa: E402
 from kvgeom.scenario import Scenario  # noqa: E402
 from kvgeom.splits import expand_strided  # noqa: E402

@@ -88,6 +88,9 @@ def check_distinct(groups: Sequence[np.ndarray], field: str) -> None:
     if sum(sizes) < 2:
         return
     ids = np.concatenate([np.asarray(g, dtype=np.int64).ravel() for g in groups])
+    s = np.sort(ids)
+    if not (s[1:] == s[:-1]).any():  # the common case: one sort, no repeat
+        return
     owner = np.repeat(np.arange(len(sizes)), sizes)
     order = np.argsort(ids, kind="stable")
     dup = np.flatnonzero(ids[order][1:] == ids[order][:-1])

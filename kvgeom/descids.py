@@ -186,11 +186,13 @@ def segment_ids(segments: Segments, block_ids: BlockIds, group_is_ssm: Sequence[
     return apply_segments(segments, as_group_ids(block_ids, group_is_ssm, "block_ids"))
 
 
-def apply_segments(segments: Segments, groups: Sequence[np.ndarray]) -> np.ndarray:
-    """:func:`segment_ids` on ids that are already one 1-D ``int64`` array per group (a planner's own)."""
+def apply_segments(segments: Segments, groups: Sequence[np.ndarray], checked: bool = False) -> np.ndarray:
+    """:func:`segment_ids` on ids that are already one 1-D ``int64`` array per group (a planner's own).
+    ``checked``: the caller bounds every id by its pool and checks the descriptor ids it gets against its
+    tables, so only groups without segments are refused here."""
     limits = segments.limits
     for g, x in enumerate(groups):  # a loop over groups: the checks, then the broadcast
-        if x.size and (g not in limits or int(x.max()) >= limits[g]):
+        if x.size and (g not in limits or (not checked and int(x.max()) >= limits[g])):
             _refuse(segments, groups)
     if segments.grid is not None:  # region-major: every region carries the same groups, in order
         v = np.concatenate([np.zeros(0, np.int64), *(groups[g] for g in segments.grid)])

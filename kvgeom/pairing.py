@@ -134,12 +134,12 @@ class Pairing:
         """P and D group the same regions differently: block lists pair region by region (:mod:`kvgeom.regionmap`)."""
         return region_mapped(self.local, self.remotes[self.targets[0]], (self.local_view, self.remote_view(self.targets[0])))
 
-    @property
+    @cached_property
     def dcp_active(self) -> bool:
         """Either side shards its pages by decode context parallelism: pages pair by global position."""
         return self.local.dcp_size > 1 or self.remote_dcp > 1
 
-    @property
+    @cached_property
     def remote_dcp(self) -> int:
         return next(iter(self.remotes.values())).dcp_size
 
@@ -159,7 +159,7 @@ class Pairing:
         """Rows per local kernel block in this pairing's local tables."""
         return self.bsr * self.token_rows
 
-    @property
+    @cached_property
     def remote_tp(self) -> int:
         return next(iter(self.remotes.values())).tp_size
 
@@ -204,12 +204,12 @@ class Pairing:
             return False
         return not view.transfer_groups or group in view.transfer_groups or self.local.groups[group].is_ssm
 
-    @property
+    @cached_property
     def needs_split(self) -> bool:
         """Whether each source rank gets its own slice of the local table (P_TP > D_TP, vLLM B.3.3)."""
         return needs_split_local_handles(self.tp_ratio, self.mapping, self.local.is_mla)
 
-    @property
+    @cached_property
     def targets(self) -> tuple[int, ...]:
         return tuple(self.remotes)
 
@@ -231,7 +231,7 @@ class Pairing:
                                      lview.region_is_mla)
         return self._cache[key]
 
-    @property
+    @cached_property
     def transfer_ranks(self) -> tuple[int, ...]:
         """The remote ranks a request's transfers go to (the others are only notified)."""
         if self.compat == "kvgeom":

@@ -151,6 +151,11 @@ def _select(ids: list[np.ndarray], groups: Sequence[bool]) -> list[np.ndarray]:
 
 
 def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    if flat.size:  # the common case in one sort: distinct, and inside the pool
+        s = np.sort(flat)
+        if s[-1] < geom.logical_num_blocks and not (s[1:] == s[:-1]).any():
+            return
     check_distinct(ids, f"{side}_ids")
     for g, x in enumerate(ids):
         if x.size and int(x.max()) >= geom.logical_num_blocks:
@@ -217,8 +222,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
         if rows > 1:  # token-major pages cut per token: every attention unit becomes its token rows
             lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
             rg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(rg, kinds)]
-        r_desc = apply_segments(_segments(pairing, "remote", rank), rg)
-        l_desc = apply_segments(_segments(pairing, "local", rank), lg)
+        r_desc = apply_segments(_segments(pairing, "remote", rank), rg, checked=True)
+        l_desc = apply_segments(_segments(pairing, "local", rank), lg, checked=True)
         if r_desc.size != l_desc.size:
             raise PlanError("descriptor ids", f"{l_desc.size} local ids vs {r_desc.size} remote ids",
                             local=int(l_desc.size), remote=int(r_desc.size))

@@ -324,7 +324,7 @@ class KVRank:
                 link = PeerLink(r, self.host, ports[r], agent, p["generation"], cards[r],
                                 tuple(x[0] for x in p["regions"]), p["device_id"])
                 self._check_registered(link, p["regions"], f"{engine_id} rank {r}")
-                link.prepped = self.ep.prep_remote(agent, pairing.remote_table(r).bind(link.bases, link.device),
+                link.prepped = self.ep.prep_remote(agent, pairing.remote_table(r).bind_strided(link.bases, link.device),
                                                    self.mem_type)
                 links[r] = link
                 self._left(deadline, timeout, "preparing tables", engine_id)
@@ -408,7 +408,7 @@ class KVRank:
         if (engine_id, key) not in self._local:
             rows = self.pairings[engine_id].local_table(key)
             bases = [r.addr for r in self.regions]
-            self._local[(engine_id, key)] = self.ep.prep_local(rows.bind(bases, self.regions[0].device_id),
+            self._local[(engine_id, key)] = self.ep.prep_local(rows.bind_strided(bases, self.regions[0].device_id),
                                                                self.mem_type)
         return self._local[(engine_id, key)]
 

@@ -65,7 +65,7 @@ def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
     """Zero ``(region, offset, length)`` rows; vectorised per (region, length) bucket. Each bucket is cut
     into chunks of ``g`` bytes, the largest size dividing every offset, the length and the region (a whole
     block's rows: one chunk per row), and zeroed as rows of a ``[-1, g]`` view: CPU tensors through numpy's
-    row assignment (memset speed per chunk), device tensors by torch's ``index_fill_``. Never one index
+    row assignment (in 8-byte words where aligned), device tensors by torch's ``index_fill_``. Never one index
     per byte unless the rows share no alignment at all."""
     import torch
 
@@ -85,7 +85,10 @@ def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
             chunks = n // g
             idx = offs // g if chunks == 1 else ((offs // g)[:, None] + np.arange(chunks)[None, :]).ravel()
             if t.device.type == "cpu":
-                t.view(-1, g).numpy()[idx] = 0  # a view: writes land in the tensor
+                rows2d = t.view(-1, g).numpy()  # a view: writes land in the tensor
+                if g % 8 == 0 and rows2d.ctypes.data % 8 == 0 and rows2d.strides[1] == 1:
+                    rows2d = rows2d.view(np.uint64)  # 8-byte words: numpy's row copy runs 8x fewer elements
+                rows2d[idx] = 0
             else:
                 t.view(-1, g).index_fill_(0, torch.from_numpy(idx).to(t.device), 0)
             total += offs.size * n

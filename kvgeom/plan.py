@@ -150,12 +150,23 @@ def _select(ids: list[np.ndarray], groups: Sequence[bool]) -> list[np.ndarray]:
     return [g if keep else g[:0] for g, keep in zip(ids, groups)]
 
 
+def _intake(block_ids: BlockIds, kinds: Sequence[bool], field: str) -> list[np.ndarray]:
+    """The request's ids per group, without copies when they are already 1-D ``int64`` arrays (the planner
+    never writes to them); anything else goes through :func:`~kvgeom.blocks.as_group_ids`. Negative ids are
+    refused by :func:`_check_ids`."""
+    if isinstance(block_ids, (list, tuple)) and len(block_ids) == len(kinds) and all(
+            isinstance(g, np.ndarray) and g.ndim == 1 and g.dtype == np.int64 for g in block_ids):
+        return list(block_ids)
+    return as_group_ids(block_ids, kinds, field)
+
+
 def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
     flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    if flat.size:  # the common case in one sort: distinct, and inside the pool
+    if flat.size:  # the common case in one sort: distinct, inside the pool, not negative
         s = np.sort(flat)
-        if s[-1] < geom.logical_num_blocks and not (s[1:] == s[:-1]).any():
+        if s[0] >= 0 and s[-1] < geom.logical_num_blocks and not (s[1:] == s[:-1]).any():
             return
+        as_group_ids(ids, [False] * len(ids), f"{side}_ids")  # names a negative id
     check_distinct(ids, f"{side}_ids")
     for g, x in enumerate(ids):
         if x.size and int(x.max()) >= geom.logical_num_blocks:
@@ -181,11 +192,11 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     local, mode = pairing.local, pairing.mode
     kinds = local.group_is_ssm
     empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
-    lids = as_group_ids([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
+    lids = _intake([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
     any_local = any(x.size for x in lids)
     if pairing.region_mapped:
         return _plan_by_region(pairing, lids, remote_ids, request_id, remote_request_id, num_tokens, prefill_tokens)
-    rids = as_group_ids(remote_ids, kinds, "remote_ids")
+    rids = _intake(remote_ids, kinds, "remote_ids")
     _check_ids(lids, local, "local")
     _check_ids(rids, pairing.remotes[pairing.targets[0]], "remote")
     rview = pairing.remote_view(pairing.targets[0])

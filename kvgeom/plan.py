@@ -471,6 +471,10 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
     for g, ssm in enumerate(kinds):
         if ssm:
             continue
+        if lg[g].size != rg[g].size:  # vLLM's descriptor-count assert would fail in _read_blocks
+            raise UnsupportedError(f"block_ids[{g}]", f"with decode context parallelism vLLM 0.33.0 would pair "
+                                   f"{lg[g].size} local with {rg[g].size} remote blocks of remote rank {rank} and fail; "
+                                   "kvgeom mode pairs them by token", local=int(lg[g].size), remote=int(rg[g].size))
         got, want = _pairs(lg[g], rg[g]), _pairs(exact_l[g], exact_r[g])
         if not np.isin(got, allowed[g]).all() or not np.isin(want, got).all():
             # other tokens paired, or tokens P computed left unread

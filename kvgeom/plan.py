@@ -14,6 +14,7 @@ B.3.7, B.3.8, B.3.9, B.6.10-B.6.12), so in ``compat="vllm"`` pairings the descri
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from .dlist import EngineView
 from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
+from .recipe import Recipe, trace
 from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
 from .streams import region_group_ids
 from .tp import compute_tp_mapping
@@ -189,16 +191,95 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     overlap, vLLM mode pairs by counts as vLLM does and refuses where that would move the wrong tokens.
     Either count may be omitted where the block counts determine it; otherwise the
     :class:`~kvgeom.errors.PlanError` names the argument to pass."""
-    local, mode = pairing.local, pairing.mode
+    local = pairing.local
     kinds = local.group_is_ssm
     empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
     lids = _intake([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
-    any_local = any(x.size for x in lids)
     if pairing.region_mapped:
         return _plan_by_region(pairing, lids, remote_ids, request_id, remote_request_id, num_tokens, prefill_tokens)
     rids = _intake(remote_ids, kinds, "remote_ids")
     _check_ids(lids, local, "local")
-    _check_ids(rids, pairing.remotes[pairing.targets[0]], "remote")
+    remote = pairing.remotes[pairing.targets[0]]
+    _check_ids(rids, remote, "remote")
+    if pairing.dcp_active:
+        return _plan(pairing, lids, rids, request_id, remote_request_id, num_tokens, prefill_tokens)
+    # a shape seen twice gets a recipe (kvgeom.recipe): later requests of that shape are one gather
+    key = (tuple(x.size for x in lids), tuple(x.size for x in rids), num_tokens, prefill_tokens)
+    shapes = pairing._cache.setdefault("shapes", OrderedDict())
+    entry = shapes.get(key)
+    if isinstance(entry, _Shape):
+        shapes.move_to_end(key)
+        return entry.plan(np.concatenate([*lids, *rids]), request_id, remote_request_id)
+    plan = _plan(pairing, lids, rids, request_id, remote_request_id, num_tokens, prefill_tokens)
+    if entry is None:
+        shapes[key] = 1
+    elif entry == 1:
+        shapes[key] = _Shape.trace(pairing, lids, rids, plan, request_id, remote_request_id, num_tokens,
+                                   prefill_tokens) or 0
+    while len(shapes) > _SHAPES_KEPT:
+        shapes.popitem(last=False)
+    return plan
+
+
+_SHAPES_KEPT = 256  # request shapes remembered per pairing (a recipe holds 3 int64 per plan integer)
+
+
+def _flatten(plan: RequestPlan) -> tuple[np.ndarray, tuple[int, ...]]:
+    """A plan's integers as one vector, and the sizes of its parts (transfer ids, regroup blocks, zero)."""
+    parts = [x for t in plan.transfers for x in (t.local_ids, t.remote_ids)] + [r.blocks for r in plan.regroup]
+    parts.append(plan.zero.reshape(-1))
+    sizes = tuple(int(x.size) for x in parts)
+    return np.concatenate([np.asarray(x, dtype=np.int64) for x in parts]), sizes
+
+
+@dataclass(frozen=True, eq=False)
+class _Shape:
+    """The plan of every request of one shape: a recipe for its integers and the plan's other fields."""
+
+    recipe: Recipe
+    sizes: tuple[int, ...]
+    template: RequestPlan
+    suffix: str
+
+    @classmethod
+    def trace(cls, pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], plan: RequestPlan,
+              request_id: str, remote_request_id: str | None, num_tokens: int | None,
+              prefill_tokens: int | None) -> _Shape | None:
+        vector, sizes = _flatten(plan)
+
+        def run(lg: list[np.ndarray], rg: list[np.ndarray]) -> np.ndarray:
+            out, got = _flatten(_plan(pairing, lg, rg, request_id, remote_request_id, num_tokens, prefill_tokens))
+            if got != sizes:
+                raise ValueError("another plan layout")
+            return out
+
+        recipe = trace(run, [x.size for x in lids], [x.size for x in rids], pairing.local.logical_num_blocks,
+                       pairing.remotes[pairing.targets[0]].logical_num_blocks)
+        if recipe is None or not np.array_equal(recipe.apply(np.concatenate([*lids, *rids])), vector):
+            return None
+        tag = remote_request_id if remote_request_id is not None else request_id
+        suffix = plan.transfers[0].notif[len(tag):] if plan.transfers else ""
+        return cls(recipe, sizes, plan, suffix)
+
+    def plan(self, ids: np.ndarray, request_id: str, remote_request_id: str | None) -> RequestPlan:
+        parts = np.split(self.recipe.apply(ids), np.cumsum(self.sizes)[:-1])
+        tag = remote_request_id if remote_request_id is not None else request_id
+        t = self.template
+        transfers = tuple(Transfer(x.remote_rank, x.local_table, parts[2 * i], parts[2 * i + 1], tag + self.suffix)
+                          for i, x in enumerate(t.transfers))
+        k = 2 * len(transfers)
+        regroup = tuple(Regroup(r.regions, parts[k + i], r.bsr, r.heads, r.tokens, r.head_bytes)
+                        for i, r in enumerate(t.regroup))
+        return RequestPlan(request_id, t.mode, transfers, t.notify_only, t.expected_notifications, t.consumer_rank,
+                           regroup, parts[-1].reshape(-1, 3))
+
+
+def _plan(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], request_id: str,
+          remote_request_id: str | None, num_tokens: int | None, prefill_tokens: int | None) -> RequestPlan:
+    """The general planner, on checked ids."""
+    local, mode = pairing.local, pairing.mode
+    kinds = local.group_is_ssm
+    any_local = any(x.size for x in lids)
     rview = pairing.remote_view(pairing.targets[0])
     lk = kernel_of(lids, local.ppl, kinds)
     rk = kernel_of(rids, rview.ppl, kinds)

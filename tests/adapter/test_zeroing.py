@@ -46,3 +46,19 @@ def test_zero_rows_write_through_a_strided_tensor() -> None:
     want[21:24] = 0
     assert np.array_equal(t.numpy(), want)
     assert (base[:, 1] == 7).all()
+
+
+def test_bench_zero_smoke() -> None:
+    # bench/bench_zero.py at a tiny size: its byte-by-byte check passes and it reports both cases
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "bench" / "bench_zero.py"), "--tokens", "16", "--reps", "1",
+                          "--json"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    cases = json.loads(out.stdout.strip().splitlines()[-1])["cases"]
+    assert [c["case"] for c in cases] == ["failure (invalidate)", "post-receive"]
+    assert all(c["bytes"] > 0 and c["kvgeom_s"] > 0 for c in cases)

@@ -160,10 +160,10 @@ def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, fi
             if a < b <= n:
                 gaps.append((int(kernel_ids[k]), (a - start) * tokens // units, (b - start) * tokens // units))
     if gaps:  # one run per (gap, page, head), all at once
-        heads = np.asarray([p.heads for p in pages], dtype=np.int64)
-        page = np.repeat(np.arange(len(pages)), heads)
-        head = np.arange(page.size) - np.repeat(np.cumsum(heads) - heads, heads)
-        per_head = cols[page, 2] // heads[page]
+        nheads = np.asarray([p.heads for p in pages], dtype=np.int64)
+        page = np.repeat(np.arange(len(pages)), nheads)
+        head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
+        per_head = cols[page, 2] // nheads[page]
         tok = per_head // tokens
         g = np.asarray(gaps, dtype=np.int64)
         out = np.empty((len(gaps), page.size, 3), dtype=np.int64)

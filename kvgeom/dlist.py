@@ -87,7 +87,7 @@ class Dlist:
         """``(region, offset, length)`` of descriptors ``ids`` without expanding the table."""
         ids = np.asarray(ids, dtype=np.int64)
         if "rows" in self.__dict__:
-            return self.rows[ids]
+            return np.asarray(self.rows[ids], dtype=np.int64)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self)):
             raise PlanError("descriptor ids", f"id outside the {len(self)}-row table", value=int(ids.max()),
                             expected=len(self))

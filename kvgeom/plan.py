@@ -448,7 +448,8 @@ def _pages(pairing: Pairing, group: int) -> list[Page]:
     key = ("group pages", group)
     if key not in pairing._cache:
         pairing._cache[key] = group_pages(pairing.local, group)
-    return pairing._cache[key]
+    pages: list[Page] = pairing._cache[key]
+    return pages
 
 
 def _segments(pairing: Pairing, side: str, rank: int) -> Segments:

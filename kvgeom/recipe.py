@@ -35,8 +35,8 @@ class Recipe:
 
     def apply(self, ids: np.ndarray) -> np.ndarray:
         if not ids.size:
-            return self.const.copy()
-        return self.const + self.factor * ids[self.position]
+            return np.array(self.const, copy=True)
+        return np.asarray(self.const + self.factor * ids[self.position], dtype=np.int64)
 
 
 def _split(flat: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:

@@ -90,7 +90,7 @@ def region_group_ids(geom: RankGeometry) -> tuple[int, ...]:
 
 def registration(geom: RankGeometry, mode: str) -> Registration:
     """:func:`_registration`, kept on the geometry value (it depends on nothing else)."""
-    cache = geom.__dict__.setdefault("_registrations", {})
+    cache: dict[str, Registration] = geom.__dict__.setdefault("_registrations", {})
     if mode not in cache:
         cache[mode] = _registration(geom, mode)
     return cache[mode]

@@ -70,7 +70,7 @@ def case(name: str, tensors: list[torch.Tensor], rows: np.ndarray, reps: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=131072)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     need = -(-args.tokens // 1920) + 4

@@ -303,12 +303,12 @@ Profiled with pyinstrument and cProfile (the numbers below are from the Kimi-Lin
 * **Repeated shapes.** Everything the planner computes outside DCP and region-mapped pairs depends on
   the request's shape only, up to one gather of its ids (`kvgeom.recipe`): the second time a shape is
   seen it is traced on probe ids, checked against the general planner, and later requests of that shape
-  cost one gather (~30 µs at small sizes, 0.12-0.28x vLLM at every size). A workload whose request
+  cost one gather (~30 µs at small sizes, about 0.15-0.3x vLLM at every size). A workload whose request
   shapes never repeat gains nothing from it: closing the gap there needs the general planner itself
   written as per-segment gathers (fewer numpy calls per group), which is the next step.
 * **Zeroing.** Failure zeroing built one int64 index per byte (two orders of magnitude slower than a
   memset). Rows are now zeroed as rows of a `[-1, g]` view (`g` the rows' common alignment, 8-byte
-  words): about 10x faster (0.88 s -> ~0.08 s for 827 MiB of whole blocks). It stays at ~0.3-0.4x of a memset of the same number of *contiguous* bytes:
+  words): about 10x faster (0.88 s -> ~0.08 s for 827 MiB of whole blocks). It stays at ~0.2-0.45x of a memset of the same number of *contiguous* bytes (the memset's own speed varies 35-80 GB/s between runs on this shared machine, more for small sizes that stay in cache):
   the rows are 36 KiB pieces scattered over GiBs of cache, and even one memset per row (a Python loop
   of `fill(0)`) reaches only 13 GB/s against the contiguous memset's ~49 GB/s on this machine
   (measured with the same rows), below the vectorised path's ~18-22 GB/s. The gap is the access pattern,

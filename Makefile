@@ -51,9 +51,10 @@ test-vllm:
 plan: $(STAMP)
 	$(PY) -m kvgeom plan nemotron-h-8b_p2_d1_pull --tokens 3000
 
+## Every benchmark (kvgeom against vLLM in .venv-vllm when `make test-vllm` has built it), then
+## docs/performance.md with tables and plots; under 10 minutes on 2 cores.
 bench: $(STAMP)
-	$(PY) bench/bench_plan.py
-	$(PY) bench/bench_pull.py
+	$(PY) bench/run_all.py
 
 ## Style and types: ruff's lint rules and formatting, and mypy --strict on the core.
 lint: $(STAMP)

@@ -132,7 +132,7 @@ class LocalTables:
     def __getitem__(self, key: tuple[int, int]) -> Any:
         if key not in self._prepped:
             kv = self.kv
-            rows = kv.pairings[self.engine_id].local_table(key).bind([r.addr for r in kv.regions],
+            rows = kv.pairings[self.engine_id].local_table(key).bind_strided([r.addr for r in kv.regions],
                                                                      kv.regions[0].device_id)
             self._prepped[key] = kv.ep.prep_local(rows, kv.mem_type)
         return self._prepped[key]

@@ -146,22 +146,29 @@ def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, fi
     blocks = np.arange(kernel_ids.size)
     whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
     inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
-    rows = []
-    for p in pages:
-        ids = kernel_ids[whole]
-        rows.append(np.stack([np.full(ids.size, p.region), ids * p.stride + p.offset, np.full(ids.size, p.length)],
-                             axis=1))
-    for k in np.flatnonzero(~whole & ~inside):  # at most the two blocks at the ends of the overlap
-        start, end = int(k) * units, (int(k) + 1) * units
-        gaps = [(start, max(start, lo)), (min(end, hi), end)]
-        for a, b in gaps:
-            if b <= a or b > n:
-                continue
-            t0, t1 = (a - start) * tokens // units, (b - start) * tokens // units
-            for p in pages:
-                per_head = p.length // p.heads
-                tok = per_head // tokens
-                base = int(kernel_ids[k]) * p.stride + p.offset + t0 * tok
-                rows.append(np.stack([np.full(p.heads, p.region), base + np.arange(p.heads) * per_head,
-                                      np.full(p.heads, (t1 - t0) * tok)], axis=1))
+    ids = kernel_ids[whole]
+    cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in pages], dtype=np.int64).reshape(-1, 4)
+    full = np.empty((cols.shape[0], ids.size, 3), dtype=np.int64)  # every page of the whole blocks at once
+    full[..., 0] = cols[:, 0, None]
+    full[..., 1] = ids[None, :] * cols[:, 3, None] + cols[:, 1, None]
+    full[..., 2] = cols[:, 2, None]
+    rows = [full.reshape(-1, 3)]
+    gaps = []  # (kernel block, first token, end token) of the partly covered blocks: at most two
+    for k in np.flatnonzero(~whole & ~inside).tolist():
+        start, end = k * units, (k + 1) * units
+        for a, b in ((start, max(start, lo)), (min(end, hi), end)):
+            if a < b <= n:
+                gaps.append((int(kernel_ids[k]), (a - start) * tokens // units, (b - start) * tokens // units))
+    if gaps:  # one run per (gap, page, head), all at once
+        nheads = np.asarray([p.heads for p in pages], dtype=np.int64)
+        page = np.repeat(np.arange(len(pages)), nheads)
+        head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
+        per_head = cols[page, 2] // nheads[page]
+        tok = per_head // tokens
+        g = np.asarray(gaps, dtype=np.int64)
+        out = np.empty((len(gaps), page.size, 3), dtype=np.int64)
+        out[..., 0] = cols[page, 0]
+        out[..., 1] = (g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + head * per_head)
+        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
+        rows.append(out.reshape(-1, 3))
     return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), dtype=np.int64)

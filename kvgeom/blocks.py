@@ -53,9 +53,8 @@ def as_ids(ids: IdsLike, field: str) -> np.ndarray:
             field, f"must be a flat list of integer block ids, got {arr.dtype} of shape {arr.shape}"
         )
     arr = arr.astype(np.int64, copy=True)
-    neg = np.flatnonzero(arr < 0)
-    if neg.size:
-        i = int(neg[0])
+    if arr.min() < 0:
+        i = int(np.flatnonzero(arr < 0)[0])
         raise BlockIdError(
             field, f"block ids must be >= 0, got {int(arr[i])} at position {i}", value=int(arr[i])
         )
@@ -90,6 +89,9 @@ def check_distinct(groups: Sequence[np.ndarray], field: str) -> None:
     if sum(sizes) < 2:
         return
     ids = np.concatenate([np.asarray(g, dtype=np.int64).ravel() for g in groups])
+    s = np.sort(ids)
+    if not (s[1:] == s[:-1]).any():  # the common case: one sort, no repeat
+        return
     owner = np.repeat(np.arange(len(sizes)), sizes)
     order = np.argsort(ids, kind="stable")
     dup = np.flatnonzero(ids[order][1:] == ids[order][:-1])
@@ -115,7 +117,11 @@ def logical_to_kernel(block_ids: BlockIds, ppl: int, group_is_ssm: Sequence[bool
     Example: ``[[1], [2, 3]]``, ppl 2 -> ``[[2, 3], [4, 5, 6, 7]]``.
     """
     ppl = check_positive_int(ppl, "ppl")
-    groups = as_group_ids(block_ids, group_is_ssm, "block_ids")
+    return kernel_of(as_group_ids(block_ids, group_is_ssm, "block_ids"), ppl, group_is_ssm)
+
+
+def kernel_of(groups: list[np.ndarray], ppl: int, group_is_ssm: Sequence[bool]) -> list[np.ndarray]:
+    """:func:`logical_to_kernel` on ids a planner has already checked (one ``int64`` array per group)."""
     return [g if (ssm or ppl == 1) else _expand(g, ppl) for g, ssm in zip(groups, group_is_ssm, strict=True)]
 
 
@@ -143,7 +149,12 @@ def map_block_ids_for_block_size_ratio(
     remote = as_group_ids(remote_ids, group_is_ssm, "remote_ids")
     if len(local_ids) == 0:
         return [], remote
-    local = as_group_ids(local_ids, group_is_ssm, "local_ids")
+    return map_checked(as_group_ids(local_ids, group_is_ssm, "local_ids"), remote, ratio, group_is_ssm)
+
+
+def map_checked(local: list[np.ndarray], remote: list[np.ndarray], ratio: int, group_is_ssm: Sequence[bool]
+                ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """:func:`map_block_ids_for_block_size_ratio` on checked ids (one ``int64`` array per group)."""
     mapped = [
         loc if ssm else _expand(loc, ratio)[: len(rem)]
         for loc, rem, ssm in zip(local, remote, group_is_ssm, strict=True)
@@ -184,6 +195,13 @@ def apply_prefix_caching(
     prefill_ppl = check_positive_int(prefill_ppl, "prefill_ppl")
     dec = as_group_ids(decode_ids, group_is_ssm, "decode_ids")
     pre = as_group_ids(prefill_ids, group_is_ssm, "prefill_ids")
+    return prefix_checked(dec, pre, decode_ppl, prefill_ppl, group_is_ssm, has_mamba)
+
+
+def prefix_checked(dec: list[np.ndarray], pre: list[np.ndarray], decode_ppl: int, prefill_ppl: int,
+                   group_is_ssm: Sequence[bool], has_mamba: bool | None = None
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """:func:`apply_prefix_caching` on checked ids (one ``int64`` array per group, ppl values >= 1)."""
     mamba = any(group_is_ssm) if has_mamba is None else bool(has_mamba)
     out_d: list[np.ndarray] = []
     out_p: list[np.ndarray] = []

@@ -45,6 +45,14 @@ class Segments:
         return int(self.offset.size)
 
     @cached_property
+    def limits(self) -> dict[int, int]:
+        """Per group its segments carry, the smallest capacity among them (every id must lie below it)."""
+        out: dict[int, int] = {}
+        for g, cap in zip(self.group.tolist(), self.capacity.tolist()):
+            out[g] = min(out.get(g, cap), cap)
+        return out
+
+    @cached_property
     def runs(self) -> tuple[tuple[int, int, int], ...]:
         """``(group, first, end)`` of each run of consecutive segments of one group."""
         if not self.group.size:
@@ -178,8 +186,26 @@ def segment_ids(segments: Segments, block_ids: BlockIds, group_is_ssm: Sequence[
     return apply_segments(segments, as_group_ids(block_ids, group_is_ssm, "block_ids"))
 
 
-def apply_segments(segments: Segments, groups: Sequence[np.ndarray]) -> np.ndarray:
-    """:func:`segment_ids` on ids that are already one 1-D ``int64`` array per group (a planner's own)."""
+def apply_segments(segments: Segments, groups: Sequence[np.ndarray], checked: bool = False) -> np.ndarray:
+    """:func:`segment_ids` on ids that are already one 1-D ``int64`` array per group (a planner's own).
+    ``checked``: the caller bounds every id by its pool and checks the descriptor ids it gets against its
+    tables, so only groups without segments are refused here."""
+    limits = segments.limits
+    for g, x in enumerate(groups):  # a loop over groups: the checks, then the broadcast
+        if x.size and (g not in limits or (not checked and int(x.max()) >= limits[g])):
+            _refuse(segments, groups)
+    if segments.grid is not None:  # region-major: every region carries the same groups, in order
+        v = np.concatenate([np.zeros(0, np.int64), *(groups[g] for g in segments.grid)])
+        regions = segments.offset[::max(len(segments.grid), 1)]
+        return (regions[:, None] + v[None, :]).reshape(-1)
+    # one broadcast per run of a group's segments (a loop over groups, never over blocks)
+    parts = [(segments.offset[a:b, None] + groups[g][None, :]).reshape(-1) for g, a, b in segments.runs
+             if groups[g].size]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _refuse(segments: Segments, groups: Sequence[np.ndarray]) -> None:
+    """The error for ids of a group no segment carries, or past a segment's capacity (first in segment order)."""
     sizes = np.asarray([g.size for g in groups], dtype=np.int64)
     used = np.zeros(len(groups), dtype=bool)
     used[segments.group] = True
@@ -195,14 +221,6 @@ def apply_segments(segments: Segments, groups: Sequence[np.ndarray]) -> np.ndarr
         g = int(segments.group[k])
         raise BlockIdError(f"block_ids[{g}]", f"block id {int(gmax[g])} out of range [0, {int(segments.capacity[k])})",
                            value=int(gmax[g]), expected=int(segments.capacity[k]))
-    if segments.grid is not None:  # region-major: every region carries the same groups, in order
-        v = np.concatenate([np.zeros(0, np.int64), *(groups[g] for g in segments.grid)])
-        regions = segments.offset[::max(len(segments.grid), 1)]
-        return (regions[:, None] + v[None, :]).reshape(-1)
-    # one broadcast per run of a group's segments (a loop over groups, never over blocks)
-    parts = [(segments.offset[a:b, None] + groups[g][None, :]).reshape(-1) for g, a, b in segments.runs
-             if groups[g].size]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def compute_desc_ids(

@@ -17,68 +17,152 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
 from .errors import PlanError
 from .splits import expand_strided
-from .strided import fa_local_rows, fa_remote_rows, mamba_local_rows
+from .strided import block_strided_rows, fa_local_rows, fa_remote_rows, mamba_local_rows
 
 __all__ = ["Dlist", "EngineView", "local_dlist", "remote_dlist", "routed_tables"]
 
 _REGION_SHIFT = 44  # pseudo-address = region << 44 | offset, for address-free reuse of address code
+_OFFSET_MASK = (1 << _REGION_SHIFT) - 1
 
 
-@dataclass(frozen=True, eq=False)
 class Dlist:
-    """``rows`` is an N x 3 int64 array ``(region, offset, length)``; ``num_fa`` rows are attention rows."""
+    """A descriptor table kept as strided runs: ``runs`` is an N x 5 int64 array ``(region << 44 | offset,
+    length, 0, stride, count)``, each run standing for ``count`` descriptors ``stride`` bytes apart
+    (NIXL >= 1.5's compressed form). Descriptor ids index the expansion in run order; ``num_fa`` of them
+    are attention rows.
 
-    rows: np.ndarray
-    num_fa: int
+    ``Dlist(rows, num_fa)`` takes either the runs (N x 5) or expanded ``(region, offset, length)`` rows
+    (N x 3, one descriptor each). The expanded rows (:attr:`rows`) are built only when asked for; the
+    handshake checks, NIXL binding (:meth:`bind_strided`) and per-id lookups (:meth:`take`) work on the
+    runs, so a table's memory and its checks are linear in runs, not in blocks.
+    """
+
+    def __init__(self, rows: np.ndarray, num_fa: int) -> None:
+        arr = np.asarray(rows, dtype=np.int64)
+        if arr.size == 0:
+            arr = arr.reshape(0, arr.shape[1] if arr.ndim == 2 and arr.shape[1] in (3, 5) else 5)
+        if arr.ndim != 2 or arr.shape[1] not in (3, 5):
+            raise PlanError("rows", f"must be an N x 3 (region, offset, length) or N x 5 strided array, got "
+                            f"shape {arr.shape}", value=arr.shape)
+        if arr.shape[1] == 3:
+            runs = np.empty((arr.shape[0], 5), dtype=np.int64)
+            runs[:, 0] = (arr[:, 0] << _REGION_SHIFT) | arr[:, 1]
+            runs[:, 1] = arr[:, 2]
+            runs[:, 2] = 0
+            runs[:, 3] = arr[:, 2]
+            runs[:, 4] = 1
+            self.__dict__["rows"] = arr
+            arr = runs
+        self.runs = arr
+        self.num_fa = int(num_fa)
+
+    @cached_property
+    def _ends(self) -> np.ndarray:
+        return np.cumsum(self.runs[:, 4])
+
+    @cached_property
+    def _len(self) -> int:
+        return int(self._ends[-1]) if self._ends.size else 0
 
     def __len__(self) -> int:
-        return int(self.rows.shape[0])
+        return self._len
+
+    @cached_property
+    def rows(self) -> np.ndarray:
+        """The expanded N x 3 ``(region, offset, length)`` rows, one per descriptor (built on first use)."""
+        pseudo = expand_strided(self.runs)
+        out = np.empty((pseudo.shape[0], 3), dtype=np.int64)
+        out[:, 0] = pseudo[:, 0] >> _REGION_SHIFT
+        out[:, 1] = pseudo[:, 0] & _OFFSET_MASK
+        out[:, 2] = pseudo[:, 1]
+        return out
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        """``(region, offset, length)`` of descriptors ``ids`` without expanding the table."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if "rows" in self.__dict__:
+            return np.asarray(self.rows[ids], dtype=np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self)):
+            raise PlanError("descriptor ids", f"id outside the {len(self)}-row table", value=int(ids.max()),
+                            expected=len(self))
+        run = np.searchsorted(self._ends, ids, side="right")
+        r = self.runs[run]
+        addr = r[:, 0] + (ids - (self._ends[run] - r[:, 4])) * r[:, 3]
+        out = np.empty((ids.size, 3), dtype=np.int64)
+        out[:, 0] = addr >> _REGION_SHIFT
+        out[:, 1] = addr & _OFFSET_MASK
+        out[:, 2] = r[:, 1]
+        return out
+
+    def _bases(self, bases: Sequence[int]) -> np.ndarray:
+        base = np.asarray(bases, dtype=np.uint64)
+        regions = self.runs[:, 0] >> _REGION_SHIFT
+        if regions.size and int(regions.max()) >= base.size:
+            raise PlanError("bases", f"{base.size} base addresses for a table over "
+                            f"{int(regions.max()) + 1} regions", value=base.size)
+        return base
 
     def bind(self, bases: Sequence[int], device: int = 0) -> np.ndarray:
-        """NIXL's N x 3 uint64 ``(addr, len, dev)`` array for region base addresses ``bases``."""
-        base = np.asarray(bases, dtype=np.uint64)
-        if self.rows.size and int(self.rows[:, 0].max()) >= base.size:
-            raise PlanError("bases", f"{base.size} base addresses for a table over "
-                            f"{int(self.rows[:, 0].max()) + 1} regions", value=base.size)
+        """NIXL's expanded N x 3 uint64 ``(addr, len, dev)`` array for region base addresses ``bases``."""
+        base = self._bases(bases)
         out = np.empty((len(self), 3), dtype=np.uint64)
         out[:, 0] = base[self.rows[:, 0]] + self.rows[:, 1].astype(np.uint64)
         out[:, 1] = self.rows[:, 2].astype(np.uint64)
         out[:, 2] = np.uint64(device)
         return out
 
+    def bind_strided(self, bases: Sequence[int], device: int = 0) -> np.ndarray:
+        """NIXL's N x 5 uint64 strided ``(addr, len, dev, stride, count)`` array (``prep_xfer_dlist`` with a
+        memory type, NIXL >= 1.5): the same descriptor ids as :meth:`bind`, one row per run."""
+        base = self._bases(bases)
+        out = self.runs.astype(np.uint64)
+        out[:, 0] = base[self.runs[:, 0] >> _REGION_SHIFT] + (self.runs[:, 0] & _OFFSET_MASK).astype(np.uint64)
+        out[:, 2] = np.uint64(device)
+        return out
+
     def pseudo_addresses(self) -> np.ndarray:
         """N x 3 int64 ``(region << 44 | offset, length, 0)``: lets address-based code run address-free."""
-        out = np.zeros((len(self), 3), dtype=np.int64)
-        out[:, 0] = (self.rows[:, 0] << _REGION_SHIFT) | self.rows[:, 1]
-        out[:, 1] = self.rows[:, 2]
-        return out
+        return expand_strided(self.runs)
 
     @classmethod
     def from_pseudo(cls, descs: np.ndarray, num_fa: int) -> Dlist:
+        """A table from pseudo-addressed rows: N x 3 ``(addr, len, dev)`` or N x 5 strided runs."""
         descs = np.asarray(descs, dtype=np.int64)
+        if descs.ndim == 2 and descs.shape[1] == 5:
+            runs = descs.copy()
+            runs[:, 2] = 0
+            return cls(runs, num_fa)
         rows = np.empty((descs.shape[0], 3), dtype=np.int64)
         rows[:, 0] = descs[:, 0] >> _REGION_SHIFT
-        rows[:, 1] = descs[:, 0] & ((1 << _REGION_SHIFT) - 1)
+        rows[:, 1] = descs[:, 0] & _OFFSET_MASK
         rows[:, 2] = descs[:, 1]
         return cls(rows, num_fa)
 
     def check_bounds(self, region_bytes: Sequence[int], side: str) -> None:
-        """Raise unless every row lies inside its region (invariant I6)."""
-        if not len(self):
+        """Raise unless every descriptor lies inside its region (invariant I6); checked per run (its first
+        and last descriptor), never per descriptor."""
+        runs = self.runs[self.runs[:, 4] > 0]
+        if not len(runs):
             return
         sizes = np.asarray(region_bytes, dtype=np.int64)
-        r, off, ln = self.rows[:, 0], self.rows[:, 1], self.rows[:, 2]
-        bad = (r < 0) | (r >= sizes.size) | (off < 0) | (ln < 0)
-        bad |= ~bad & (off + ln > sizes[np.clip(r, 0, sizes.size - 1)])
+        r, off, ln = runs[:, 0] >> _REGION_SHIFT, runs[:, 0] & _OFFSET_MASK, runs[:, 1]
+        last = off + (runs[:, 4] - 1) * runs[:, 3]
+        lo, hi = np.minimum(off, last), np.maximum(off, last)
+        bad = (r < 0) | (r >= sizes.size) | (lo < 0) | (ln < 0)
+        bad |= ~bad & (hi + ln > sizes[np.clip(r, 0, sizes.size - 1)])
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise PlanError(f"{side} dlist[{i}]", f"row (region {r[i]}, offset {off[i]}, length {ln[i]}) lies "
-                            "outside its registered region", value=tuple(int(x) for x in self.rows[i]))
+            first = int(np.cumsum(runs[:, 4])[i] - runs[i, 4])
+            raise PlanError(f"{side} dlist[{first}]", f"run (region {r[i]}, offset {off[i]}, length {ln[i]}, "
+                            f"stride {runs[i, 3]}, count {runs[i, 4]}) leaves its registered region of "
+                            f"{int(sizes[np.clip(r[i], 0, sizes.size - 1)])} bytes",
+                            value=(int(r[i]), int(off[i]), int(ln[i]), int(runs[i, 3]), int(runs[i, 4])))
 
 
 @dataclass(frozen=True)
@@ -148,32 +232,31 @@ class EngineView:
 
 
 def _ssm_rows(regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
-    """SSM rows: for each SSM region, for each piece ``(offset, length)``, one row per logical block."""
+    """SSM runs: for each SSM region, for each piece ``(offset, length)``, one run over the logical blocks
+    (state pages ``page`` bytes apart)."""
     if not len(regions) or not len(pieces):
-        return np.zeros((0, 3), dtype=np.int64)
+        return np.zeros((0, 5), dtype=np.int64)
     offs = np.asarray([p[0] for p in pieces], dtype=np.int64)
     lens = np.asarray([p[1] for p in pieces], dtype=np.int64)
-    blocks = np.arange(nbl, dtype=np.int64)
-    shape = (len(regions), len(pieces), nbl)
-    rows = np.empty(shape + (3,), dtype=np.int64)
-    rows[..., 0] = regions[:, None, None]
-    rows[..., 1] = page[:, None, None] * blocks[None, None, :] + offs[None, :, None]
-    rows[..., 2] = lens[None, :, None]
-    return rows.reshape(-1, 3)
+    runs = np.empty((len(regions), len(pieces), 5), dtype=np.int64)
+    runs[..., 0] = (np.asarray(regions, dtype=np.int64) << _REGION_SHIFT)[:, None] + offs[None, :]
+    runs[..., 1] = lens[None, :]
+    runs[..., 2] = 0
+    runs[..., 3] = np.asarray(page, dtype=np.int64)[:, None]
+    runs[..., 4] = nbl
+    return runs.reshape(-1, 5)
 
 
-def _fa_rows(lens: np.ndarray, strides: np.ndarray, nb: int, bsr: int, bases: Sequence[int]) -> np.ndarray:
-    """Attention rows: stream-major, block-minor, ``bsr`` sub-blocks per block (streams start at ``bases``)."""
-    r = lens.size
-    sub = lens // bsr
-    pseudo = np.asarray(bases, dtype=np.int64)
-    rows = np.empty((r, nb, bsr, 3), dtype=np.int64)
-    rows[..., 0] = (pseudo >> _REGION_SHIFT)[:, None, None]
-    rows[..., 1] = ((pseudo & ((1 << _REGION_SHIFT) - 1))[:, None, None]
-                    + strides[:, None, None] * np.arange(nb, dtype=np.int64)[None, :, None]
-                    + sub[:, None, None] * np.arange(bsr, dtype=np.int64)[None, None, :])
-    rows[..., 2] = sub[:, None, None]
-    return rows.reshape(-1, 3)
+def _fa_rows(lens: np.ndarray, strides: np.ndarray, nb: int, bsr: int, bases: Sequence[int],
+             offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Attention runs: stream-major, block-minor, ``bsr`` sub-blocks per block (streams start at ``bases``),
+    each descriptor moved by its stream's ``offsets`` and cut to its ``lengths``."""
+    parts = [block_strided_rows(int(b), int(n) // bsr, int(st), nb, bsr) for b, n, st in zip(bases, lens, strides)]
+    counts = np.asarray([len(x) for x in parts], dtype=np.int64)
+    runs = np.concatenate(parts) if parts else np.zeros((0, 5), dtype=np.int64)
+    runs[:, 0] += np.repeat(offsets, counts)
+    runs[:, 1] = np.repeat(lengths, counts)
+    return runs
 
 
 def _pseudo_bases(count: int) -> list[int]:
@@ -183,7 +266,7 @@ def _pseudo_bases(count: int) -> list[int]:
 def _table(fa: np.ndarray, ssm: np.ndarray | None) -> Dlist:
     """A table from strided rows on pseudo-addresses: attention rows, then SSM rows."""
     rows = fa if ssm is None or not len(ssm) else np.concatenate([fa, ssm])
-    return Dlist.from_pseudo(expand_strided(rows), int(fa[:, 4].sum()))
+    return Dlist.from_pseudo(rows, int(fa[:, 4].sum()))
 
 
 def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
@@ -244,19 +327,13 @@ def routed_tables(local: EngineView, remote: EngineView, local_rows: int, remote
     :func:`remote_dlist` at ``local_rows`` / ``remote_rows`` rows per kernel block (1 remote row unless
     token-major pages are cut per token)."""
     lo, ro, ln = (np.asarray([s[i] for s in fa], dtype=np.int64) for i in range(3))
-    llen = np.asarray(local.block_lens, dtype=np.int64)
+    base = _fa_rows(np.asarray(local.block_lens, dtype=np.int64), np.asarray(local.block_strides, dtype=np.int64),
+                    local.num_blocks, local_rows, local.pseudo_bases(), lo, ln)
+    rrows = _fa_rows(np.asarray(remote.block_lens, dtype=np.int64), np.asarray(remote.block_strides, dtype=np.int64),
+                     remote.num_blocks, remote_rows, remote.pseudo_bases(), ro, ln)
     lstride = np.asarray(local.block_strides, dtype=np.int64)
     rstride = np.asarray(remote.block_strides, dtype=np.int64)
-    base = _fa_rows(llen, lstride, local.num_blocks, local_rows, local.pseudo_bases())
-    per_region = local.num_blocks * local_rows
-    base[:, 1] += np.repeat(lo, per_region)
-    base[:, 2] = np.repeat(ln, per_region)
-    rrows = _fa_rows(np.asarray(remote.block_lens, dtype=np.int64), rstride, remote.num_blocks, remote_rows,
-                     remote.pseudo_bases())
-    per_remote = remote.num_blocks * remote_rows
-    rrows[:, 1] += np.repeat(ro, per_remote)
-    rrows[:, 2] = np.repeat(ln, per_remote)
-    lssm = rssm = np.zeros((0, 3), dtype=np.int64)
+    lssm = rssm = np.zeros((0, 5), dtype=np.int64)
     if local.ssm_sizes is not None and local.conv_offsets is not None and remote.ssm_sizes is not None:
         regions = np.asarray(local.ssm_region_indices, dtype=np.int64)
         if ssm is None:  # this rank sends no state: whole pieces on each side (in bounds, never referenced)
@@ -267,4 +344,5 @@ def routed_tables(local: EngineView, remote: EngineView, local_rows: int, remote
             rpieces = [(s[1], s[2]) for s in ssm]
         lssm = _ssm_rows(regions, lstride[regions] * local.ppl, local.logical_num_blocks, lpieces)
         rssm = _ssm_rows(regions, rstride[regions] * remote.ppl, remote.logical_num_blocks, rpieces)
-    return Dlist(np.concatenate([base, lssm]), base.shape[0]), Dlist(np.concatenate([rrows, rssm]), rrows.shape[0])
+    return (Dlist(np.concatenate([base, lssm]), int(base[:, 4].sum())),
+            Dlist(np.concatenate([rrows, rssm]), int(rrows[:, 4].sum())))

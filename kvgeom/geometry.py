@@ -41,7 +41,7 @@ class Group:
     def kind(self) -> LayerKind:
         return self.spec.kind
 
-    @property
+    @cached_property
     def is_ssm(self) -> bool:
         return self.kind.is_ssm
 

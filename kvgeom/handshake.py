@@ -80,6 +80,8 @@ def block_size_ratio(local: RankGeometry, remote: RankGeometry, mode: str, compa
 
 
 def _first_model_difference(local: RankGeometry, remote: RankGeometry) -> str | None:
+    if local.model is remote.model or local.model == remote.model:  # equal values: no JSON form needed
+        return None
     a, b = local.model.to_json(), remote.model.to_json()
     if len(a["layers"]) != len(b["layers"]):
         return f"model.layers: {len(a['layers'])} vs {len(b['layers'])} cache-holding layers"

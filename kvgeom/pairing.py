@@ -22,7 +22,7 @@ from .errors import IncompatiblePairError, UnsupportedError
 from .geometry import RankGeometry
 from .handshake import Compat, PairShape, check_pair
 from .route import Route, dcp_pages_differ, route
-from .splits import build_local_splits, expand_strided
+from .splits import build_local_splits
 from .streams import region_mapped, unpseudo
 from .tp import TPMapping, compute_tp_mapping, needs_split_local_handles
 
@@ -134,12 +134,12 @@ class Pairing:
         """P and D group the same regions differently: block lists pair region by region (:mod:`kvgeom.regionmap`)."""
         return region_mapped(self.local, self.remotes[self.targets[0]], (self.local_view, self.remote_view(self.targets[0])))
 
-    @property
+    @cached_property
     def dcp_active(self) -> bool:
         """Either side shards its pages by decode context parallelism: pages pair by global position."""
         return self.local.dcp_size > 1 or self.remote_dcp > 1
 
-    @property
+    @cached_property
     def remote_dcp(self) -> int:
         return next(iter(self.remotes.values())).dcp_size
 
@@ -159,7 +159,7 @@ class Pairing:
         """Rows per local kernel block in this pairing's local tables."""
         return self.bsr * self.token_rows
 
-    @property
+    @cached_property
     def remote_tp(self) -> int:
         return next(iter(self.remotes.values())).tp_size
 
@@ -204,12 +204,12 @@ class Pairing:
             return False
         return not view.transfer_groups or group in view.transfer_groups or self.local.groups[group].is_ssm
 
-    @property
+    @cached_property
     def needs_split(self) -> bool:
         """Whether each source rank gets its own slice of the local table (P_TP > D_TP, vLLM B.3.3)."""
         return needs_split_local_handles(self.tp_ratio, self.mapping, self.local.is_mla)
 
-    @property
+    @cached_property
     def targets(self) -> tuple[int, ...]:
         return tuple(self.remotes)
 
@@ -231,7 +231,7 @@ class Pairing:
                                      lview.region_is_mla)
         return self._cache[key]
 
-    @property
+    @cached_property
     def transfer_ranks(self) -> tuple[int, ...]:
         """The remote ranks a request's transfers go to (the others are only notified)."""
         if self.compat == "kvgeom":
@@ -273,10 +273,10 @@ class Pairing:
                 whole = self.local_table((bsr, -1))
                 view = self.local_view
                 splits = build_local_splits(
-                    whole.pseudo_addresses(), self.mapping, whole.num_fa, bsr, self.local.group_is_ssm,
+                    whole.runs, self.mapping, whole.num_fa, bsr, self.local.group_is_ssm,
                     view.region_is_mla, [view.num_blocks] * view.num_regions)
                 for src, rows in zip(self.mapping.all_source_ranks, splits):
-                    self._cache[(bsr, src)] = Dlist.from_pseudo(expand_strided(rows), whole.num_fa)
+                    self._cache[(bsr, src)] = Dlist.from_pseudo(rows, whole.num_fa)
         return self._cache[key]
 
     def remote_table(self, rank: int) -> Dlist:

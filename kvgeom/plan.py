@@ -14,6 +14,7 @@ Block ids are logical and per KV-cache group; the plan follows vLLM 0.33.0's NIX
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,12 +23,16 @@ import numpy as np
 from .align import Page, consumer_zero_rows, group_pages, list_starts, overlap, page_heads
 from .blocks import (
     BlockIds,
+    _expand,
     apply_prefix_caching,
     as_group_ids,
     check_distinct,
     get_mapped_blocks,
+    kernel_of,
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
+    map_checked,
+    prefix_checked,
 )
 from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
 from .descids import Segments, apply_segments, desc_segments
@@ -35,6 +40,7 @@ from .dlist import EngineView
 from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import RankGeometry
 from .pairing import LocalKey, Pairing
+from .recipe import Recipe, trace
 from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
 from .streams import region_group_ids
 from .tp import compute_tp_mapping
@@ -101,8 +107,8 @@ class RequestPlan:
         out = []
         me = pairing.local.global_rank
         for t in self.transfers:
-            lrows = np.take(pairing.local_table(t.local_table).rows, t.local_ids, axis=0)
-            rrows = np.take(pairing.remote_table(t.remote_rank).rows, t.remote_ids, axis=0)
+            lrows = pairing.local_table(t.local_table).take(t.local_ids)
+            rrows = pairing.remote_table(t.remote_rank).take(t.remote_ids)
             unequal = lrows[:, 2] != rrows[:, 2]
             if unequal.any():
                 i = int(np.flatnonzero(unequal)[0])
@@ -127,7 +133,7 @@ class RequestPlan:
             line = (f"  rank {t.remote_rank}: {len(t)} descs, local table {which} at ratio {t.local_table[0]}, "
                     f"notif {t.notif!r}")
             if pairing is not None:
-                nbytes = int(pairing.local_table(t.local_table).rows[t.local_ids, 2].sum())
+                nbytes = int(pairing.local_table(t.local_table).take(t.local_ids)[:, 2].sum())
                 line += f", {nbytes} B"
             lines.append(line)
         if self.notify_only:
@@ -146,7 +152,23 @@ def _select(ids: list[np.ndarray], groups: Sequence[bool]) -> list[np.ndarray]:
     return [g if keep else g[:0] for g, keep in zip(ids, groups)]
 
 
+def _intake(block_ids: BlockIds, kinds: Sequence[bool], field: str) -> list[np.ndarray]:
+    """The request's ids per group, without copies when they are already 1-D ``int64`` arrays (the planner
+    never writes to them); anything else goes through :func:`~kvgeom.blocks.as_group_ids`. Negative ids are
+    refused by :func:`_check_ids`."""
+    if isinstance(block_ids, (list, tuple)) and len(block_ids) == len(kinds) and all(
+            isinstance(g, np.ndarray) and g.ndim == 1 and g.dtype == np.int64 for g in block_ids):
+        return list(block_ids)
+    return as_group_ids(block_ids, kinds, field)
+
+
 def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    if flat.size:  # the common case in one sort: distinct, inside the pool, not negative
+        s = np.sort(flat)
+        if s[0] >= 0 and s[-1] < geom.logical_num_blocks and not (s[1:] == s[:-1]).any():
+            return
+        as_group_ids(ids, [False] * len(ids), f"{side}_ids")  # names a negative id
     check_distinct(ids, f"{side}_ids")
     for g, x in enumerate(ids):
         if x.size and int(x.max()) >= geom.logical_num_blocks:
@@ -169,19 +191,98 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     overlap, vLLM mode pairs by counts as vLLM does and refuses where that would move the wrong tokens.
     Either count may be omitted where the block counts determine it; otherwise the
     :class:`~kvgeom.errors.PlanError` names the argument to pass."""
-    local, mode = pairing.local, pairing.mode
+    local = pairing.local
     kinds = local.group_is_ssm
     empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
-    lids = as_group_ids([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
-    any_local = any(x.size for x in lids)
+    lids = _intake([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
     if pairing.region_mapped:
         return _plan_by_region(pairing, lids, remote_ids, request_id, remote_request_id, num_tokens, prefill_tokens)
-    rids = as_group_ids(remote_ids, kinds, "remote_ids")
+    rids = _intake(remote_ids, kinds, "remote_ids")
     _check_ids(lids, local, "local")
-    _check_ids(rids, pairing.remotes[pairing.targets[0]], "remote")
+    remote = pairing.remotes[pairing.targets[0]]
+    _check_ids(rids, remote, "remote")
+    if pairing.dcp_active:
+        return _plan(pairing, lids, rids, request_id, remote_request_id, num_tokens, prefill_tokens)
+    # a shape seen twice gets a recipe (kvgeom.recipe): later requests of that shape are one gather
+    key = (tuple(x.size for x in lids), tuple(x.size for x in rids), num_tokens, prefill_tokens)
+    shapes = pairing._cache.setdefault("shapes", OrderedDict())
+    entry = shapes.get(key)
+    if isinstance(entry, _Shape):
+        shapes.move_to_end(key)
+        return entry.plan(np.concatenate([*lids, *rids]), request_id, remote_request_id)
+    plan = _plan(pairing, lids, rids, request_id, remote_request_id, num_tokens, prefill_tokens)
+    if entry is None:
+        shapes[key] = 1
+    elif entry == 1:
+        shapes[key] = _Shape.trace(pairing, lids, rids, plan, request_id, remote_request_id, num_tokens,
+                                   prefill_tokens) or 0
+    while len(shapes) > _SHAPES_KEPT:
+        shapes.popitem(last=False)
+    return plan
+
+
+_SHAPES_KEPT = 256  # request shapes remembered per pairing (a recipe holds 3 int64 per plan integer)
+
+
+def _flatten(plan: RequestPlan) -> tuple[np.ndarray, tuple[int, ...]]:
+    """A plan's integers as one vector, and the sizes of its parts (transfer ids, regroup blocks, zero)."""
+    parts = [x for t in plan.transfers for x in (t.local_ids, t.remote_ids)] + [r.blocks for r in plan.regroup]
+    parts.append(plan.zero.reshape(-1))
+    sizes = tuple(int(x.size) for x in parts)
+    return np.concatenate([np.asarray(x, dtype=np.int64) for x in parts]), sizes
+
+
+@dataclass(frozen=True, eq=False)
+class _Shape:
+    """The plan of every request of one shape: a recipe for its integers and the plan's other fields."""
+
+    recipe: Recipe
+    sizes: tuple[int, ...]
+    template: RequestPlan
+    suffix: str
+
+    @classmethod
+    def trace(cls, pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], plan: RequestPlan,
+              request_id: str, remote_request_id: str | None, num_tokens: int | None,
+              prefill_tokens: int | None) -> _Shape | None:
+        vector, sizes = _flatten(plan)
+
+        def run(lg: list[np.ndarray], rg: list[np.ndarray]) -> np.ndarray:
+            out, got = _flatten(_plan(pairing, lg, rg, request_id, remote_request_id, num_tokens, prefill_tokens))
+            if got != sizes:
+                raise ValueError("another plan layout")
+            return out
+
+        recipe = trace(run, [x.size for x in lids], [x.size for x in rids], pairing.local.logical_num_blocks,
+                       pairing.remotes[pairing.targets[0]].logical_num_blocks)
+        if recipe is None or not np.array_equal(recipe.apply(np.concatenate([*lids, *rids])), vector):
+            return None
+        tag = remote_request_id if remote_request_id is not None else request_id
+        suffix = plan.transfers[0].notif[len(tag):] if plan.transfers else ""
+        return cls(recipe, sizes, plan, suffix)
+
+    def plan(self, ids: np.ndarray, request_id: str, remote_request_id: str | None) -> RequestPlan:
+        parts = np.split(self.recipe.apply(ids), np.cumsum(self.sizes)[:-1])
+        tag = remote_request_id if remote_request_id is not None else request_id
+        t = self.template
+        transfers = tuple(Transfer(x.remote_rank, x.local_table, parts[2 * i], parts[2 * i + 1], tag + self.suffix)
+                          for i, x in enumerate(t.transfers))
+        k = 2 * len(transfers)
+        regroup = tuple(Regroup(r.regions, parts[k + i], r.bsr, r.heads, r.tokens, r.head_bytes)
+                        for i, r in enumerate(t.regroup))
+        return RequestPlan(request_id, t.mode, transfers, t.notify_only, t.expected_notifications, t.consumer_rank,
+                           regroup, parts[-1].reshape(-1, 3))
+
+
+def _plan(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], request_id: str,
+          remote_request_id: str | None, num_tokens: int | None, prefill_tokens: int | None) -> RequestPlan:
+    """The general planner, on checked ids."""
+    local, mode = pairing.local, pairing.mode
+    kinds = local.group_is_ssm
+    any_local = any(x.size for x in lids)
     rview = pairing.remote_view(pairing.targets[0])
-    lk = logical_to_kernel(lids, local.ppl, kinds)
-    rk = logical_to_kernel(rids, rview.ppl, kinds)
+    lk = kernel_of(lids, local.ppl, kinds)
+    rk = kernel_of(rids, rview.ppl, kinds)
     tag = remote_request_id if remote_request_id is not None else request_id
     bsr = pairing.bsr
     # pull: P frees after the D ranks reading it have read (D_TP/P_TP, or DCP's count); push: D ends after P_TP
@@ -213,8 +314,8 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
         if rows > 1:  # token-major pages cut per token: every attention unit becomes its token rows
             lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
             rg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(rg, kinds)]
-        r_desc = apply_segments(_segments(pairing, "remote", rank), rg)
-        l_desc = apply_segments(_segments(pairing, "local", rank), lg)
+        r_desc = apply_segments(_segments(pairing, "remote", rank), rg, checked=True)
+        l_desc = apply_segments(_segments(pairing, "local", rank), lg, checked=True)
         if r_desc.size != l_desc.size:
             raise PlanError("descriptor ids", f"{l_desc.size} local ids vs {r_desc.size} remote ids",
                             local=int(l_desc.size), remote=int(r_desc.size))
@@ -237,7 +338,7 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
             regroup = _regroups(local, lk, bsr, pairing.zero_pages)
             zero = _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
         else:
-            regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat)
+            regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat, pages=lambda g: _pages(pairing, g))
     return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
                        local.tp_rank if mode == "pull" else -1, regroup, zero)
 
@@ -342,6 +443,15 @@ def _cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: 
     return cached
 
 
+def _pages(pairing: Pairing, group: int) -> list[Page]:
+    """Every page of the local rank's layers of ``group`` (cached on the pairing: a shape, not a request)."""
+    key = ("group pages", group)
+    if key not in pairing._cache:
+        pairing._cache[key] = group_pages(pairing.local, group)
+    pages: list[Page] = pairing._cache[key]
+    return pages
+
+
 def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
     """The descriptor-id segment table of one side of the transfer to/from ``rank`` (built once per
     pairing: per request only the ids are gathered)."""
@@ -443,6 +553,10 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
     for g, ssm in enumerate(kinds):
         if ssm:
             continue
+        if lg[g].size != rg[g].size:  # vLLM's descriptor-count assert would fail in _read_blocks
+            raise UnsupportedError(f"block_ids[{g}]", f"with decode context parallelism vLLM 0.33.0 would pair "
+                                   f"{lg[g].size} local with {rg[g].size} remote blocks of remote rank {rank} and fail; "
+                                   "kvgeom mode pairs them by token", local=int(lg[g].size), remote=int(rg[g].size))
         got, want = _pairs(lg[g], rg[g]), _pairs(exact_l[g], exact_r[g])
         if not np.isin(got, allowed[g]).all() or not np.isin(want, got).all():
             # other tokens paired, or tokens P computed left unread
@@ -548,14 +662,14 @@ def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rvi
     """vLLM's pairing of one source's lists: block-size-ratio map, then prefix trimming (B.3.5, B.3.6)."""
     local, kinds, bsr = pairing.local, pairing.local.group_is_ssm, pairing.bsr
     if bsr > 1:
-        lg, rg = map_block_ids_for_block_size_ratio(lg, rg, bsr, kinds)
+        lg, rg = map_checked(lg, rg, bsr, kinds)
         if not lg or not any(x.size for x in lg):
             return [], []
     if not any(x.size for x in lg):
         return [], []
     if pairing.mode == "pull":
-        return apply_prefix_caching(lg, rg, local.ppl, rview.ppl, kinds)
-    rg, lg = apply_prefix_caching(rg, lg, rview.ppl, local.ppl, kinds)
+        return prefix_checked(lg, rg, local.ppl, rview.ppl, kinds)
+    rg, lg = prefix_checked(rg, lg, rview.ppl, local.ppl, kinds)
     return lg, rg
 
 
@@ -606,7 +720,7 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     local, kinds, bsr, pull = pairing.local, pairing.local.group_is_ssm, pairing.bsr, pairing.mode == "pull"
     remote = pairing.remotes[pairing.targets[0]]
     rview = pairing.remote_view(pairing.targets[0])
-    lfine = [k if ssm else get_mapped_blocks(k, bsr) for k, ssm in zip(lk, kinds)]
+    lfine = [k if ssm else _expand(k, bsr) for k, ssm in zip(lk, kinds)]
     rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
     if pull:
         spans = _align_groups(local, lids, lfine, rblock, rids, rk, rview.block_size, num_tokens,
@@ -617,9 +731,9 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     empty = [x[:0] for x in lk]
     ssm_l, ssm_r = (_select(lk, kinds), _select(rk, kinds))
     if pull:
-        ssm_l, ssm_r = apply_prefix_caching(ssm_l, ssm_r, local.ppl, rview.ppl, kinds)
+        ssm_l, ssm_r = prefix_checked(ssm_l, ssm_r, local.ppl, rview.ppl, kinds)
     else:
-        ssm_r, ssm_l = apply_prefix_caching(ssm_r, ssm_l, rview.ppl, local.ppl, kinds)
+        ssm_r, ssm_l = prefix_checked(ssm_r, ssm_l, rview.ppl, local.ppl, kinds)
     lsel, rsel = list(empty), list(empty)
     for g, (ssm, (cpos, ppos, n)) in enumerate(zip(kinds, spans)):
         if ssm:
@@ -690,20 +804,23 @@ def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: B
 
 
 def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_ids: list[np.ndarray],
-                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom") -> tuple[tuple[Regroup, ...], np.ndarray]:
+                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom",
+                 pages: Callable[[int], list[Page]] | None = None) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The consumer's post-receive step (vLLM B.3.9 / B.6.11): regroup head-major blocks that arrived as
     ``bsr`` finer remote pages, then zero what the transfer did not write.
 
     Per attention group ``g`` with kernel ids ``L`` (consumer) and ``R`` (the producer's full list):
     ``covered = min(|L| * bsr, |R|)`` remote-block units; the tokens past ``covered mod bsr`` units of
     block ``L[covered div bsr]`` and all of ``L[ceil(covered / bsr):]`` are zeroed, in the regions that
-    hold a layer of group ``g``. vLLM only runs this when ``bsr > 1`` or the two ppl differ;
+    hold a layer of group ``g`` (``pages``: the pages of a group, default :func:`~kvgeom.align.group_pages`,
+    which a planner caches). vLLM only runs this when ``bsr > 1`` or the two ppl differ;
     ``compat="kvgeom"`` always runs it (it zeroes nothing when everything was covered).
     """
     if compat == "vllm" and bsr == 1 and consumer.ppl == producer.ppl:
         return (), np.zeros((0, 3), dtype=np.int64)
     spans = [(0, 0, min(L.size * bsr, R.size)) for L, R in zip(consumer_kernel_ids, producer_kernel_ids)]
-    return _regroups(consumer, consumer_kernel_ids, bsr), _zero_rows(consumer, consumer_kernel_ids, bsr, spans)
+    return (_regroups(consumer, consumer_kernel_ids, bsr, pages),
+            _zero_rows(consumer, consumer_kernel_ids, bsr, spans, pages))
 
 
 def contiguous_runs(moves: np.ndarray) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
 from .dtypes import dtype_size
@@ -349,11 +350,11 @@ class ModelSpec:
     def kinds(self) -> set[LayerKind]:
         return {layer.kind for layer in self.layers}
 
-    @property
+    @cached_property
     def has_ssm(self) -> bool:
         return any(k.is_ssm for k in self.kinds)
 
-    @property
+    @cached_property
     def is_mla(self) -> bool:
         return LayerKind.MLA in self.kinds
 

@@ -89,6 +89,14 @@ def region_group_ids(geom: RankGeometry) -> tuple[int, ...]:
 
 
 def registration(geom: RankGeometry, mode: str) -> Registration:
+    """:func:`_registration`, kept on the geometry value (it depends on nothing else)."""
+    cache: dict[str, Registration] = geom.__dict__.setdefault("_registrations", {})
+    if mode not in cache:
+        cache[mode] = _registration(geom, mode)
+    return cache[mode]
+
+
+def _registration(geom: RankGeometry, mode: str) -> Registration:
     """What vLLM 0.33.0's worker registers for ``geom`` in ``mode`` (``register_kv_caches``): one region per
     region, its members in natural layer order (named after the first); a packed row as one region with each
     layer's ``(offset, page)`` advertised, or, on a pipeline stage, one region per page (per layer when the

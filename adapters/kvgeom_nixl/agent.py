@@ -83,10 +83,12 @@ def _deadline(deadline: float | None, timeout_s: float | None, default_s: float)
 
 
 def _as_descs(descs: Any, what: str) -> np.ndarray:
-    """Validate an N×3 descriptor array and return it as C-contiguous uint64 (NIXL's fast path)."""
+    """Validate an N×3 descriptor array, or an N×5 strided one ``(addr, nbytes, device_id, stride, count)``
+    (NIXL >= 1.5 expands it, descriptor ids in row order), and return it as C-contiguous uint64."""
     arr = np.asarray(descs)
-    if arr.ndim != 2 or arr.shape[1] != 3:
-        raise ValueError(f"{what}: expected an N×3 array of (addr, nbytes, device_id), got shape {arr.shape}")
+    if arr.ndim != 2 or arr.shape[1] not in (3, 5):
+        raise ValueError(f"{what}: expected an N×3 array of (addr, nbytes, device_id) or an N×5 strided "
+                         f"array, got shape {arr.shape}")
     if arr.shape[0] == 0:
         raise ValueError(f"{what}: empty descriptor list")
     if arr.dtype != np.uint64:
@@ -454,8 +456,8 @@ class Endpoint:
 
     # ------------------------------------------------------------------------------ preparation
     def prep_local(self, descs: Any, mem_type: str = "DRAM") -> Prepped:
-        """Prepare our side: ``descs`` is N×3 (addr, nbytes, device_id), each inside one registered
-        region. Raises :class:`TransferError` (``NIXL_ERR_NOT_FOUND``) if one is not."""
+        """Prepare our side: ``descs`` is N×3 (addr, nbytes, device_id) or N×5 strided, each descriptor
+        inside one registered region. Raises :class:`TransferError` (``NIXL_ERR_NOT_FOUND``) if one is not."""
         return self._prep(None, descs, mem_type)
 
     def prep_remote(self, peer: str, descs: Any, mem_type: str = "DRAM") -> Prepped:
@@ -484,12 +486,13 @@ class Endpoint:
             )
             raise _wrap(
                 e,
-                f"{arr.shape[0]} {mem_type} descriptor(s) not all covered by {where}",
+                f"{arr.shape[0]} {mem_type} descriptor row(s) not all covered by {where}",
                 stage=stage,
                 peer=peer,
             ) from e
         gen = self.generation if peer is None else self._peer_gen[peer]
-        p = Prepped(self, h, peer, mem_type, int(arr.shape[0]), gen)
+        count = int(arr[:, 4].sum()) if arr.shape[1] == 5 else int(arr.shape[0])
+        p = Prepped(self, h, peer, mem_type, count, gen)
         self._prepped.add(p)
         return p
 

@@ -75,19 +75,12 @@ def _pairing(worker: Any, engine_id: str) -> Pairing:
     return pairing
 
 
-def strided(descs: np.ndarray) -> np.ndarray:
-    """``(addr, len, dev)`` rows as NIXL's N x 5 strided rows of one descriptor each (the form vLLM's
-    connector prepares, NIXL >= 1.5)."""
-    rows = np.asarray(descs, dtype=np.int64)
-    return np.column_stack([rows, rows[:, 1], np.ones(len(rows), dtype=np.int64)]).astype(np.uint64)
-
-
 def _local_handle(worker: Any, engine_id: str, pairing: Pairing, key: tuple[int, int]) -> int:
     """The prepared NIXL list of the local table ``key`` of this pairing (prepared once)."""
     handles = worker.__dict__.setdefault("kvgeom_local_handles", {})
     if (engine_id, key) not in handles:
         bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
-        descs = strided(pairing.local_table(key).bind(bases, int(worker.device_id)))
+        descs = pairing.local_table(key).bind_strided(bases, int(worker.device_id))
         handles[(engine_id, key)] = worker.nixl_wrapper.prep_xfer_dlist(
             "NIXL_INIT_AGENT", descs, mem_type=worker.region_mem_types[0]
         )
@@ -130,8 +123,8 @@ def add_remote_agent(
         worker.dst_region_mem_types[engine_id] = meta.region_mem_types or [worker.nixl_memory_type] * n
     worker.kv_caches_base_addr[engine_id][remote_tp_rank] = list(meta.kv_caches_base_addr)
     if remote_tp_rank in pairing.transfer_ranks:
-        descs = strided(
-            pairing.remote_table(remote_tp_rank).bind(list(meta.kv_caches_base_addr), int(meta.device_id))
+        descs = pairing.remote_table(remote_tp_rank).bind_strided(
+            list(meta.kv_caches_base_addr), int(meta.device_id)
         )
         mem_type = (meta.region_mem_types or [worker.nixl_memory_type])[0]
         worker.dst_xfer_side_handles[engine_id][remote_tp_rank] = worker.nixl_wrapper.prep_xfer_dlist(

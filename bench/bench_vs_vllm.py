@@ -1,0 +1,260 @@
+"""kvgeom against vLLM 0.33.0's own NIXL geometry code, side by side in one process.
+
+Run in the vLLM venv (``make test-vllm`` builds ``.venv-vllm``): ``.venv-vllm/bin/python bench/bench_vs_vllm.py``.
+
+Pair: Kimi-Linear 48B (MLA + KDA hybrid, 7 regions), P TP2 -> D TP1 pull, kernel blocks 16 (P) vs 32 (D):
+block-size ratio 2, two source ranks, split local tables. vLLM's side is a bare pull worker holding the
+registration state vLLM's ``register_kv_caches`` would record for the same geometry (the harness of
+``tests/vllm/_e2e.py``, with a recording NIXL wrapper); every function timed is vLLM's own.
+
+* per request: vLLM's ``_logical_to_kernel_block_ids`` (D and P ids), then per source rank its
+  ``_map_block_ids_for_block_size_ratio``, ``_apply_prefix_caching`` and two ``_compute_desc_ids``,
+  chained as ``_read_blocks_for_req`` / ``_read_blocks`` do; against kvgeom's ``plan_request`` (which also
+  derives the post-receive zero ranges and refuses count-based pairings that would move wrong tokens),
+  twice: for a request shape never seen (the general planner) and for a repeated one (its recipe,
+  :mod:`kvgeom.recipe`). Before timing, kvgeom's descriptor ids are checked equal to vLLM's for every
+  source rank, and the recipe's plan equal to the general planner's.
+* handshake: vLLM's ``add_remote_agent`` for both P ranks (split local handles, remote tables, checks)
+  against kvgeom's ``Pairing.create`` with every table it builds and bounds-checks. Before timing, the
+  bound tables are checked to stand for the same descriptors as vLLM's prepared lists.
+
+Prints one JSON object (``--json``) or a table; ``bench/run_all.py`` writes it into docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+for _k, _v in {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}.items():
+    os.environ.setdefault(_k, _v)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+
+import _e2e  # noqa: E402  (tests/vllm/_e2e.py: the vLLM worker harness of the differential tests)
+import numpy as np  # noqa: E402
+
+from kvgeom.plan import plan_request  # noqa: E402
+from kvgeom.scenario import Scenario  # noqa: E402
+from kvgeom.splits import expand_strided  # noqa: E402
+
+TOKENS = (16, 449, 4096, 32768, 131072, 1048576)
+BLOCKS = (100, 1000, 10000, 100000)
+
+
+def scenario(d_blocks: int) -> Scenario:
+    """The pair, with ``d_blocks`` logical blocks (of 60 kernel blocks) per D rank; P holds twice as many
+    logical blocks (of 64 kernel blocks)."""
+    return Scenario.from_json({
+        "model": "kimi-linear-48b-a3b", "mode": "pull", "compat": "vllm",
+        "prefill": {"tp_size": 2, "kernel_block_size": 16, "num_blocks": 2 * d_blocks},
+        "decode": {"tp_size": 1, "kernel_block_size": 32, "num_blocks": d_blocks},
+    })
+
+
+def timed(fn: Any, budget_s: float, least: int = 5) -> float:
+    """Median seconds of ``fn()`` over repeats filling about ``budget_s``."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    n = max(least, min(2000, int(budget_s / max(first, 1e-6))))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class VllmSide:
+    """A vLLM 0.33.0 pull worker for D rank 0 of ``sc``, with both P ranks added."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.d = sc.cards("decode")[0].geometry
+        self.p = [c.geometry for c in sc.cards("prefill")]
+        self.metas = [_e2e.agent_metadata(g) for g in self.p]
+        self.w = self.fresh()
+        self.handshake(self.w)
+
+    def fresh(self) -> Any:
+        return _e2e.consumer_worker(self.d, False)
+
+    def handshake(self, w: Any) -> None:
+        for rank in w.transfer_topo.handshake_target_ranks(len(self.p), 1):
+            w._remote_agents["P"][(0, rank)] = w.add_remote_agent(self.metas[rank], remote_tp_rank=rank,
+                                                                  remote_tp_size=len(self.p), remote_dcp_size=1)
+
+    def desc_ids(self, local_logical: list[list[int]], remote_logical: list[list[int]]) -> dict[int, tuple]:
+        """vLLM's per-request path (``_read_blocks_for_req`` -> ``_read_blocks``), up to the descriptor ids."""
+        w = self.w
+        plan = w.tp_mappings["P"]
+        info = w.transfer_topo.get_engine_info("P")
+        local = w._logical_to_kernel_block_ids(local_logical, w._physical_blocks_per_logical_kv_block)
+        remote = w._logical_to_kernel_block_ids(remote_logical, info.remote_physical_blocks_per_logical)
+        bsr = w.transfer_topo.block_size_ratio(info.remote_block_size)
+        out = {}
+        for rank in plan.all_source_ranks:
+            lids = [list(local[g]) if rank in plan.source_ranks_per_group[g] else [] for g in range(len(local))]
+            rids = [list(remote[g]) if rank in plan.source_ranks_per_group[g] else [] for g in range(len(local))]
+            if bsr > 1:
+                lids, rids = w._map_block_ids_for_block_size_ratio(lids, rids, bsr)
+            if not any(len(g) for g in lids):
+                continue
+            lids, rids = w._apply_prefix_caching(lids, rids, w._physical_blocks_per_logical_kv_block,
+                                                 info.remote_physical_blocks_per_logical)
+            r = w._compute_desc_ids(rids, w.dst_num_blocks["P"], None, info.remote_physical_blocks_per_logical,
+                                    w.dst_region_num_blocks.get("P") or None, w.dst_region_group_ids.get("P") or None,
+                                    w.dst_uses_region_group_mapping["P"])
+            loc = w._compute_desc_ids(lids, w.dst_num_blocks[w.engine_id], bsr, w._physical_blocks_per_logical_kv_block,
+                                      w.dst_region_num_blocks.get(w.engine_id) or None, w.region_group_ids or None,
+                                      w._uses_region_group_mapping)
+            out[rank] = (np.asarray(loc), np.asarray(r))
+        return out
+
+    def prepared(self) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """vLLM's prepared lists, expanded and resolved to (region, offset, length): split local handles
+        per source index, remote tables per rank."""
+        nixl = self.w.nixl_wrapper
+        split = self.w.src_xfer_handles_by_tp_ratio[(-len(self.p), self.metas[0].block_size)]
+        local = {i: _resolved(nixl.dlists[h]) for i, h in enumerate(split)}
+        remote = {r: _resolved(nixl.dlists[h]) for r, h in self.w.dst_xfer_side_handles["P"].items()}
+        return local, remote
+
+
+def _resolved(descs: np.ndarray) -> np.ndarray:
+    rows = expand_strided(np.asarray(descs, dtype=np.int64)) if np.asarray(descs).shape[1] == 5 else descs
+    where = _e2e.resolve(np.asarray(rows[:, 0], dtype=np.int64))
+    return np.column_stack([where[:, 2], where[:, 3], np.asarray(rows[:, 1], dtype=np.int64)])
+
+
+def check_tables(sc: Scenario, side: VllmSide) -> None:
+    """kvgeom's tables stand for exactly the descriptors vLLM prepared (checked before timing)."""
+    pairing = sc.pairings[0]
+    local, remote = side.prepared()
+    for i, rank in enumerate(pairing.transfer_ranks):
+        mine_l = pairing.local_table(pairing.local_key(rank)).rows
+        mine_r = pairing.remote_table(rank).rows
+        if not (np.array_equal(mine_l, local[i]) and np.array_equal(mine_r, remote[rank])):
+            raise SystemExit(f"tables differ from vLLM's for source rank {rank}")
+
+
+def request_row(sc: Scenario, side: VllmSide, tokens: int, budget: float) -> dict[str, Any]:
+    pairing = sc.pairings[0]
+    req = sc.request(tokens, seed=tokens)
+    local, remote = [list(x) for x in req.decode], [list(x) for x in req.prefill]
+    plan = plan_request(pairing, req.decode, req.prefill, "req", num_tokens=req.num_tokens)
+    theirs = side.desc_ids(local, remote)
+    mine = {t.remote_rank: (t.local_ids, t.remote_ids) for t in plan.transfers}
+    if sorted(mine) != sorted(theirs) or any(
+            not (np.array_equal(mine[r][0], theirs[r][0]) and np.array_equal(mine[r][1], theirs[r][1]))
+            for r in mine):
+        raise SystemExit(f"{tokens} tokens: kvgeom's descriptor ids differ from vLLM's")
+    larr, rarr = [np.asarray(x, dtype=np.int64) for x in local], [np.asarray(x, dtype=np.int64) for x in remote]
+    t_v = timed(lambda: side.desc_ids(local, remote), budget)
+
+    def cold() -> None:  # a shape never seen: the general planner (no recipe yet)
+        pairing._cache.pop("shapes", None)
+        plan_request(pairing, larr, rarr, "req", num_tokens=req.num_tokens)
+
+    t_new = timed(cold, budget)
+    for _ in range(2):  # the second sighting traces the shape's recipe
+        plan_request(pairing, larr, rarr, "req", num_tokens=req.num_tokens)
+    warm = plan_request(pairing, larr, rarr, "req", num_tokens=req.num_tokens)
+    if any(not (np.array_equal(t.local_ids, mine[t.remote_rank][0]) and np.array_equal(t.remote_ids, mine[t.remote_rank][1]))
+           for t in warm.transfers) or not np.array_equal(warm.zero, plan.zero):
+        raise SystemExit(f"{tokens} tokens: the recipe's plan differs from the general planner's")
+    t_k = timed(lambda: plan_request(pairing, larr, rarr, "req", num_tokens=req.num_tokens), budget)
+    return {"tokens": tokens, "pairs": plan.num_descriptors, "runs": _runs(plan, pairing),
+            "vllm_us": t_v * 1e6, "kvgeom_new_us": t_new * 1e6, "kvgeom_us": t_k * 1e6, "ratio_new": t_new / t_v,
+            "ratio": t_k / t_v}
+
+
+def _runs(plan: Any, pairing: Any) -> int:
+    from kvgeom.plan import contiguous_runs
+
+    return contiguous_runs(plan.moves(pairing))
+
+
+def handshake_row(blocks: int, budget: float) -> dict[str, Any]:
+    """Handshake of a D rank of about ``blocks`` kernel blocks (rounded to whole logical blocks)."""
+    sc = scenario(max(2, blocks // 60))
+    side = VllmSide(sc)
+    check_tables(sc, side)
+    d, p = sc.cards("decode")[0], sc.cards("prefill")
+    from kvgeom.card import GeometryCard
+    from kvgeom.pairing import Pairing
+
+    def vllm() -> None:
+        w = side.fresh()  # not timed separately: a fresh worker per handshake (registration is in `fresh`)
+        t0 = time.perf_counter()
+        side.handshake(w)
+        vllm.last = time.perf_counter() - t0  # type: ignore[attr-defined]
+
+    samples = []
+    for _ in range(max(3, int(budget / 0.05))):
+        vllm()
+        samples.append(vllm.last)  # type: ignore[attr-defined]
+        if sum(samples) > budget:
+            break
+    t_v = statistics.median(samples)
+    # kvgeom: the local card as a connector keeps it; the remote cards fresh for every handshake (parsed,
+    # their geometry built, not timed: vLLM's metadata arrives decoded too), so nothing derived from them
+    # is reused between handshakes
+    fresh = [[GeometryCard(c.engine_id, c.model, c.engine, c.mode) for c in p] for _ in range(64)]
+    for cards in fresh:
+        for c in cards:
+            c.geometry  # noqa: B018 - built before timing
+    ks = []
+    for cards in fresh:
+        t0 = time.perf_counter()
+        Pairing.create(d, cards, "pull", "vllm")
+        ks.append(time.perf_counter() - t0)
+        if sum(ks) > budget:
+            break
+    t_k = statistics.median(ks)
+    pairing = Pairing.create(d, p, "pull", "vllm")
+    tables = [pairing.local_table(pairing.local_key(r)) for r in pairing.transfer_ranks] + \
+        [pairing.remote_table(r) for r in pairing.transfer_ranks]
+    runs = sum(len(t.runs) for t in tables)
+    descs = sum(len(t) for t in tables)
+    return {"blocks": sc.cards("decode")[0].geometry.num_blocks, "vllm_ms": t_v * 1e3, "kvgeom_ms": t_k * 1e3, "ratio": t_k / t_v,
+            "table_runs": runs, "table_descriptors": descs, "table_bytes": runs * 5 * 8}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--blocks", type=int, nargs="*", default=list(BLOCKS))
+    ap.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per measurement and side")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    most = max(args.tokens) if args.tokens else 16
+    sc = scenario(max(64, -(-most * 5 // 1920 // 2) + 8))  # room for the request's probes (2.5x) on both sides
+    side = VllmSide(sc)
+    check_tables(sc, side)
+    requests = [request_row(sc, side, t, args.budget) for t in args.tokens]
+    handshakes = [handshake_row(b, args.budget) for b in args.blocks]
+    out = {"pair": sc.describe(), "requests": requests, "handshakes": handshakes}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(out["pair"])
+    print(f"{'tokens':>9} {'pairs':>8} {'runs':>8} {'vLLM us':>10} {'new shape':>10} {'ratio':>6} {'repeated':>10} "
+          f"{'ratio':>6}")
+    for r in requests:
+        print(f"{r['tokens']:9d} {r['pairs']:8d} {r['runs']:8d} {r['vllm_us']:10.1f} {r['kvgeom_new_us']:10.1f} "
+              f"{r['ratio_new']:6.2f} {r['kvgeom_us']:10.1f} {r['ratio']:6.2f}")
+    print(f"{'blocks':>9} {'vLLM ms':>10} {'kvgeom ms':>10} {'ratio':>6} {'runs':>6} {'descs':>10}")
+    for h in handshakes:
+        print(f"{h['blocks']:9d} {h['vllm_ms']:10.2f} {h['kvgeom_ms']:10.2f} {h['ratio']:6.2f} {h['table_runs']:6d} "
+              f"{h['table_descriptors']:10d}")
+
+
+if __name__ == "__main__":
+    main()

@@ -110,7 +110,7 @@ def page_heads(geom: object, layer: str) -> int:
     spec = geom.layer_specs[layer]  # type: ignore[attr-defined]
     if getattr(spec, "num_kv_heads", None) is None or geom.engine.kv_layout.value != "head_major":  # type: ignore
         return 1
-    return spec.heads_per_rank(geom.tp_size)  # type: ignore[attr-defined]
+    return int(spec.heads_per_rank(geom.tp_size))  # type: ignore[attr-defined]
 
 
 def group_pages(geom: object, group: int) -> list[Page]:

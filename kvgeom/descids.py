@@ -150,7 +150,8 @@ def desc_segments(
             return _table(np.repeat(offs, grid.size), np.tile(grid, count), np.repeat(caps, grid.size), tuple(attn))
         rows = [(offs[m], np.full(int(m.sum()), g), caps[m]) for g in attn
                 for m in [(gids == g) | (gids == SHARED_GROUP)]]
-        return _table(*(np.concatenate([np.zeros(0, np.int64)] + [r[i] for r in rows]) for i in range(3)))
+        cols = [np.concatenate([np.zeros(0, np.int64)] + [r[i] for r in rows]) for i in range(3)]
+        return _table(cols[0], cols[1], cols[2])
     ssm_regions = [int(r) for r in ssm_region_indices]
     bad = [r for r in ssm_regions if not 0 <= r < nregions]
     if bad or len(set(ssm_regions)) != len(ssm_regions):
@@ -164,20 +165,20 @@ def desc_segments(
     scratch = np.asarray(sorted(int(r) for r in scratch_region_indices), dtype=np.int64)
     if scratch.size and (scratch.min() < 0 or scratch.max() >= nregions):
         raise GroupMismatchError("scratch_region_indices", f"must lie in [0, {nregions})", value=scratch.tolist())
-    offs: list[np.ndarray] = []
+    starts: list[np.ndarray] = []
     groups: list[np.ndarray] = []
     cap_rows: list[np.ndarray] = []
     for g, ssm in enumerate(group_is_ssm):
         if ssm:
             s = np.asarray([streams]) if g == ple_group else np.arange(streams)
-            offs.append(nfa + s * nbl)
+            starts.append(nfa + s * nbl)
             cap_rows.append(np.full(s.size, nbl))
         else:
             r = scratch if g in scratch_groups else np.arange(nregions)
-            offs.append(r * nb)
+            starts.append(r * nb)
             cap_rows.append(np.full(r.size, nb))
-        groups.append(np.full(offs[-1].size, g))
-    return _table(np.concatenate(offs), np.concatenate(groups), np.concatenate(cap_rows))
+        groups.append(np.full(starts[-1].size, g))
+    return _table(np.concatenate(starts), np.concatenate(groups), np.concatenate(cap_rows))
 
 
 def segment_ids(segments: Segments, block_ids: BlockIds, group_is_ssm: Sequence[bool]) -> np.ndarray:
@@ -197,7 +198,8 @@ def apply_segments(segments: Segments, groups: Sequence[np.ndarray], checked: bo
     if segments.grid is not None:  # region-major: every region carries the same groups, in order
         v = np.concatenate([np.zeros(0, np.int64), *(groups[g] for g in segments.grid)])
         regions = segments.offset[::max(len(segments.grid), 1)]
-        return (regions[:, None] + v[None, :]).reshape(-1)
+        out: np.ndarray = (regions[:, None] + v[None, :]).reshape(-1)
+        return out
     # one broadcast per run of a group's segments (a loop over groups, never over blocks)
     parts = [(segments.offset[a:b, None] + groups[g][None, :]).reshape(-1) for g, a, b in segments.runs
              if groups[g].size]

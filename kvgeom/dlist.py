@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -196,7 +197,7 @@ class EngineView:
     transfer_groups: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, geom) -> EngineView:  # geom: RankGeometry (not imported: dlist sits below geometry users)
+    def of(cls, geom: Any) -> EngineView:  # geom: RankGeometry (not imported: dlist sits below geometry users)
         return cls(
             geom.tp_size, geom.tp_rank, geom.block_size, geom.ppl, geom.num_blocks,
             tuple(r.block_len for r in geom.regions), tuple(r.block_stride for r in geom.regions),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any, cast
 
 from .align import Page, group_pages, page_heads
 from .card import GeometryCard
@@ -47,7 +48,7 @@ class Pairing:
     mapping: TPMapping
     prefix_caching: bool = False
     draft_mapping: TPMapping | None = None
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, local: RankGeometry | GeometryCard, remotes: Sequence[RankGeometry | GeometryCard] |
@@ -93,7 +94,7 @@ class Pairing:
         if lg.has_draft:  # head-sharded layers next to MLA layers: their own mapping (by the draft's heads)
             draft = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
                                        lg.group_is_ssm, lg.dcp_size, first.dcp_size,
-                                       head_sharded_kv_heads=lg.model.attention_spec.num_kv_heads)
+                                       head_sharded_kv_heads=_kv_heads(lg))
         pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching, draft)
         pairing._validate_routes()
         return pairing
@@ -175,7 +176,7 @@ class Pairing:
             view = replace(self.shape.streams[1], tp_rank=rank) if self.shape.streams is not None else \
                 EngineView.of(self.remotes[rank])
             self._cache[key] = view.rescaled(self.shape.remote_split) if self.shape.remote_split > 1 else view
-        return self._cache[key]
+        return cast("EngineView", self._cache[key])
 
     def zero_pages(self, group: int) -> list[Page]:
         """The local pages of group ``group`` this pairing fills (pull): every page of the group's layers, or,
@@ -194,7 +195,7 @@ class Pairing:
                 self._cache[key] = pages
             else:
                 self._cache[key] = group_pages(self.local, group)
-        return self._cache[key]
+        return cast("list[Page]", self._cache[key])
 
     def carries(self, group: int) -> bool:
         """Whether any stream carries group ``group`` (under layer-name routing a pipeline stage may hold no
@@ -229,7 +230,7 @@ class Pairing:
             self._cache[key] = route(self.local, self.remotes[rank], rank, self.mode, self.local_rows,
                                      tuple(x // rows for x in self.remote_view(rank).block_lens), lview.block_lens,
                                      lview.region_is_mla)
-        return self._cache[key]
+        return cast("Route", self._cache[key])
 
     @cached_property
     def transfer_ranks(self) -> tuple[int, ...]:
@@ -253,7 +254,7 @@ class Pairing:
             else:
                 mask = tuple(rank in s for s in self.mapping.source_ranks_per_group)
             self._cache[key] = tuple(m and self.carries(g) for g, m in enumerate(mask))
-        return self._cache[key]
+        return cast("tuple[bool, ...]", self._cache[key])
 
     def local_key(self, rank: int) -> LocalKey:
         """The local table a transfer to/from remote rank ``rank`` uses."""
@@ -277,7 +278,7 @@ class Pairing:
                     view.region_is_mla, [view.num_blocks] * view.num_regions)
                 for src, rows in zip(self.mapping.all_source_ranks, splits):
                     self._cache[(bsr, src)] = Dlist.from_pseudo(rows, whole.num_fa)
-        return self._cache[key]
+        return cast("Dlist", self._cache[key])
 
     def remote_table(self, rank: int) -> Dlist:
         """Remote rank ``rank``'s table, every row cut to what this rank exchanges with it."""
@@ -293,7 +294,7 @@ class Pairing:
                                                 self._vllm_ssm_pieces(self.remote_view(rank)),
                                                 None if draft is None else
                                                 (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor))
-        return self._cache[key]
+        return cast("Dlist", self._cache[key])
 
     def _routed(self, rank: int) -> None:
         r = self.route(rank)
@@ -326,3 +327,9 @@ class Pairing:
             + ", ".join(f"rank {r}: {len(self.remote_table(r))}" for r in self.targets),
         ]
         return "\n".join(lines)
+
+
+def _kv_heads(geom: RankGeometry) -> int | None:
+    """The KV heads of the model's head-sharded attention layers (``None`` without any)."""
+    spec = geom.model.attention_spec
+    return spec.num_kv_heads if spec is not None else None

@@ -38,7 +38,7 @@ from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
 from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
 from .errors import BlockIdError, PlanError, UnsupportedError
-from .geometry import RankGeometry
+from .geometry import Group, RankGeometry
 from .pairing import LocalKey, Pairing
 from .recipe import Recipe, trace
 from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
@@ -358,18 +358,22 @@ def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockI
     l_by = block_ids_by_region(logical_to_kernel(lids, local.ppl, local.group_is_ssm), lgid)
     r_by = block_ids_by_region(logical_to_kernel(rids, remote.ppl, remote.group_is_ssm), rgid)
     kb = local.block_size  # equal kernel blocks on both sides (handshake)
-    spans, starts = [], []
+    spans: list[tuple[int, int, int] | None] = []
+    starts: list[int] = []
     for r, (lg, rg) in enumerate(zip(lgid, rgid)):
         if lg < 0 or rg < 0:  # vLLM mode only (kvgeom mode refuses shared regions at handshake)
-            spans.append(None), starts.append(0)
+            spans.append(None)
+            starts.append(0)
             continue
         c0, p0 = list_starts(lids[lg].size, local.logical_block_size, rids[rg].size, remote.logical_block_size,
                              num_tokens, pairing.prefix_caching, _sliding(local.groups[lg]), r, prefill_tokens)
         spans.append(overlap(c0 // kb, l_by[r].size, p0 // kb, r_by[r].size))
         starts.append(c0)
+    # a region without a span (vllm mode's shared regions) pairs nothing of its own and is zeroed whole
+    full = [s if s is not None else (0, 0, 0) for s in spans]
     if pairing.compat == "kvgeom":
-        la = [x[c:c + n] for x, (c, _, n) in zip(l_by, spans)]
-        ra = [x[p:p + n] for x, (_, p, n) in zip(r_by, spans)]
+        la = [x[c:c + n] for x, (c, _, n) in zip(l_by, full)]
+        ra = [x[p:p + n] for x, (_, p, n) in zip(r_by, full)]
     else:
         computed, total = None, None
         tokens = prefill_tokens  # vLLM's remote_num_tokens: without it vLLM end-trims each region
@@ -424,7 +428,7 @@ def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockI
                                   np.full(stale.size, region.block_len)], axis=1))
         else:
             page = Page(r, 0, region.block_len, region.block_stride, page_heads(local, region.members[0][1]))
-            zero.append(consumer_zero_rows([page], l_by[r], 1, spans[r][0], spans[r][2], kb))
+            zero.append(consumer_zero_rows([page], l_by[r], 1, full[r][0], full[r][2], kb))
     return RequestPlan(request_id, "pull", tuple(transfers), tuple(r for r in pairing.targets if r not in sent),
                        expected, local.tp_rank, (), np.concatenate(zero).astype(np.int64))
 
@@ -468,7 +472,8 @@ def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
         seg = desc_segments(len(kinds), v.num_blocks, v.num_regions, ratio, v.ppl, kinds, v.ssm_region_indices or None,
                             pieces, region_group_ids=v.group_ids or None, transfer_layer_group_ids=v.transfer_groups)
         pairing._cache[key] = seg
-    return pairing._cache[key]
+    out: Segments = pairing._cache[key]
+    return out
 
 
 def _first_position(consumer: RankGeometry, n: int, num_tokens: int | None, prefix_caching: bool, group: int) -> int:
@@ -512,13 +517,16 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
     exact_l, exact_r, allowed = [], [], []
     for g, ssm in enumerate(kinds):
         if ssm or not c_all[g].size or not p_all[g].size:
-            exact_l.append(lk[g][:0]), exact_r.append(rk[g][:0]), allowed.append(np.zeros(0, np.int64))
+            exact_l.append(lk[g][:0])
+            exact_r.append(rk[g][:0])
+            allowed.append(np.zeros(0, np.int64))
             continue
         u = _units(consumer, producer, c_all[g], p_all[g], num_tokens, prefill_tokens, pairing.prefix_caching, g)
         rank_of = u["p_rank"] == producer.dcp_rank
         mine = u["ok"] & rank_of
         c_fine, p_fine = u["c_fine"], u["p_fine"]  # ids at the tables' granularity on both sides
-        exact_l.append((c_fine if pull else p_fine)[mine]), exact_r.append((p_fine if pull else c_fine)[mine])
+        exact_l.append((c_fine if pull else p_fine)[mine])
+        exact_r.append((p_fine if pull else c_fine)[mine])
         held = u["held"] & rank_of  # same tokens on both sides, computed by P or not
         allowed.append(_pairs((c_fine if pull else p_fine)[held], (p_fine if pull else c_fine)[held]))
     ssm_l, ssm_r = _select(lk, kinds), _select(rk, kinds)
@@ -534,11 +542,13 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
         lg, rg = [], []
         for g, (lo, ro, ssm) in enumerate(zip(lids, rids, kinds)):
             if ssm or not lo.size:
-                lg.append(lo), rg.append(ro if ssm else ro[:0])
+                lg.append(lo)
+                rg.append(ro if ssm else ro[:0])
                 continue
             first = _first_position(local, lo.size, num_tokens, pairing.prefix_caching, g)
             a, b = apply_dcp_prefix_caching(lo, ro, rank, local.dcp_size, local.dcp_rank, remote.dcp_size, first)
-            lg.append(a), rg.append(b)
+            lg.append(a)
+            rg.append(b)
         lg, rg = logical_to_kernel(lg, local.ppl, kinds), logical_to_kernel(rg, pairing.remote_view(rank).ppl, kinds)
         if pairing.bsr > 1:
             lg, rg = map_block_ids_for_block_size_ratio(lg, rg, pairing.bsr, kinds)
@@ -689,7 +699,7 @@ def _same_tokens(lg: list[np.ndarray], rg: list[np.ndarray], el: list[np.ndarray
                 f"<- remote {er[g][:4].tolist()}...); kvgeom mode plans it", local=a.tolist()[:8], remote=b.tolist()[:8])
 
 
-def _sliding(group) -> bool:  # noqa: ANN001 - a Group
+def _sliding(group: Group) -> bool:
     return getattr(group.spec, "sliding_window", None) is not None
 
 

@@ -443,6 +443,11 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
     for g, ssm in enumerate(kinds):
         if ssm:
             continue
+        if lg[g].size != rg[g].size:  # vLLM's closed form gave lists of different lengths to pair
+            raise UnsupportedError(f"block_ids[{g}]", f"with decode context parallelism vLLM 0.33.0 would pair "
+                                   f"{lg[g].size} local with {rg[g].size} remote pages (its closed form and "
+                                   "block-size-ratio map disagree on the count); kvgeom mode pairs them by token",
+                                   local=int(lg[g].size), remote=int(rg[g].size))
         got, want = _pairs(lg[g], rg[g]), _pairs(exact_l[g], exact_r[g])
         if not np.isin(got, allowed[g]).all() or not np.isin(want, got).all():
             # other tokens paired, or tokens P computed left unread

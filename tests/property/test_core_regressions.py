@@ -148,3 +148,21 @@ def test_mixed_conv_layouts_are_refused_at_any_tp(tp: int, mode: str, compat: st
     for layout in ("DS", "SD"):
         same = EngineConfig(tp_size=tp, block_size=ATTN_MAMBA2_BLOCK, num_blocks=3, conv_layout=layout)
         assert run(ATTN_MAMBA2, same, same, request, mode, compat).ok
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_dcp_pull_with_unequal_vllm_page_lists_is_refused_not_a_numpy_error(compat: str) -> None:
+    """Found by the CI hypothesis profile while widening the strategies (issue 12): MLA + Mamba1, DCP 2 on
+    both sides, P block 4/kernel 1, D block 2/kernel 2, pull. In vllm mode vLLM's closed-form DCP pairing
+    and its block-size-ratio map gave 2 local and 4 remote pages, and the planner crashed with a raw numpy
+    broadcast ValueError. Now a typed refusal naming the group's block ids; kvgeom mode plans it."""
+    model = ModelSpec.from_layers("mla+ssm", [MLASpec(4, "float16"), MambaSpec.mamba1(2, 1, 2, "float16")])
+    p = EngineConfig(tp_size=2, block_size=4, kernel_block_size=1, num_blocks=3, dcp_size=2)
+    d = EngineConfig(tp_size=2, block_size=2, kernel_block_size=2, num_blocks=3, dcp_size=2)
+    request = Request(1, [[0], [1]], [[0], [1]])
+    if compat == "kvgeom":
+        assert run(model, p, d, request, "pull", compat).ok
+        return
+    with pytest.raises(UnsupportedError) as err:
+        run(model, p, d, request, "pull", compat)
+    assert err.value.field == "block_ids[0]" and err.value.values == {"local": 2, "remote": 4}

@@ -44,6 +44,10 @@ MUTMUT = [sys.executable, "-m", "mutmut"]
 #: the most important modules: the CI sample draws from each of them
 CI_MODULES = ("plan", "tp", "descids", "blocks", "handshake", "route", "align", "testing.oracle")
 CI_PER_MODULE = 3
+#: the CI sample's tests: the ones that exercise planning end to end (bounded stats collection)
+CI_TESTS = ["tests/golden", "tests/property", "tests/testing/test_oracle_catches_bugs.py",
+            "tests/unit/test_core_values.py", "tests/unit/test_worked_examples.py",
+            "tests/unit/test_vllm_functions.py", "tests/unit/test_vllm_refusals.py"]
 #: modules of each area (strategies generate the tests' inputs: their mutants weaken tests, not kvgeom)
 ORACLE = ("testing.oracle", "testing._coords", "testing._layout", "testing._report", "testing._request",
           "testing.nixl_double")
@@ -145,7 +149,7 @@ def load_mutants() -> list[Mutant]:
             continue
         lines = (ROOT / "mutants" / rel).read_text().splitlines()
 
-        def text(fn: str) -> str:
+        def text(fn: str, spans: MutantLineSpans = spans, lines: list[str] = lines) -> str:
             span = spans.span_by_function_name[fn]
             return "\n".join(lines[span.start - 1:span.end])
 
@@ -192,27 +196,47 @@ def ci_sample(pool: list[Mutant]) -> list[Mutant]:
     return chosen
 
 
-def generate() -> None:
+def _mutmut(args: list[str], ci: bool) -> list[str]:
+    """The command running mutmut with ``args``; for the CI sample, with the configuration narrowed to the
+    CI modules and tests (mutmut reads ``[tool.mutmut]``; the override is applied before it starts)."""
+    if not ci:
+        return [*MUTMUT, *args]
+    only = [f"kvgeom/{m.replace('.', '/')}.py" for m in CI_MODULES]
+    code = ("import sys\nfrom mutmut.configuration import config\ncfg = config()\n"
+            f"cfg.only_mutate = {only!r}\ncfg.pytest_add_cli_args_test_selection = {CI_TESTS!r}\n"
+            "from mutmut.__main__ import cli\n"
+            f"sys.argv = ['mutmut', *{args!r}]\ncli()\n")
+    return [sys.executable, "-c", code]
+
+
+def generate(ci: bool) -> None:
     """Write the mutants (mutmut's own generation step; cached while the sources are unchanged)."""
-    code = ("from mutmut.__main__ import copy_src_dir, copy_also_copy_files, setup_source_paths, "
+    code = ("from mutmut.configuration import config\n"
+            + (f"config().only_mutate = {[f'kvgeom/{m.replace(chr(46), chr(47))}.py' for m in CI_MODULES]!r}\n"
+               if ci else "")
+            + "from mutmut.__main__ import copy_src_dir, copy_also_copy_files, setup_source_paths, "
             "create_mutants, set_mutant_under_test\n"
             "set_mutant_under_test('mutant_generation')\n"
             "copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(2)\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def run(names: list[str], max_children: int) -> dict[str, int | None]:
-    """Run mutmut on ``names``; return each one's exit code (1/3 killed, 0 survived)."""
+def results() -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    for meta in (ROOT / "mutants" / "kvgeom").rglob("*.py.meta"):
+        out.update(json.loads(meta.read_text())["exit_code_by_key"])
+    return out
+
+
+def run(names: list[str], max_children: int, ci: bool = False) -> dict[str, int | None]:
+    """Run mutmut on ``names``; return each one's exit code (see ``KILLED`` / ``SURVIVED``)."""
     env = dict(os.environ, KVGEOM_HYPOTHESIS_PROFILE="mutate")
-    result = {}
     for start in range(0, len(names), 400):  # bounded command lines
         batch = names[start:start + 400]
-        subprocess.run([*MUTMUT, "run", "--max-children", str(max_children), *batch], cwd=ROOT, env=env,
+        subprocess.run(_mutmut(["run", "--max-children", str(max_children), *batch], ci), cwd=ROOT, env=env,
                        check=False, stdout=subprocess.DEVNULL)
-    for meta in (ROOT / "mutants" / "kvgeom").rglob("*.py.meta"):
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
-        result.update({n: codes.get(n) for n in names if n in codes})
-    return result
+    codes = results()
+    return {n: codes.get(n) for n in names}
 
 
 def wilson(k: int, n: int) -> tuple[float, float]:
@@ -248,6 +272,21 @@ def write_docs(text: str) -> None:
                           flags=re.S))
 
 
+def rescore(equivalents: list[dict[str, str]], write: bool) -> int:
+    last = json.loads((ROOT / "mutants" / "last-run.json").read_text())
+    chosen = [Mutant(n, d["module"], d["function"], d["before"], d["after"]) for n, d in last["mutants"].items()]
+    chosen = [m for m in chosen if is_equivalent(m, equivalents) is None]
+    codes = {n: d["exit"] for n, d in last["mutants"].items()}
+    text = table(chosen, codes, last["populations"])
+    print(text)
+    for m in chosen:
+        if codes.get(m.name) in SURVIVED:
+            print(f"SURVIVED {m.name}\n    - {m.before}\n    + {m.after}")
+    if write:
+        write_docs(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ci", action="store_true", help="the CI sample; exit 1 if one survives")
@@ -258,11 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--list", action="store_true", help="print the chosen mutants and stop")
+    ap.add_argument("--rescore", action="store_true",
+                    help="score the last run again (after recording equivalents), running nothing")
     args = ap.parse_args(argv)
 
-    generate()
-    mutants = load_mutants()
     equivalents = load_equivalents()
+    if args.rescore:
+        return rescore(equivalents, args.write_docs)
+    generate(args.ci)
+    mutants = load_mutants()
     pool = eligible(mutants, equivalents)
     if args.modules:
         pool = [m for m in pool if m.module in args.modules]
@@ -283,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.name}\n    - {m.before}\n    + {m.after}")
         return 0
-    codes = run([m.name for m in chosen], args.max_children)
+    codes = run([m.name for m in chosen], args.max_children, args.ci)
     survivors = [m for m in chosen if codes.get(m.name) in SURVIVED]
     unknown = [m for m in chosen if codes.get(m.name) not in (*KILLED, *SURVIVED)]
     text = table(chosen, codes, populations)
@@ -292,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SURVIVED {m.name}\n    - {m.before}\n    + {m.after}")
     for m in unknown:
         print(f"NOT KILLED (exit {codes.get(m.name)}) {m.name}\n    - {m.before}\n    + {m.after}")
-    (ROOT / "mutants" / "last-run.json").write_text(json.dumps(
-        {m.name: {"area": m.area, "exit": codes.get(m.name), "before": m.before, "after": m.after}
-         for m in chosen}, indent=1))
+    (ROOT / "mutants" / ("last-ci.json" if args.ci else "last-run.json")).write_text(json.dumps(
+        {"populations": populations,
+         "mutants": {m.name: {"module": m.module, "function": m.function, "exit": codes.get(m.name),
+                              "before": m.before, "after": m.after} for m in chosen}}, indent=1))
     if args.write_docs:
         write_docs(text)
     if args.ci and (survivors or unknown):

@@ -282,8 +282,11 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
     if model.is_mla and not model.has_ssm and all(isinstance(la.spec, MLASpec) for la in model.layers) \
             and not kv_split and draw(st.integers(0, 2)) == 0:  # block-outermost rows, mostly on both sides
         p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
-    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv, p_dcp, p_pp, p_packed)
-    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv, d_dcp, d_pp, d_packed)
+    p_conv = d_conv = conv
+    if model.has_ssm and draw(st.integers(0, 7)) == 0:  # mixed conv layouts (equal or unequal TP): refused
+        p_conv, d_conv = draw(st.sampled_from(((ConvLayout.DS, ConvLayout.SD), (ConvLayout.SD, ConvLayout.DS))))
+    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, p_conv, p_dcp, p_pp, p_packed)
+    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, d_conv, d_dcp, d_pp, d_packed)
     if mode == "pull" and _group_count(model) == 1 and not model.has_ssm and len(model.layers) > 1 \
             and p_dcp == d_dcp == 1 and p_pp == d_pp == 1 and not (p_packed or d_packed) \
             and draw(st.integers(0, 4)) == 0:
@@ -297,6 +300,8 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
     event(f"pair class: {cls or 'other'}")
     try:
         pair.check()
+        if p.conv_layout is not d.conv_layout:  # a DS page copied into an SD page: the wrong bytes
+            raise AssertionError(f"mixed conv layouts accepted: {pair}")
     except KvgeomError as exc:
         if cls is not None:  # a verdict, not a discard: this class is always plannable
             raise AssertionError(f"plannable class {cls!r} refused at handshake: {pair}: {exc}") from exc

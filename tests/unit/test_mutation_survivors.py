@@ -1,0 +1,68 @@
+"""Tests written for mutants that survived ``make mutate`` (docs/testing.md): each pins a behaviour no test
+looked at (the field an error names and the values it carries, a request with the wrong id count, an
+oracle coordinate out of range)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvgeom import ConfigError, EngineConfig, IncompatiblePairError, Pairing, RatioError, card_of
+from kvgeom.dcp import dcp_source_ranks
+from kvgeom.scenario import Scenario
+from kvgeom.spec import AttentionSpec, ModelSpec
+from kvgeom.testing import CoordSpace, Request, RequestError, run
+
+DENSE = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")])
+
+
+def test_a_missing_scenario_file_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.json"
+    with pytest.raises(ConfigError) as err:
+        Scenario.load(path)
+    assert err.value.field == "scenario" and err.value.values == {"value": str(path)}
+
+
+def test_packed_rows_must_be_a_boolean() -> None:
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(tp_size=1, block_size=4, num_blocks=4, packed_rows="yes")  # type: ignore[arg-type]
+    assert err.value.field == "packed_rows" and err.value.values == {"value": "yes"}
+
+
+@pytest.mark.parametrize("which", ["local", "remote"])
+def test_a_card_for_the_other_mode_is_refused_naming_both_modes(which: str) -> None:
+    e = EngineConfig(tp_size=1, block_size=4, num_blocks=4)
+    d = card_of("d", DENSE, e, "push" if which == "local" else "pull")
+    p = card_of("p", DENSE, e, "push" if which == "remote" else "pull")
+    with pytest.raises(IncompatiblePairError) as err:
+        Pairing.create(d, [p], mode="pull")
+    assert err.value.field == "mode" and err.value.values == {"local": "pull", "remote": "push"}
+    assert ("local card" if which == "local" else "remote rank 0 card") in str(err.value)
+
+
+@pytest.mark.parametrize(("local", "remote", "field"), [(0, 1, "local_dcp_size"), (1, 0, "remote_dcp_size"),
+                                                         (2, 3, "remote_dcp_size")])
+def test_dcp_sizes_name_the_side_at_fault(local: int, remote: int, field: str) -> None:
+    with pytest.raises(RatioError) as err:
+        dcp_source_ranks(0, local, 4, remote)
+    assert err.value.field == field
+
+
+def test_a_request_with_the_wrong_d_id_count_is_refused_naming_d_ids() -> None:
+    e = EngineConfig(tp_size=1, block_size=4, num_blocks=4)
+    with pytest.raises(RequestError, match=r"^d_ids"):
+        run(DENSE, e, e, Request(5, [[0, 1]], [[0]]), "pull", "kvgeom")
+    with pytest.raises(RequestError, match=r"^p_ids"):
+        run(DENSE, e, e, Request(5, [[0]], [[0, 1]]), "pull", "kvgeom")
+
+
+def test_oracle_coordinates_outside_their_extent_are_refused() -> None:
+    space = CoordSpace(DENSE, 8)
+    layer = DENSE.layers[0].name
+    ok = space.tag(layer, "kv", 0, 0, 0, 0)
+    assert np.asarray(ok).size == 1
+    for bad in ((8, 0, 0, 0), (0, -1, 0, 0), (0, 0, 2, 0)):  # token < 8, head < 2, K or V
+        with pytest.raises(ValueError, match="index outside"):
+            space.tag(layer, "kv", *bad)

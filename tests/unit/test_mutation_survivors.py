@@ -66,3 +66,41 @@ def test_oracle_coordinates_outside_their_extent_are_refused() -> None:
     for bad in ((8, 0, 0, 0), (0, -1, 0, 0), (0, 0, 2, 0)):  # token < 8, head < 2, K or V
         with pytest.raises(ValueError, match="index outside"):
             space.tag(layer, "kv", *bad)
+
+
+def _qwen3(**extra: object) -> dict[str, object]:
+    return {"model_type": "qwen3", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8, "max_window_layers": 2,
+            "torch_dtype": "bfloat16", **extra}
+
+
+def test_qwen_sliding_windows_only_when_the_config_asks() -> None:
+    from kvgeom.hfconfig import read_config
+
+    def windows(config: dict[str, object]) -> list[int | None]:
+        return [la.spec.sliding_window for la in read_config(config).layers]
+
+    assert windows(_qwen3()) == [None] * 4  # no use_sliding_window: full attention everywhere
+    assert windows(_qwen3(use_sliding_window=True)) == [None, None, 8, 8]
+
+
+def test_attention_head_size_from_the_attention_hidden_size() -> None:
+    """Zamba2-style configs size attention by ``attention_hidden_size`` (here 2 x hidden) when no head
+    dimension is given: 128 / 4 heads = 32 elements per head."""
+    from kvgeom.hfconfig import read_config
+
+    config = _qwen3(attention_hidden_size=128)
+    del config["head_dim"]
+    assert {la.spec.head_size for la in read_config(config).layers} == {32}
+
+
+def test_mamba2_inner_size_from_mamba_expand() -> None:
+    """Mamba2 without a head dimension: inner = mamba_expand x hidden (here 4 x 64 = 256, 8 heads of 32)."""
+    from kvgeom.hfconfig import read_config
+
+    config = {"model_type": "nemotron_h", "num_hidden_layers": 2, "hybrid_override_pattern": "M*",
+              "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "mamba_num_heads": 8, "n_groups": 2, "ssm_state_size": 4, "conv_kernel": 4, "mamba_expand": 4,
+              "torch_dtype": "bfloat16"}
+    ssm = read_config(config).ssm_spec
+    assert ssm is not None and ssm.temporal.units * ssm.temporal.unit_elems == 8 * 32 * 4

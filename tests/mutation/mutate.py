@@ -47,7 +47,8 @@ CI_PER_MODULE = 3
 #: the CI sample's tests: the ones that exercise planning end to end (bounded stats collection)
 CI_TESTS = ["tests/golden", "tests/property", "tests/testing/test_oracle_catches_bugs.py",
             "tests/unit/test_core_values.py", "tests/unit/test_worked_examples.py",
-            "tests/unit/test_vllm_functions.py", "tests/unit/test_vllm_refusals.py"]
+            "tests/unit/test_vllm_functions.py", "tests/unit/test_vllm_refusals.py",
+            "tests/unit/test_mutation_survivors.py", "tests/unit/test_card_lies.py"]
 #: modules of each area (strategies generate the tests' inputs: their mutants weaken tests, not kvgeom)
 ORACLE = ("testing.oracle", "testing._coords", "testing._layout", "testing._report", "testing._request",
           "testing.nixl_double")
@@ -272,6 +273,29 @@ def write_docs(text: str) -> None:
                           flags=re.S))
 
 
+def rerun_survivors(mutants: list[Mutant], equivalents: list[dict[str, str]], max_children: int,
+                    write: bool) -> int:
+    """Run the survivors of the last sample again, found by module, function and mutated code (a source
+    edit renumbers mutmut's mutants), and record their new results in ``mutants/last-run.json``."""
+    path = ROOT / "mutants" / "last-run.json"
+    last = json.loads(path.read_text())
+    by_code = {(m.module, m.function, m.before, m.after): m.name for m in mutants}
+    again = {}
+    for name, d in last["mutants"].items():
+        if d["exit"] in SURVIVED:
+            now = by_code.get((d["module"], d["function"], d["before"], d["after"]))
+            if now is None:
+                print(f"mutate: {name} no longer exists (its code changed); dropped from the sample")
+                d["exit"] = None
+            else:
+                again[name] = now
+    codes = run(sorted(set(again.values())), max_children)
+    for name, now in again.items():
+        last["mutants"][name]["exit"] = codes.get(now)
+    path.write_text(json.dumps(last, indent=1))
+    return rescore(equivalents, write)
+
+
 def rescore(equivalents: list[dict[str, str]], write: bool) -> int:
     last = json.loads((ROOT / "mutants" / "last-run.json").read_text())
     chosen = [Mutant(n, d["module"], d["function"], d["before"], d["after"]) for n, d in last["mutants"].items()]
@@ -297,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--list", action="store_true", help="print the chosen mutants and stop")
+    ap.add_argument("--rerun-survivors", action="store_true",
+                    help="run the last run's survivors again (after adding tests), matched by their mutated code")
     ap.add_argument("--rescore", action="store_true",
                     help="score the last run again (after recording equivalents), running nothing")
     args = ap.parse_args(argv)
@@ -306,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         return rescore(equivalents, args.write_docs)
     generate(args.ci)
     mutants = load_mutants()
+    if args.rerun_survivors:
+        return rerun_survivors(mutants, equivalents, args.max_children, args.write_docs)
     pool = eligible(mutants, equivalents)
     if args.modules:
         pool = [m for m in pool if m.module in args.modules]

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgeom import ConfigError, EngineConfig, IncompatiblePairError, Pairing, RatioError, card_of
+from kvgeom import ConfigError, EngineConfig, IncompatiblePairError, KvgeomError, Pairing, RatioError, card_of
 from kvgeom.dcp import dcp_source_ranks
 from kvgeom.scenario import Scenario
-from kvgeom.spec import AttentionSpec, ModelSpec
+from kvgeom.spec import AttentionSpec, MLASpec, ModelSpec
 from kvgeom.testing import CoordSpace, Request, RequestError, run
 
 DENSE = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")])
@@ -104,3 +104,52 @@ def test_mamba2_inner_size_from_mamba_expand() -> None:
               "torch_dtype": "bfloat16"}
     ssm = read_config(config).ssm_spec
     assert ssm is not None and ssm.temporal.units * ssm.temporal.unit_elems == 8 * 32 * 4
+
+
+def test_region_capacities_of_the_wrong_count_name_both_counts() -> None:
+    from kvgeom import GroupMismatchError
+    from kvgeom.descids import desc_segments
+
+    with pytest.raises(GroupMismatchError) as err:
+        desc_segments(1, 8, 2, None, 1, [False], region_num_blocks=[8, 8, 8])
+    assert err.value.field == "region_num_blocks" and err.value.values == {"value": 3, "expected": 2}
+
+
+def test_tp_mapping_json_without_local_consumers_means_one() -> None:
+    from kvgeom.tp import TPMapping, compute_tp_mapping
+
+    mapping = compute_tp_mapping(0, 2, 1, 2, False, [False])
+    data = mapping.to_json()
+    del data["local_consumers"]
+    assert TPMapping.from_json(data).local_consumers == 1
+    assert TPMapping.from_json(mapping.to_json()) == mapping
+
+
+def test_plan_describe_lists_each_remote_rank() -> None:
+    from kvgeom import plan_request
+
+    d = card_of("d", DENSE, EngineConfig(tp_size=1, block_size=4, num_blocks=4))
+    p = [card_of("p", DENSE, EngineConfig(tp_size=2, tp_rank=r, block_size=4, num_blocks=4)) for r in range(2)]
+    pairing = Pairing.create(d, p, mode="pull")
+    text = pairing and plan_request(pairing, [[1]], [[2]], num_tokens=3).describe(pairing)
+    assert "rank 0:" in text and "rank 1:" in text
+
+
+# a GQA draft (one attention layer) under an MLA target
+DRAFT = ModelSpec.from_layers("mla+draft", [MLASpec(8, "float16"), MLASpec(8, "float16"), AttentionSpec(4, 4, "float16")])
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 4)])
+def test_vllm_mode_pulls_a_draft_with_local_tp_above_remote(p_tp: int, d_tp: int) -> None:
+    """vLLM 0.33.0 maps a GQA draft under an MLA target when the local (D) TP is at least the remote's in
+    a pull, not only at equal TP."""
+    p, d = EngineConfig(tp_size=p_tp, block_size=4, num_blocks=6), EngineConfig(tp_size=d_tp, block_size=4, num_blocks=6)
+    assert run(DRAFT, p, d, Request.simple(DRAFT, p, d, 7), "pull", "vllm").ok
+
+
+def test_vllm_mode_refuses_a_draft_push_across_tp_sizes_naming_tp_size() -> None:
+    p, d = EngineConfig(tp_size=1, block_size=4, num_blocks=6), EngineConfig(tp_size=2, block_size=4, num_blocks=6)
+    with pytest.raises(KvgeomError) as err:
+        run(DRAFT, p, d, Request.simple(DRAFT, p, d, 7), "push", "vllm")
+    assert err.value.field == "tp_size"
+    assert run(DRAFT, p, d, Request.simple(DRAFT, p, d, 7), "push", "kvgeom").ok

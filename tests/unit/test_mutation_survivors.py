@@ -153,3 +153,40 @@ def test_vllm_mode_refuses_a_draft_push_across_tp_sizes_naming_tp_size() -> None
         run(DRAFT, p, d, Request.simple(DRAFT, p, d, 7), "push", "vllm")
     assert err.value.field == "tp_size"
     assert run(DRAFT, p, d, Request.simple(DRAFT, p, d, 7), "push", "kvgeom").ok
+
+
+def test_run_plans_builds_its_own_oracle() -> None:
+    from kvgeom.testing import pull_plans, run_plans
+
+    p, d = EngineConfig(tp_size=2, block_size=4, num_blocks=4), EngineConfig(tp_size=1, block_size=4, num_blocks=4)
+    request = Request.simple(DENSE, p, d, 6)
+    report = run_plans(DENSE, p, d, request, pull_plans(DENSE, p, d, request))
+    assert report.ok and report.bytes_moved == 2 * 4 * 32  # 2 blocks of 4 slots, 2 heads x (K, V) x 4 x 2 B a token
+
+
+def test_recording_agents_default_to_no_engine_label() -> None:
+    from kvgeom.testing import NixlFabric
+
+    agent = NixlFabric().agent("a")
+    assert agent.engine == "" and agent.rank == 0
+
+
+def test_oracle_names_temporal_state_elements() -> None:
+    from kvgeom.spec import MambaSpec
+
+    model = ModelSpec.from_layers("ssm", [MambaSpec.mamba1(4, 1, 2, "float16")])
+    space = CoordSpace(model, 4)
+    assert "element 3" in space.describe(int(space.tag("layers.0.mamba", "temporal", 3, 0)))
+
+
+def test_falcon_inner_size_that_disagrees_with_the_heads_is_refused_with_its_value() -> None:
+    from kvgeom.errors import SpecError
+    from kvgeom.hfconfig import read_config
+
+    config = {"model_type": "falcon_h1", "num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16,
+              "mamba_n_groups": 1, "mamba_d_state": 4, "mamba_d_conv": 4, "mamba_d_ssm": 100,
+              "torch_dtype": "bfloat16"}
+    with pytest.raises(SpecError) as err:
+        read_config(config)
+    assert err.value.field == "mamba_d_ssm" and err.value.values["value"] == 100

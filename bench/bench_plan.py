@@ -71,8 +71,8 @@ def main() -> None:
     args = ap.parse_args()
     sc = Scenario.from_json({
         "model": "nemotron-h-8b", "mode": "pull",
-        "prefill": {"tp_size": 2, "block_size": 528, "kernel_block_size": 16, "num_blocks": 1024},
-        "decode": {"tp_size": 1, "block_size": 1056, "kernel_block_size": 32, "num_blocks": 512},
+        "prefill": {"tp_size": 2, "block_size": 1040, "kernel_block_size": 16, "num_blocks": 1024},
+        "decode": {"tp_size": 1, "block_size": 2080, "kernel_block_size": 32, "num_blocks": 512},
     })
     req = sc.request(args.tokens, seed=7)
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Cross-process pull throughput: NIXL against process_vm_readv and memcpy, on the same byte moves.
 
-Nemotron-H 8B (Mamba2 hybrid), P TP2 (block 528, kernel 16) -> D TP1 (block 1056, kernel 32), pull:
+Nemotron-H 8B (Mamba2 hybrid), P TP2 (block 1040, kernel 16) -> D TP1 (block 2080, kernel 32), pull:
 the shipped example pair, its pools sized for one large request (default 32,768 tokens, ~570 MiB on
 D) with shuffled block ids. Each P rank and the D rank is a separate process with its own NIXL agent
 (UCX, loopback; progress thread off unless ``--progress-thread``). D plans the request, then, in the

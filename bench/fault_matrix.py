@@ -5,8 +5,8 @@ processes (or, for the side channel, against real servers in this process), ever
 
 Two P engines (``prefill`` takes the faults, ``backup`` serves meanwhile) and one D rank; P TP2 -> D TP1;
 5 s timeouts. ``--model demo`` (default): the demo Mamba2 hybrid (P block 32 -> D block 64, kernel 16),
-requests of 1,000 / 2,500 / 4,000 tokens. ``--model nemotron``: Nemotron-H 8B (P block 528 kernel 16 ->
-D block 1056, kernel 32 in pull and 16 in push), requests of 1,056 / 2,112 tokens (18 / 37 MiB). Every
+requests of 1,000 / 2,500 / 4,000 tokens. ``--model nemotron``: Nemotron-H 8B (P block 1040 kernel 16 ->
+D block 2080, kernel 32 in pull and 16 in push), requests of 2,080 / 4,160 tokens. Every
 byte is checked against kvgeom.testing's layout model, which costs about 9 bytes of memory per byte of
 cache checked: that, not the adapter, bounds the request sizes here.
 
@@ -43,9 +43,9 @@ from kvgeom.scenario import Scenario  # noqa: E402
 
 MODELS = {
     "nemotron": ({"model": "nemotron-h-8b", "mode": "pull", "compat": "kvgeom",
-                  "prefill": {"tp_size": 2, "block_size": 528, "kernel_block_size": 16, "num_blocks": 64},
-                  "decode": {"tp_size": 1, "block_size": 1056, "kernel_block_size": 32, "num_blocks": 64}},
-                 {"kernel_block_size": 16}, [1056, 2112]),  # push needs P kernel blocks multiple of D's
+                  "prefill": {"tp_size": 2, "block_size": 1040, "kernel_block_size": 16, "num_blocks": 64},
+                  "decode": {"tp_size": 1, "block_size": 2080, "kernel_block_size": 32, "num_blocks": 64}},
+                 {"kernel_block_size": 16}, [2080, 4160]),  # push needs P kernel blocks multiple of D's
     "demo": (None, {}, [1000, 2500, 4000]),
 }
 TOKENS: list[int] = []

@@ -4,8 +4,8 @@ Data flows one way: model spec -> rank geometry -> TP mapping -> plan -> descrip
 
 >>> from kvgeom import presets, EngineConfig, card_of, Pairing, plan_request
 >>> model = presets.load("nemotron-h-8b")
->>> d = card_of("decode", model, EngineConfig(tp_size=1, block_size=1056, kernel_block_size=32, num_blocks=64))
->>> p = [card_of("prefill", model, EngineConfig(tp_size=2, tp_rank=r, block_size=528, kernel_block_size=16,
+>>> d = card_of("decode", model, EngineConfig(tp_size=1, block_size=2080, kernel_block_size=32, num_blocks=64))
+>>> p = [card_of("prefill", model, EngineConfig(tp_size=2, tp_rank=r, block_size=1040, kernel_block_size=16,
 ...                                             num_blocks=64)) for r in range(2)]
 >>> pairing = Pairing.create(d, p, mode="pull")          # handshake: validated, tables built lazily
 >>> plan = plan_request(pairing, [[0], [1], [2], [3], [4], [5], [6]], [[0, 1], [2], [3], [4], [5], [6], [7]])

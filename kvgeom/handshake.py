@@ -273,6 +273,10 @@ def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, compat: Co
     if local.ppl != remote.ppl and prefix_caching:
         raise _err("ppl", "Mamba hybrids with different kernel blocks per logical block cannot use prefix "
                    "caching: disable prefix caching", local.ppl, remote.ppl)
+    if local.engine.conv_layout is not remote.engine.conv_layout:
+        raise _err("conv_layout", "P and D must lay out the conv state alike (a DS page copied into an SD page "
+                   "puts each byte at another (channel, position)), at any TP sizes",
+                   local.engine.conv_layout.value, remote.engine.conv_layout.value)
     if ratio != 1:
         if local.engine.conv_layout.value != "DS" or remote.engine.conv_layout.value != "DS":
             raise _err("conv_layout", "heterogeneous TP needs the DS (channel-major) conv layout on both sides",

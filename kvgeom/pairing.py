@@ -77,6 +77,14 @@ class Pairing:
             if g.tp_rank != rank:
                 raise IncompatiblePairError(f"remotes[{rank}].tp_rank", "card rank differs from its position",
                                             local=rank, remote=g.tp_rank)
+            if g.model != first.model:
+                raise IncompatiblePairError(f"remotes[{rank}].model", "all ranks of one remote engine must hold the "
+                                            "same model spec", local=first.model.dumps()[:200],
+                                            remote=g.model.dumps()[:200])
+            if g.engine.with_rank(first.tp_rank, pp_rank=first.engine.pp_rank) != first.engine:
+                raise IncompatiblePairError(f"remotes[{rank}].engine", "all ranks of one remote engine must share its "
+                                            "configuration (apart from the rank)", local=first.engine.to_json(),
+                                            remote=g.engine.to_json())
         shape = check_pair(lg, first, mode, compat, prefix_caching)
         targets = dcp_handshake_targets(lg.tp_rank, lg.tp_size, lg.dcp_size, first.tp_size, first.dcp_size)
         spread = compat == "kvgeom" and dcp_pages_differ(lg, first, mode)

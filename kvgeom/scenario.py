@@ -1,6 +1,6 @@
 """Scenarios: a whole P/D pair (model, both engines, mode) and its requests, as one value.
 
-A scenario is what an operator asks about ("Nemotron-H 8B, P TP2 block 528 -> D TP1 block 1056, pull")
+A scenario is what an operator asks about ("Nemotron-H 8B, P TP2 block 1040 -> D TP1 block 2080, pull")
 and what the CLI, the benchmarks and the demo run. It builds every rank's card, the pairings of the
 local side (D in pull, P in push) and requests with block ids drawn from each engine's pool.
 

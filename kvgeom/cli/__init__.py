@@ -2,7 +2,7 @@
 
 A pair is a scenario file (JSON: ``model``, ``prefill``, ``decode``, ``mode``, ``compat``; or the name of
 a shipped example, see ``kvgeom examples``), and/or flags that override it:
-``--model nemotron-h-8b --prefill tp=2,block=auto --decode tp=1,block=1056``.
+``--model nemotron-h-8b --prefill tp=2,block=auto --decode tp=1,block=2080``.
 
 Exit status: 0 the pair works (or the command succeeded), 1 kvgeom refuses the pair (the reason is
 printed), 2 bad input (one line naming the field and what is accepted), 70 an internal error (a bug: one

@@ -81,7 +81,11 @@ def from_card(card: dict[str, Any]) -> ModelSpec:
     """Build a :class:`ModelSpec` from a geometry card (format: ``CARDS.md``)."""
     f = card["fields"].get("text_config", card["fields"])
     dtype = str(_get(f, "torch_dtype", "dtype", default="bfloat16"))
-    ssm_dtype = str(_get(f, "mamba_ssm_cache_dtype", "mamba_ssm_dtype", default=dtype))
+    # vLLM's "auto" SSM cache dtype: NemotronH keeps its temporal state in float32 unless the config says
+    # otherwise (vLLM 0.33.0 NemotronHForCausalLMConfig; transformers' NemotronHConfig default too); the
+    # other families keep the model dtype.
+    auto_ssm = "float32" if f.get("model_type") == "nemotron_h" else dtype
+    ssm_dtype = str(_get(f, "mamba_ssm_cache_dtype", "mamba_ssm_dtype", default=auto_ssm))
     layers: list[Layer] = []
     for i, kind in enumerate(card["layers"]):
         specs: list[tuple[str, LayerSpec]] = []

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from hypothesis import assume
+from hypothesis import assume, event
 from hypothesis import strategies as st
 
 from ..engine import ConvLayout, EngineConfig, KVLayout
@@ -46,7 +46,7 @@ from .oracle import Request, engine_geometries, run
 
 __all__ = [
     "TP_SIZES", "PDPair", "Case", "attention_specs", "mla_specs", "ssm_specs", "model_specs", "valid_tp_sizes",
-    "engine_configs", "pd_pairs", "requests", "cases",
+    "engine_configs", "pd_pairs", "plannable_class", "requests", "cases",
 ]
 
 TP_SIZES = (1, 2, 4, 8)
@@ -282,8 +282,11 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
     if model.is_mla and not model.has_ssm and all(isinstance(la.spec, MLASpec) for la in model.layers) \
             and not kv_split and draw(st.integers(0, 2)) == 0:  # block-outermost rows, mostly on both sides
         p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
-    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, conv, p_dcp, p_pp, p_packed)
-    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, conv, d_dcp, d_pp, d_packed)
+    p_conv = d_conv = conv
+    if model.has_ssm and draw(st.integers(0, 7)) == 0:  # mixed conv layouts (equal or unequal TP): refused
+        p_conv, d_conv = draw(st.sampled_from(((ConvLayout.DS, ConvLayout.SD), (ConvLayout.SD, ConvLayout.DS))))
+    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, p_conv, p_dcp, p_pp, p_packed)
+    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, d_conv, d_dcp, d_pp, d_packed)
     if mode == "pull" and _group_count(model) == 1 and not model.has_ssm and len(model.layers) > 1 \
             and p_dcp == d_dcp == 1 and p_pp == d_pp == 1 and not (p_packed or d_packed) \
             and draw(st.integers(0, 4)) == 0:
@@ -293,11 +296,46 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
         d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=p.kernel * d.ppl)
     prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
     pair = PDPair(model, p, d, mode, compat, prefix_caching)
+    cls = plannable_class(pair)
+    event(f"pair class: {cls or 'other'}")
     try:
         pair.check()
-    except KvgeomError:
+        if p.conv_layout is not d.conv_layout:  # a DS page copied into an SD page: the wrong bytes
+            raise AssertionError(f"mixed conv layouts accepted: {pair}")
+    except KvgeomError as exc:
+        if cls is not None:  # a verdict, not a discard: this class is always plannable
+            raise AssertionError(f"plannable class {cls!r} refused at handshake: {pair}: {exc}") from exc
+        event(f"pair refused: {type(exc).__name__} {exc.field}")
         assume(False)
     return pair
+
+
+def plannable_class(pair: PDPair) -> str | None:
+    """The class of pairs kvgeom must always accept that ``pair`` belongs to, or ``None``: one attention
+    spec (no sliding window, no KV head replicated at either TP) or MLA only, or an SSM hybrid at equal TP
+    with one conv layout; head-major pages, equal logical and kernel blocks, no DCP, pipeline stages,
+    packed rows or separate groups; vllm mode pushes only at equal TP. The property tests treat a refusal
+    of such a pair as a failure, not a discard."""
+    model, p, d = pair.model, pair.p_engine, pair.d_engine
+    engines_plain = all(e.kv_layout is KVLayout.HEAD_MAJOR and not e.kv_split and e.dcp_size == 1
+                        and e.pp_size == 1 and not e.packed_rows and not e.separate_group for e in (p, d))
+    if not engines_plain or p.block_size != d.block_size or p.kernel != d.kernel:
+        return None
+    if pair.compat == "vllm" and pair.mode == "push" and p.tp_size != d.tp_size:
+        return None
+    attn = [la.spec for la in model.layers if not la.kind.is_ssm]
+    if model.has_ssm:
+        if p.tp_size != d.tp_size or p.conv_layout is not d.conv_layout or not attn or len(set(attn)) != 1:
+            return None
+        if not isinstance(attn[0], AttentionSpec) or attn[0].sliding_window or pair.prefix_caching:
+            return None
+        return "ssm hybrid, equal TP"
+    if attn and all(isinstance(a, MLASpec) and not a.sliding_window for a in attn):
+        return "MLA"
+    if len(set(attn)) == 1 and isinstance(attn[0], AttentionSpec) and not attn[0].sliding_window \
+            and attn[0].num_kv_heads % max(p.tp_size, d.tp_size) == 0:
+        return "dense attention"
+    return None
 
 
 # -- requests ---------------------------------------------------------------------------------------

@@ -128,3 +128,48 @@ def test_p_side_replicated_state_into_fewer_d_ranks_is_refused_at_handshake(mode
     make = pull_plans if mode == "pull" else push_plans
     with pytest.raises(UnsupportedError, match="conv piece"):
         make(MLA_MAMBA1, _engine(8, 4, blocks=3), _engine(1, 4, blocks=3), Request(1, [[0], [1]], [[0], [1]]), compat)
+
+
+ATTN_MAMBA2 = ModelSpec.from_layers("attn+ssm", [AttentionSpec(2, 4, "float16"),
+                                                 MambaSpec.mamba2(4, 2, 2, 2, 4, "float16")])
+ATTN_MAMBA2_BLOCK = align_hybrid_block_size(ATTN_MAMBA2, 1, 4, 4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_mixed_conv_layouts_are_refused_at_any_tp(tp: int, mode: str, compat: str) -> None:
+    """Found by mutation testing (issue 12): P with the DS conv layout and D with SD at the *same* TP size
+    was accepted (the layout rule ran only when the TP sizes differ) and the plan copied DS pages into SD
+    pages, so 88-92 conv bytes per rank held another (channel, position) (oracle: I2). Now refused at
+    handshake naming ``conv_layout``; the same layout on both sides still plans and passes the oracle."""
+    from kvgeom import IncompatiblePairError
+
+    request = Request(1, [[0], [1]], [[0], [1]])
+    for p_layout, d_layout in (("DS", "SD"), ("SD", "DS")):
+        p = EngineConfig(tp_size=tp, block_size=ATTN_MAMBA2_BLOCK, num_blocks=3, conv_layout=p_layout)
+        d = EngineConfig(tp_size=tp, block_size=ATTN_MAMBA2_BLOCK, num_blocks=3, conv_layout=d_layout)
+        with pytest.raises(IncompatiblePairError, match="conv_layout") as err:
+            run(ATTN_MAMBA2, p, d, request, mode, compat)
+        assert err.value.field == "conv_layout" and set(err.value.values.values()) == {"DS", "SD"}
+    for layout in ("DS", "SD"):
+        same = EngineConfig(tp_size=tp, block_size=ATTN_MAMBA2_BLOCK, num_blocks=3, conv_layout=layout)
+        assert run(ATTN_MAMBA2, same, same, request, mode, compat).ok
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_dcp_pull_with_unequal_vllm_page_lists_is_refused_not_a_numpy_error(compat: str) -> None:
+    """Found by the CI hypothesis profile while widening the strategies (issue 12): MLA + Mamba1, DCP 2 on
+    both sides, P block 4/kernel 1, D block 2/kernel 2, pull. In vllm mode vLLM's closed-form DCP pairing
+    and its block-size-ratio map gave 2 local and 4 remote pages, and the planner crashed with a raw numpy
+    broadcast ValueError. Now a typed refusal naming the group's block ids; kvgeom mode plans it."""
+    model = ModelSpec.from_layers("mla+ssm", [MLASpec(4, "float16"), MambaSpec.mamba1(2, 1, 2, "float16")])
+    p = EngineConfig(tp_size=2, block_size=4, kernel_block_size=1, num_blocks=3, dcp_size=2)
+    d = EngineConfig(tp_size=2, block_size=2, kernel_block_size=2, num_blocks=3, dcp_size=2)
+    request = Request(1, [[0], [1]], [[0], [1]])
+    if compat == "kvgeom":
+        assert run(model, p, d, request, "pull", compat).ok
+        return
+    with pytest.raises(UnsupportedError) as err:
+        run(model, p, d, request, "pull", compat)
+    assert err.value.field == "block_ids[0]" and err.value.values == {"local": 2, "remote": 4}

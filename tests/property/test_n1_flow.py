@@ -54,28 +54,28 @@ def test_tp1_block16_n17_descriptor_ids_are_vllms() -> None:
     assert len(plan.zero) == 0  # vLLM zeroes nothing here: D's second block is its own, zeroed at allocation
 
 
-def test_nemotron_readme_pair_n1057() -> None:
-    """The README's nemotron-h-8b pair (D TP1 block 1056/kernel 32 <- P TP2 block 528/kernel 16), N = 1057:
-    P computed 1056 tokens (2 blocks of 528), D holds 2 blocks of 1056. Planned by hand: 66 units of 16
+def test_nemotron_readme_pair_n2081() -> None:
+    """The README's nemotron-h-8b pair (D TP1 block 2080/kernel 32 <- P TP2 block 1040/kernel 16), N = 2081:
+    P computed 2080 tokens (2 blocks of 1040), D holds 2 blocks of 2080. Planned by hand: 130 units of 16
     tokens in each of the 4 regions from each P rank, the 6 SSM groups' states, and D's second block
-    (kernel blocks 33..65) zeroed."""
+    (kernel blocks 65..129) zeroed."""
     model = presets.load("nemotron-h-8b")
-    d = card_of("decode", model, EngineConfig(tp_size=1, block_size=1056, kernel_block_size=32, num_blocks=64))
-    p = [card_of("prefill", model, EngineConfig(tp_size=2, tp_rank=r, block_size=528, kernel_block_size=16,
+    d = card_of("decode", model, EngineConfig(tp_size=1, block_size=2080, kernel_block_size=32, num_blocks=64))
+    p = [card_of("prefill", model, EngineConfig(tp_size=2, tp_rank=r, block_size=1040, kernel_block_size=16,
                                                 num_blocks=64)) for r in range(2)]
     pairing = Pairing.create(d, p, mode="pull")
     groups = d.geometry.groups
     d_ids = [[0, 1] if not g.is_ssm else [2 + g.index] for g in groups]
     p_ids = [[0, 1] if not g.is_ssm else [2 + g.index] for g in groups]
-    for counts in ({}, {"num_tokens": 1057}, {"num_tokens": 1057, "prefill_tokens": 1056}):
+    for counts in ({}, {"num_tokens": 2081}, {"num_tokens": 2081, "prefill_tokens": 2080}):
         plan = plan_request(pairing, d_ids, p_ids, **counts)
         assert [t.remote_rank for t in plan.transfers] == [0, 1]
         regions = len(d.geometry.regions)
         ssm_groups = sum(g.is_ssm for g in groups)
-        per_rank = regions * 66 + regions * ssm_groups * 4  # 66 units per region; 4 streams per state
+        per_rank = regions * 130 + regions * ssm_groups * 4  # 130 units per region; 4 streams per state
         assert [len(t) for t in plan.transfers] == [per_rank, per_rank]
         kernel_blocks_zeroed = sorted(set((plan.zero[:, 1] // d.geometry.regions[0].block_stride).tolist()))
-        assert kernel_blocks_zeroed == list(range(33, 66)) and len(plan.zero) == 33 * regions
+        assert kernel_blocks_zeroed == list(range(65, 130)) and len(plan.zero) == 65 * regions
 
 
 def test_nemotron_shaped_pair_passes_the_oracle() -> None:

@@ -12,13 +12,13 @@ from kvgeom import BlockIdError, EngineConfig, KvgeomError, Pairing, card_of, pl
 def pairing() -> Pairing:
     model = presets.load("nemotron-h-8b")  # 7 groups: 1 attention, 6 Mamba2
     d = card_of(
-        "decode", model, EngineConfig(tp_size=1, block_size=1056, kernel_block_size=32, num_blocks=64)
+        "decode", model, EngineConfig(tp_size=1, block_size=2080, kernel_block_size=32, num_blocks=64)
     )
     p = [
         card_of(
             "prefill",
             model,
-            EngineConfig(tp_size=2, tp_rank=r, block_size=528, kernel_block_size=16, num_blocks=64),
+            EngineConfig(tp_size=2, tp_rank=r, block_size=1040, kernel_block_size=16, num_blocks=64),
         )
         for r in range(2)
     ]

@@ -112,11 +112,11 @@ def test_json_payloads(capsys: pytest.CaptureFixture[str]) -> None:
     (rank,) = data["ranks"]
     assert [t["remote_rank"] for t in rank["transfers"]] == [0, 1]
     assert rank["bytes"] == sum(t["bytes"] for t in rank["transfers"]) and len(rank["moves"]) == 2
-    # 1200 tokens: D (block 1056) holds 2 attention blocks + 6 state slots; P (block 528) 3 + 6
-    assert [len(g) for g in data["request"]["decode_ids"]] == [2, 1, 1, 1, 1, 1, 1]
-    assert [len(g) for g in data["request"]["prefill_ids"]] == [3, 1, 1, 1, 1, 1, 1]
+    # 1200 tokens: D (block 2080) holds 1 attention block + 6 state slots; P (block 1040) 2 + 6
+    assert [len(g) for g in data["request"]["decode_ids"]] == [1, 1, 1, 1, 1, 1, 1]
+    assert [len(g) for g in data["request"]["prefill_ids"]] == [2, 1, 1, 1, 1, 1, 1]
     code, data = _json(capsys, "explain", EXAMPLE)
-    assert data["rank0"]["prefill"]["block_size"] == 16 and data["rank0"]["decode"]["ppl"] == 33
+    assert data["rank0"]["prefill"]["block_size"] == 16 and data["rank0"]["decode"]["ppl"] == 65
     code, data = _json(capsys, "draw", EXAMPLE, "--tokens", "100")
     assert data["format"] == "text" and data["d_tp"] == 1 and data["runs"]
 

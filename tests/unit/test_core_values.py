@@ -32,17 +32,18 @@ from kvgeom.spec import AttentionSpec, LayerKind, MambaSpec, ModelSpec
 def test_nemotron_h_8b_geometry_matches_hand_numbers() -> None:
     m = presets.load("nemotron-h-8b")
     # Mamba2: 128 heads x 64, 8 groups x 128 state, conv 4 -> conv channels 8192 + 2*1024 = 10240,
-    # 3 rows of bf16 = 61440 B; temporal 128 x 64 x 128 x 2 B = 2 MiB. Attention: 8 KV heads x 256 x 2 B
-    # = 4096 B/token, so block 528 (= 16 * ceil(2158592 / (16*4096))) holds the state.
-    assert align_hybrid_block_size(m, 1, 16) == 528
-    g = rank_geometry(m, EngineConfig(tp_size=1, block_size=528, kernel_block_size=16, num_blocks=4))
-    assert g.ssm.sizes == (61440, 2097152)
+    # 3 rows of bf16 = 61440 B; temporal 128 x 64 x 128 x 4 B (float32: vLLM's NemotronH default) = 4 MiB.
+    # Attention: 8 KV heads x 128 x (K + V) x 2 B = 4096 B/token, so block 1040 (= 16 * ceil(4255744 /
+    # (16*4096))) holds the state.
+    assert align_hybrid_block_size(m, 1, 16) == 1040
+    g = rank_geometry(m, EngineConfig(tp_size=1, block_size=1040, kernel_block_size=16, num_blocks=4))
+    assert g.ssm.sizes == (61440, 4194304)
     assert g.ssm.conv_offsets == ((0, 49152), (49152, 6144), (55296, 6144))
     assert len(g.groups) == 7 and [gr.kind for gr in g.groups][:2] == [LayerKind.ATTENTION, LayerKind.MAMBA2]
     assert len(g.regions) == 4 and all(len(r.members) == 7 for r in g.regions)
-    assert g.ppl == 33 and g.regions[0].block_len == 16 * 4096 and g.num_blocks == 132
-    g4 = rank_geometry(m, EngineConfig(tp_size=4, block_size=528, num_blocks=4))
-    assert g4.ssm.sizes == (61440 // 4, 2097152 // 4)
+    assert g.ppl == 65 and g.regions[0].block_len == 16 * 4096 and g.num_blocks == 260
+    g4 = rank_geometry(m, EngineConfig(tp_size=4, block_size=1040, num_blocks=4))
+    assert g4.ssm.sizes == (61440 // 4, 4194304 // 4)
 
 
 def test_falcon_mamba2_with_one_group_replicates_b_and_c() -> None:

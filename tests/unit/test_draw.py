@@ -106,8 +106,8 @@ def test_figure_bands_stay_few_and_files_are_written(tmp_path: Path) -> None:
     sc, tmap = _map(
         {
             "model": "nemotron-h-8b",
-            "prefill": {"tp_size": 2, "block_size": 528, "kernel_block_size": 16},
-            "decode": {"tp_size": 1, "block_size": 1056, "kernel_block_size": 32},
+            "prefill": {"tp_size": 2, "block_size": 1040, "kernel_block_size": 16},
+            "decode": {"tp_size": 1, "block_size": 2080, "kernel_block_size": 32},
         },
         3000,
     )

@@ -44,7 +44,7 @@ def test_fixtures_are_the_cards_fields() -> None:
 def test_reader_gives_the_presets_spec(name: str) -> None:
     preset = presets.load(name)
     ssm = preset.ssm_spec
-    # The presets keep the SSM dtype their card records; the reader's "auto" follows vLLM (tested below).
+    # The presets follow vLLM's "auto" SSM dtype rule as the reader does (tests/unit/test_independent_sizes.py).
     spec = read_config(HF / name / "config.json", mamba_ssm_cache_dtype=ssm.ssm_dtype if ssm else "auto")
     assert spec == preset
     assert spec.name == CARDS[name]["name"]  # from _name_or_path

@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml constraints-dev.txt
 demo: $(STAMP)
 	$(PY) -m kvgeom demo
 
-## The whole test suite (what CI runs): kvgeom's own tests, then vLLM's connector tests through kvgeom.
+## The whole test suite (what CI runs): style and types, kvgeom's own tests, vLLM's connector tests through
+## kvgeom, then the mutation-testing sample (3 mutants of each of the 8 most important modules).
 test: lint test-core test-vllm mutate-ci
 
 test-core: $(STAMP) host-deps

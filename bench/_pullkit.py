@@ -55,8 +55,13 @@ def sized(scenario: dict[str, Any], tokens: list[int], slack: float) -> dict[str
 
 
 # ----------------------------------------------------------------------------------------- processes
-def run_ranks(producer: Callable[..., Any], consumer: Callable[..., Any], spec: dict[str, Any], num_p: int,
-              timeout_s: float) -> dict[str, Any]:
+def run_ranks(
+    producer: Callable[..., Any],
+    consumer: Callable[..., Any],
+    spec: dict[str, Any],
+    num_p: int,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Run ``producer(spec, rank, events, inbox)`` for each P rank and ``consumer(spec, events, inbox)``
     for the D rank. Producers put ``("ready", rank, port, pid)`` on ``events`` and serve until ``"exit"``
     arrives in their inbox; the consumer gets ``("ranks", {rank: (port, pid)})`` and returns its report.
@@ -78,7 +83,9 @@ def run_ranks(producer: Callable[..., Any], consumer: Callable[..., Any], spec: 
         d = group.collect(max(1.0, deadline - time.monotonic()), ["decode"])["decode"]
         for r in range(num_p):
             inboxes[r].put(("exit", None))
-        p = group.collect(min(STEP_S, max(1.0, deadline - time.monotonic())), [f"prefill-{r}" for r in range(num_p)])
+        p = group.collect(
+            min(STEP_S, max(1.0, deadline - time.monotonic())), [f"prefill-{r}" for r in range(num_p)]
+        )
     out = {"decode": d.unwrap()}
     out.update({name: res.unwrap() for name, res in p.items()})
     return out
@@ -92,8 +99,10 @@ def _next_event(events: Any, deadline: float, group: ProcGroup) -> tuple:
             dead = [n for n, p in group.procs.items() if not p.is_alive()]
             if dead:
                 res = group.collect(1.0, dead)
-                raise RuntimeError("rank(s) died before they were ready:\n" + "\n".join(
-                    f"{n}: {res[n].error}\n{res[n].traceback or ''}" for n in dead)) from None
+                raise RuntimeError(
+                    "rank(s) died before they were ready:\n"
+                    + "\n".join(f"{n}: {res[n].error}\n{res[n].traceback or ''}" for n in dead)
+                ) from None
     raise TimeoutError("the P ranks were not ready in time")
 
 
@@ -132,14 +141,23 @@ class LocalTables:
     def __getitem__(self, key: tuple[int, int]) -> Any:
         if key not in self._prepped:
             kv = self.kv
-            rows = kv.pairings[self.engine_id].local_table(key).bind_strided([r.addr for r in kv.regions],
-                                                                     kv.regions[0].device_id)
+            rows = (
+                kv.pairings[self.engine_id]
+                .local_table(key)
+                .bind_strided([r.addr for r in kv.regions], kv.regions[0].device_id)
+            )
             self._prepped[key] = kv.ep.prep_local(rows, kv.mem_type)
         return self._prepped[key]
 
 
-def timed_pull(kv: Any, engine_id: str, plan: Any, tables: LocalTables, timeout_s: float,
-               sync: Callable[[], None] | None = None) -> tuple[float, list[Any]]:
+def timed_pull(
+    kv: Any,
+    engine_id: str,
+    plan: Any,
+    tables: LocalTables,
+    timeout_s: float,
+    sync: Callable[[], None] | None = None,
+) -> tuple[float, list[Any]]:
     """Post every transfer of ``plan`` (one per source rank, as KVRank does: a READ carries no
     notification, the producers learn of completion from notices sent afterwards, not timed here) and
     wait for all; returns (seconds from the first post to the last completion, per-transfer Telemetry).
@@ -149,8 +167,10 @@ def timed_pull(kv: Any, engine_id: str, plan: Any, tables: LocalTables, timeout_
     if sync:
         sync()
     t0 = time.perf_counter()
-    posted = [kv.ep.post(plan.op, tables[t.local_table], t.local_ids, links[t.remote_rank].prepped, t.remote_ids)
-              for t in plan.transfers]
+    posted = [
+        kv.ep.post(plan.op, tables[t.local_table], t.local_ids, links[t.remote_rank].prepped, t.remote_ids)
+        for t in plan.transfers
+    ]
     tels = [x.wait(deadline) for x in posted]
     if sync:
         sync()

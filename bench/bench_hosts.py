@@ -50,9 +50,27 @@ def _iperf(net: VirtualNet, streams: int, seconds: float) -> float:
     try:
         end = time.monotonic() + 10
         while True:
-            res = subprocess.run(["ip", "netns", "exec", net["p"].netns, "iperf3", "-c", net["d"].addr, "-p", "5202",
-                                  "-t", f"{seconds:g}", "-P", str(streams), "-J"], capture_output=True, text=True,
-                                 timeout=seconds + 20)
+            res = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    net["p"].netns,
+                    "iperf3",
+                    "-c",
+                    net["d"].addr,
+                    "-p",
+                    "5202",
+                    "-t",
+                    f"{seconds:g}",
+                    "-P",
+                    str(streams),
+                    "-J",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=seconds + 20,
+            )
             try:
                 return float(json.loads(res.stdout)["end"]["sum_received"]["bits_per_second"]) / 8
             except (ValueError, KeyError):
@@ -112,7 +130,10 @@ def _read(env: dict, peer_q, done_q, nbytes: int, desc_bytes: list[int], reps: i
         ep.add_peer("raw-p", md)
         for size in desc_bytes:
             n = nbytes // size
-            local, remote = ep.prep_local(_descs(r.addr, n, size)), ep.prep_remote("raw-p", _descs(addr, n, size))
+            local, remote = (
+                ep.prep_local(_descs(r.addr, n, size)),
+                ep.prep_remote("raw-p", _descs(addr, n, size)),
+            )
             ids = np.arange(n)[::-1].copy()  # reversed on one side: NIXL cannot merge them into one
             for _ in range(reps):
                 t.zero_()
@@ -140,18 +161,34 @@ def _raw(net: VirtualNet, nbytes: int, desc_bytes: list[int], reps: int) -> dict
 
 def _nixl(net: VirtualNet, mode: str, n: int, tokens: int, progress_thread: bool = False) -> dict:
     blocks_d = max(256, 2 * n * -(-tokens // 64))
-    scenario = dict(DEFAULT_SCENARIO, mode=mode, prefill=dict(DEFAULT_SCENARIO["prefill"], num_blocks=2 * blocks_d + 64),
-                    decode=dict(DEFAULT_SCENARIO["decode"], num_blocks=blocks_d))
-    hosts = {e: {"netns": net[h].netns, "host": net[h].addr, "env": ucx_env()} for e, h in
-             (("prefill", "p"), ("decode", "d"))}
-    spec = {"scenario": scenario, "hosts": hosts, "check_each": False,
-            "requests": [{"id": f"r{i}", "tokens": tokens} for i in range(n)],
-            "config": {"secret": "bench-hosts-secret-0123456789", "transfer_timeout_s": 60, "notif_timeout_s": 60,
-                       "progress_thread": progress_thread}}
+    scenario = dict(
+        DEFAULT_SCENARIO,
+        mode=mode,
+        prefill=dict(DEFAULT_SCENARIO["prefill"], num_blocks=2 * blocks_d + 64),
+        decode=dict(DEFAULT_SCENARIO["decode"], num_blocks=blocks_d),
+    )
+    hosts = {
+        e: {"netns": net[h].netns, "host": net[h].addr, "env": ucx_env()}
+        for e, h in (("prefill", "p"), ("decode", "d"))
+    }
+    spec = {
+        "scenario": scenario,
+        "hosts": hosts,
+        "check_each": False,
+        "requests": [{"id": f"r{i}", "tokens": tokens} for i in range(n)],
+        "config": {
+            "secret": "bench-hosts-secret-0123456789",
+            "transfer_timeout_s": 60,
+            "notif_timeout_s": 60,
+            "progress_thread": progress_thread,
+        },
+    }
     out = run_cluster(spec, timeout_s=600)
     d = out["results"]["decode-0"]
     if "traceback" in d or d["mismatches"] or d["bad_bytes"]:
-        raise RuntimeError(f"the {mode} run failed or moved wrong bytes: {d.get('error') or d['mismatches'][:3]}")
+        raise RuntimeError(
+            f"the {mode} run failed or moved wrong bytes: {d.get('error') or d['mismatches'][:3]}"
+        )
     if mode == "pull":
         rows = d["results"]
         moved = sum(r["bytes_moved"] for r in rows)
@@ -162,11 +199,18 @@ def _nixl(net: VirtualNet, mode: str, n: int, tokens: int, progress_thread: bool
         secs = [max(x) for x in zip(*[[r["transfer_seconds"] for r in rows] for rows in ranks])]
     if not all(a["ok"] for a in out["attempts"]):
         raise RuntimeError(f"{mode}: a request failed: {out['attempts']}")
-    descs = sum(r.get("nixl_desc_count", 0) for r in (d["results"] if mode == "pull" else
-                                                         [r for rows in ranks for r in rows]))
-    return {"bytes": moved, "seconds": sum(secs), "per_request_GBps": [moved / n / s / 1e9 for s in secs],
-            "checked_bytes": d["checked_bytes"], "nixl_descriptors": descs,
-            "bytes_per_descriptor": moved / descs if descs else None}
+    descs = sum(
+        r.get("nixl_desc_count", 0)
+        for r in (d["results"] if mode == "pull" else [r for rows in ranks for r in rows])
+    )
+    return {
+        "bytes": moved,
+        "seconds": sum(secs),
+        "per_request_GBps": [moved / n / s / 1e9 for s in secs],
+        "checked_bytes": d["checked_bytes"],
+        "nixl_descriptors": descs,
+        "bytes_per_descriptor": moved / descs if descs else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress-thread", action="store_true", help="NIXL's progress thread on in every rank")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rows: dict[str, list[float]] = {"iperf3 1 stream": [], "iperf3 2 streams": [],
-                                    "NIXL READ, one connection, 4 MiB descriptors": [],
-                                    "NIXL READ, one connection, 4 KiB descriptors": [],
-                                    "NIXL pull (KV requests)": [], "NIXL push (KV requests)": []}
+    rows: dict[str, list[float]] = {
+        "iperf3 1 stream": [],
+        "iperf3 2 streams": [],
+        "NIXL READ, one connection, 4 MiB descriptors": [],
+        "NIXL READ, one connection, 4 KiB descriptors": [],
+        "NIXL pull (KV requests)": [],
+        "NIXL push (KV requests)": [],
+    }
     detail = []
     with VirtualNet(["p", "d"], impairable=args.no_offload) as net:
         for rep in range(args.reps):
@@ -198,22 +246,28 @@ def main(argv: list[str] | None = None) -> int:
             rows["NIXL pull (KV requests)"].append(pull["bytes"] / pull["seconds"] / 1e9)
             rows["NIXL push (KV requests)"].append(push["bytes"] / push["seconds"] / 1e9)
             detail.append({"rep": rep, "pull": pull, "push": push, "cap1": cap1, "cap2": cap2})
-            print(f"rep {rep}: iperf3 {cap1 / 1e9:.3f} / {cap2 / 1e9:.3f} GB/s (1 / 2 streams); raw READ "
-                  f"{raw[4 << 20]:.3f} / {raw[4 << 10]:.3f} GB/s (4 MiB / 4 KiB descriptors); NIXL pull "
-                  f"{rows['NIXL pull (KV requests)'][-1]:.3f} GB/s, push {rows['NIXL push (KV requests)'][-1]:.3f} GB/s "
-                  f"({pull['bytes'] / 1e6:.1f} MB in {args.requests} requests, {pull['bytes_per_descriptor'] or 0:.0f} B per "
-                  "posted descriptor; every byte of D checked)", flush=True)
+            print(
+                f"rep {rep}: iperf3 {cap1 / 1e9:.3f} / {cap2 / 1e9:.3f} GB/s (1 / 2 streams); raw READ "
+                f"{raw[4 << 20]:.3f} / {raw[4 << 10]:.3f} GB/s (4 MiB / 4 KiB descriptors); NIXL pull "
+                f"{rows['NIXL pull (KV requests)'][-1]:.3f} GB/s, push {rows['NIXL push (KV requests)'][-1]:.3f} GB/s "
+                f"({pull['bytes'] / 1e6:.1f} MB in {args.requests} requests, {pull['bytes_per_descriptor'] or 0:.0f} B per "
+                "posted descriptor; every byte of D checked)",
+                flush=True,
+            )
     med = {k: statistics.median(v) for k, v in rows.items()}
     link = "veth, TX checksum offload off" if args.no_offload else "veth, offloads on"
     link += ", progress thread on" if args.progress_thread else ", progress thread off"
     print(f"\n| path ({link}) | GB/s (median of {args.reps}) | of the 2-stream capacity |")
     print("| --- | --- | --- |")
     for k, v in med.items():
-        print(f"| {k} | {v:.3f} (min {min(rows[k]):.3f}, max {max(rows[k]):.3f}) | "
-              f"{v / med['iperf3 2 streams']:.0%} |")
+        print(
+            f"| {k} | {v:.3f} (min {min(rows[k]):.3f}, max {max(rows[k]):.3f}) | "
+            f"{v / med['iperf3 2 streams']:.0%} |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "median": med, "detail": detail},
-                                              indent=1))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "rows": rows, "median": med, "detail": detail}, indent=1)
+        )
     return 0
 
 

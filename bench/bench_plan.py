@@ -33,7 +33,9 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def nixl_make_cost(local: np.ndarray, remote: np.ndarray, lids: np.ndarray, rids: np.ndarray, repeat: int) -> float | None:
+def nixl_make_cost(
+    local: np.ndarray, remote: np.ndarray, lids: np.ndarray, rids: np.ndarray, repeat: int
+) -> float | None:
     """Seconds per ``make_prepped_xfer`` call on these ids between two in-process agents, or None."""
     try:
         import torch
@@ -69,11 +71,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
-    sc = Scenario.from_json({
-        "model": "nemotron-h-8b", "mode": "pull",
-        "prefill": {"tp_size": 2, "block_size": 1040, "kernel_block_size": 16, "num_blocks": 1024},
-        "decode": {"tp_size": 1, "block_size": 2080, "kernel_block_size": 32, "num_blocks": 512},
-    })
+    sc = Scenario.from_json(
+        {
+            "model": "nemotron-h-8b",
+            "mode": "pull",
+            "prefill": {"tp_size": 2, "block_size": 1040, "kernel_block_size": 16, "num_blocks": 1024},
+            "decode": {"tp_size": 1, "block_size": 2080, "kernel_block_size": 32, "num_blocks": 512},
+        }
+    )
     req = sc.request(args.tokens, seed=7)
     t0 = time.perf_counter()
     pairing = sc.pairings[0]
@@ -86,29 +91,49 @@ def main() -> None:
     lk = logical_to_kernel(req.decode, local.ppl, local.group_is_ssm)
 
     def ids_only() -> np.ndarray:
-        return compute_desc_ids(lk, local.num_blocks, local.num_regions, None, local.ppl, local.group_is_ssm,
-                                local.ssm_region_indices, local.ssm.num_pieces)
+        return compute_desc_ids(
+            lk,
+            local.num_blocks,
+            local.num_regions,
+            None,
+            local.ppl,
+            local.group_is_ssm,
+            local.ssm_region_indices,
+            local.ssm.num_pieces,
+        )
 
     ids_n = sum(len(x) for x in req.decode)  # logical ids in -> descriptors out
     ids_out = ids_only().size
     t_ids = timed(ids_only, args.repeat)
     t_plan = timed(lambda: sc.plans(req), args.repeat)
     t_moves = timed(lambda: plan.moves(pairing), args.repeat)
-    floor = timed(lambda: np.concatenate([np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)]), args.repeat)
+    floor = timed(
+        lambda: np.concatenate([np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)]), args.repeat
+    )
     print(f"scenario: {sc.describe()}")
-    print(f"request: {args.tokens} tokens; {n} descriptor pairs in {len(plan.transfers)} transfers "
-          f"(local table {len(pairing.local_table(t.local_table))} rows); handshake-time tables {setup * 1e3:.1f} ms")
+    print(
+        f"request: {args.tokens} tokens; {n} descriptor pairs in {len(plan.transfers)} transfers "
+        f"(local table {len(pairing.local_table(t.local_table))} rows); handshake-time tables {setup * 1e3:.1f} ms"
+    )
     print(f"descriptor ids : {t_ids * 1e6 / ids_out:8.4f} us/desc ({ids_out} ids from {ids_n} logical ids)")
     print(f"whole plan     : {t_plan * 1e6 / n:8.4f} us/desc ({t_plan * 1e3:.2f} ms per request)")
     print(f"byte moves     : {t_moves * 1e6 / n:8.4f} us/desc")
-    print(f"numpy floor    : {floor * 1e6 / n:8.4f} us/desc (writing 2 x {n} int64)  -> plan/floor "
-          f"{t_plan / floor:6.1f}x")
-    make = nixl_make_cost(pairing.local_table(t.local_table).bind([0] * local.num_regions),
-                          pairing.remote_table(t.remote_rank).bind(_remote_bases(pairing, t.remote_rank)),
-                          t.local_ids, t.remote_ids, args.repeat)
+    print(
+        f"numpy floor    : {floor * 1e6 / n:8.4f} us/desc (writing 2 x {n} int64)  -> plan/floor "
+        f"{t_plan / floor:6.1f}x"
+    )
+    make = nixl_make_cost(
+        pairing.local_table(t.local_table).bind([0] * local.num_regions),
+        pairing.remote_table(t.remote_rank).bind(_remote_bases(pairing, t.remote_rank)),
+        t.local_ids,
+        t.remote_ids,
+        args.repeat,
+    )
     if make is not None:
         per = make * 1e6 / len(t)
-        print(f"NIXL make_prepped_xfer: {per:8.4f} us/desc -> plan / NIXL make {t_plan / n * 1e6 / per:6.2f}x")
+        print(
+            f"NIXL make_prepped_xfer: {per:8.4f} us/desc -> plan / NIXL make {t_plan / n * 1e6 / per:6.2f}x"
+        )
     else:
         print("NIXL make_prepped_xfer: not measured (install the nixl extra)")
 

@@ -43,7 +43,9 @@ from kvgeom import GeometryCard
 from kvgeom.plan import check_writes, contiguous_runs
 from kvgeom.scenario import Scenario
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "nemotron-h-8b_p2_d1_pull.json")
+EXAMPLE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "examples", "nemotron-h-8b_p2_d1_pull.json"
+)
 CHUNK = 16 << 20  # contiguous reference: descriptors / iovecs / copies of at most this many bytes
 IOV_MAX = 1024
 
@@ -67,12 +69,13 @@ def mismatches(dst: list[np.ndarray], src: dict[int, list[np.ndarray]], moves: n
     """Moves whose destination bytes differ from their source bytes."""
     bad = 0
     for s_rank, s_reg, s_off, _, d_reg, d_off, n in moves.tolist():
-        bad += not np.array_equal(dst[d_reg][d_off:d_off + n], src[s_rank][s_reg][s_off:s_off + n])
+        bad += not np.array_equal(dst[d_reg][d_off : d_off + n], src[s_rank][s_reg][s_off : s_off + n])
     return bad
 
 
-def contiguous_moves(per_rank: dict[int, int], src_sizes: dict[int, list[int]], dst_sizes: list[int],
-                     chunk: int) -> np.ndarray:
+def contiguous_moves(
+    per_rank: dict[int, int], src_sizes: dict[int, list[int]], dst_sizes: list[int], chunk: int
+) -> np.ndarray:
     """Moves of ``per_rank[r]`` bytes from each P rank's regions, front to back, into D's regions,
     front to back, in pieces of at most ``chunk`` bytes that cross no region boundary."""
     rows, d_reg, d_off = [], 0, 0
@@ -98,8 +101,14 @@ class VmReader:
         libc = ctypes.CDLL(None, use_errno=True)
         self.fn = libc.process_vm_readv
         self.fn.restype = ctypes.c_ssize_t
-        self.fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
-                            ctypes.c_ulong]
+        self.fn.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
 
     def read(self, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
         """Read every pair; returns the number of syscalls. Raises OSError on a short read."""
@@ -107,7 +116,7 @@ class VmReader:
         lp, rp = local.ctypes.data, remote.ctypes.data
         for lo in range(0, len(local), IOV_MAX):
             k = min(IOV_MAX, len(local) - lo)
-            want = int(local[lo:lo + k, 1].sum())
+            want = int(local[lo : lo + k, 1].sum())
             got = self.fn(pid, lp + 16 * lo, k, rp + 16 * lo, k, 0)
             calls += 1
             if got < 0:
@@ -134,7 +143,7 @@ def iovecs(moves: np.ndarray, src_bases: dict[int, list[int]], dst_bases: list[i
 
 def memcpy_moves(dst: list[np.ndarray], src: dict[int, list[np.ndarray]], rows: list[list[int]]) -> None:
     for s_rank, s_reg, s_off, _, d_reg, d_off, n in rows:
-        dst[d_reg][d_off:d_off + n] = src[s_rank][s_reg][s_off:s_off + n]
+        dst[d_reg][d_off : d_off + n] = src[s_rank][s_reg][s_off : s_off + n]
 
 
 # ----------------------------------------------------------------------------------------- ranks
@@ -170,7 +179,9 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
     out: dict[str, Any] = {}
     with KVRank(_card(sc, "decode", 0), cfg) as kv:
         ranks = wait_ranks(inbox)
-        pairing = kv.connect("prefill", {r: port for r, (port, _) in ranks.items()}, mode="pull", compat=sc.compat)
+        pairing = kv.connect(
+            "prefill", {r: port for r, (port, _) in ranks.items()}, mode="pull", compat=sc.compat
+        )
 
         def plan(i: int) -> Any:
             return kv.plan("prefill", req.decode, req.prefill, f"bench-{i}", f"bench-{i}")
@@ -182,11 +193,21 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
         moves_s, _ = median_time(lambda: p0.moves(pairing), reps)
         nbytes = int(moves[:, 6].sum())
         per_rank = {r: int(moves[moves[:, 0] == r, 6].sum()) for r in dict.fromkeys(moves[:, 0].tolist())}
-        out["request"] = {"tokens": spec["tokens"], "ids": "sequential" if spec["seed"] is None else "shuffled",
-                          "bytes": nbytes, "bytes_per_rank": per_rank, "descriptor_pairs": p0.num_descriptors,
-                          "transfers": len(p0.transfers), "contiguous_runs": contiguous_runs(moves),
-                          "move_lengths": {int(k): int(v) for k, v in zip(*np.unique(moves[:, 6], return_counts=True))}}
-        out["plan"] = {"seconds": plan_s, "us_per_desc": plan_s * 1e6 / p0.num_descriptors, "moves_seconds": moves_s}
+        out["request"] = {
+            "tokens": spec["tokens"],
+            "ids": "sequential" if spec["seed"] is None else "shuffled",
+            "bytes": nbytes,
+            "bytes_per_rank": per_rank,
+            "descriptor_pairs": p0.num_descriptors,
+            "transfers": len(p0.transfers),
+            "contiguous_runs": contiguous_runs(moves),
+            "move_lengths": {int(k): int(v) for k, v in zip(*np.unique(moves[:, 6], return_counts=True))},
+        }
+        out["plan"] = {
+            "seconds": plan_s,
+            "us_per_desc": plan_s * 1e6 / p0.num_descriptors,
+            "moves_seconds": moves_s,
+        }
 
         dst = [t.numpy() for t in kv.tensors]
         src: dict[int, list[np.ndarray]] = {}
@@ -199,7 +220,9 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
         src_bases = {r: list(link.bases) for r, link in kv.links["prefill"].items()}
         dst_bases = [r.addr for r in kv.regions]
         pids = {r: pid for r, (_, pid) in ranks.items()}
-        contig = contiguous_moves(per_rank, {r: [a.size for a in src[r]] for r in src}, [a.size for a in dst], CHUNK)
+        contig = contiguous_moves(
+            per_rank, {r: [a.size for a in src[r]] for r in src}, [a.size for a in dst], CHUNK
+        )
 
         # -- NIXL, the plan's own transfers
         tables = LocalTables(kv, "prefill")
@@ -207,23 +230,33 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
 
         def nixl_plan() -> dict:  # re-plans the request (untimed), then times post -> done
             dt, tel = timed_pull(kv, "prefill", plan(next(serial)), tables, cfg.transfer_timeout_s)
-            return {"seconds": dt, "desc_count": sum(t.desc_count or 0 for t in tel),
-                    "nixl_xfer_us": sum(t.xfer_us or 0 for t in tel)}
+            return {
+                "seconds": dt,
+                "desc_count": sum(t.desc_count or 0 for t in tel),
+                "nixl_xfer_us": sum(t.xfer_us or 0 for t in tel),
+            }
 
         reader = VmReader()
 
         def pvr(mv: np.ndarray) -> Any:
             vecs = iovecs(mv, src_bases, dst_bases)
-            return _timed(lambda: {"syscalls": sum(reader.read(pids[r], loc, rem) for r, (loc, rem) in vecs.items())})
+            return _timed(
+                lambda: {"syscalls": sum(reader.read(pids[r], loc, rem) for r, (loc, rem) in vecs.items())}
+            )
 
         def memcpy(mv: np.ndarray) -> Any:
             rows = mv.tolist()
             return _timed(lambda: memcpy_moves(dst, src, rows))
 
         contig_nixl = NixlMoves(kv, contig, src_bases, dst_bases, cfg.transfer_timeout_s)
-        methods = {"nixl": (moves, nixl_plan), "pvr": (moves, pvr(moves)), "memcpy": (moves, memcpy(moves)),
-                   "nixl_contig": (contig, _timed(contig_nixl)), "pvr_contig": (contig, pvr(contig)),
-                   "memcpy_contig": (contig, memcpy(contig))}
+        methods = {
+            "nixl": (moves, nixl_plan),
+            "pvr": (moves, pvr(moves)),
+            "memcpy": (moves, memcpy(moves)),
+            "nixl_contig": (contig, _timed(contig_nixl)),
+            "pvr_contig": (contig, pvr(contig)),
+            "memcpy_contig": (contig, memcpy(contig)),
+        }
         # warm-up: each method once into a zeroed D, then every moved byte checked against P's content
         info, bad = {}, {}
         for name, (mv, fn) in methods.items():
@@ -246,6 +279,7 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
 
 def _timed(fn: Any) -> Any:
     """``fn`` wrapped to return ``{"seconds": wall, **whatever fn returned}``."""
+
     def run() -> dict:
         t0 = time.perf_counter()
         extra = fn()
@@ -258,8 +292,14 @@ class NixlMoves:
     """NIXL READs of arbitrary moves: per source rank one prepared descriptor per move (ids in order),
     one transfer per rank. Calling it pulls once and returns NIXL's posted descriptor count."""
 
-    def __init__(self, kv: Any, moves: np.ndarray, src_bases: dict[int, list[int]], dst_bases: list[int],
-                 timeout_s: float) -> None:
+    def __init__(
+        self,
+        kv: Any,
+        moves: np.ndarray,
+        src_bases: dict[int, list[int]],
+        dst_bases: list[int],
+        timeout_s: float,
+    ) -> None:
         self.kv, self.timeout_s, self.handles = kv, timeout_s, []
         dev = kv.regions[0].device_id
         for r, (loc, rem) in iovecs(moves, src_bases, dst_bases).items():
@@ -281,7 +321,14 @@ class NixlMoves:
 
 def _row(nbytes: int, times: list[float], moves: np.ndarray, bad: int, **extra: Any) -> dict:
     t = statistics.median(times)
-    return {"seconds": t, "gbps": gbps(nbytes, t), "times": times, "moves": len(moves), "bad_moves": bad, **extra}
+    return {
+        "seconds": t,
+        "gbps": gbps(nbytes, t),
+        "times": times,
+        "moves": len(moves),
+        "bad_moves": bad,
+        **extra,
+    }
 
 
 def _maxrss_mib() -> float:
@@ -293,18 +340,22 @@ def report(res: dict, args: argparse.Namespace, sc: Scenario, wall: float) -> st
     d = res["decode"]
     q, plan = d["request"], d["plan"]
     n = d["nixl"]
-    lines = [f"scenario: {sc.describe()}",
-             f"request: {q['tokens']} tokens, {q['ids']} block ids; {q['bytes'] / 2**20:.1f} MiB from "
-             f"{len(q['bytes_per_rank'])} P rank(s) in {q['descriptor_pairs']} descriptor pairs "
-             f"({q['transfers']} transfers); move lengths {q['move_lengths']}",
-             f"NIXL: UCX, progress thread {'on' if args.progress_thread else 'off'}; median of {args.reps} "
-             f"(methods interleaved) after 1 warm-up that is checked against P's bytes",
-             "",
-             f"{'method':44s} {'seconds':>9s} {'GB/s':>7s}  {'moves':>7s}  notes"]
+    lines = [
+        f"scenario: {sc.describe()}",
+        f"request: {q['tokens']} tokens, {q['ids']} block ids; {q['bytes'] / 2**20:.1f} MiB from "
+        f"{len(q['bytes_per_rank'])} P rank(s) in {q['descriptor_pairs']} descriptor pairs "
+        f"({q['transfers']} transfers); move lengths {q['move_lengths']}",
+        f"NIXL: UCX, progress thread {'on' if args.progress_thread else 'off'}; median of {args.reps} "
+        f"(methods interleaved) after 1 warm-up that is checked against P's bytes",
+        "",
+        f"{'method':44s} {'seconds':>9s} {'GB/s':>7s}  {'moves':>7s}  notes",
+    ]
 
     def line(label: str, row: dict, note: str) -> None:
         ok = "ok" if row["bad_moves"] == 0 else f"{row['bad_moves']} MOVES WRONG"
-        lines.append(f"{label:44s} {row['seconds']:9.4f} {row['gbps']:7.2f}  {row['moves']:7d}  {note}; bytes {ok}")
+        lines.append(
+            f"{label:44s} {row['seconds']:9.4f} {row['gbps']:7.2f}  {row['moves']:7d}  {note}; bytes {ok}"
+        )
 
     line("NIXL READ, the plan's transfers", n, f"NIXL posted {n['desc_count']} descs after merging")
     line("process_vm_readv, same moves", d["pvr"], f"{d['pvr']['syscalls']} syscalls of <= {IOV_MAX} iovecs")
@@ -314,22 +365,29 @@ def report(res: dict, args: argparse.Namespace, sc: Scenario, wall: float) -> st
     line("process_vm_readv", d["pvr_contig"], f"{d['pvr_contig']['syscalls']} syscalls")
     line("memcpy (numpy)", d["memcpy_contig"], "")
     r_pvr, r_mem = n["gbps"] / d["pvr"]["gbps"], n["gbps"] / d["memcpy"]["gbps"]
-    lines += ["",
-              f"NIXL / process_vm_readv (same moves): {r_pvr:5.2f}    NIXL / memcpy (same moves): {r_mem:5.2f}",
-              f"NIXL / process_vm_readv (contiguous): {d['nixl_contig']['gbps'] / d['pvr_contig']['gbps']:5.2f}    "
-              f"NIXL / memcpy (contiguous): {d['nixl_contig']['gbps'] / d['memcpy_contig']['gbps']:5.2f}",
-              f"scatter cost vs contiguous: NIXL {_per_desc(n, d['nixl_contig'], n['desc_count']):.2f} us per posted "
-              f"desc, process_vm_readv {_per_desc(d['pvr'], d['pvr_contig'], d['pvr']['moves']):.2f} us per iovec, "
-              f"memcpy {_per_desc(d['memcpy'], d['memcpy_contig'], d['memcpy']['moves']):.2f} us per move",
-              f"descriptors: plan pairs {q['descriptor_pairs']}, NIXL posted {n['desc_count']} "
-              f"(telemetry, after merging), contiguous runs {q['contiguous_runs']} (fewest possible) -> "
-              + ("coalescing could save " + f"{n['desc_count'] - q['contiguous_runs']} descs"
-                 if n["desc_count"] > q["contiguous_runs"] else "nothing left to coalesce"),
-              f"plan: {plan['seconds'] * 1e3:.2f} ms per request ({plan['us_per_desc']:.3f} us per descriptor pair); "
-              f"moves(): {plan['moves_seconds'] * 1e3:.2f} ms; NIXL median pull {n['seconds'] * 1e3:.1f} ms",
-              f"peak RSS MiB: D {d['maxrss_mib']:.0f}, " + ", ".join(
-                  f"P{v['rank']} {v['maxrss_mib']:.0f}" for k, v in sorted(res.items()) if k.startswith("prefill"))
-              + f"; wall {wall:.1f} s incl. process start"]
+    lines += [
+        "",
+        f"NIXL / process_vm_readv (same moves): {r_pvr:5.2f}    NIXL / memcpy (same moves): {r_mem:5.2f}",
+        f"NIXL / process_vm_readv (contiguous): {d['nixl_contig']['gbps'] / d['pvr_contig']['gbps']:5.2f}    "
+        f"NIXL / memcpy (contiguous): {d['nixl_contig']['gbps'] / d['memcpy_contig']['gbps']:5.2f}",
+        f"scatter cost vs contiguous: NIXL {_per_desc(n, d['nixl_contig'], n['desc_count']):.2f} us per posted "
+        f"desc, process_vm_readv {_per_desc(d['pvr'], d['pvr_contig'], d['pvr']['moves']):.2f} us per iovec, "
+        f"memcpy {_per_desc(d['memcpy'], d['memcpy_contig'], d['memcpy']['moves']):.2f} us per move",
+        f"descriptors: plan pairs {q['descriptor_pairs']}, NIXL posted {n['desc_count']} "
+        f"(telemetry, after merging), contiguous runs {q['contiguous_runs']} (fewest possible) -> "
+        + (
+            "coalescing could save " + f"{n['desc_count'] - q['contiguous_runs']} descs"
+            if n["desc_count"] > q["contiguous_runs"]
+            else "nothing left to coalesce"
+        ),
+        f"plan: {plan['seconds'] * 1e3:.2f} ms per request ({plan['us_per_desc']:.3f} us per descriptor pair); "
+        f"moves(): {plan['moves_seconds'] * 1e3:.2f} ms; NIXL median pull {n['seconds'] * 1e3:.1f} ms",
+        f"peak RSS MiB: D {d['maxrss_mib']:.0f}, "
+        + ", ".join(
+            f"P{v['rank']} {v['maxrss_mib']:.0f}" for k, v in sorted(res.items()) if k.startswith("prefill")
+        )
+        + f"; wall {wall:.1f} s incl. process start",
+    ]
     return "\n".join(lines)
 
 
@@ -340,15 +398,27 @@ def _per_desc(scattered: dict, contig: dict, count: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", default=EXAMPLE, help="scenario JSON (pull); num_blocks are sized to --tokens")
+    ap.add_argument(
+        "--scenario", default=EXAMPLE, help="scenario JSON (pull); num_blocks are sized to --tokens"
+    )
     ap.add_argument("--tokens", type=int, default=32768, help="length of the request pulled")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions per method (median reported)")
-    ap.add_argument("--ids", choices=("shuffled", "sequential"), default="shuffled",
-                    help="block ids drawn shuffled from the pool (realistic) or in order (best case for merging)")
+    ap.add_argument(
+        "--ids",
+        choices=("shuffled", "sequential"),
+        default="shuffled",
+        help="block ids drawn shuffled from the pool (realistic) or in order (best case for merging)",
+    )
     ap.add_argument("--slack", type=float, default=1.25, help="pool size / blocks the request needs")
-    ap.add_argument("--progress-thread", action="store_true", help="enable NIXL's progress thread in every rank")
-    ap.add_argument("--serve-poll-us", type=float, default=1000.0,
-                    help="P ranks' sleep between notification polls (the target of a READ must poll)")
+    ap.add_argument(
+        "--progress-thread", action="store_true", help="enable NIXL's progress thread in every rank"
+    )
+    ap.add_argument(
+        "--serve-poll-us",
+        type=float,
+        default=1000.0,
+        help="P ranks' sleep between notification polls (the target of a READ must poll)",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="bound of the whole run in seconds")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
@@ -356,11 +426,20 @@ def main() -> int:
     sc = Scenario.from_json(scenario)
     if sc.mode != "pull":
         ap.error("the scenario must be a pull")
-    spec = {"scenario": scenario, "tokens": args.tokens, "reps": args.reps, "timeout_s": args.timeout,
-            "seed": 7 if args.ids == "shuffled" else None, "serve_poll_s": args.serve_poll_us * 1e-6,
-            "config": {"progress_thread": args.progress_thread, "secret": os.urandom(32).hex()}}
-    print(f"bench_pull: {sc.describe()}; {args.tokens} tokens; starting {sc.prefill.tp_size} P + "
-          f"{sc.decode.tp_size} D processes ...", flush=True)
+    spec = {
+        "scenario": scenario,
+        "tokens": args.tokens,
+        "reps": args.reps,
+        "timeout_s": args.timeout,
+        "seed": 7 if args.ids == "shuffled" else None,
+        "serve_poll_s": args.serve_poll_us * 1e-6,
+        "config": {"progress_thread": args.progress_thread, "secret": os.urandom(32).hex()},
+    }
+    print(
+        f"bench_pull: {sc.describe()}; {args.tokens} tokens; starting {sc.prefill.tp_size} P + "
+        f"{sc.decode.tp_size} D processes ...",
+        flush=True,
+    )
     t0 = time.monotonic()
     res = run_ranks(_producer, _consumer, spec, sc.prefill.tp_size, args.timeout)
     wall = time.monotonic() - t0

@@ -32,8 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-for _k, _v in {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}.items():
+for _k, _v in {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
+}.items():
     os.environ.setdefault(_k, _v)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
@@ -51,11 +55,15 @@ BLOCKS = (100, 1000, 10000, 100000)
 def scenario(d_blocks: int) -> Scenario:
     """The pair, with ``d_blocks`` logical blocks (of 60 kernel blocks) per D rank; P holds twice as many
     logical blocks (of 64 kernel blocks)."""
-    return Scenario.from_json({
-        "model": "kimi-linear-48b-a3b", "mode": "pull", "compat": "vllm",
-        "prefill": {"tp_size": 2, "kernel_block_size": 16, "num_blocks": 2 * d_blocks},
-        "decode": {"tp_size": 1, "kernel_block_size": 32, "num_blocks": d_blocks},
-    })
+    return Scenario.from_json(
+        {
+            "model": "kimi-linear-48b-a3b",
+            "mode": "pull",
+            "compat": "vllm",
+            "prefill": {"tp_size": 2, "kernel_block_size": 16, "num_blocks": 2 * d_blocks},
+            "decode": {"tp_size": 1, "kernel_block_size": 32, "num_blocks": d_blocks},
+        }
+    )
 
 
 def timed(fn: Any, budget_s: float, least: int = 5) -> float:
@@ -87,8 +95,9 @@ class VllmSide:
 
     def handshake(self, w: Any) -> None:
         for rank in w.transfer_topo.handshake_target_ranks(len(self.p), 1):
-            w._remote_agents["P"][(0, rank)] = w.add_remote_agent(self.metas[rank], remote_tp_rank=rank,
-                                                                  remote_tp_size=len(self.p), remote_dcp_size=1)
+            w._remote_agents["P"][(0, rank)] = w.add_remote_agent(
+                self.metas[rank], remote_tp_rank=rank, remote_tp_size=len(self.p), remote_dcp_size=1
+            )
 
     def desc_ids(self, local_logical: list[list[int]], remote_logical: list[list[int]]) -> dict[int, tuple]:
         """vLLM's per-request path (``_read_blocks_for_req`` -> ``_read_blocks``), up to the descriptor ids."""
@@ -100,20 +109,37 @@ class VllmSide:
         bsr = w.transfer_topo.block_size_ratio(info.remote_block_size)
         out = {}
         for rank in plan.all_source_ranks:
-            lids = [list(local[g]) if rank in plan.source_ranks_per_group[g] else [] for g in range(len(local))]
-            rids = [list(remote[g]) if rank in plan.source_ranks_per_group[g] else [] for g in range(len(local))]
+            lids = [
+                list(local[g]) if rank in plan.source_ranks_per_group[g] else [] for g in range(len(local))
+            ]
+            rids = [
+                list(remote[g]) if rank in plan.source_ranks_per_group[g] else [] for g in range(len(local))
+            ]
             if bsr > 1:
                 lids, rids = w._map_block_ids_for_block_size_ratio(lids, rids, bsr)
             if not any(len(g) for g in lids):
                 continue
-            lids, rids = w._apply_prefix_caching(lids, rids, w._physical_blocks_per_logical_kv_block,
-                                                 info.remote_physical_blocks_per_logical)
-            r = w._compute_desc_ids(rids, w.dst_num_blocks["P"], None, info.remote_physical_blocks_per_logical,
-                                    w.dst_region_num_blocks.get("P") or None, w.dst_region_group_ids.get("P") or None,
-                                    w.dst_uses_region_group_mapping["P"])
-            loc = w._compute_desc_ids(lids, w.dst_num_blocks[w.engine_id], bsr, w._physical_blocks_per_logical_kv_block,
-                                      w.dst_region_num_blocks.get(w.engine_id) or None, w.region_group_ids or None,
-                                      w._uses_region_group_mapping)
+            lids, rids = w._apply_prefix_caching(
+                lids, rids, w._physical_blocks_per_logical_kv_block, info.remote_physical_blocks_per_logical
+            )
+            r = w._compute_desc_ids(
+                rids,
+                w.dst_num_blocks["P"],
+                None,
+                info.remote_physical_blocks_per_logical,
+                w.dst_region_num_blocks.get("P") or None,
+                w.dst_region_group_ids.get("P") or None,
+                w.dst_uses_region_group_mapping["P"],
+            )
+            loc = w._compute_desc_ids(
+                lids,
+                w.dst_num_blocks[w.engine_id],
+                bsr,
+                w._physical_blocks_per_logical_kv_block,
+                w.dst_region_num_blocks.get(w.engine_id) or None,
+                w.region_group_ids or None,
+                w._uses_region_group_mapping,
+            )
             out[rank] = (np.asarray(loc), np.asarray(r))
         return out
 
@@ -152,10 +178,14 @@ def request_row(sc: Scenario, side: VllmSide, tokens: int, budget: float) -> dic
     theirs = side.desc_ids(local, remote)
     mine = {t.remote_rank: (t.local_ids, t.remote_ids) for t in plan.transfers}
     if sorted(mine) != sorted(theirs) or any(
-            not (np.array_equal(mine[r][0], theirs[r][0]) and np.array_equal(mine[r][1], theirs[r][1]))
-            for r in mine):
+        not (np.array_equal(mine[r][0], theirs[r][0]) and np.array_equal(mine[r][1], theirs[r][1]))
+        for r in mine
+    ):
         raise SystemExit(f"{tokens} tokens: kvgeom's descriptor ids differ from vLLM's")
-    larr, rarr = [np.asarray(x, dtype=np.int64) for x in local], [np.asarray(x, dtype=np.int64) for x in remote]
+    larr, rarr = (
+        [np.asarray(x, dtype=np.int64) for x in local],
+        [np.asarray(x, dtype=np.int64) for x in remote],
+    )
     t_v = timed(lambda: side.desc_ids(local, remote), budget)
 
     def cold() -> None:  # a shape never seen: the general planner (no recipe yet)
@@ -166,13 +196,25 @@ def request_row(sc: Scenario, side: VllmSide, tokens: int, budget: float) -> dic
     for _ in range(2):  # the second sighting traces the shape's recipe
         plan_request(pairing, larr, rarr, "req", num_tokens=req.num_tokens)
     warm = plan_request(pairing, larr, rarr, "req", num_tokens=req.num_tokens)
-    if any(not (np.array_equal(t.local_ids, mine[t.remote_rank][0]) and np.array_equal(t.remote_ids, mine[t.remote_rank][1]))
-           for t in warm.transfers) or not np.array_equal(warm.zero, plan.zero):
+    if any(
+        not (
+            np.array_equal(t.local_ids, mine[t.remote_rank][0])
+            and np.array_equal(t.remote_ids, mine[t.remote_rank][1])
+        )
+        for t in warm.transfers
+    ) or not np.array_equal(warm.zero, plan.zero):
         raise SystemExit(f"{tokens} tokens: the recipe's plan differs from the general planner's")
     t_k = timed(lambda: plan_request(pairing, larr, rarr, "req", num_tokens=req.num_tokens), budget)
-    return {"tokens": tokens, "pairs": plan.num_descriptors, "runs": _runs(plan, pairing),
-            "vllm_us": t_v * 1e6, "kvgeom_new_us": t_new * 1e6, "kvgeom_us": t_k * 1e6, "ratio_new": t_new / t_v,
-            "ratio": t_k / t_v}
+    return {
+        "tokens": tokens,
+        "pairs": plan.num_descriptors,
+        "runs": _runs(plan, pairing),
+        "vllm_us": t_v * 1e6,
+        "kvgeom_new_us": t_new * 1e6,
+        "kvgeom_us": t_k * 1e6,
+        "ratio_new": t_new / t_v,
+        "ratio": t_k / t_v,
+    }
 
 
 def _runs(plan: Any, pairing: Any) -> int:
@@ -219,12 +261,20 @@ def handshake_row(blocks: int, budget: float) -> dict[str, Any]:
             break
     t_k = statistics.median(ks)
     pairing = Pairing.create(d, p, "pull", "vllm")
-    tables = [pairing.local_table(pairing.local_key(r)) for r in pairing.transfer_ranks] + \
-        [pairing.remote_table(r) for r in pairing.transfer_ranks]
+    tables = [pairing.local_table(pairing.local_key(r)) for r in pairing.transfer_ranks] + [
+        pairing.remote_table(r) for r in pairing.transfer_ranks
+    ]
     runs = sum(len(t.runs) for t in tables)
     descs = sum(len(t) for t in tables)
-    return {"blocks": sc.cards("decode")[0].geometry.num_blocks, "vllm_ms": t_v * 1e3, "kvgeom_ms": t_k * 1e3, "ratio": t_k / t_v,
-            "table_runs": runs, "table_descriptors": descs, "table_bytes": runs * 5 * 8}
+    return {
+        "blocks": sc.cards("decode")[0].geometry.num_blocks,
+        "vllm_ms": t_v * 1e3,
+        "kvgeom_ms": t_k * 1e3,
+        "ratio": t_k / t_v,
+        "table_runs": runs,
+        "table_descriptors": descs,
+        "table_bytes": runs * 5 * 8,
+    }
 
 
 def main() -> None:
@@ -235,7 +285,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     most = max(args.tokens) if args.tokens else 16
-    sc = scenario(max(64, -(-most * 5 // 1920 // 2) + 8))  # room for the request's probes (2.5x) on both sides
+    sc = scenario(
+        max(64, -(-most * 5 // 1920 // 2) + 8)
+    )  # room for the request's probes (2.5x) on both sides
     side = VllmSide(sc)
     check_tables(sc, side)
     requests = [request_row(sc, side, t, args.budget) for t in args.tokens]
@@ -245,15 +297,21 @@ def main() -> None:
         print(json.dumps(out))
         return
     print(out["pair"])
-    print(f"{'tokens':>9} {'pairs':>8} {'runs':>8} {'vLLM us':>10} {'new shape':>10} {'ratio':>6} {'repeated':>10} "
-          f"{'ratio':>6}")
+    print(
+        f"{'tokens':>9} {'pairs':>8} {'runs':>8} {'vLLM us':>10} {'new shape':>10} {'ratio':>6} {'repeated':>10} "
+        f"{'ratio':>6}"
+    )
     for r in requests:
-        print(f"{r['tokens']:9d} {r['pairs']:8d} {r['runs']:8d} {r['vllm_us']:10.1f} {r['kvgeom_new_us']:10.1f} "
-              f"{r['ratio_new']:6.2f} {r['kvgeom_us']:10.1f} {r['ratio']:6.2f}")
+        print(
+            f"{r['tokens']:9d} {r['pairs']:8d} {r['runs']:8d} {r['vllm_us']:10.1f} {r['kvgeom_new_us']:10.1f} "
+            f"{r['ratio_new']:6.2f} {r['kvgeom_us']:10.1f} {r['ratio']:6.2f}"
+        )
     print(f"{'blocks':>9} {'vLLM ms':>10} {'kvgeom ms':>10} {'ratio':>6} {'runs':>6} {'descs':>10}")
     for h in handshakes:
-        print(f"{h['blocks']:9d} {h['vllm_ms']:10.2f} {h['kvgeom_ms']:10.2f} {h['ratio']:6.2f} {h['table_runs']:6d} "
-              f"{h['table_descriptors']:10d}")
+        print(
+            f"{h['blocks']:9d} {h['vllm_ms']:10.2f} {h['kvgeom_ms']:10.2f} {h['ratio']:6.2f} {h['table_runs']:6d} "
+            f"{h['table_descriptors']:10d}"
+        )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def check(tensors: list[torch.Tensor], rows: np.ndarray) -> None:
     for region, t in enumerate(tensors):
         ref = np.full(t.numel(), 0xA5, dtype=np.uint8)
         for offset, length in rows[rows[:, 0] == region][:, 1:].tolist():  # the reference: one slice per row
-            ref[offset:offset + length] = 0
+            ref[offset : offset + length] = 0
         if not np.array_equal(t.numpy(), ref):
             raise SystemExit(f"region {region}: zeroing wrote other bytes than its rows")
 
@@ -63,8 +63,16 @@ def case(name: str, tensors: list[torch.Tensor], rows: np.ndarray, reps: int) ->
     buf = np.ones(max(nbytes, 1), dtype=np.uint8)
     t_k = median_time(lambda: _zero_rows(tensors, rows), reps)
     t_m = median_time(lambda: buf.fill(0), reps)  # memset
-    return {"case": name, "rows": int(len(rows)), "bytes": nbytes, "kvgeom_s": t_k, "memset_s": t_m,
-            "kvgeom_gbps": nbytes / t_k / 1e9, "memset_gbps": nbytes / t_m / 1e9, "ratio": t_m / t_k}
+    return {
+        "case": name,
+        "rows": int(len(rows)),
+        "bytes": nbytes,
+        "kvgeom_s": t_k,
+        "memset_s": t_m,
+        "kvgeom_gbps": nbytes / t_k / 1e9,
+        "memset_gbps": nbytes / t_m / 1e9,
+        "ratio": t_m / t_k,
+    }
 
 
 def main() -> None:
@@ -74,25 +82,36 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     need = -(-args.tokens // 1920) + 4
-    sc = Scenario.from_json({
-        "model": "kimi-linear-48b-a3b", "mode": "pull", "compat": "vllm",
-        "prefill": {"tp_size": 2, "kernel_block_size": 16, "num_blocks": 2 * need + 8},
-        "decode": {"tp_size": 1, "kernel_block_size": 32, "num_blocks": need + 4},
-    })
+    sc = Scenario.from_json(
+        {
+            "model": "kimi-linear-48b-a3b",
+            "mode": "pull",
+            "compat": "vllm",
+            "prefill": {"tp_size": 2, "kernel_block_size": 16, "num_blocks": 2 * need + 8},
+            "decode": {"tp_size": 1, "kernel_block_size": 32, "num_blocks": need + 4},
+        }
+    )
     geom = sc.cards("decode")[0].geometry
     tensors = [torch.zeros(r.nbytes, dtype=torch.uint8) for r in geom.regions]
     req = sc.request(args.tokens, seed=5)
     plan = plan_request(sc.pairings[0], req.decode, req.prefill, num_tokens=req.num_tokens)
-    out = {"pair": sc.describe(), "tokens": args.tokens,
-           "cases": [case("failure (invalidate)", tensors, block_rows(geom, req.decode), args.reps),
-                     case("post-receive", tensors, plan.zero, args.reps)]}
+    out = {
+        "pair": sc.describe(),
+        "tokens": args.tokens,
+        "cases": [
+            case("failure (invalidate)", tensors, block_rows(geom, req.decode), args.reps),
+            case("post-receive", tensors, plan.zero, args.reps),
+        ],
+    }
     if args.json:
         print(json.dumps(out))
         return
     print(f"{out['pair']}; {args.tokens} tokens")
     for c in out["cases"]:
-        print(f"{c['case']:>22}: {c['rows']:7d} rows {c['bytes'] / 2**20:9.1f} MiB  kvgeom {c['kvgeom_gbps']:6.2f} GB/s  "
-              f"memset {c['memset_gbps']:6.2f} GB/s  ratio {c['ratio']:.2f}")
+        print(
+            f"{c['case']:>22}: {c['rows']:7d} rows {c['bytes'] / 2**20:9.1f} MiB  kvgeom {c['kvgeom_gbps']:6.2f} GB/s  "
+            f"memset {c['memset_gbps']:6.2f} GB/s  ratio {c['ratio']:.2f}"
+        )
 
 
 if __name__ == "__main__":

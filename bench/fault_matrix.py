@@ -42,10 +42,17 @@ from kvgeom_nixl.cluster import run_cluster  # noqa: E402
 from kvgeom.scenario import Scenario  # noqa: E402
 
 MODELS = {
-    "nemotron": ({"model": "nemotron-h-8b", "mode": "pull", "compat": "kvgeom",
-                  "prefill": {"tp_size": 2, "block_size": 1040, "kernel_block_size": 16, "num_blocks": 64},
-                  "decode": {"tp_size": 1, "block_size": 2080, "kernel_block_size": 32, "num_blocks": 64}},
-                 {"kernel_block_size": 16}, [2080, 4160]),  # push needs P kernel blocks multiple of D's
+    "nemotron": (
+        {
+            "model": "nemotron-h-8b",
+            "mode": "pull",
+            "compat": "kvgeom",
+            "prefill": {"tp_size": 2, "block_size": 1040, "kernel_block_size": 16, "num_blocks": 64},
+            "decode": {"tp_size": 1, "block_size": 2080, "kernel_block_size": 32, "num_blocks": 64},
+        },
+        {"kernel_block_size": 16},
+        [2080, 4160],
+    ),  # push needs P kernel blocks multiple of D's
     "demo": (None, {}, [1000, 2500, 4000]),
 }
 TOKENS: list[int] = []
@@ -75,20 +82,34 @@ def _scenario(args: argparse.Namespace, mode: str, reqs: list[dict]) -> dict:
     s = Scenario.from_json(sc)
     cache = sum(r.nbytes for r in GeometryCard("d", s.model, s.decode, mode).geometry.regions)
     if 10 * cache > args.max_oracle_gib * 2**30:  # the oracle holds ~9 bytes per byte of cache checked
-        raise SystemExit(f"D's cache for this row is {cache / 2**20:.0f} MiB: checking it needs ~{10 * cache / 2**30:.1f} "
-                         f"GiB (--max-oracle-gib {args.max_oracle_gib}); use fewer --trials or smaller requests")
+        raise SystemExit(
+            f"D's cache for this row is {cache / 2**20:.0f} MiB: checking it needs ~{10 * cache / 2**30:.1f} "
+            f"GiB (--max-oracle-gib {args.max_oracle_gib}); use fewer --trials or smaller requests"
+        )
     return sc
 
 
 def _config(args: argparse.Namespace) -> dict:
-    return {"handshake_timeout_s": args.timeout, "transfer_timeout_s": args.timeout, "notif_timeout_s": args.timeout,
-            "secret": os.urandom(32).hex()}
+    return {
+        "handshake_timeout_s": args.timeout,
+        "transfer_timeout_s": args.timeout,
+        "notif_timeout_s": args.timeout,
+        "secret": os.urandom(32).hex(),
+    }
 
 
 def _cluster(args: argparse.Namespace, mode: str, reqs: list[dict], faults: dict, **extra: Any) -> dict:
-    spec = {"scenario": _scenario(args, mode, reqs), "requests": reqs, "prefill_engines": ["prefill", "backup"],
-            "config": _config(args), "faults": faults, "push_deadline": False, "drain_s": 4 * args.timeout,
-            "check_each": args.check_each, **extra}
+    spec = {
+        "scenario": _scenario(args, mode, reqs),
+        "requests": reqs,
+        "prefill_engines": ["prefill", "backup"],
+        "config": _config(args),
+        "faults": faults,
+        "push_deadline": False,
+        "drain_s": 4 * args.timeout,
+        "check_each": args.check_each,
+        **extra,
+    }
     t0 = time.monotonic()
     out = run_cluster(spec, timeout_s=60 + 12 * args.timeout * len(reqs))
     out["wall"] = time.monotonic() - t0
@@ -114,20 +135,33 @@ def _victims(args: argparse.Namespace, gap_s: float, retries: list[str] | None =
 def _summary(out: dict, faulty: set[tuple[str, int]], exclude: set[tuple[str, int]] = frozenset()) -> dict:
     """Outcome, time to fail and quarantine time of the faulty attempts; bytes damaged over the run
     (``exclude``: attempts that fail by design and are neither the row's subject nor 'others')."""
-    att = {(a["request_id"], a["attempt"]): a for a in out["attempts"] if (a["request_id"], a["attempt"])
-           not in exclude}
+    att = {
+        (a["request_id"], a["attempt"]): a
+        for a in out["attempts"]
+        if (a["request_id"], a["attempt"]) not in exclude
+    }
     rows = [att[k] for k in sorted(faulty) if k in att]
     outcome = Counter(("ok" if a["ok"] else next(iter(a["errors"].values())).split(":")[0]) for a in rows)
     fail_s = [a["seconds"] for a in rows if not a["ok"]]
     held = [h for _, rid, at, h, _ in out["settled"] if (rid, at) in faulty]
     d = out["results"]["decode-0"]
     ok_elsewhere = sum(a["ok"] for k, a in att.items() if k not in faulty)
-    return {"trials": len(rows), "outcome": dict(outcome), "fail_s": fail_s, "held_s": held,
-            "damaged": d["bad_bytes"] + sum(a.get("bad_at_completion", 0) for a in att.values()),
-            "damaged_outside": d["bad_outside"], "rejected_notices": d["stats"]["rejected_notices"],
-            "bad_at_completion": sum(a.get("bad_at_completion", 0) for a in att.values()),
-            "checked_bytes": d["checked_bytes"], "still_held": len(d["held"]), "others_ok": ok_elsewhere,
-            "others": len(att) - len(rows), "stats": d["stats"], "wall": out["wall"]}
+    return {
+        "trials": len(rows),
+        "outcome": dict(outcome),
+        "fail_s": fail_s,
+        "held_s": held,
+        "damaged": d["bad_bytes"] + sum(a.get("bad_at_completion", 0) for a in att.values()),
+        "damaged_outside": d["bad_outside"],
+        "rejected_notices": d["stats"]["rejected_notices"],
+        "bad_at_completion": sum(a.get("bad_at_completion", 0) for a in att.values()),
+        "checked_bytes": d["checked_bytes"],
+        "still_held": len(d["held"]),
+        "others_ok": ok_elsewhere,
+        "others": len(att) - len(rows),
+        "stats": d["stats"],
+        "wall": out["wall"],
+    }
 
 
 # ----------------------------------------------------------------------------------------- rows
@@ -135,21 +169,47 @@ def row_kill(args: argparse.Namespace) -> dict:
     """SIGKILL of every P rank of ``prefill`` right after a request; the next request to it fails typed."""
     runs = []
     for _ in range(args.trials):
-        reqs = [{"id": "r0", "tokens": TOKENS[0], "engine": "prefill"},
-                {"id": "v0", "tokens": TOKENS[1], "engine": "prefill"},
-                {"id": "f0", "tokens": TOKENS[-1], "engine": "backup"}]
-        runs.append(_summary(_cluster(args, "pull", reqs, {"kill": {"engine": "prefill", "after": "r0"}}),
-                             {("v0", 1)}))
+        reqs = [
+            {"id": "r0", "tokens": TOKENS[0], "engine": "prefill"},
+            {"id": "v0", "tokens": TOKENS[1], "engine": "prefill"},
+            {"id": "f0", "tokens": TOKENS[-1], "engine": "backup"},
+        ]
+        runs.append(
+            _summary(
+                _cluster(args, "pull", reqs, {"kill": {"engine": "prefill", "after": "r0"}}), {("v0", 1)}
+            )
+        )
     return _merge(runs)
 
 
 def _merge(runs: list[dict]) -> dict:
-    out = {"trials": 0, "outcome": Counter(), "fail_s": [], "held_s": [], "damaged": 0, "bad_at_completion": 0,
-           "checked_bytes": 0, "still_held": 0, "others_ok": 0, "others": 0, "wall": 0.0, "damaged_outside": 0,
-           "rejected_notices": 0}
+    out = {
+        "trials": 0,
+        "outcome": Counter(),
+        "fail_s": [],
+        "held_s": [],
+        "damaged": 0,
+        "bad_at_completion": 0,
+        "checked_bytes": 0,
+        "still_held": 0,
+        "others_ok": 0,
+        "others": 0,
+        "wall": 0.0,
+        "damaged_outside": 0,
+        "rejected_notices": 0,
+    }
     for r in runs:
-        for k in ("trials", "damaged", "bad_at_completion", "checked_bytes", "still_held", "others_ok", "others",
-                  "damaged_outside", "rejected_notices"):
+        for k in (
+            "trials",
+            "damaged",
+            "bad_at_completion",
+            "checked_bytes",
+            "still_held",
+            "others_ok",
+            "others",
+            "damaged_outside",
+            "rejected_notices",
+        ):
             out[k] += r[k]
         out["outcome"].update(r["outcome"])
         out["fail_s"] += r["fail_s"]
@@ -163,8 +223,12 @@ def row_stop_push(args: argparse.Namespace) -> dict:
     """``prefill`` SIGSTOPped before the victim's WRITE, continued past the timeout: the WRITE lands late."""
     s = args.timeout + 2.0
     reqs = _victims(args, gap_s=s - args.timeout + 1.0)
-    out = _cluster(args, "push", reqs, {"stop": {"engine": "prefill", "at": [f"v{i}" for i in range(args.trials)],
-                                                 "seconds": s}})
+    out = _cluster(
+        args,
+        "push",
+        reqs,
+        {"stop": {"engine": "prefill", "at": [f"v{i}" for i in range(args.trials)], "seconds": s}},
+    )
     return _summary(out, {(f"v{i}", 1) for i in range(args.trials)})
 
 
@@ -174,8 +238,10 @@ def row_stop_pull_tcp(args: argparse.Namespace) -> dict:
     s = args.timeout + 2.0
     reqs = _victims(args, gap_s=s - args.timeout + 1.0)
     victims = [f"v{i}" for i in range(args.trials)]
-    faults = {"busy": {"engine": "prefill", "at": victims, "seconds": 0.5},
-              "stop": {"engine": "prefill", "at": victims, "seconds": s, "when": "after_post", "delay_s": 0.2}}
+    faults = {
+        "busy": {"engine": "prefill", "at": victims, "seconds": 0.5},
+        "stop": {"engine": "prefill", "at": victims, "seconds": s, "when": "after_post", "delay_s": 0.2},
+    }
     out = _cluster(args, "pull", reqs, faults, env={"UCX_TLS": "tcp"}, linger_s=s)
     return _summary(out, {(v, 1) for v in victims})
 
@@ -184,7 +250,9 @@ def row_busy_pull_tcp(args: argparse.Namespace) -> dict:
     """UCX over TCP; ``prefill`` rank 1 alive but not driving NIXL past the timeout: partial failure."""
     s = args.timeout + 2.0
     reqs = _victims(args, gap_s=s - args.timeout + 1.0)
-    faults = {"busy": {"engine": "prefill", "rank": 1, "at": [f"v{i}" for i in range(args.trials)], "seconds": s}}
+    faults = {
+        "busy": {"engine": "prefill", "rank": 1, "at": [f"v{i}" for i in range(args.trials)], "seconds": s}
+    }
     out = _cluster(args, "pull", reqs, faults, env={"UCX_TLS": "tcp"}, linger_s=s)
     return _summary(out, {(f"v{i}", 1) for i in range(args.trials)})
 
@@ -193,8 +261,12 @@ def row_busy_push(args: argparse.Namespace) -> dict:
     """``prefill`` alive but not driving NIXL (its WRITE is posted late)."""
     s = args.timeout + 2.0
     reqs = _victims(args, gap_s=s - args.timeout + 1.0)
-    out = _cluster(args, "push", reqs, {"busy": {"engine": "prefill", "at": [f"v{i}" for i in range(args.trials)],
-                                                 "seconds": s}})
+    out = _cluster(
+        args,
+        "push",
+        reqs,
+        {"busy": {"engine": "prefill", "at": [f"v{i}" for i in range(args.trials)], "seconds": s}},
+    )
     return _summary(out, {(f"v{i}", 1) for i in range(args.trials)})
 
 
@@ -202,8 +274,10 @@ def row_tcp(args: argparse.Namespace) -> dict:
     """UCX over TCP, no fault: pull and push of every size (the transport itself)."""
     runs = []
     for mode in ("pull", "push"):
-        reqs = [{"id": f"r{i}", "tokens": TOKENS[i % len(TOKENS)], "engine": ("prefill", "backup")[i % 2]}
-                for i in range(args.trials)]
+        reqs = [
+            {"id": f"r{i}", "tokens": TOKENS[i % len(TOKENS)], "engine": ("prefill", "backup")[i % 2]}
+            for i in range(args.trials)
+        ]
         out = _cluster(args, mode, reqs, {}, env={"UCX_TLS": "tcp"})
         runs.append(_summary(out, {(r["id"], 1) for r in reqs}))
     return _merge(runs)
@@ -215,15 +289,24 @@ def row_retry_forged(args: argparse.Namespace) -> tuple[dict, dict, dict]:
     t = args.timeout
     reqs = _victims(args, gap_s=3.0, retries=["backup", "backup"])
     victims = [f"v{i}" for i in range(args.trials)]
-    faults = {"stop": {"engine": "prefill", "at": victims, "seconds": t + 1.5},
-              "busy": {"engine": "backup", "at": victims, "attempt": 2, "seconds": t + 1.0},
-              "rogue": {"at": victims, "attempt": 2}}
+    faults = {
+        "stop": {"engine": "prefill", "at": victims, "seconds": t + 1.5},
+        "busy": {"engine": "backup", "at": victims, "attempt": 2, "seconds": t + 1.0},
+        "rogue": {"at": victims, "attempt": 2},
+    }
     out = _cluster(args, "push", reqs, faults)
     retry = _summary(out, {(v, 2) for v in victims}, exclude={(v, 1) for v in victims})
     forged = dict(retry, forged=out["results"]["rogue"]["forged"])
     rogue = out["results"]["rogue"]["sidechannel"]
-    side = {"trials": len(rogue), "outcome": dict(Counter(x[4] for x in rogue)), "fail_s": [x[5] for x in rogue],
-            "held_s": [], "damaged": 0, "damaged_outside": 0, "wall": 0.0}
+    side = {
+        "trials": len(rogue),
+        "outcome": dict(Counter(x[4] for x in rogue)),
+        "fail_s": [x[5] for x in rogue],
+        "held_s": [],
+        "damaged": 0,
+        "damaged_outside": 0,
+        "wall": 0.0,
+    }
     return retry, forged, side
 
 
@@ -231,13 +314,20 @@ def row_lying_card(args: argparse.Namespace) -> tuple[dict, dict]:
     """``prefill`` serves a lying (sealed) payload; D must refuse it and ``backup`` serve the retry."""
     refused = []
     for what in ("num_blocks", "sizes", "unregistered", "overlap", "impersonate"):
-        reqs = [{"id": "v0", "tokens": TOKENS[1], "engine": "prefill"},
-                {"id": "v0", "tokens": TOKENS[1], "engine": "backup"}]
-        refused.append(_summary(_cluster(args, "pull", reqs, {"lie": {"engine": "prefill", "what": what}}),
-                                {("v0", 1)}))
-    reqs = [{"id": f"v{i}", "tokens": TOKENS[i % len(TOKENS)], "engine": "prefill"} for i in range(args.trials)]
-    swap = _summary(_cluster(args, "pull", reqs, {"lie": {"engine": "prefill", "what": "swap"}}),
-                    {(r["id"], 1) for r in reqs})
+        reqs = [
+            {"id": "v0", "tokens": TOKENS[1], "engine": "prefill"},
+            {"id": "v0", "tokens": TOKENS[1], "engine": "backup"},
+        ]
+        refused.append(
+            _summary(_cluster(args, "pull", reqs, {"lie": {"engine": "prefill", "what": what}}), {("v0", 1)})
+        )
+    reqs = [
+        {"id": f"v{i}", "tokens": TOKENS[i % len(TOKENS)], "engine": "prefill"} for i in range(args.trials)
+    ]
+    swap = _summary(
+        _cluster(args, "pull", reqs, {"lie": {"engine": "prefill", "what": "swap"}}),
+        {(r["id"], 1) for r in reqs},
+    )
     return _merge(refused), swap
 
 
@@ -252,8 +342,10 @@ def row_byte_drip(args: argparse.Namespace) -> dict:
     times, outcome = [], Counter()
     try:
         for _ in range(args.trials):
-            for fn in (lambda: query_generation("127.0.0.1", drip.port, timeout_s=1.0, auth=AUTH),
-                       lambda: fetch("127.0.0.1", drip.port, timeout_s=2.0, auth=AUTH)):
+            for fn in (
+                lambda: query_generation("127.0.0.1", drip.port, timeout_s=1.0, auth=AUTH),
+                lambda: fetch("127.0.0.1", drip.port, timeout_s=2.0, auth=AUTH),
+            ):
                 t0 = time.monotonic()
                 try:
                     fn()
@@ -263,8 +355,15 @@ def row_byte_drip(args: argparse.Namespace) -> dict:
                 times.append(time.monotonic() - t0)
     finally:
         drip.close()
-    return {"trials": 2 * args.trials, "outcome": dict(outcome), "fail_s": times, "held_s": [], "damaged": 0,
-            "damaged_outside": 0, "wall": sum(times)}
+    return {
+        "trials": 2 * args.trials,
+        "outcome": dict(outcome),
+        "fail_s": times,
+        "held_s": [],
+        "damaged": 0,
+        "damaged_outside": 0,
+        "wall": sum(times),
+    }
 
 
 def row_hostile(args: argparse.Namespace) -> dict:
@@ -298,12 +397,30 @@ def row_hostile(args: argparse.Namespace) -> dict:
     finally:
         d.close()
         p.close()
-    return {"trials": len(times), "outcome": dict(outcome), "fail_s": times, "held_s": [], "damaged": 0,
-            "damaged_outside": 0, "wall": sum(times), "survived": survived}
+    return {
+        "trials": len(times),
+        "outcome": dict(outcome),
+        "fail_s": times,
+        "held_s": [],
+        "damaged": 0,
+        "damaged_outside": 0,
+        "wall": sum(times),
+        "survived": survived,
+    }
 
 
-ROWS = ["kill", "stop-push", "stop-pull-tcp", "busy-pull-tcp", "busy-push", "tcp", "retry", "byte-drip",
-        "hostile", "lying-card"]
+ROWS = [
+    "kill",
+    "stop-push",
+    "stop-pull-tcp",
+    "busy-pull-tcp",
+    "busy-push",
+    "tcp",
+    "retry",
+    "byte-drip",
+    "hostile",
+    "lying-card",
+]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -350,14 +467,21 @@ def _fmt_s(xs: list[float]) -> str:
 
 
 def table(res: dict) -> str:
-    lines = ["| fault | trials | outcome of the faulty attempts | time to fail, s: median (max) | quarantined, s | "
-             "other requests ok | bytes damaged |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| fault | trials | outcome of the faulty attempts | time to fail, s: median (max) | quarantined, s | "
+        "other requests ok | bytes damaged |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in res.items():
         outcome = ", ".join(f"{k} {v}" for k, v in sorted(r["outcome"].items()))
         others = f"{r['others_ok']}/{r['others']}" if r.get("others") else "-"
-        damaged = f"{r['damaged']}" + (f" ({r['damaged_outside']} outside the requests)" if r["damaged"] else "")
-        lines.append(f"| {name} | {r['trials']} | {outcome} | {_fmt_s(r['fail_s'])} | {_fmt_s(r['held_s'])} | "
-                     f"{others} | {damaged} |")
+        damaged = f"{r['damaged']}" + (
+            f" ({r['damaged_outside']} outside the requests)" if r["damaged"] else ""
+        )
+        lines.append(
+            f"| {name} | {r['trials']} | {outcome} | {_fmt_s(r['fail_s'])} | {_fmt_s(r['held_s'])} | "
+            f"{others} | {damaged} |"
+        )
     return "\n".join(lines)
 
 
@@ -368,9 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=5.0, help="handshake / transfer / notification timeout")
     ap.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
     ap.add_argument("--json", help="write the raw results here")
-    ap.add_argument("--max-oracle-gib", type=float, default=6.0, help="refuse rows whose byte check needs more")
-    ap.add_argument("--check-each", action="store_true", help="also check each request's bytes when it completes "
-                    "(a full-cache oracle image per request: slow on Nemotron-H)")
+    ap.add_argument(
+        "--max-oracle-gib", type=float, default=6.0, help="refuse rows whose byte check needs more"
+    )
+    ap.add_argument(
+        "--check-each",
+        action="store_true",
+        help="also check each request's bytes when it completes "
+        "(a full-cache oracle image per request: slow on Nemotron-H)",
+    )
     args = ap.parse_args(argv)
     TOKENS[:] = MODELS[args.model][2]
     res = run(args)

@@ -112,7 +112,9 @@ def cannot_run(device: str, env: dict[str, Any]) -> str | None:
     try:
         importlib.import_module("nixl._api")
     except Exception as exc:
-        return f"nixl is not usable here ({type(exc).__name__}: {exc}): install it (see this script's docstring)"
+        return (
+            f"nixl is not usable here ({type(exc).__name__}: {exc}): install it (see this script's docstring)"
+        )
     return None
 
 
@@ -146,7 +148,9 @@ def _open_rank(spec: dict, side: str, rank: int) -> tuple[Scenario, GeometryCard
 
 
 def _space(sc: Scenario, requests: list[dict]) -> CoordSpace:
-    return CoordSpace(sc.model, max(r["tokens"] for r in requests) + max(sc.prefill.block_size, sc.decode.block_size))
+    return CoordSpace(
+        sc.model, max(r["tokens"] for r in requests) + max(sc.prefill.block_size, sc.decode.block_size)
+    )
 
 
 def _fill_producer(tensors: list, card: GeometryCard, space: CoordSpace, requests: list[dict]) -> None:
@@ -189,18 +193,40 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
         for t in kv.tensors:
             t.fill_(POISON_BYTE)
         ranks = wait_ranks(inbox)
-        pairing = kv.connect("prefill", {r: port for r, (port, _) in ranks.items()}, mode="pull", compat=sc.compat)
+        pairing = kv.connect(
+            "prefill", {r: port for r, (port, _) in ranks.items()}, mode="pull", compat=sc.compat
+        )
         out["remote_tables"] = {r: link.prepped.mem_type for r, link in kv.links["prefill"].items()}
 
         # -- 1. the e2e requests through the whole adapter path, every byte of D's cache checked
         rows = []
         for r in e2e:
-            res = kv.pull("prefill", r["d_ids"], r["p_ids"], r["id"], r["id"], timeout_s=spec["timeout_s"] / 4)
-            rows.append({k: getattr(res, k) for k in ("request_id", "ok", "descriptors", "bytes_moved",
-                                                      "bytes_zeroed", "nixl_desc_count", "runs", "seconds")})
-        bad = verify(kv.tensors, card, space, [(r["d_ids"], 0, r["tokens"], row["ok"]) for r, row in zip(e2e, rows)])
-        out["e2e"] = {"requests": rows, "mismatches": [str(m) for m in bad],
-                      "checked_bytes": int(sum(t.numel() for t in kv.tensors))}
+            res = kv.pull(
+                "prefill", r["d_ids"], r["p_ids"], r["id"], r["id"], timeout_s=spec["timeout_s"] / 4
+            )
+            rows.append(
+                {
+                    k: getattr(res, k)
+                    for k in (
+                        "request_id",
+                        "ok",
+                        "descriptors",
+                        "bytes_moved",
+                        "bytes_zeroed",
+                        "nixl_desc_count",
+                        "runs",
+                        "seconds",
+                    )
+                }
+            )
+        bad = verify(
+            kv.tensors, card, space, [(r["d_ids"], 0, r["tokens"], row["ok"]) for r, row in zip(e2e, rows)]
+        )
+        out["e2e"] = {
+            "requests": rows,
+            "mismatches": [str(m) for m in bad],
+            "checked_bytes": int(sum(t.numel() for t in kv.tensors)),
+        }
 
         # -- 2. one large request: NIXL against device copies of the same moves
         plan0 = kv.plan("prefill", bench["d_ids"], bench["p_ids"], "bench-0", "bench-0")
@@ -218,7 +244,7 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
             pos += sum(p_sizes[r])
         src_flat = torch.empty(pos, dtype=torch.uint8, device=dev)
         for r, c in p_cards.items():
-            views = [src_flat[b:b + n] for b, n in zip(p_base[r], p_sizes[r])]
+            views = [src_flat[b : b + n] for b, n in zip(p_base[r], p_sizes[r])]
             _fill_producer(views, c, space, requests)
         d_sizes = [t.numel() for t in kv.tensors]
         d_base = list(np.cumsum([0] + d_sizes[:-1]))
@@ -235,8 +261,10 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
 
         def index(mv: np.ndarray) -> tuple[Any, Any]:  # word indices of the moves in the flat buffers
             s, d = starts(mv)
-            return (torch.from_numpy(move_index(s, mv[:, 6], w)).to(dev),
-                    torch.from_numpy(move_index(d, mv[:, 6], w)).to(dev))
+            return (
+                torch.from_numpy(move_index(s, mv[:, 6], w)).to(dev),
+                torch.from_numpy(move_index(d, mv[:, 6], w)).to(dev),
+            )
 
         s_idx, d_idx = index(moves)
         cs_idx, cd_idx = index(contig)
@@ -245,6 +273,7 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
             def check() -> bool:
                 d_w = torch.cat([t.view(-1) for t in kv.tensors]).view(wtype)
                 return bool(torch.equal(d_w.index_select(0, di), src_w.index_select(0, si)))
+
             return check
 
         def scratch_matches() -> bool:
@@ -267,16 +296,18 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
 
         def copy_loop() -> None:
             for s, d, n in mv_rows:
-                scratch[d:d + n].copy_(src_flat[s:s + n])
+                scratch[d : d + n].copy_(src_flat[s : s + n])
 
         def copy_contig() -> None:
             scratch[:nbytes].copy_(src_flat[:nbytes])
 
-        methods = {"nixl": (nixl_plan, d_holds(s_idx, d_idx)),
-                   "nixl_contig": (_timed(contig_nixl, sync), d_holds(cs_idx, cd_idx)),
-                   "index_copy": (_timed(index_copy, sync), scratch_matches),
-                   "copy_per_move": (_timed(copy_loop, sync), scratch_matches),
-                   "copy_contig": (_timed(copy_contig, sync), None)}
+        methods = {
+            "nixl": (nixl_plan, d_holds(s_idx, d_idx)),
+            "nixl_contig": (_timed(contig_nixl, sync), d_holds(cs_idx, cd_idx)),
+            "index_copy": (_timed(index_copy, sync), scratch_matches),
+            "copy_per_move": (_timed(copy_loop, sync), scratch_matches),
+            "copy_contig": (_timed(copy_contig, sync), None),
+        }
         checks, info = {}, {}
         for name, (fn, check) in methods.items():  # warm-up, checked on zeroed targets
             for t in [*kv.tensors, scratch]:
@@ -290,11 +321,24 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
                 info[name] = fn()
                 samples[name].append(info[name].pop("seconds"))
         contig_nixl.release()
-        out["bench"] = {"tokens": bench["tokens"], "bytes": nbytes, "descriptor_pairs": plan0.num_descriptors,
-                        "contiguous_runs": contiguous_runs(moves), "word_bytes": w, "checks": checks,
-                        "move_lengths": {int(k): int(v) for k, v in zip(*np.unique(moves[:, 6], return_counts=True))},
-                        "methods": {name: {"seconds": statistics.median(ts), "gbps": gbps(nbytes, statistics.median(ts)),
-                                           "times": ts, **info[name]} for name, ts in samples.items()}}
+        out["bench"] = {
+            "tokens": bench["tokens"],
+            "bytes": nbytes,
+            "descriptor_pairs": plan0.num_descriptors,
+            "contiguous_runs": contiguous_runs(moves),
+            "word_bytes": w,
+            "checks": checks,
+            "move_lengths": {int(k): int(v) for k, v in zip(*np.unique(moves[:, 6], return_counts=True))},
+            "methods": {
+                name: {
+                    "seconds": statistics.median(ts),
+                    "gbps": gbps(nbytes, statistics.median(ts)),
+                    "times": ts,
+                    **info[name],
+                }
+                for name, ts in samples.items()
+            },
+        }
     return out
 
 
@@ -322,11 +366,22 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     sc = Scenario.from_json(scenario)
     if sc.mode != "pull":
         raise SystemExit("the scenario must be a pull")
-    reqs = [{"id": f"r{i}", "tokens": n} for i, n in enumerate(args.tokens)] + [{"id": "bench", "tokens": args.bench_tokens}]
-    return {"scenario": scenario, "device": args.device, "reps": args.reps, "timeout_s": args.timeout,
-            "serve_poll_s": args.serve_poll_us * 1e-6, "requests": assign_blocks(sc, reqs, ["prefill"]),
-            "config": {"progress_thread": args.progress_thread, "poll_interval_s": 0.0,
-                       "secret": os.urandom(32).hex()}}
+    reqs = [{"id": f"r{i}", "tokens": n} for i, n in enumerate(args.tokens)] + [
+        {"id": "bench", "tokens": args.bench_tokens}
+    ]
+    return {
+        "scenario": scenario,
+        "device": args.device,
+        "reps": args.reps,
+        "timeout_s": args.timeout,
+        "serve_poll_s": args.serve_poll_us * 1e-6,
+        "requests": assign_blocks(sc, reqs, ["prefill"]),
+        "config": {
+            "progress_thread": args.progress_thread,
+            "poll_interval_s": 0.0,
+            "secret": os.urandom(32).hex(),
+        },
+    }
 
 
 def report(res: dict, sc: Scenario, env: dict, args: argparse.Namespace, wall: float) -> tuple[str, bool]:
@@ -338,48 +393,72 @@ def report(res: dict, sc: Scenario, env: dict, args: argparse.Namespace, wall: f
     bench_ok = all(b["checks"].values())
     ok = e2e_ok and bench_ok and tables_ok
     m = b["methods"]
-    lines = [f"scenario (a): {sc.describe()}; device {args.device}",
-             "registration: " + "; ".join(f"{k} {v}" for k, v in sorted(mem.items()))
-             + f"; D's prepared remote tables {sorted(set(d['remote_tables'].values()))}",
-             f"e2e: {len(e2e['requests'])} requests ({', '.join(str(t) for t in args.tokens)} tokens) pulled with "
-             f"KVRank.pull; every byte of {e2e['checked_bytes'] / 2**20:.1f} MiB of D cache checked: "
-             + ("PASS" if e2e_ok else f"FAIL, {len(e2e['mismatches'])} mismatching runs"),
-             *[f"    {x}" for x in e2e["mismatches"][:10]],
-             "",
-             f"throughput: one request of {b['tokens']} tokens, {b['bytes'] / 2**20:.1f} MiB in {b['descriptor_pairs']} "
-             f"descriptor pairs (lengths {b['move_lengths']}), contiguous runs {b['contiguous_runs']}; median of "
-             f"{args.reps}, methods interleaved; GB/s = bytes moved once / time",
-             f"{'method':52s} {'seconds':>10s} {'GB/s':>8s}  notes"]
+    lines = [
+        f"scenario (a): {sc.describe()}; device {args.device}",
+        "registration: "
+        + "; ".join(f"{k} {v}" for k, v in sorted(mem.items()))
+        + f"; D's prepared remote tables {sorted(set(d['remote_tables'].values()))}",
+        f"e2e: {len(e2e['requests'])} requests ({', '.join(str(t) for t in args.tokens)} tokens) pulled with "
+        f"KVRank.pull; every byte of {e2e['checked_bytes'] / 2**20:.1f} MiB of D cache checked: "
+        + ("PASS" if e2e_ok else f"FAIL, {len(e2e['mismatches'])} mismatching runs"),
+        *[f"    {x}" for x in e2e["mismatches"][:10]],
+        "",
+        f"throughput: one request of {b['tokens']} tokens, {b['bytes'] / 2**20:.1f} MiB in {b['descriptor_pairs']} "
+        f"descriptor pairs (lengths {b['move_lengths']}), contiguous runs {b['contiguous_runs']}; median of "
+        f"{args.reps}, methods interleaved; GB/s = bytes moved once / time",
+        f"{'method':52s} {'seconds':>10s} {'GB/s':>8s}  notes",
+    ]
 
     def line(label: str, key: str, note: str = "") -> None:
         chk = b["checks"].get(key)
         tail = "" if chk is None else ("; bytes ok" if chk else "; BYTES WRONG")
         lines.append(f"{label:52s} {m[key]['seconds']:10.6f} {m[key]['gbps']:8.2f}  {note}{tail}")
 
-    line("NIXL READ, the plan's transfers (post -> done)", "nixl", f"NIXL posted {m['nixl']['desc_count']} descs")
-    line(f"NIXL READ, same bytes in <= {CHUNK >> 20} MiB pieces", "nixl_contig",
-         f"NIXL posted {m['nixl_contig']['desc_count']} descs")
+    line(
+        "NIXL READ, the plan's transfers (post -> done)",
+        "nixl",
+        f"NIXL posted {m['nixl']['desc_count']} descs",
+    )
+    line(
+        f"NIXL READ, same bytes in <= {CHUNK >> 20} MiB pieces",
+        "nixl_contig",
+        f"NIXL posted {m['nixl_contig']['desc_count']} descs",
+    )
     line("torch index_select + index_copy_, same moves", "index_copy", f"{b['word_bytes']}-byte words")
     line("torch copy_ per move, same moves", "copy_per_move", f"{b['descriptor_pairs']} copies")
     line("torch copy_, same byte count, contiguous", "copy_contig")
-    lines += ["",
-              f"NIXL / index copy: {m['nixl']['gbps'] / m['index_copy']['gbps']:.3f}   NIXL / contiguous copy: "
-              f"{m['nixl']['gbps'] / m['copy_contig']['gbps']:.3f}   NIXL per posted descriptor: "
-              f"{m['nixl']['seconds'] * 1e6 / max(1, m['nixl']['desc_count']):.2f} us",
-              f"verdict: {'PASS' if ok else 'FAIL'} (wall {wall:.1f} s incl. process start)"]
+    lines += [
+        "",
+        f"NIXL / index copy: {m['nixl']['gbps'] / m['index_copy']['gbps']:.3f}   NIXL / contiguous copy: "
+        f"{m['nixl']['gbps'] / m['copy_contig']['gbps']:.3f}   NIXL per posted descriptor: "
+        f"{m['nixl']['seconds'] * 1e6 / max(1, m['nixl']['desc_count']):.2f} us",
+        f"verdict: {'PASS' if ok else 'FAIL'} (wall {wall:.1f} s incl. process start)",
+    ]
     return "\n".join(lines), ok
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cuda (the check) or cpu (dry run of the same code path on DRAM)")
-    ap.add_argument("--scenario", help="scenario JSON (pull; default: scenario (a), the demo's Mamba2 hybrid)")
-    ap.add_argument("--tokens", type=int, nargs="+", default=E2E_TOKENS, help="e2e request lengths (verified)")
+    ap.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (the check) or cpu (dry run of the same code path on DRAM)",
+    )
+    ap.add_argument(
+        "--scenario", help="scenario JSON (pull; default: scenario (a), the demo's Mamba2 hybrid)"
+    )
+    ap.add_argument(
+        "--tokens", type=int, nargs="+", default=E2E_TOKENS, help="e2e request lengths (verified)"
+    )
     ap.add_argument("--bench-tokens", type=int, default=65536, help="length of the timed request")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--progress-thread", action="store_true", help="enable NIXL's progress thread in every rank")
-    ap.add_argument("--serve-poll-us", type=float, default=100.0, help="P ranks' sleep between notification polls")
+    ap.add_argument(
+        "--progress-thread", action="store_true", help="enable NIXL's progress thread in every rank"
+    )
+    ap.add_argument(
+        "--serve-poll-us", type=float, default=100.0, help="P ranks' sleep between notification polls"
+    )
     ap.add_argument("--timeout", type=float, default=240.0, help="bound of the whole run in seconds")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
@@ -392,8 +471,11 @@ def main() -> int:
     spec = build_spec(args)
     sc = Scenario.from_json(spec["scenario"])
     need = blocks_needed(sc.model, sc.prefill, args.bench_tokens)
-    print(f"gpu_vram_pull: {sc.describe()}; device {args.device}; starting {sc.prefill.tp_size} P + "
-          f"{sc.decode.tp_size} D processes (bench request: {need} P blocks) ...", flush=True)
+    print(
+        f"gpu_vram_pull: {sc.describe()}; device {args.device}; starting {sc.prefill.tp_size} P + "
+        f"{sc.decode.tp_size} D processes (bench request: {need} P blocks) ...",
+        flush=True,
+    )
     t0 = time.monotonic()
     try:
         res = run_ranks(_producer, _consumer, spec, sc.prefill.tp_size, args.timeout)
@@ -405,8 +487,19 @@ def main() -> int:
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "versions": env, "scenario": spec["scenario"], "ok": ok, "wall_s": wall,
-                       "results": res}, f, indent=1, default=str)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "versions": env,
+                    "scenario": spec["scenario"],
+                    "ok": ok,
+                    "wall_s": wall,
+                    "results": res,
+                },
+                f,
+                indent=1,
+                default=str,
+            )
     return 0 if ok else 1
 
 

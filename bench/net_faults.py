@@ -37,18 +37,55 @@ from kvgeom_nixl.hostrun import FAULTS, Lab, summarize  # noqa: E402
 
 T = 2.5
 ROWS = {  # row: (fault, mode, etcd, the faulty attempts, description)
-    "link_cut-pull": ("link_cut", "pull", False, [("r1", 1)],
-                      "link cut 0.15 s into a transfer for 4.5 s (pull, side channel)"),
-    "link_cut-push": ("link_cut", "push", False, [("r1", 1)],
-                      "link cut 0.15 s into a transfer for 4.5 s (push, side channel)"),
-    "link_cut-pull-etcd": ("link_cut", "pull", True, [("r1", 1)], "link cut 0.15 s into a transfer (pull, etcd)"),
-    "impaired": ("impaired", "pull", False, [("r2", 1)],
-                 "netem delay 100 ms, loss 5 %, 16 Mbit/s on P's link (pull): a 6 MiB request; a 150 KB one"),
-    "readdress-sidechannel": ("readdress", "pull", False, [("r1", 1)],
-                              "P host's address changed after the handshake (side channel)"),
-    "readdress-etcd": ("readdress", "pull", True, [("r1", 1)], "P host's address changed after the handshake (etcd)"),
-    "etcd_restart": ("etcd_restart", "pull", True, [("r2", 1)],
-                     "etcd killed mid-run, back 6 s later without its data: a new handshake; a connected peer"),
+    "link_cut-pull": (
+        "link_cut",
+        "pull",
+        False,
+        [("r1", 1)],
+        "link cut 0.15 s into a transfer for 4.5 s (pull, side channel)",
+    ),
+    "link_cut-push": (
+        "link_cut",
+        "push",
+        False,
+        [("r1", 1)],
+        "link cut 0.15 s into a transfer for 4.5 s (push, side channel)",
+    ),
+    "link_cut-pull-etcd": (
+        "link_cut",
+        "pull",
+        True,
+        [("r1", 1)],
+        "link cut 0.15 s into a transfer (pull, etcd)",
+    ),
+    "impaired": (
+        "impaired",
+        "pull",
+        False,
+        [("r2", 1)],
+        "netem delay 100 ms, loss 5 %, 16 Mbit/s on P's link (pull): a 6 MiB request; a 150 KB one",
+    ),
+    "readdress-sidechannel": (
+        "readdress",
+        "pull",
+        False,
+        [("r1", 1)],
+        "P host's address changed after the handshake (side channel)",
+    ),
+    "readdress-etcd": (
+        "readdress",
+        "pull",
+        True,
+        [("r1", 1)],
+        "P host's address changed after the handshake (etcd)",
+    ),
+    "etcd_restart": (
+        "etcd_restart",
+        "pull",
+        True,
+        [("r2", 1)],
+        "etcd killed mid-run, back 6 s later without its data: a new handshake; a connected peer",
+    ),
 }
 
 
@@ -82,22 +119,41 @@ def run_row(name: str, trials: int) -> dict:
                     extra.append(f"{a['request']}#{a['attempt']}: {a['error']}")
         if fault == "impaired":  # the small request under the impairment
             small = next(a for a in s["attempts"] if a["request"] == "r1")
-            extra.append(f"150 KB request under impairment {'ok' if small['ok'] else small['error']} in "
-                         f"{small['seconds']:.2f} s")
+            extra.append(
+                f"150 KB request under impairment {'ok' if small['ok'] else small['error']} in "
+                f"{small['seconds']:.2f} s"
+            )
         if fault == "etcd_restart":
-            extra.append(f"connected peer served while etcd was down (side-channel fallback x{s['stats']['etcd_fallbacks']})")
-        print(f"  {name} trial {trial}: {dict(outcomes)} damaged {damaged} ({time.monotonic() - t0:.0f} s)", flush=True)
-    return {"row": name, "fault": desc, "trials": trials, "outcome": dict(outcomes), "fail_s": fail_s,
-            "held_s": held_s, "others": f"{others_ok}/{others}", "damaged": damaged, "notes": sorted(set(extra))}
+            extra.append(
+                f"connected peer served while etcd was down (side-channel fallback x{s['stats']['etcd_fallbacks']})"
+            )
+        print(
+            f"  {name} trial {trial}: {dict(outcomes)} damaged {damaged} ({time.monotonic() - t0:.0f} s)",
+            flush=True,
+        )
+    return {
+        "row": name,
+        "fault": desc,
+        "trials": trials,
+        "outcome": dict(outcomes),
+        "fail_s": fail_s,
+        "held_s": held_s,
+        "others": f"{others_ok}/{others}",
+        "damaged": damaged,
+        "notes": sorted(set(extra)),
+    }
 
 
 def etcd_bounds(trials: int, timeout_s: float = 0.5, ttl_s: float = 2.0) -> dict[str, list[float]]:
     """etcd's own bounds, on a bare member (no engines): a request to a stopped member and over a cut link
     (``timeout_s``), a record's life after its rank stops refreshing (``ttl_s``), and how soon a registration
     writes its record again after etcd restarts without its data."""
-    out: dict[str, list[float]] = {"request to a stopped member": [], "request over a cut link": [],
-                                   "record after its rank stopped refreshing": [],
-                                   "record back after a restart without data": []}
+    out: dict[str, list[float]] = {
+        "request to a stopped member": [],
+        "request over a cut link": [],
+        "record after its rank stopped refreshing": [],
+        "record back after a restart without data": [],
+    }
     for _ in range(trials):
         _etcd_trial(out, timeout_s, ttl_s)
     return out
@@ -131,13 +187,16 @@ def _etcd_trial(out: dict[str, list[float]], timeout_s: float, ttl_s: float) -> 
     with VirtualNet(["e", "c"], impairable=False) as net:
         etcd = EtcdServer(net, "e").start()
         c = EtcdClient([etcd.endpoint], timeout_s=timeout_s)
-        reg = net.call("c", lambda: Registration(EtcdClient([etcd.endpoint], timeout_s=timeout_s), key, ttl_s))
+        reg = net.call(
+            "c", lambda: Registration(EtcdClient([etcd.endpoint], timeout_s=timeout_s), key, ttl_s)
+        )
         assert net.call("c", lambda: reg.publish(b'{"v": 1}', wait_s=2.0))  # the value is not read here
         etcd.stop(signal.SIGKILL)
         out["request to a stopped member"].append(net.call("c", fail_time))
         etcd.start(wipe=True)
         out["record back after a restart without data"].append(
-            net.call("c", until, lambda: c.mod_revision(key) is not None))
+            net.call("c", until, lambda: c.mod_revision(key) is not None)
+        )
         net.link_down("e")
         out["request over a cut link"].append(net.call("c", fail_time))
         net.link_up("e")
@@ -145,7 +204,9 @@ def _etcd_trial(out: dict[str, list[float]], timeout_s: float, ttl_s: float) -> 
         with reg._cv:
             reg._cv.notify_all()
         reg._thread.join(2)
-        out["record after its rank stopped refreshing"].append(net.call("c", until, lambda: c.mod_revision(key) is None))
+        out["record after its rank stopped refreshing"].append(
+            net.call("c", until, lambda: c.mod_revision(key) is None)
+        )
         etcd.stop()
 
 
@@ -154,8 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--json")
-    ap.add_argument("--etcd-bounds", type=int, default=0, metavar="TRIALS",
-                    help="only measure etcd's bounds (0.5 s request timeout, 2 s lease), this many trials")
+    ap.add_argument(
+        "--etcd-bounds",
+        type=int,
+        default=0,
+        metavar="TRIALS",
+        help="only measure etcd's bounds (0.5 s request timeout, 2 s lease), this many trials",
+    )
     args = ap.parse_args(argv)
     if args.etcd_bounds:
         b = etcd_bounds(args.etcd_bounds)
@@ -167,15 +233,20 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(b, indent=1))
         return 0
     results = []
-    print("| fault | trials | outcome of the faulty attempts | time to fail, s: median (max) | quarantined, s | "
-          "other requests ok | bytes damaged |")
+    print(
+        "| fault | trials | outcome of the faulty attempts | time to fail, s: median (max) | quarantined, s | "
+        "other requests ok | bytes damaged |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.rows.split(","):
         r = run_row(name, args.trials)
         results.append(r)
         outcome = ", ".join(f"{k} {v}" for k, v in sorted(r["outcome"].items()))
-        print(f"| {r['fault']} | {r['trials']} | {outcome} | {_fmt(r['fail_s'])} | {_fmt(r['held_s'])} | "
-              f"{r['others']} | {r['damaged']} |", flush=True)
+        print(
+            f"| {r['fault']} | {r['trials']} | {outcome} | {_fmt(r['fail_s'])} | {_fmt(r['held_s'])} | "
+            f"{r['others']} | {r['damaged']} |",
+            flush=True,
+        )
         for note in r["notes"]:
             print(f"    note: {note}", flush=True)
     if args.json:

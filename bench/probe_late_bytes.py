@@ -50,9 +50,19 @@ def _producer(tls: str | None, mode: str, events, inbox) -> str:
     src = torch.full((N,), 0x5A, dtype=torch.uint8)
     with Endpoint("P", TransportConfig(close_drain_s=0.2)) as ep:
         (r,) = ep.register_tensors(src)
-        srv = SideChannelServer("127.0.0.1", 0, make_payload(engine_id="p", rank=0, agent_name="P",
-                                agent_metadata=ep.metadata(), card={}, regions=[(r.addr, r.nbytes, 0)]),
-                                auth=AUTH).start()
+        srv = SideChannelServer(
+            "127.0.0.1",
+            0,
+            make_payload(
+                engine_id="p",
+                rank=0,
+                agent_name="P",
+                agent_metadata=ep.metadata(),
+                card={},
+                regions=[(r.addr, r.nbytes, 0)],
+            ),
+            auth=AUTH,
+        ).start()
         try:
             events.put(("port", srv.port))
             if mode == "push":
@@ -88,8 +98,14 @@ def _consumer(tls: str | None, mode: str, case: str, events, inbox) -> dict:
     with Endpoint("D", TransportConfig(close_drain_s=0.2)) as ep:
         (r,) = ep.register_tensors(dst)
         port = inbox.get(timeout=30)
-        me = make_payload(engine_id="d", rank=0, agent_name="D", agent_metadata=ep.metadata(), card={},
-                          regions=[(r.addr, r.nbytes, 0)])
+        me = make_payload(
+            engine_id="d",
+            rank=0,
+            agent_name="D",
+            agent_metadata=ep.metadata(),
+            card={},
+            regions=[(r.addr, r.nbytes, 0)],
+        )
         peer = fetch("127.0.0.1", port, me, timeout_s=10, auth=AUTH)
         ids = np.arange(N // BLK)
         if mode == "pull":

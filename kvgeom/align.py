@@ -34,22 +34,37 @@ from .errors import PlanError
 __all__ = ["list_starts", "overlap", "Page", "page_heads", "group_pages", "consumer_zero_rows"]
 
 
-def _producer_end(n_p: int, b_p: int, prefill_tokens: int | None, sliding: bool, p_end_hint: int | None,
-                  group: int) -> int:
+def _producer_end(
+    n_p: int, b_p: int, prefill_tokens: int | None, sliding: bool, p_end_hint: int | None, group: int
+) -> int:
     if prefill_tokens is not None:
         return math.ceil(prefill_tokens / b_p) * b_p
     if not sliding:
         return n_p * b_p  # a full-attention list starts at token 0
     if p_end_hint is not None:
         return p_end_hint
-    raise PlanError("prefill_tokens", f"group {group}: a sliding window's blocks on P end where P's computed tokens "
-                    "end, which its block counts do not tell here: pass prefill_tokens (the tokens P computed, "
-                    "vLLM's remote_num_tokens)", value=None)
+    raise PlanError(
+        "prefill_tokens",
+        f"group {group}: a sliding window's blocks on P end where P's computed tokens "
+        "end, which its block counts do not tell here: pass prefill_tokens (the tokens P computed, "
+        "vLLM's remote_num_tokens)",
+        value=None,
+    )
 
 
-def list_starts(n_c: int, b_c: int, n_p: int, b_p: int, num_tokens: int | None, prefix_caching: bool,
-                sliding: bool, group: int, prefill_tokens: int | None = None, *,
-                p_end_hint: int | None = None) -> tuple[int, int]:
+def list_starts(
+    n_c: int,
+    b_c: int,
+    n_p: int,
+    b_p: int,
+    num_tokens: int | None,
+    prefix_caching: bool,
+    sliding: bool,
+    group: int,
+    prefill_tokens: int | None = None,
+    *,
+    p_end_hint: int | None = None,
+) -> tuple[int, int]:
     """First token of the consumer's (``n_c`` blocks of ``b_c``) and the producer's (``n_p`` of ``b_p``)
     list of one attention group; ``p_end_hint``: where the producer's full-attention lists of the same
     request end (for a sliding group without ``prefill_tokens``)."""
@@ -57,32 +72,63 @@ def list_starts(n_c: int, b_c: int, n_p: int, b_p: int, num_tokens: int | None, 
         raise PlanError("num_tokens", f"must be >= 1, got {num_tokens}", value=num_tokens)
     if prefill_tokens is not None:
         if prefill_tokens < 0 or (num_tokens is not None and prefill_tokens > num_tokens):
-            raise PlanError("prefill_tokens", f"{prefill_tokens} tokens computed by P for a request D holds "
-                            f"{num_tokens} tokens of", value=prefill_tokens, expected=num_tokens)
+            raise PlanError(
+                "prefill_tokens",
+                f"{prefill_tokens} tokens computed by P for a request D holds {num_tokens} tokens of",
+                value=prefill_tokens,
+                expected=num_tokens,
+            )
     p_end = _producer_end(n_p, b_p, prefill_tokens, sliding, p_end_hint, group)
     p0 = p_end - n_p * b_p
     if p0 < 0 or (p0 and not sliding):
-        raise PlanError(f"block_ids[{group}]", f"P's {n_p} blocks of {b_p} tokens do not end where its {p_end} "
-                        "computed tokens (prefill_tokens, rounded up to a block) do", local=n_c, remote=n_p)
+        raise PlanError(
+            f"block_ids[{group}]",
+            f"P's {n_p} blocks of {b_p} tokens do not end where its {p_end} "
+            "computed tokens (prefill_tokens, rounded up to a block) do",
+            local=n_c,
+            remote=n_p,
+        )
     if num_tokens is not None:
         c_end = math.ceil(num_tokens / b_c) * b_c
         c0 = c_end - n_c * b_c
         if c0 < 0:
-            raise PlanError(f"block_ids[{group}]", f"D's {n_c} blocks of {b_c} tokens are more than num_tokens="
-                            f"{num_tokens} need", local=n_c, remote=n_p)
+            raise PlanError(
+                f"block_ids[{group}]",
+                f"D's {n_c} blocks of {b_c} tokens are more than num_tokens={num_tokens} need",
+                local=n_c,
+                remote=n_p,
+            )
         if (n_p - 1) * b_p >= num_tokens and prefill_tokens is None and not sliding:
-            raise PlanError(f"block_ids[{group}]", f"P's {n_p} blocks of {b_p} tokens are more than num_tokens="
-                            f"{num_tokens} need", local=n_c, remote=n_p)
+            raise PlanError(
+                f"block_ids[{group}]",
+                f"P's {n_p} blocks of {b_p} tokens are more than num_tokens={num_tokens} need",
+                local=n_c,
+                remote=n_p,
+            )
         return c0, p0
     if not prefix_caching and not sliding:
         if n_c * b_c <= (n_p - 1) * b_p:  # D's whole list is shorter than what P computed: not from token 0
-            raise PlanError("num_tokens", f"group {group}: D's {n_c} blocks of {b_c} tokens hold fewer tokens than P's "
-                            f"{n_p} blocks of {b_p} computed (a prefix hit?): pass num_tokens (the tokens D holds "
-                            "blocks for) to place D's list", local=n_c * b_c, remote=n_p * b_p)
+            raise PlanError(
+                "num_tokens",
+                f"group {group}: D's {n_c} blocks of {b_c} tokens hold fewer tokens than P's "
+                f"{n_p} blocks of {b_p} computed (a prefix hit?): pass num_tokens (the tokens D holds "
+                "blocks for) to place D's list",
+                local=n_c * b_c,
+                remote=n_p * b_p,
+            )
         return 0, p0  # no prefix: D's list starts at token 0
-    why = "a prefix hit may skip its first blocks" if not sliding else "a sliding window keeps only its last blocks"
-    raise PlanError("num_tokens", f"group {group}: D's list need not start at token 0 ({why}): pass the request's "
-                    "num_tokens (the tokens D holds blocks for) to place it", local=n_c, remote=n_p)
+    why = (
+        "a prefix hit may skip its first blocks"
+        if not sliding
+        else "a sliding window keeps only its last blocks"
+    )
+    raise PlanError(
+        "num_tokens",
+        f"group {group}: D's list need not start at token 0 ({why}): pass the request's "
+        "num_tokens (the tokens D holds blocks for) to place it",
+        local=n_c,
+        remote=n_p,
+    )
 
 
 def overlap(c_start: int, n_c: int, p_start: int, n_p: int) -> tuple[int, int, int]:
@@ -121,8 +167,10 @@ def group_pages(geom: object, group: int) -> list[Page]:
         for g, name in region.members:
             if g == group:
                 off, length = region.slot(name)
-                out.setdefault((region.index, off), Page(region.index, off, length, region.block_stride,
-                                                         page_heads(geom, name)))
+                out.setdefault(
+                    (region.index, off),
+                    Page(region.index, off, length, region.block_stride, page_heads(geom, name)),
+                )
     return list(out.values())
 
 
@@ -133,8 +181,15 @@ def _as_page(page: object, heads: int | None) -> Page:
     return Page(page.index, 0, page.block_len, page.block_stride, heads or 1)  # type: ignore[attr-defined]
 
 
-def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, first: int, count: int,
-                       tokens: int, heads: int | None = None) -> np.ndarray:
+def consumer_zero_rows(
+    pages: list[Page],
+    kernel_ids: np.ndarray,
+    units: int,
+    first: int,
+    count: int,
+    tokens: int,
+    heads: int | None = None,
+) -> np.ndarray:
     """``(region, offset, length)`` rows zeroing the consumer's kernel blocks ``kernel_ids`` outside fine
     positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens), in
     every page of ``pages`` (:class:`Page` values, or region-like values viewed whole). Head-major pages
@@ -147,7 +202,9 @@ def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, fi
     whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
     inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
     ids = kernel_ids[whole]
-    cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in pages], dtype=np.int64).reshape(-1, 4)
+    cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in pages], dtype=np.int64).reshape(
+        -1, 4
+    )
     full = np.empty((cols.shape[0], ids.size, 3), dtype=np.int64)  # every page of the whole blocks at once
     full[..., 0] = cols[:, 0, None]
     full[..., 1] = ids[None, :] * cols[:, 3, None] + cols[:, 1, None]
@@ -158,7 +215,9 @@ def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, fi
         start, end = k * units, (k + 1) * units
         for a, b in ((start, max(start, lo)), (min(end, hi), end)):
             if a < b <= n:
-                gaps.append((int(kernel_ids[k]), (a - start) * tokens // units, (b - start) * tokens // units))
+                gaps.append(
+                    (int(kernel_ids[k]), (a - start) * tokens // units, (b - start) * tokens // units)
+                )
     if gaps:  # one run per (gap, page, head), all at once
         nheads = np.asarray([p.heads for p in pages], dtype=np.int64)
         page = np.repeat(np.arange(len(pages)), nheads)
@@ -168,7 +227,7 @@ def consumer_zero_rows(pages: list[Page], kernel_ids: np.ndarray, units: int, fi
         g = np.asarray(gaps, dtype=np.int64)
         out = np.empty((len(gaps), page.size, 3), dtype=np.int64)
         out[..., 0] = cols[page, 0]
-        out[..., 1] = (g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + head * per_head)
+        out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + head * per_head
         out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
         rows.append(out.reshape(-1, 3))
     return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), dtype=np.int64)

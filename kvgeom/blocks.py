@@ -99,9 +99,16 @@ def check_distinct(groups: Sequence[np.ndarray], field: str) -> None:
         i = int(dup[0])
         a, b, bid = int(owner[order[i]]), int(owner[order[i + 1]]), int(ids[order[i]])
         if a == b:
-            raise BlockIdError(f"{field}[{a}]", f"block id {bid} appears twice in group {a}", value=bid, group=a)
-        raise BlockIdError(f"{field}[{b}]", f"block id {bid} is in group {a} and in group {b}; groups share one "
-                           "block pool, so one id cannot belong to two groups", value=bid, groups=(a, b))
+            raise BlockIdError(
+                f"{field}[{a}]", f"block id {bid} appears twice in group {a}", value=bid, group=a
+            )
+        raise BlockIdError(
+            f"{field}[{b}]",
+            f"block id {bid} is in group {a} and in group {b}; groups share one "
+            "block pool, so one id cannot belong to two groups",
+            value=bid,
+            groups=(a, b),
+        )
 
 
 def _expand(ids: np.ndarray, ratio: int) -> np.ndarray:
@@ -152,8 +159,9 @@ def map_block_ids_for_block_size_ratio(
     return map_checked(as_group_ids(local_ids, group_is_ssm, "local_ids"), remote, ratio, group_is_ssm)
 
 
-def map_checked(local: list[np.ndarray], remote: list[np.ndarray], ratio: int, group_is_ssm: Sequence[bool]
-                ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def map_checked(
+    local: list[np.ndarray], remote: list[np.ndarray], ratio: int, group_is_ssm: Sequence[bool]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """:func:`map_block_ids_for_block_size_ratio` on checked ids (one ``int64`` array per group)."""
     mapped = [
         loc if ssm else _expand(loc, ratio)[: len(rem)]
@@ -198,9 +206,14 @@ def apply_prefix_caching(
     return prefix_checked(dec, pre, decode_ppl, prefill_ppl, group_is_ssm, has_mamba)
 
 
-def prefix_checked(dec: list[np.ndarray], pre: list[np.ndarray], decode_ppl: int, prefill_ppl: int,
-                   group_is_ssm: Sequence[bool], has_mamba: bool | None = None
-                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def prefix_checked(
+    dec: list[np.ndarray],
+    pre: list[np.ndarray],
+    decode_ppl: int,
+    prefill_ppl: int,
+    group_is_ssm: Sequence[bool],
+    has_mamba: bool | None = None,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """:func:`apply_prefix_caching` on checked ids (one ``int64`` array per group, ppl values >= 1)."""
     mamba = any(group_is_ssm) if has_mamba is None else bool(has_mamba)
     out_d: list[np.ndarray] = []

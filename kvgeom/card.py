@@ -50,12 +50,20 @@ def _check_limits(data: dict[str, Any], limits: CardLimits) -> None:
     layers = model.get("layers") if isinstance(model, dict) else None
     n_layers = len(layers) if isinstance(layers, list) else 0
     if n_layers > limits.max_layers:
-        raise CardError("model.layers", f"{n_layers} layers exceed the limit of {limits.max_layers}",
-                        value=n_layers, expected=limits.max_layers)
+        raise CardError(
+            "model.layers",
+            f"{n_layers} layers exceed the limit of {limits.max_layers}",
+            value=n_layers,
+            expected=limits.max_layers,
+        )
     regions = derived.get("regions") if isinstance(derived, dict) else None
     if isinstance(regions, list) and len(regions) > max(limits.max_layers, n_layers):
-        raise CardError("derived.regions", f"{len(regions)} regions exceed the limit of {limits.max_layers}",
-                        value=len(regions), expected=limits.max_layers)
+        raise CardError(
+            "derived.regions",
+            f"{len(regions)} regions exceed the limit of {limits.max_layers}",
+            value=len(regions),
+            expected=limits.max_layers,
+        )
     if not isinstance(engine, dict):
         return
     blocks, size = _int(engine.get("num_blocks")), _int(engine.get("block_size"))
@@ -64,12 +72,21 @@ def _check_limits(data: dict[str, Any], limits: CardLimits) -> None:
         return  # malformed: EngineConfig refuses it with its own error
     kernel_blocks = blocks * max(1, size // kernel)
     if kernel_blocks > limits.max_kernel_blocks:
-        raise CardError("engine.num_blocks", f"{blocks} blocks ({kernel_blocks} kernel blocks) exceed the limit of "
-                        f"{limits.max_kernel_blocks} kernel blocks", value=blocks, expected=limits.max_kernel_blocks)
+        raise CardError(
+            "engine.num_blocks",
+            f"{blocks} blocks ({kernel_blocks} kernel blocks) exceed the limit of "
+            f"{limits.max_kernel_blocks} kernel blocks",
+            value=blocks,
+            expected=limits.max_kernel_blocks,
+        )
     if kernel_blocks * max(1, n_layers) > limits.max_table_rows:
-        raise CardError("engine.num_blocks", f"{kernel_blocks} kernel blocks x {n_layers} layers exceed the limit "
-                        f"of {limits.max_table_rows} table rows", value=kernel_blocks * n_layers,
-                        expected=limits.max_table_rows)
+        raise CardError(
+            "engine.num_blocks",
+            f"{kernel_blocks} kernel blocks x {n_layers} layers exceed the limit "
+            f"of {limits.max_table_rows} table rows",
+            value=kernel_blocks * n_layers,
+            expected=limits.max_table_rows,
+        )
 
 
 def _derived(geom: RankGeometry) -> dict[str, Any]:
@@ -83,8 +100,14 @@ def _derived(geom: RankGeometry) -> dict[str, Any]:
         "is_mla": geom.is_mla,
         "group_kinds": [g.kind.value for g in geom.groups],
         "regions": [
-            {"name": r.name, "block_len": r.block_len, "block_stride": r.block_stride,
-             "num_blocks": r.num_blocks, "is_mla": r.is_mla, "groups": [g for g, _ in r.members]}
+            {
+                "name": r.name,
+                "block_len": r.block_len,
+                "block_stride": r.block_stride,
+                "num_blocks": r.num_blocks,
+                "is_mla": r.is_mla,
+                "groups": [g for g, _ in r.members],
+            }
             for r in geom.regions
         ],
         "ssm_sizes": list(geom.ssm.sizes) if geom.ssm else None,
@@ -103,12 +126,15 @@ def _diff(path: str, card: Any, derived: Any) -> None:
             _diff(f"{path}.{key}", card[key], value)
     elif isinstance(derived, list):
         if not isinstance(card, list) or len(card) != len(derived):
-            raise CardError(path, f"card says {card!r}, its own spec derives {derived!r}", card=card,
-                            derived=derived)
+            raise CardError(
+                path, f"card says {card!r}, its own spec derives {derived!r}", card=card, derived=derived
+            )
         for i, (a, b) in enumerate(zip(card, derived)):
             _diff(f"{path}[{i}]", a, b)
     elif card != derived:
-        raise CardError(path, f"card says {card!r}, its own spec derives {derived!r}", card=card, derived=derived)
+        raise CardError(
+            path, f"card says {card!r}, its own spec derives {derived!r}", card=card, derived=derived
+        )
 
 
 @dataclass(frozen=True)
@@ -164,15 +190,23 @@ class GeometryCard:
             raise CardError("card", f"must be a JSON object, got {type(data).__name__}", value=data)
         version = data.get("kvgeom_card")
         if version != CARD_VERSION:
-            raise CardError("kvgeom_card", f"unsupported card version {version!r}; this kvgeom reads "
-                            f"{CARD_VERSION}", card=version, expected=CARD_VERSION)
+            raise CardError(
+                "kvgeom_card",
+                f"unsupported card version {version!r}; this kvgeom reads {CARD_VERSION}",
+                card=version,
+                expected=CARD_VERSION,
+            )
         for key in ("engine_id", "model", "engine", "derived"):
             if key not in data:
                 raise CardError(key, "missing from the card", value=None)
         _check_limits(data, limits)
         try:
-            card = cls(str(data["engine_id"]), ModelSpec.from_json(data["model"]),
-                       EngineConfig.from_json(data["engine"]), str(data.get("mode", "pull")))
+            card = cls(
+                str(data["engine_id"]),
+                ModelSpec.from_json(data["model"]),
+                EngineConfig.from_json(data["engine"]),
+                str(data.get("mode", "pull")),
+            )
             derived = _derived(card.geometry)
         except CardError:
             raise

@@ -40,14 +40,18 @@ def dcp_rank(tp_rank: int, dcp_size: int) -> int:
     return check_positive_int(tp_rank, "tp_rank", 0, ConfigError) % dcp_size
 
 
-def transfer_rank(tp_rank: int, tp_size: int, pcp_rank: int = 0, pcp_size: int = 1, dcp_size: int = 1
-                  ) -> tuple[int, int]:
+def transfer_rank(
+    tp_rank: int, tp_size: int, pcp_rank: int = 0, pcp_size: int = 1, dcp_size: int = 1
+) -> tuple[int, int]:
     """``(rank, size)`` of this worker among the ranks that transfer KV: the PCP ranks when PCP and DCP
     both shard the cache (TP 1, vLLM ``pcp_dcp_sharded``), else the TP ranks."""
     if pcp_size > 1 and dcp_size > 1:
         if tp_size != 1 or dcp_size != pcp_size:
-            raise ConfigError("dcp_size", "PCP+DCP needs TP 1 with DCP spanning the whole PCP group",
-                              value=(tp_size, pcp_size, dcp_size))
+            raise ConfigError(
+                "dcp_size",
+                "PCP+DCP needs TP 1 with DCP spanning the whole PCP group",
+                value=(tp_size, pcp_size, dcp_size),
+            )
         return pcp_rank, pcp_size
     return tp_rank, tp_size
 
@@ -56,13 +60,18 @@ def _check_sizes(local_dcp: int, remote_dcp: int) -> tuple[int, int]:
     local_dcp = check_positive_int(local_dcp, "local_dcp_size", error=RatioError)
     remote_dcp = check_positive_int(remote_dcp, "remote_dcp_size", error=RatioError)
     if local_dcp % remote_dcp and remote_dcp % local_dcp:
-        raise RatioError("remote_dcp_size", f"DCP sizes must divide one another: local {local_dcp}, remote "
-                         f"{remote_dcp}", local=local_dcp, remote=remote_dcp)
+        raise RatioError(
+            "remote_dcp_size",
+            f"DCP sizes must divide one another: local {local_dcp}, remote {remote_dcp}",
+            local=local_dcp,
+            remote=remote_dcp,
+        )
     return local_dcp, remote_dcp
 
 
-def dcp_source_ranks(local_dcp_rank: int, local_dcp_size: int, remote_tp_size: int, remote_dcp_size: int
-                     ) -> tuple[int, ...]:
+def dcp_source_ranks(
+    local_dcp_rank: int, local_dcp_size: int, remote_tp_size: int, remote_dcp_size: int
+) -> tuple[int, ...]:
     """Remote ranks whose pages overlap this rank's (vLLM ``TransferTopology.dcp_source_ranks``).
 
     Local DCP no larger than remote: every remote rank ``r < remote_tp`` with ``r % local_dcp ==
@@ -79,7 +88,9 @@ def dcp_source_ranks(local_dcp_rank: int, local_dcp_size: int, remote_tp_size: i
     return (d % remote_dcp,)
 
 
-def dcp_consumer_count(local_tp_size: int, local_dcp_size: int, remote_tp_size: int, remote_dcp_size: int) -> int:
+def dcp_consumer_count(
+    local_tp_size: int, local_dcp_size: int, remote_tp_size: int, remote_dcp_size: int
+) -> int:
     """Local ranks reading one remote rank, i.e. the notifications a producer waits for (vLLM
     ``TransferTopology.dcp_consumer_count``): remote sharded -> ``local_tp`` if the local side is
     replicated, else ``max(1, local_dcp // remote_dcp)``; remote replicated -> ``max(1, tp_ratio)``."""
@@ -90,48 +101,77 @@ def dcp_consumer_count(local_tp_size: int, local_dcp_size: int, remote_tp_size: 
         return local_tp if local_dcp == 1 else max(1, local_dcp // remote_dcp)
     if local_tp >= remote_tp:
         if local_tp % remote_tp:
-            raise RatioError("remote_tp", f"local TP {local_tp} is not a multiple of remote TP {remote_tp}",
-                             local=local_tp, remote=remote_tp)
+            raise RatioError(
+                "remote_tp",
+                f"local TP {local_tp} is not a multiple of remote TP {remote_tp}",
+                local=local_tp,
+                remote=remote_tp,
+            )
         return local_tp // remote_tp
     if remote_tp % local_tp:
-        raise RatioError("remote_tp", f"remote TP {remote_tp} is not a multiple of local TP {local_tp}",
-                         local=local_tp, remote=remote_tp)
+        raise RatioError(
+            "remote_tp",
+            f"remote TP {remote_tp} is not a multiple of local TP {local_tp}",
+            local=local_tp,
+            remote=remote_tp,
+        )
     return 1
 
 
-def dcp_handshake_targets(local_rank: int, local_tp: int, local_dcp_size: int, remote_tp: int,
-                          remote_dcp_size: int) -> tuple[int, ...]:
+def dcp_handshake_targets(
+    local_rank: int, local_tp: int, local_dcp_size: int, remote_tp: int, remote_dcp_size: int
+) -> tuple[int, ...]:
     """Remote ranks a rank fetches metadata from (vLLM ``handshake_target_ranks``): the DCP source ranks
     when the remote shards its cache, else the TP rule of :func:`kvgeom.tp.handshake_targets`."""
     from .tp import handshake_targets
 
     if remote_dcp_size > 1:
-        return dcp_source_ranks(dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp, remote_dcp_size)
+        return dcp_source_ranks(
+            dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp, remote_dcp_size
+        )
     _check_sizes(local_dcp_size, remote_dcp_size)
     return handshake_targets(local_rank, local_tp, remote_tp)
 
 
-def check_parallel_pair(local_pcp_size: int, local_dcp_size: int, remote_pcp_size: int, remote_dcp_size: int,
-                        has_mamba: bool = False) -> None:
+def check_parallel_pair(
+    local_pcp_size: int,
+    local_dcp_size: int,
+    remote_pcp_size: int,
+    remote_dcp_size: int,
+    has_mamba: bool = False,
+) -> None:
     """vLLM's handshake rules on context parallelism (``_validate_remote_parallel_config`` and the DCP
     asserts of ``_validate_remote_agent_handshake``): a PCP remote's DCP must be 1 or span its PCP group;
     replicated PCP (DCP 1) cannot pair with a DCP-sharded peer; DCP sizes divide one another; Mamba
     hybrids need equal DCP sizes. Refusals are :class:`IncompatiblePairError`."""
-    lp, ld, rp, rd = (check_positive_int(v, n, error=IncompatiblePairError) for v, n in (
-        (local_pcp_size, "local_pcp_size"), (local_dcp_size, "local_dcp_size"),
-        (remote_pcp_size, "remote_pcp_size"), (remote_dcp_size, "remote_dcp_size")))
+    lp, ld, rp, rd = (
+        check_positive_int(v, n, error=IncompatiblePairError)
+        for v, n in (
+            (local_pcp_size, "local_pcp_size"),
+            (local_dcp_size, "local_dcp_size"),
+            (remote_pcp_size, "remote_pcp_size"),
+            (remote_dcp_size, "remote_dcp_size"),
+        )
+    )
     if rp > 1 and rd not in (1, rp):
-        raise IncompatiblePairError("dcp_size", f"the remote's PCP+DCP does not span its PCP group (PCP {rp}, DCP "
-                                    f"{rd})", local=(lp, ld), remote=(rp, rd))
+        raise IncompatiblePairError(
+            "dcp_size",
+            f"the remote's PCP+DCP does not span its PCP group (PCP {rp}, DCP {rd})",
+            local=(lp, ld),
+            remote=(rp, rd),
+        )
     if (lp > 1 and ld == 1 and rd > 1) or (rp > 1 and rd == 1 and ld > 1):
-        raise IncompatiblePairError("dcp_size", "replicated PCP cannot pair with a DCP-sharded peer",
-                                    local=(lp, ld), remote=(rp, rd))
+        raise IncompatiblePairError(
+            "dcp_size", "replicated PCP cannot pair with a DCP-sharded peer", local=(lp, ld), remote=(rp, rd)
+        )
     if ld % rd and rd % ld:
-        raise IncompatiblePairError("dcp_size", f"DCP sizes must divide one another (local {ld}, remote {rd})",
-                                    local=ld, remote=rd)
+        raise IncompatiblePairError(
+            "dcp_size", f"DCP sizes must divide one another (local {ld}, remote {rd})", local=ld, remote=rd
+        )
     if has_mamba and ld != rd:
-        raise IncompatiblePairError("dcp_size", f"Mamba hybrids need equal DCP sizes (local {ld}, remote {rd})",
-                                    local=ld, remote=rd)
+        raise IncompatiblePairError(
+            "dcp_size", f"Mamba hybrids need equal DCP sizes (local {ld}, remote {rd})", local=ld, remote=rd
+        )
 
 
 def global_pages(first: int, count: int, dcp_size: int, rank: int) -> np.ndarray:
@@ -140,9 +180,16 @@ def global_pages(first: int, count: int, dcp_size: int, rank: int) -> np.ndarray
     return (np.arange(first, first + count, dtype=np.int64) * dcp_size) + rank
 
 
-def apply_dcp_prefix_caching(local_ids: IdsLike, remote_ids: IdsLike, remote_rank: int, local_dcp_size: int,
-                             local_dcp_rank: int, remote_dcp_size: int, local_num_computed_blocks: int,
-                             num_remote_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def apply_dcp_prefix_caching(
+    local_ids: IdsLike,
+    remote_ids: IdsLike,
+    remote_rank: int,
+    local_dcp_size: int,
+    local_dcp_rank: int,
+    remote_dcp_size: int,
+    local_num_computed_blocks: int,
+    num_remote_blocks: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Pair one group's pages by global position (vLLM ``_apply_dcp_prefix_caching``, logical ids).
 
     ``local_ids`` are this rank's uncached pages (its list starts at position ``c =
@@ -161,7 +208,7 @@ def apply_dcp_prefix_caching(local_ids: IdsLike, remote_ids: IdsLike, remote_ran
     if num_remote_blocks is not None:
         total = check_positive_int(num_remote_blocks, "num_remote_blocks", 0, PlanError)
         mine = math.ceil((total - d) / ld) if total > d else 0
-        lo = lo[:max(0, mine - c)]
+        lo = lo[: max(0, mine - c)]
     if ld == rd:
         lsl, rsl = lo, ro[c:]
     elif ld < rd:
@@ -177,14 +224,28 @@ def apply_dcp_prefix_caching(local_ids: IdsLike, remote_ids: IdsLike, remote_ran
         lsl, rsl = lo, ro[start_remote::k]
     n = min(lsl.size, rsl.size)
     if num_remote_blocks is not None and n < lsl.size:
-        raise PlanError("remote_ids", f"remote rank {r}'s {ro.size} pages do not cover the {lsl.size} local pages "
-                        "requested", local=int(lsl.size), remote=int(rsl.size))
+        raise PlanError(
+            "remote_ids",
+            f"remote rank {r}'s {ro.size} pages do not cover the {lsl.size} local pages requested",
+            local=int(lsl.size),
+            remote=int(rsl.size),
+        )
     return lsl[:n].copy(), rsl[:n].copy()
 
 
-
-def dcp_units(c_ids: IdsLike, c_first: int, c_page: int, c_kernel: int, c_dcp: int, c_rank: int, p_ids: IdsLike,
-              p_page: int, p_kernel: int, p_dcp: int, limit: int) -> dict[str, np.ndarray]:
+def dcp_units(
+    c_ids: IdsLike,
+    c_first: int,
+    c_page: int,
+    c_kernel: int,
+    c_dcp: int,
+    c_rank: int,
+    p_ids: IdsLike,
+    p_page: int,
+    p_kernel: int,
+    p_dcp: int,
+    limit: int,
+) -> dict[str, np.ndarray]:
     """Where every unit of a consumer rank's pages comes from, token by token (any page and kernel sizes).
 
     The consumer (D) rank ``c_rank`` of ``c_dcp`` holds list positions ``c_first ..`` of pages of ``c_page``
@@ -208,9 +269,22 @@ def dcp_units(c_ids: IdsLike, c_first: int, c_page: int, c_kernel: int, c_dcp: i
     held = i < p.size
     ok = (t < limit) & held
     safe = np.minimum(i, max(p.size - 1, 0))
-    p_kernel_id = (p[safe] if p.size else np.zeros_like(safe)) * (p_page // p_kernel) + (t % p_page) // p_kernel
+    p_kernel_id = (p[safe] if p.size else np.zeros_like(safe)) * (p_page // p_kernel) + (
+        t % p_page
+    ) // p_kernel
     c_kernel_id = c[j] * (c_page // c_kernel) + (k * unit) // c_kernel if c.size else j
     c_sub, p_sub = (k * unit % c_kernel) // unit, (t % p_kernel) // unit
-    return {"c_pos": j, "c_kernel": c_kernel_id, "c_sub": c_sub, "c_fine": c_kernel_id * (c_kernel // unit) + c_sub,
-            "p_rank": gp % p_dcp, "p_kernel": p_kernel_id, "p_sub": p_sub,
-            "p_fine": p_kernel_id * (p_kernel // unit) + p_sub, "token": t, "ok": ok, "held": held, "unit": np.asarray(unit)}
+    return {
+        "c_pos": j,
+        "c_kernel": c_kernel_id,
+        "c_sub": c_sub,
+        "c_fine": c_kernel_id * (c_kernel // unit) + c_sub,
+        "p_rank": gp % p_dcp,
+        "p_kernel": p_kernel_id,
+        "p_sub": p_sub,
+        "p_fine": p_kernel_id * (p_kernel // unit) + p_sub,
+        "token": t,
+        "ok": ok,
+        "held": held,
+        "unit": np.asarray(unit),
+    }

@@ -68,17 +68,23 @@ def _caps(region_num_blocks: Sequence[int] | None, count: int, nb: int, bsr: int
         return np.full(count, nb, dtype=np.int64)
     caps = np.asarray(region_num_blocks, dtype=np.int64).reshape(-1) * bsr
     if caps.size != count:
-        raise GroupMismatchError(field, f"{caps.size} capacities for {count} regions", value=int(caps.size),
-                                 expected=count)
+        raise GroupMismatchError(
+            field, f"{caps.size} capacities for {count} regions", value=int(caps.size), expected=count
+        )
     if (caps < 0).any():
         raise GroupMismatchError(field, f"capacities must be >= 0, got {list(region_num_blocks)}")
     return caps
 
 
-def _table(offsets: np.ndarray, groups: np.ndarray, caps: np.ndarray, grid: tuple[int, ...] | None = None
-           ) -> Segments:
-    return Segments(np.asarray(offsets, dtype=np.int64).reshape(-1), np.asarray(groups, dtype=np.int64).reshape(-1),
-                    np.asarray(caps, dtype=np.int64).reshape(-1), grid)
+def _table(
+    offsets: np.ndarray, groups: np.ndarray, caps: np.ndarray, grid: tuple[int, ...] | None = None
+) -> Segments:
+    return Segments(
+        np.asarray(offsets, dtype=np.int64).reshape(-1),
+        np.asarray(groups, dtype=np.int64).reshape(-1),
+        np.asarray(caps, dtype=np.int64).reshape(-1),
+        grid,
+    )
 
 
 def desc_segments(
@@ -118,45 +124,72 @@ def desc_segments(
     bsr = 1 if block_size_ratio is None else check_positive_int(block_size_ratio, "block_size_ratio")
     ppl = check_positive_int(physical_blocks_per_logical, "physical_blocks_per_logical")
     if len(group_is_ssm) != num_groups:
-        raise GroupMismatchError("group_is_ssm", f"{len(group_is_ssm)} group kinds for {num_groups} groups",
-                                 value=len(group_is_ssm), expected=num_groups)
+        raise GroupMismatchError(
+            "group_is_ssm",
+            f"{len(group_is_ssm)} group kinds for {num_groups} groups",
+            value=len(group_is_ssm),
+            expected=num_groups,
+        )
     nb = nblocks * bsr
     routed = list(transfer_layer_group_ids or ())
     if routed:
         caps = _caps(region_num_blocks, len(routed), nb, bsr, "region_num_blocks")
         bad = [g for g in routed if not 0 <= g < num_groups]
         if bad:
-            raise GroupMismatchError("transfer_layer_group_ids", f"groups {bad} outside [0, {num_groups})", value=bad)
+            raise GroupMismatchError(
+                "transfer_layer_group_ids", f"groups {bad} outside [0, {num_groups})", value=bad
+            )
         return _table(np.cumsum(caps) - caps, np.asarray(routed), caps)
     nregions = check_positive_int(num_regions, "num_regions", minimum=1, error=GroupMismatchError)
     if ssm_region_indices is None:
         ssm_groups = [g for g, ssm in enumerate(group_is_ssm) if ssm]
         count = nregions if region_num_blocks is None else len(region_num_blocks)
         if region_group_ids is None and count != nregions:
-            raise GroupMismatchError("region_num_blocks", f"{count} capacities for {nregions} regions", value=count,
-                                     expected=nregions)
+            raise GroupMismatchError(
+                "region_num_blocks",
+                f"{count} capacities for {nregions} regions",
+                value=count,
+                expected=nregions,
+            )
         caps = _caps(region_num_blocks, count, nb, bsr, "region_num_blocks")
         offs = np.cumsum(caps) - caps
         # without explicit group ids, the worker's own: one group for all of its num_regions regions
-        gids = np.zeros(nregions, dtype=np.int64) if region_group_ids is None else \
-            np.asarray(region_group_ids, dtype=np.int64).reshape(-1)
+        gids = (
+            np.zeros(nregions, dtype=np.int64)
+            if region_group_ids is None
+            else np.asarray(region_group_ids, dtype=np.int64).reshape(-1)
+        )
         if gids.size != count:
-            raise GroupMismatchError("region_group_ids", f"{gids.size} group ids for {count} regions",
-                                     value=int(gids.size), expected=count)
-        mapped = np.unique(gids).size > 1 if uses_region_group_mapping is None else bool(uses_region_group_mapping)
+            raise GroupMismatchError(
+                "region_group_ids",
+                f"{gids.size} group ids for {count} regions",
+                value=int(gids.size),
+                expected=count,
+            )
+        mapped = (
+            np.unique(gids).size > 1 if uses_region_group_mapping is None else bool(uses_region_group_mapping)
+        )
         attn = [g for g in range(num_groups) if g not in ssm_groups]
         if not mapped:
             grid = np.asarray(attn, dtype=np.int64)
-            return _table(np.repeat(offs, grid.size), np.tile(grid, count), np.repeat(caps, grid.size), tuple(attn))
-        rows = [(offs[m], np.full(int(m.sum()), g), caps[m]) for g in attn
-                for m in [(gids == g) | (gids == SHARED_GROUP)]]
+            return _table(
+                np.repeat(offs, grid.size), np.tile(grid, count), np.repeat(caps, grid.size), tuple(attn)
+            )
+        rows = [
+            (offs[m], np.full(int(m.sum()), g), caps[m])
+            for g in attn
+            for m in [(gids == g) | (gids == SHARED_GROUP)]
+        ]
         cols = [np.concatenate([np.zeros(0, np.int64)] + [r[i] for r in rows]) for i in range(3)]
         return _table(cols[0], cols[1], cols[2])
     ssm_regions = [int(r) for r in ssm_region_indices]
     bad = [r for r in ssm_regions if not 0 <= r < nregions]
     if bad or len(set(ssm_regions)) != len(ssm_regions):
-        raise GroupMismatchError("ssm_region_indices", f"must be distinct regions in [0, {nregions}), got "
-                                 f"{ssm_regions}", value=ssm_regions)
+        raise GroupMismatchError(
+            "ssm_region_indices",
+            f"must be distinct regions in [0, {nregions}), got {ssm_regions}",
+            value=ssm_regions,
+        )
     pieces = check_positive_int(num_conv_pieces, "num_conv_pieces", error=GroupMismatchError)
     caps = _caps(region_num_blocks, nregions, nb, bsr, "region_num_blocks")
     nfa = int(caps.sum())
@@ -164,7 +197,9 @@ def desc_segments(
     streams = len(ssm_regions) * (pieces + 1)
     scratch = np.asarray(sorted(int(r) for r in scratch_region_indices), dtype=np.int64)
     if scratch.size and (scratch.min() < 0 or scratch.max() >= nregions):
-        raise GroupMismatchError("scratch_region_indices", f"must lie in [0, {nregions})", value=scratch.tolist())
+        raise GroupMismatchError(
+            "scratch_region_indices", f"must lie in [0, {nregions})", value=scratch.tolist()
+        )
     starts: list[np.ndarray] = []
     groups: list[np.ndarray] = []
     cap_rows: list[np.ndarray] = []
@@ -197,12 +232,15 @@ def apply_segments(segments: Segments, groups: Sequence[np.ndarray], checked: bo
             _refuse(segments, groups)
     if segments.grid is not None:  # region-major: every region carries the same groups, in order
         v = np.concatenate([np.zeros(0, np.int64), *(groups[g] for g in segments.grid)])
-        regions = segments.offset[::max(len(segments.grid), 1)]
+        regions = segments.offset[:: max(len(segments.grid), 1)]
         out: np.ndarray = (regions[:, None] + v[None, :]).reshape(-1)
         return out
     # one broadcast per run of a group's segments (a loop over groups, never over blocks)
-    parts = [(segments.offset[a:b, None] + groups[g][None, :]).reshape(-1) for g, a, b in segments.runs
-             if groups[g].size]
+    parts = [
+        (segments.offset[a:b, None] + groups[g][None, :]).reshape(-1)
+        for g, a, b in segments.runs
+        if groups[g].size
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -214,15 +252,20 @@ def _refuse(segments: Segments, groups: Sequence[np.ndarray]) -> None:
     orphan = np.flatnonzero(~used & (sizes > 0))
     if orphan.size:
         g = int(orphan[0])
-        raise GroupMismatchError(f"block_ids[{g}]", f"group {g} has {int(sizes[g])} block ids but no region carries "
-                                 "it", value=g)
+        raise GroupMismatchError(
+            f"block_ids[{g}]", f"group {g} has {int(sizes[g])} block ids but no region carries it", value=g
+        )
     gmax = np.asarray([int(g.max()) if g.size else -1 for g in groups], dtype=np.int64)
     over = np.flatnonzero(gmax[segments.group] >= segments.capacity)
     if over.size:
         k = int(over[0])
         g = int(segments.group[k])
-        raise BlockIdError(f"block_ids[{g}]", f"block id {int(gmax[g])} out of range [0, {int(segments.capacity[k])})",
-                           value=int(gmax[g]), expected=int(segments.capacity[k]))
+        raise BlockIdError(
+            f"block_ids[{g}]",
+            f"block id {int(gmax[g])} out of range [0, {int(segments.capacity[k])})",
+            value=int(gmax[g]),
+            expected=int(segments.capacity[k]),
+        )
 
 
 def compute_desc_ids(
@@ -251,16 +294,32 @@ def compute_desc_ids(
     per region): ``[[1], [2]]`` -> ``[1, 6, 9]``.
     """
     if isinstance(block_ids, np.ndarray) and block_ids.ndim == 1 and block_ids.dtype != object:
-        raise BlockIdError("block_ids", "must be a list with one id list per KV-cache group, got a flat array")
-    segments = desc_segments(len(group_is_ssm), dst_num_blocks, num_regions, block_size_ratio,
-                             physical_blocks_per_logical, group_is_ssm, ssm_region_indices, num_conv_pieces,
-                             region_num_blocks, region_group_ids, uses_region_group_mapping=uses_region_group_mapping,
-                             transfer_layer_group_ids=transfer_layer_group_ids, scratch_groups=scratch_groups,
-                             scratch_region_indices=scratch_region_indices, ple_group=ple_group)
+        raise BlockIdError(
+            "block_ids", "must be a list with one id list per KV-cache group, got a flat array"
+        )
+    segments = desc_segments(
+        len(group_is_ssm),
+        dst_num_blocks,
+        num_regions,
+        block_size_ratio,
+        physical_blocks_per_logical,
+        group_is_ssm,
+        ssm_region_indices,
+        num_conv_pieces,
+        region_num_blocks,
+        region_group_ids,
+        uses_region_group_mapping=uses_region_group_mapping,
+        transfer_layer_group_ids=transfer_layer_group_ids,
+        scratch_groups=scratch_groups,
+        scratch_region_indices=scratch_region_indices,
+        ple_group=ple_group,
+    )
     groups = as_group_ids(block_ids, group_is_ssm, "block_ids")
     if ssm_region_indices is None and not transfer_layer_group_ids:
         for g, (ids, ssm) in enumerate(zip(groups, group_is_ssm, strict=True)):
             if ssm and ids.size:
-                raise GroupMismatchError(f"block_ids[{g}]", "SSM group has block ids but ssm_region_indices is None "
-                                         "(no SSM regions)")
+                raise GroupMismatchError(
+                    f"block_ids[{g}]",
+                    "SSM group has block ids but ssm_region_indices is None (no SSM regions)",
+                )
     return apply_segments(segments, groups)

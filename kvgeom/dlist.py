@@ -49,8 +49,11 @@ class Dlist:
         if arr.size == 0:
             arr = arr.reshape(0, arr.shape[1] if arr.ndim == 2 and arr.shape[1] in (3, 5) else 5)
         if arr.ndim != 2 or arr.shape[1] not in (3, 5):
-            raise PlanError("rows", f"must be an N x 3 (region, offset, length) or N x 5 strided array, got "
-                            f"shape {arr.shape}", value=arr.shape)
+            raise PlanError(
+                "rows",
+                f"must be an N x 3 (region, offset, length) or N x 5 strided array, got shape {arr.shape}",
+                value=arr.shape,
+            )
         if arr.shape[1] == 3:
             runs = np.empty((arr.shape[0], 5), dtype=np.int64)
             runs[:, 0] = (arr[:, 0] << _REGION_SHIFT) | arr[:, 1]
@@ -90,8 +93,12 @@ class Dlist:
         if "rows" in self.__dict__:
             return np.asarray(self.rows[ids], dtype=np.int64)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self)):
-            raise PlanError("descriptor ids", f"id outside the {len(self)}-row table", value=int(ids.max()),
-                            expected=len(self))
+            raise PlanError(
+                "descriptor ids",
+                f"id outside the {len(self)}-row table",
+                value=int(ids.max()),
+                expected=len(self),
+            )
         run = np.searchsorted(self._ends, ids, side="right")
         r = self.runs[run]
         addr = r[:, 0] + (ids - (self._ends[run] - r[:, 4])) * r[:, 3]
@@ -105,8 +112,11 @@ class Dlist:
         base = np.asarray(bases, dtype=np.uint64)
         regions = self.runs[:, 0] >> _REGION_SHIFT
         if regions.size and int(regions.max()) >= base.size:
-            raise PlanError("bases", f"{base.size} base addresses for a table over "
-                            f"{int(regions.max()) + 1} regions", value=base.size)
+            raise PlanError(
+                "bases",
+                f"{base.size} base addresses for a table over {int(regions.max()) + 1} regions",
+                value=base.size,
+            )
         return base
 
     def bind(self, bases: Sequence[int], device: int = 0) -> np.ndarray:
@@ -123,7 +133,9 @@ class Dlist:
         memory type, NIXL >= 1.5): the same descriptor ids as :meth:`bind`, one row per run."""
         base = self._bases(bases)
         out = self.runs.astype(np.uint64)
-        out[:, 0] = base[self.runs[:, 0] >> _REGION_SHIFT] + (self.runs[:, 0] & _OFFSET_MASK).astype(np.uint64)
+        out[:, 0] = base[self.runs[:, 0] >> _REGION_SHIFT] + (self.runs[:, 0] & _OFFSET_MASK).astype(
+            np.uint64
+        )
         out[:, 2] = np.uint64(device)
         return out
 
@@ -160,10 +172,13 @@ class Dlist:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             first = int(np.cumsum(runs[:, 4])[i] - runs[i, 4])
-            raise PlanError(f"{side} dlist[{first}]", f"run (region {r[i]}, offset {off[i]}, length {ln[i]}, "
-                            f"stride {runs[i, 3]}, count {runs[i, 4]}) leaves its registered region of "
-                            f"{int(sizes[np.clip(r[i], 0, sizes.size - 1)])} bytes",
-                            value=(int(r[i]), int(off[i]), int(ln[i]), int(runs[i, 3]), int(runs[i, 4])))
+            raise PlanError(
+                f"{side} dlist[{first}]",
+                f"run (region {r[i]}, offset {off[i]}, length {ln[i]}, "
+                f"stride {runs[i, 3]}, count {runs[i, 4]}) leaves its registered region of "
+                f"{int(sizes[np.clip(r[i], 0, sizes.size - 1)])} bytes",
+                value=(int(r[i]), int(off[i]), int(ln[i]), int(runs[i, 3]), int(runs[i, 4])),
+            )
 
 
 @dataclass(frozen=True)
@@ -197,12 +212,21 @@ class EngineView:
     transfer_groups: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, geom: Any) -> EngineView:  # geom: RankGeometry (not imported: dlist sits below geometry users)
+    def of(
+        cls, geom: Any
+    ) -> EngineView:  # geom: RankGeometry (not imported: dlist sits below geometry users)
         return cls(
-            geom.tp_size, geom.tp_rank, geom.block_size, geom.ppl, geom.num_blocks,
-            tuple(r.block_len for r in geom.regions), tuple(r.block_stride for r in geom.regions),
-            geom.region_is_mla, geom.ssm_region_indices,
-            geom.ssm.sizes if geom.ssm else None, geom.ssm.conv_offsets if geom.ssm else None,
+            geom.tp_size,
+            geom.tp_rank,
+            geom.block_size,
+            geom.ppl,
+            geom.num_blocks,
+            tuple(r.block_len for r in geom.regions),
+            tuple(r.block_stride for r in geom.regions),
+            geom.region_is_mla,
+            geom.ssm_region_indices,
+            geom.ssm.sizes if geom.ssm else None,
+            geom.ssm.conv_offsets if geom.ssm else None,
         )
 
     @property
@@ -228,11 +252,19 @@ class EngineView:
         """The same memory seen at ``split``-times finer blocks (vLLM B.6.7): block size / split, ppl and
         block counts x split, lengths / split, strides := lengths."""
         lens = tuple(x // split for x in self.block_lens)
-        return replace(self, block_size=self.block_size // split, ppl=self.ppl * split,
-                       num_blocks=self.num_blocks * split, block_lens=lens, block_strides=lens)
+        return replace(
+            self,
+            block_size=self.block_size // split,
+            ppl=self.ppl * split,
+            num_blocks=self.num_blocks * split,
+            block_lens=lens,
+            block_strides=lens,
+        )
 
 
-def _ssm_rows(regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
+def _ssm_rows(
+    regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[tuple[int, int]]
+) -> np.ndarray:
     """SSM runs: for each SSM region, for each piece ``(offset, length)``, one run over the logical blocks
     (state pages ``page`` bytes apart)."""
     if not len(regions) or not len(pieces):
@@ -248,11 +280,20 @@ def _ssm_rows(regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[
     return runs.reshape(-1, 5)
 
 
-def _fa_rows(lens: np.ndarray, strides: np.ndarray, nb: int, bsr: int, bases: Sequence[int],
-             offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def _fa_rows(
+    lens: np.ndarray,
+    strides: np.ndarray,
+    nb: int,
+    bsr: int,
+    bases: Sequence[int],
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+) -> np.ndarray:
     """Attention runs: stream-major, block-minor, ``bsr`` sub-blocks per block (streams start at ``bases``),
     each descriptor moved by its stream's ``offsets`` and cut to its ``lengths``."""
-    parts = [block_strided_rows(int(b), int(n) // bsr, int(st), nb, bsr) for b, n, st in zip(bases, lens, strides)]
+    parts = [
+        block_strided_rows(int(b), int(n) // bsr, int(st), nb, bsr) for b, n, st in zip(bases, lens, strides)
+    ]
     counts = np.asarray([len(x) for x in parts], dtype=np.int64)
     runs = np.concatenate(parts) if parts else np.zeros((0, 5), dtype=np.int64)
     runs[:, 0] += np.repeat(offsets, counts)
@@ -279,59 +320,126 @@ def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
     """
     lens = np.asarray(view.block_lens, dtype=np.int64)
     if bsr < 1 or np.any(lens % bsr):
-        raise PlanError("block_size_ratio", f"{bsr} does not divide every block length {view.block_lens}",
-                        value=bsr, expected=view.block_lens)
-    fa = fa_local_rows(view.pseudo_bases(), view.block_lens, view.block_strides,
-                       [view.num_blocks] * view.num_regions, bsr)
+        raise PlanError(
+            "block_size_ratio",
+            f"{bsr} does not divide every block length {view.block_lens}",
+            value=bsr,
+            expected=view.block_lens,
+        )
+    fa = fa_local_rows(
+        view.pseudo_bases(), view.block_lens, view.block_strides, [view.num_blocks] * view.num_regions, bsr
+    )
     ssm = None
     if view.ssm_sizes is not None and view.conv_offsets is not None:
-        ssm = mamba_local_rows(_pseudo_bases(view.num_regions), view.block_strides, view.ssm_region_indices, view.conv_offsets,
-                               view.ssm_sizes, view.ppl, view.logical_num_blocks)
+        ssm = mamba_local_rows(
+            _pseudo_bases(view.num_regions),
+            view.block_strides,
+            view.ssm_region_indices,
+            view.conv_offsets,
+            view.ssm_sizes,
+            view.ppl,
+            view.logical_num_blocks,
+        )
     return _table(fa, ssm)
 
 
-def remote_dlist(local: EngineView, remote: EngineView, bsr: int, attn_reads: int, rank_offset_factor: int,
-                 ssm_pieces: Sequence[tuple[int, int]] | None, draft: tuple[int, int] | None = None) -> Dlist:
+def remote_dlist(
+    local: EngineView,
+    remote: EngineView,
+    bsr: int,
+    attn_reads: int,
+    rank_offset_factor: int,
+    ssm_pieces: Sequence[tuple[int, int]] | None,
+    draft: tuple[int, int] | None = None,
+) -> Dlist:
     """A remote rank's table as this rank reads it (vLLM B.2.4): every attention row cut to this rank's
     share (``attn_reads`` sources split a SPLIT row; MLA rows are read whole; ``draft``: ``(reads, rank offset
     factor)`` of the head-sharded layers next to MLA layers), then per SSM region one row per logical block
     for each of ``ssm_pieces`` (``(offset, length)`` in the remote state page of every conv piece and the
     temporal state, as this rank reads them)."""
     if local.num_regions != remote.num_regions:
-        raise PlanError("num_regions", f"local has {local.num_regions} regions, remote {remote.num_regions}",
-                        local=local.num_regions, remote=remote.num_regions)
+        raise PlanError(
+            "num_regions",
+            f"local has {local.num_regions} regions, remote {remote.num_regions}",
+            local=local.num_regions,
+            remote=remote.num_regions,
+        )
     bases = _pseudo_bases(remote.num_regions)
     drafts = [k for k, mla in enumerate(local.region_is_mla) if not mla] if draft is not None else []
     reads, factor = draft if draft is not None else (1, 0)
-    fa = fa_remote_rows(remote.pseudo_bases(), remote.block_strides, [remote.num_blocks] * remote.num_regions,
-                        local.block_lens, local.region_is_mla, bsr, max(attn_reads, 1), rank_offset_factor,
-                        draft_regions=drafts, draft_reads=max(reads, 1), draft_offset_factor=factor)
+    fa = fa_remote_rows(
+        remote.pseudo_bases(),
+        remote.block_strides,
+        [remote.num_blocks] * remote.num_regions,
+        local.block_lens,
+        local.region_is_mla,
+        bsr,
+        max(attn_reads, 1),
+        rank_offset_factor,
+        draft_regions=drafts,
+        draft_reads=max(reads, 1),
+        draft_offset_factor=factor,
+    )
     ssm = None
     if ssm_pieces is not None:
-        ssm = _rows_over(bases, remote.block_strides, local.ssm_region_indices, ssm_pieces, remote.ppl,
-                         remote.logical_num_blocks)
+        ssm = _rows_over(
+            bases,
+            remote.block_strides,
+            local.ssm_region_indices,
+            ssm_pieces,
+            remote.ppl,
+            remote.logical_num_blocks,
+        )
     return _table(fa, ssm)
 
 
-def _rows_over(bases: Sequence[int], strides: Sequence[int], regions: Sequence[int],
-               pieces: Sequence[tuple[int, int]], ppl: int, nbl: int) -> np.ndarray:
+def _rows_over(
+    bases: Sequence[int],
+    strides: Sequence[int],
+    regions: Sequence[int],
+    pieces: Sequence[tuple[int, int]],
+    ppl: int,
+    nbl: int,
+) -> np.ndarray:
     """Strided SSM rows of ``pieces`` in every region of ``regions`` (state pages ``stride * ppl`` apart)."""
-    return np.asarray([(int(bases[i]) + off, size, 0, int(strides[i]) * ppl, nbl)
-                       for i in regions for off, size in pieces], dtype=np.int64).reshape(-1, 5)
+    return np.asarray(
+        [(int(bases[i]) + off, size, 0, int(strides[i]) * ppl, nbl) for i in regions for off, size in pieces],
+        dtype=np.int64,
+    ).reshape(-1, 5)
 
 
-def routed_tables(local: EngineView, remote: EngineView, local_rows: int, remote_rows: int,
-                  fa: Sequence[tuple[int, int, int]], ssm: Sequence[tuple[int, int, int]] | None) -> tuple[Dlist, Dlist]:
+def routed_tables(
+    local: EngineView,
+    remote: EngineView,
+    local_rows: int,
+    remote_rows: int,
+    fa: Sequence[tuple[int, int, int]],
+    ssm: Sequence[tuple[int, int, int]] | None,
+) -> tuple[Dlist, Dlist]:
     """kvgeom mode: the local and remote tables of one remote rank, every row cut by its slice
     (``(local offset, remote offset, length)`` per attention region and per SSM piece, from
     :func:`kvgeom.route.route`). Row counts and orders are those of :func:`local_dlist` and
     :func:`remote_dlist` at ``local_rows`` / ``remote_rows`` rows per kernel block (1 remote row unless
     token-major pages are cut per token)."""
     lo, ro, ln = (np.asarray([s[i] for s in fa], dtype=np.int64) for i in range(3))
-    base = _fa_rows(np.asarray(local.block_lens, dtype=np.int64), np.asarray(local.block_strides, dtype=np.int64),
-                    local.num_blocks, local_rows, local.pseudo_bases(), lo, ln)
-    rrows = _fa_rows(np.asarray(remote.block_lens, dtype=np.int64), np.asarray(remote.block_strides, dtype=np.int64),
-                     remote.num_blocks, remote_rows, remote.pseudo_bases(), ro, ln)
+    base = _fa_rows(
+        np.asarray(local.block_lens, dtype=np.int64),
+        np.asarray(local.block_strides, dtype=np.int64),
+        local.num_blocks,
+        local_rows,
+        local.pseudo_bases(),
+        lo,
+        ln,
+    )
+    rrows = _fa_rows(
+        np.asarray(remote.block_lens, dtype=np.int64),
+        np.asarray(remote.block_strides, dtype=np.int64),
+        remote.num_blocks,
+        remote_rows,
+        remote.pseudo_bases(),
+        ro,
+        ln,
+    )
     lstride = np.asarray(local.block_strides, dtype=np.int64)
     rstride = np.asarray(remote.block_strides, dtype=np.int64)
     lssm = rssm = np.zeros((0, 5), dtype=np.int64)
@@ -339,11 +447,15 @@ def routed_tables(local: EngineView, remote: EngineView, local_rows: int, remote
         regions = np.asarray(local.ssm_region_indices, dtype=np.int64)
         if ssm is None:  # this rank sends no state: whole pieces on each side (in bounds, never referenced)
             lpieces = list(local.conv_offsets) + [(local.ssm_sizes[0], local.ssm_sizes[1])]
-            rpieces = list(remote.conv_offsets or local.conv_offsets) + [(remote.ssm_sizes[0], remote.ssm_sizes[1])]
+            rpieces = list(remote.conv_offsets or local.conv_offsets) + [
+                (remote.ssm_sizes[0], remote.ssm_sizes[1])
+            ]
         else:
             lpieces = [(s[0], s[2]) for s in ssm]
             rpieces = [(s[1], s[2]) for s in ssm]
         lssm = _ssm_rows(regions, lstride[regions] * local.ppl, local.logical_num_blocks, lpieces)
         rssm = _ssm_rows(regions, rstride[regions] * remote.ppl, remote.logical_num_blocks, rpieces)
-    return (Dlist(np.concatenate([base, lssm]), int(base[:, 4].sum())),
-            Dlist(np.concatenate([rrows, rssm]), int(rrows[:, 4].sum())))
+    return (
+        Dlist(np.concatenate([base, lssm]), int(base[:, 4].sum())),
+        Dlist(np.concatenate([rrows, rssm]), int(rrows[:, 4].sum())),
+    )

@@ -36,7 +36,9 @@ def _parse_enum(cls: type[Enum], value: Any, name: str) -> Any:
     try:
         return cls(value)
     except ValueError:
-        raise ConfigError(name, f"unknown value {value!r}; known: {[m.value for m in cls]}", value=value) from None
+        raise ConfigError(
+            name, f"unknown value {value!r}; known: {[m.value for m in cls]}", value=value
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,9 @@ class EngineConfig:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}", value=value)
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(
-                "tp_rank", f"{self.tp_rank} is outside [0, tp_size={self.tp_size})", value=self.tp_rank,
+                "tp_rank",
+                f"{self.tp_rank} is outside [0, tp_size={self.tp_size})",
+                value=self.tp_rank,
                 expected=self.tp_size,
             )
         kernel = self.kernel_block_size if self.kernel_block_size is not None else self.block_size
@@ -89,18 +93,33 @@ class EngineConfig:
                 expected=self.block_size,
             )
         if self.dcp_size not in (1, self.tp_size):
-            raise ConfigError("dcp_size", f"must be 1 (replicated) or the TP size {self.tp_size} (sharded), got "
-                              f"{self.dcp_size!r}", value=self.dcp_size, expected=self.tp_size)
+            raise ConfigError(
+                "dcp_size",
+                f"must be 1 (replicated) or the TP size {self.tp_size} (sharded), got {self.dcp_size!r}",
+                value=self.dcp_size,
+                expected=self.tp_size,
+            )
         if not isinstance(self.pp_size, int) or isinstance(self.pp_size, bool) or self.pp_size < 1:
-            raise ConfigError("pp_size", f"must be a positive integer, got {self.pp_size!r}", value=self.pp_size)
+            raise ConfigError(
+                "pp_size", f"must be a positive integer, got {self.pp_size!r}", value=self.pp_size
+            )
         if not isinstance(self.pp_rank, int) or not 0 <= self.pp_rank < self.pp_size:
-            raise ConfigError("pp_rank", f"{self.pp_rank!r} is outside [0, pp_size={self.pp_size})",
-                              value=self.pp_rank, expected=self.pp_size)
+            raise ConfigError(
+                "pp_rank",
+                f"{self.pp_rank!r} is outside [0, pp_size={self.pp_size})",
+                value=self.pp_rank,
+                expected=self.pp_size,
+            )
         if not isinstance(self.packed_rows, bool):
-            raise ConfigError("packed_rows", f"must be a boolean, got {self.packed_rows!r}", value=self.packed_rows)
+            raise ConfigError(
+                "packed_rows", f"must be a boolean, got {self.packed_rows!r}", value=self.packed_rows
+            )
         if isinstance(self.separate_group, str) or not all(isinstance(x, str) for x in self.separate_group):
-            raise ConfigError("separate_group", f"must be a list of layer names, got {self.separate_group!r}",
-                              value=self.separate_group)
+            raise ConfigError(
+                "separate_group",
+                f"must be a list of layer names, got {self.separate_group!r}",
+                value=self.separate_group,
+            )
         object.__setattr__(self, "separate_group", tuple(self.separate_group))
         object.__setattr__(self, "kernel_block_size", kernel)
         object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
@@ -148,8 +167,13 @@ class EngineConfig:
         d["kv_layout"] = self.kv_layout.value
         d["conv_layout"] = self.conv_layout.value
         d["separate_group"] = list(self.separate_group)
-        for name, default in (("dcp_size", 1), ("pp_size", 1), ("pp_rank", 0), ("packed_rows", False),
-                              ("separate_group", [])):
+        for name, default in (
+            ("dcp_size", 1),
+            ("pp_size", 1),
+            ("pp_rank", 0),
+            ("packed_rows", False),
+            ("separate_group", []),
+        ):
             if d[name] == default:
                 del d[name]  # cards of engines without these options stay as they were
         return d

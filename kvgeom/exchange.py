@@ -24,8 +24,13 @@ import numpy as np
 from .blocks import BlockIds, IdsLike, as_ids, check_positive_int
 from .errors import GroupMismatchError, PlanError
 
-__all__ = ["clip_ssm_state_blocks", "sliding_window_blocks", "exchange_clipped_blocks", "prefill_backoff",
-           "prefill_tokens"]
+__all__ = [
+    "clip_ssm_state_blocks",
+    "sliding_window_blocks",
+    "exchange_clipped_blocks",
+    "prefill_backoff",
+    "prefill_tokens",
+]
 
 
 def clip_ssm_state_blocks(blocks: IdsLike, num_spec_blocks: int) -> np.ndarray:
@@ -49,8 +54,12 @@ def sliding_window_blocks(window: int, block_size: int) -> int:
     return math.ceil(window / block_size) + 1 if window else 0
 
 
-def exchange_clipped_blocks(block_ids: BlockIds, blocks_per_window: Sequence[int],
-                            ssm_spec_blocks: Sequence[int | None], clip_ssm: bool = True) -> list[np.ndarray]:
+def exchange_clipped_blocks(
+    block_ids: BlockIds,
+    blocks_per_window: Sequence[int],
+    ssm_spec_blocks: Sequence[int | None],
+    clip_ssm: bool = True,
+) -> list[np.ndarray]:
     """A request's per-group block lists clipped to what it exchanges (vLLM
     ``get_exchange_clipped_blocks``, with HMA): group ``g`` with ``blocks_per_window[g] > 0`` keeps its
     last that many blocks; otherwise an SSM group (``ssm_spec_blocks[g]`` not ``None``: its scratch slot
@@ -59,21 +68,27 @@ def exchange_clipped_blocks(block_ids: BlockIds, blocks_per_window: Sequence[int
     if len(block_ids) == 0:
         return []
     if len(block_ids) != len(blocks_per_window) or len(block_ids) != len(ssm_spec_blocks):
-        raise GroupMismatchError("block_ids", f"{len(block_ids)} groups of ids for {len(blocks_per_window)} "
-                                 f"window sizes and {len(ssm_spec_blocks)} SSM slot counts",
-                                 value=len(block_ids), expected=len(blocks_per_window))
+        raise GroupMismatchError(
+            "block_ids",
+            f"{len(block_ids)} groups of ids for {len(blocks_per_window)} "
+            f"window sizes and {len(ssm_spec_blocks)} SSM slot counts",
+            value=len(block_ids),
+            expected=len(blocks_per_window),
+        )
     out = []
     for g, (ids, window, spec) in enumerate(zip(block_ids, blocks_per_window, ssm_spec_blocks)):
         arr = as_ids(ids, f"block_ids[{g}]")
         if window:
-            arr = arr[-int(window):]
+            arr = arr[-int(window) :]
         elif clip_ssm and arr.size and spec is not None:
             arr = clip_ssm_state_blocks(arr, spec)
         out.append(arr)
     return out
 
 
-def prefill_backoff(has_mamba: bool, bounded_replay: bool = False, num_prefill_lookahead_tokens: int = 0) -> int:
+def prefill_backoff(
+    has_mamba: bool, bounded_replay: bool = False, num_prefill_lookahead_tokens: int = 0
+) -> int:
     """Trailing prompt tokens P leaves for D to recompute (vLLM ``_prefill_backoff``): 1 for a Mamba
     hybrid or a sliding window under bounded replay, and the lookahead window of multi-token prediction
     (``num_prefill_lookahead_tokens - 1``), whichever is larger."""

@@ -85,7 +85,9 @@ class Region:
         for k, (_, name) in enumerate(self.members):
             if name == layer:
                 return self.slots[k] if self.slots else (0, self.block_len)
-        raise SpecError("layer", f"layer {layer!r} does not view region {self.index} ({self.name})", value=layer)
+        raise SpecError(
+            "layer", f"layer {layer!r} does not view region {self.index} ({self.name})", value=layer
+        )
 
     def member_of(self, group: int) -> str | None:
         for g, name in self.members:
@@ -120,8 +122,15 @@ def _page_bytes(spec: LayerSpec, block_size: int, tp: int) -> int:
     return block_size * spec.token_bytes(tp)
 
 
-def align_hybrid_block_size(model: ModelSpec, tp: int, block_size: int, kernel_alignment: int = 16, *,
-                            kernel_block_sizes: Sequence[int] = (), mla_alignment: int = 1) -> int:
+def align_hybrid_block_size(
+    model: ModelSpec,
+    tp: int,
+    block_size: int,
+    kernel_alignment: int = 16,
+    *,
+    kernel_block_sizes: Sequence[int] = (),
+    mla_alignment: int = 1,
+) -> int:
     """vLLM's hybrid alignment (docs/vllm-behaviour.md B.2.1, B.6.1 item 10): the smallest multiple of
     ``A = max(kernel_alignment, block_size)`` whose attention page holds the SSM state, using per-rank
     KV heads (hence TP-dependent), then rounded up to a multiple of every attention backend's smallest
@@ -150,7 +159,11 @@ def _make_groups(model: ModelSpec) -> tuple[Group, ...]:
     per-spec layer count; attention-like groups first, SSM groups after, each in layer order. A model whose
     layers are all full attention (GQA or MLA latents, any sizes: e.g. a GQA draft under an MLA target) is one
     group of per-layer regions, as vLLM merges layers that need the same token slots."""
-    full = [la for la in model.layers if isinstance(la.spec, (AttentionSpec, MLASpec)) and not la.spec.sliding_window]
+    full = [
+        la
+        for la in model.layers
+        if isinstance(la.spec, (AttentionSpec, MLASpec)) and not la.spec.sliding_window
+    ]
     if len(full) == len(model.layers) and len({la.spec for la in full}) > 1:
         return (Group(0, model.layers[0].spec, tuple(la.name for la in model.layers)),)
     by_spec: dict[tuple[object, ...], list[str]] = {}
@@ -165,7 +178,7 @@ def _make_groups(model: ModelSpec) -> tuple[Group, ...]:
     for key in keys:
         names = by_spec[key]
         for start in range(0, len(names), size):
-            groups.append(Group(len(groups), specs[key], tuple(names[start:start + size])))
+            groups.append(Group(len(groups), specs[key], tuple(names[start : start + size])))
     return tuple(groups)
 
 
@@ -311,8 +324,10 @@ class RankGeometry:
                 f"{r.num_blocks} kernel blocks, {'MLA ' if r.is_mla else ''}{len(r.members)} member(s)"
             )
         if self.ssm:
-            lines.append(f"  ssm: conv {self.ssm.conv_bytes} B in pieces {list(self.ssm.conv_offsets)}, "
-                         f"temporal {self.ssm.ssm_bytes} B, in regions {list(self.ssm.region_indices)}")
+            lines.append(
+                f"  ssm: conv {self.ssm.conv_bytes} B in pieces {list(self.ssm.conv_offsets)}, "
+                f"temporal {self.ssm.ssm_bytes} B, in regions {list(self.ssm.region_indices)}"
+            )
         return "\n".join(lines)
 
 
@@ -333,10 +348,15 @@ def _split(groups: tuple[Group, ...], separate: tuple[str, ...], model: ModelSpe
     names = {la.name for la in model.layers}
     unknown = sorted(set(separate) - names)
     if unknown:
-        raise ConfigError("separate_group", f"layers {unknown} are not cache layers of {model.name!r}", value=unknown)
+        raise ConfigError(
+            "separate_group", f"layers {unknown} are not cache layers of {model.name!r}", value=unknown
+        )
     if len(groups) != 1 or model.has_ssm:
-        raise ConfigError("separate_group", "a separate group is modelled for models of one group of attention or "
-                          "MLA layers", value=list(separate))
+        raise ConfigError(
+            "separate_group",
+            "a separate group is modelled for models of one group of attention or MLA layers",
+            value=list(separate),
+        )
     (g,) = groups
     rest = tuple(n for n in g.layers if n not in separate)
     if not rest:
@@ -356,16 +376,26 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
     _check_tp(model, tp)
     held = {la.name for la in stage_layers(model, engine.pp_rank, engine.pp_size)}
     if not held:
-        raise ConfigError("pp_rank", f"pipeline stage {engine.pp_rank} of {engine.pp_size} holds no cache layer of "
-                          f"{model.name!r}", value=engine.pp_rank, expected=engine.pp_size)
+        raise ConfigError(
+            "pp_rank",
+            f"pipeline stage {engine.pp_rank} of {engine.pp_size} holds no cache layer of {model.name!r}",
+            value=engine.pp_rank,
+            expected=engine.pp_size,
+        )
     groups = _project(_split(_make_groups(model), engine.separate_group, model), held)
     ppl = engine.ppl
     nb_kernel = engine.num_blocks * ppl
     ssm_spec = model.ssm_spec
-    if engine.packed_rows and (ssm_spec is not None or not all(isinstance(la.spec, MLASpec) for la in model.layers)):
-        raise ConfigError("packed_rows", "kvgeom models packed (block-outermost) rows for MLA models without SSM "
-                          "state (vLLM moves only those rows whole: a row of head-sharded pages cannot be cut by "
-                          "heads)", value=True)
+    if engine.packed_rows and (
+        ssm_spec is not None or not all(isinstance(la.spec, MLASpec) for la in model.layers)
+    ):
+        raise ConfigError(
+            "packed_rows",
+            "kvgeom models packed (block-outermost) rows for MLA models without SSM "
+            "state (vLLM moves only those rows whole: a row of head-sharded pages cannot be cut by "
+            "heads)",
+            value=True,
+        )
     if (len(groups) == 1 or engine.separate_group) and not ssm_spec:
         regions = _uniform_regions(groups, engine, nb_kernel, model)
         first = regions[0].members[0][1]
@@ -375,8 +405,9 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         return RankGeometry(model, engine, groups, regions, page, None)
 
     if engine.kv_split:
-        raise ConfigError("kv_split", "split K/V regions are not supported for hybrid (multi-group) models",
-                          value=True)
+        raise ConfigError(
+            "kv_split", "split K/V regions are not supported for hybrid (multi-group) models", value=True
+        )
     pages = {g.index: _page_bytes(g.spec, engine.block_size, tp) for g in groups}
     page = max(pages.values())
     attn_pages = {pages[g.index] for g in groups if not g.is_ssm}
@@ -391,8 +422,12 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
             expected=suggestion,
         )
     if page % ppl:
-        raise ConfigError("kernel_block_size", f"page {page} B is not divisible into {ppl} kernel blocks",
-                          value=engine.kernel, expected=engine.block_size)
+        raise ConfigError(
+            "kernel_block_size",
+            f"page {page} B is not divisible into {ppl} kernel blocks",
+            value=engine.kernel,
+            expected=engine.block_size,
+        )
     count = max(len(g.layers) for g in groups)
     hybrid: list[Region] = []
     for i in range(count):
@@ -423,8 +458,11 @@ def _packed(regions: tuple[Region, ...]) -> tuple[Region, ...]:
     members = tuple(m for r in regions for m in r.members)
     slots = tuple((off, r.block_len) for r, off in zip(regions, offsets) for _ in r.members)
     first = regions[0]
-    return (Region(0, first.name, pos, pos, first.num_blocks, all(r.is_mla for r in regions), members, "kv",
-                   slots),)
+    return (
+        Region(
+            0, first.name, pos, pos, first.num_blocks, all(r.is_mla for r in regions), members, "kv", slots
+        ),
+    )
 
 
 def _parts(spec: LayerSpec, engine: EngineConfig) -> list[tuple[str, int]]:
@@ -442,8 +480,9 @@ def _parts(spec: LayerSpec, engine: EngineConfig) -> list[tuple[str, int]]:
     raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
 
 
-def _uniform_regions(groups: tuple[Group, ...], engine: EngineConfig, nb_kernel: int, model: ModelSpec
-                     ) -> tuple[Region, ...]:
+def _uniform_regions(
+    groups: tuple[Group, ...], engine: EngineConfig, nb_kernel: int, model: ModelSpec
+) -> tuple[Region, ...]:
     """Regions of an attention model without shared tensors: one per layer in model order (two if K and V are
     split), each viewed by its layer's group."""
     specs = {la.name: la.spec for la in model.layers}
@@ -453,6 +492,16 @@ def _uniform_regions(groups: tuple[Group, ...], engine: EngineConfig, nb_kernel:
         spec, group = specs[name], group_of[name]
         for part, length in _parts(spec, engine):
             idx = len(regions)
-            regions.append(Region(idx, name if part == "kv" else f"{name}.{part}", length, length, nb_kernel,
-                                  isinstance(spec, MLASpec), ((group.index, name),), part))
+            regions.append(
+                Region(
+                    idx,
+                    name if part == "kv" else f"{name}.{part}",
+                    length,
+                    length,
+                    nb_kernel,
+                    isinstance(spec, MLASpec),
+                    ((group.index, name),),
+                    part,
+                )
+            )
     return tuple(regions)

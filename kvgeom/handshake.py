@@ -37,7 +37,9 @@ class PairShape:
 
 
 def _err(field: str, what: str, local: object, remote: object) -> IncompatiblePairError:
-    return IncompatiblePairError(field, f"{what} (local {local!r}, remote {remote!r})", local=local, remote=remote)
+    return IncompatiblePairError(
+        field, f"{what} (local {local!r}, remote {remote!r})", local=local, remote=remote
+    )
 
 
 def _token_splittable(geom: RankGeometry) -> bool:
@@ -49,8 +51,9 @@ def _token_splittable(geom: RankGeometry) -> bool:
     return all(r.is_mla for r in geom.regions) or spec.heads_per_rank(geom.tp_size) == 1
 
 
-def block_size_ratio(local: RankGeometry, remote: RankGeometry, mode: str, compat: str = "vllm"
-                     ) -> tuple[int, int]:
+def block_size_ratio(
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: str = "vllm"
+) -> tuple[int, int]:
     """``(bsr, remote_split)`` for a pair: ``bsr = local kernel block // remote kernel block``.
 
     When the sizes do not divide, a pull may cut both to ``gcd`` units and read each remote block as
@@ -94,54 +97,90 @@ def _first_model_difference(local: RankGeometry, remote: RankGeometry) -> str | 
     return None
 
 
-def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", compat: Compat = "kvgeom",
-               prefix_caching: bool = False) -> PairShape:
+def check_pair(
+    local: RankGeometry,
+    remote: RankGeometry,
+    mode: str = "pull",
+    compat: Compat = "kvgeom",
+    prefix_caching: bool = False,
+) -> PairShape:
     """Validate a local rank against one remote rank; return the pair's ratios or raise."""
     if compat not in ("vllm", "kvgeom"):
         raise IncompatiblePairError("compat", f"must be 'vllm' or 'kvgeom', got {compat!r}", value=compat)
     diff = _first_model_difference(local, remote)
     if diff:
-        raise IncompatiblePairError("model", f"P and D run different models: {diff}", local=local.model.name,
-                                    remote=remote.model.name)
+        raise IncompatiblePairError(
+            "model", f"P and D run different models: {diff}", local=local.model.name, remote=remote.model.name
+        )
     if compat == "vllm" and all(local.group_is_ssm):
-        raise UnsupportedError("model", "vLLM 0.33.0's NIXL connector needs an attention group (it builds its "
-                               "attention tables from the first one and fails at handshake without); kvgeom mode "
-                               "plans attention-free models", local=local.model.name, remote=remote.model.name)
+        raise UnsupportedError(
+            "model",
+            "vLLM 0.33.0's NIXL connector needs an attention group (it builds its "
+            "attention tables from the first one and fails at handshake without); kvgeom mode "
+            "plans attention-free models",
+            local=local.model.name,
+            remote=remote.model.name,
+        )
     ratio = _tp_ratio(local.tp_size, remote.tp_size)
     if local.dcp_size > 1 or remote.dcp_size > 1:
         _check_dcp(local, remote, mode)
     bsr, split = block_size_ratio(local, remote, mode, compat)
     streams = pair_streams(local, remote, mode, compat)
     if streams[0].num_regions != streams[1].num_regions:
-        raise _err("num_regions", "both sides must register the same regions", streams[0].num_regions,
-                   streams[1].num_regions)
+        raise _err(
+            "num_regions",
+            "both sides must register the same regions",
+            streams[0].num_regions,
+            streams[1].num_regions,
+        )
     if local.engine.kv_split != remote.engine.kv_split:
         raise _err("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
     attn = local.model.attention_spec
     if attn is not None and local.engine.kv_layout != remote.engine.kv_layout:
-        raise _err("kv_layout", "KV layouts differ (no permute support)", local.engine.kv_layout.value,
-                   remote.engine.kv_layout.value)
+        raise _err(
+            "kv_layout",
+            "KV layouts differ (no permute support)",
+            local.engine.kv_layout.value,
+            remote.engine.kv_layout.value,
+        )
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
         multi_token = max(local.block_size, remote.block_size) > 1  # a one-token page is head-major too
-        if local.engine.kv_layout.value != "head_major" and compat == "vllm" and (
-                remote.tp_size <= k or (head_split and multi_token)):
+        if (
+            local.engine.kv_layout.value != "head_major"
+            and compat == "vllm"
+            and (remote.tp_size <= k or (head_split and multi_token))
+        ):
             # vLLM refuses it unless the remote replicates its KV heads, yet then still cuts the token-major page
             # into head slices when the heads per rank differ: refused too, the oracle finds those bytes wrong
-            raise _err("kv_layout", "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP: "
-                       "it cuts pages into head slices, which a token-major page does not hold (kvgeom mode cuts "
-                       "token-major pages per token)", local.engine.kv_layout.value, remote.engine.kv_layout.value)
+            raise _err(
+                "kv_layout",
+                "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP: "
+                "it cuts pages into head slices, which a token-major page does not hold (kvgeom mode cuts "
+                "token-major pages per token)",
+                local.engine.kv_layout.value,
+                remote.engine.kv_layout.value,
+            )
         if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
-            raise _err("tp_size", f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
-                       "P_TP > D_TP cannot read replicated heads", local.tp_size, remote.tp_size)
+            raise _err(
+                "tp_size",
+                f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
+                "P_TP > D_TP cannot read replicated heads",
+                local.tp_size,
+                remote.tp_size,
+            )
     if local.has_draft:
         _check_draft(local, remote, mode, compat, ratio, bsr)
     if region_mapped(local, remote, streams):
         _check_region_mapped(local, remote, mode, compat)
     elif len(local.groups) != len(remote.groups):
-        raise _err("separate_group", "P and D group the layers differently but this rank's regions cannot tell",
-                   list(local.engine.separate_group), list(remote.engine.separate_group))
+        raise _err(
+            "separate_group",
+            "P and D group the layers differently but this rank's regions cannot tell",
+            list(local.engine.separate_group),
+            list(remote.engine.separate_group),
+        )
     _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         _check_ssm(local, remote, ratio, compat, prefix_caching)
@@ -150,15 +189,23 @@ def check_pair(local: RankGeometry, remote: RankGeometry, mode: str = "pull", co
             "block_size",
             "Head-sharded attention reads with P_TP > D_TP and heterogeneous block sizes are not supported "
             f"in vLLM-compatible mode (bsr {bsr}, tp_ratio {ratio}); kvgeom mode plans it",
-            local=local.block_size, remote=remote.block_size,
+            local=local.block_size,
+            remote=remote.block_size,
         )
-    if mode == "push" and bsr > 1 and (not local.is_mla or local.has_draft) and attn is not None \
-            and local.engine.kv_layout.value == "head_major" and _heads(attn, local.tp_size) > 1:
+    if (
+        mode == "push"
+        and bsr > 1
+        and (not local.is_mla or local.has_draft)
+        and attn is not None
+        and local.engine.kv_layout.value == "head_major"
+        and _heads(attn, local.tp_size) > 1
+    ):
         raise UnsupportedError(
             "block_size",
             f"push with P kernel blocks larger than D's (ratio {bsr}) on a head-major layout would "
             "interleave heads in D's blocks; use equal kernel block sizes or pull",
-            local=local.block_size, remote=remote.block_size,
+            local=local.block_size,
+            remote=remote.block_size,
         )
     return PairShape(ratio, bsr, split, streams)
 
@@ -168,52 +215,93 @@ def _check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, c
     vLLM 0.33.0 does it in pulls of pure MLA models with equal kernel block sizes; kvgeom in pulls of regions
     of one group each with equal kernel block sizes, without DCP."""
     if mode != "pull":
-        raise UnsupportedError("separate_group", "P and D grouping the same regions differently is planned for pulls "
-                               "(vLLM 0.33.0's push connector refuses it)", local=list(local.engine.separate_group),
-                               remote=list(remote.engine.separate_group))
+        raise UnsupportedError(
+            "separate_group",
+            "P and D grouping the same regions differently is planned for pulls "
+            "(vLLM 0.33.0's push connector refuses it)",
+            local=list(local.engine.separate_group),
+            remote=list(remote.engine.separate_group),
+        )
     if local.block_size != remote.block_size:
-        raise UnsupportedError("block_size", "regions grouped differently pair page by page: equal kernel block sizes "
-                               "needed", local=local.block_size, remote=remote.block_size)
+        raise UnsupportedError(
+            "block_size",
+            "regions grouped differently pair page by page: equal kernel block sizes needed",
+            local=local.block_size,
+            remote=remote.block_size,
+        )
     if local.dcp_size > 1 or remote.dcp_size > 1:
-        raise UnsupportedError("dcp_size", "regions grouped differently are not planned with decode context "
-                               "parallelism", local=local.dcp_size, remote=remote.dcp_size)
+        raise UnsupportedError(
+            "dcp_size",
+            "regions grouped differently are not planned with decode context parallelism",
+            local=local.dcp_size,
+            remote=remote.dcp_size,
+        )
     if compat == "vllm" and (not local.is_mla or local.has_ssm or local.has_draft):
-        raise UnsupportedError("separate_group", "vLLM 0.33.0 pairs differently grouped regions only for pure MLA "
-                               "models; kvgeom mode plans it", value=local.model.name)
+        raise UnsupportedError(
+            "separate_group",
+            "vLLM 0.33.0 pairs differently grouped regions only for pure MLA models; kvgeom mode plans it",
+            value=local.model.name,
+        )
     if compat == "kvgeom" and (-1 in region_group_ids(local) or -1 in region_group_ids(remote)):
-        raise UnsupportedError("separate_group", "a region viewed by several groups has no single token order to "
-                               "pair by", value=local.model.name)
+        raise UnsupportedError(
+            "separate_group",
+            "a region viewed by several groups has no single token order to pair by",
+            value=local.model.name,
+        )
 
 
-def _check_draft(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat, ratio: int, bsr: int) -> None:
+def _check_draft(
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat, ratio: int, bsr: int
+) -> None:
     """Head-sharded attention layers next to MLA layers (a GQA draft under an MLA target): vLLM 0.33.0 maps
     them with their own heads only when the local TP is at least the remote's, without DCP (push: equal TP),
     on the same head-major layout when the heads differ. kvgeom plans every TP pair (MLA pages gathered in
     chunks from the draft's sources), not with DCP."""
     if local.dcp_size > 1 or remote.dcp_size > 1:
-        raise UnsupportedError("dcp_size", "decode context parallelism with head-sharded (draft) layers next to MLA "
-                               "layers is not planned (vLLM 0.33.0 refuses it too)", local=local.dcp_size,
-                               remote=remote.dcp_size)
+        raise UnsupportedError(
+            "dcp_size",
+            "decode context parallelism with head-sharded (draft) layers next to MLA "
+            "layers is not planned (vLLM 0.33.0 refuses it too)",
+            local=local.dcp_size,
+            remote=remote.dcp_size,
+        )
     if compat != "vllm":
         return
     if ratio < 0 or (mode == "push" and ratio != 1):
-        raise UnsupportedError("tp_size", "vLLM 0.33.0 maps a GQA draft under an MLA target only with local TP >= "
-                               "remote TP (push: equal TP); kvgeom mode plans it", local=local.tp_size,
-                               remote=remote.tp_size)
+        raise UnsupportedError(
+            "tp_size",
+            "vLLM 0.33.0 maps a GQA draft under an MLA target only with local TP >= "
+            "remote TP (push: equal TP); kvgeom mode plans it",
+            local=local.tp_size,
+            remote=remote.tp_size,
+        )
     spec = local.model.attention_spec
     if spec is None:  # no head-sharded layer, so no draft to check
         return
     if spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size) and (
-            local.engine.kv_layout.value != "head_major" or remote.engine.kv_layout != local.engine.kv_layout):
-        raise _err("kv_layout", "vLLM 0.33.0 slices a draft's heads only on the same head-major layout on both "
-                   "sides (kvgeom mode cuts token-major pages per token)", local.engine.kv_layout.value,
-                   remote.engine.kv_layout.value)
-    if mode == "pull" and bsr > 1 and spec.heads_per_rank(local.tp_size) > 1 \
-            and local.engine.kv_layout.value == "head_major":
-        raise UnsupportedError("block_size", "vLLM 0.33.0 skips its block-size regroup in MLA models, so a draft's "
-                               f"head-major pages received as {bsr} finer remote blocks would keep their heads "
-                               "interleaved; kvgeom mode regroups them", local=local.block_size,
-                               remote=remote.block_size)
+        local.engine.kv_layout.value != "head_major" or remote.engine.kv_layout != local.engine.kv_layout
+    ):
+        raise _err(
+            "kv_layout",
+            "vLLM 0.33.0 slices a draft's heads only on the same head-major layout on both "
+            "sides (kvgeom mode cuts token-major pages per token)",
+            local.engine.kv_layout.value,
+            remote.engine.kv_layout.value,
+        )
+    if (
+        mode == "pull"
+        and bsr > 1
+        and spec.heads_per_rank(local.tp_size) > 1
+        and local.engine.kv_layout.value == "head_major"
+    ):
+        raise UnsupportedError(
+            "block_size",
+            "vLLM 0.33.0 skips its block-size regroup in MLA models, so a draft's "
+            f"head-major pages received as {bsr} finer remote blocks would keep their heads "
+            "interleaved; kvgeom mode regroups them",
+            local=local.block_size,
+            remote=remote.block_size,
+        )
 
 
 def _check_dcp(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
@@ -223,12 +311,21 @@ def _check_dcp(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
     check_parallel_pair(1, local.dcp_size, 1, remote.dcp_size, local.has_ssm)
     attn = [la for la in local.model.layers if not la.kind.is_ssm]
     if not attn or not all(isinstance(la.spec, MLASpec) for la in attn):
-        raise UnsupportedError("dcp_size", "decode context parallelism is planned for MLA models (with or without "
-                               "SSM layers), as vLLM scopes it", local=local.dcp_size, remote=remote.dcp_size)
+        raise UnsupportedError(
+            "dcp_size",
+            "decode context parallelism is planned for MLA models (with or without "
+            "SSM layers), as vLLM scopes it",
+            local=local.dcp_size,
+            remote=remote.dcp_size,
+        )
     big, small = max(local.block_size, remote.block_size), min(local.block_size, remote.block_size)
     if big % small:
-        raise UnsupportedError("block_size", "with decode context parallelism kernel blocks must divide one another",
-                               local=local.block_size, remote=remote.block_size)
+        raise UnsupportedError(
+            "block_size",
+            "with decode context parallelism kernel blocks must divide one another",
+            local=local.block_size,
+            remote=remote.block_size,
+        )
 
 
 def check_csa_linear_tp_layout(local_tp: int, remote_tp: int, total_kv_heads: int) -> None:
@@ -237,16 +334,22 @@ def check_csa_linear_tp_layout(local_tp: int, remote_tp: int, total_kv_heads: in
     (one head per page). vLLM ``_validate_csa_linear_tp_layout``; a pair across the boundary is an
     :class:`IncompatiblePairError`."""
     if (local_tp < total_kv_heads) != (remote_tp < total_kv_heads):
-        raise IncompatiblePairError("tp_size", f"CSA-linear pairs need both TP sizes on the same side of the KV-head "
-                                    f"sharding boundary ({total_kv_heads} KV heads)", local=local_tp, remote=remote_tp)
+        raise IncompatiblePairError(
+            "tp_size",
+            f"CSA-linear pairs need both TP sizes on the same side of the KV-head "
+            f"sharding boundary ({total_kv_heads} KV heads)",
+            local=local_tp,
+            remote=remote_tp,
+        )
 
 
 def _heads(spec: AttentionSpec, tp: int) -> int:
     return spec.heads_per_rank(tp)
 
 
-def _check_block_lens(local: RankGeometry, remote: RankGeometry, streams: tuple[EngineView, EngineView], bsr: int,
-                      split: int) -> None:
+def _check_block_lens(
+    local: RankGeometry, remote: RankGeometry, streams: tuple[EngineView, EngineView], bsr: int, split: int
+) -> None:
     """Per stream (region, or a layer's page), the remote length must be the local one scaled by the heads
     each side holds and the block-size ratio (replicated latents: by the ratio only)."""
     attn = local.model.attention_spec
@@ -259,28 +362,51 @@ def _check_block_lens(local: RankGeometry, remote: RankGeometry, streams: tuple[
         rlen = rlen0 // split
         want = (llen if mla or not attn else llen * rh // lh) // bsr
         if local.is_mla and local.has_ssm and llen != rlen * bsr:
-            raise _err(f"regions[{i}].block_len", "Hybrid MLA kernel-granularity block lengths must match "
-                       "between P and D", llen, rlen0)
+            raise _err(
+                f"regions[{i}].block_len",
+                "Hybrid MLA kernel-granularity block lengths must match between P and D",
+                llen,
+                rlen0,
+            )
         if rlen != want:
-            raise _err(f"regions[{i}].block_len", f"remote block length should be {want} B for this pair",
-                       llen, rlen0)
+            raise _err(
+                f"regions[{i}].block_len",
+                f"remote block length should be {want} B for this pair",
+                llen,
+                rlen0,
+            )
 
 
-def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, compat: Compat, prefix_caching: bool) -> None:
+def _check_ssm(
+    local: RankGeometry, remote: RankGeometry, ratio: int, compat: Compat, prefix_caching: bool
+) -> None:
     spec = local.model.ssm_spec
     if spec is None:
         return
     if local.ppl != remote.ppl and prefix_caching:
-        raise _err("ppl", "Mamba hybrids with different kernel blocks per logical block cannot use prefix "
-                   "caching: disable prefix caching", local.ppl, remote.ppl)
+        raise _err(
+            "ppl",
+            "Mamba hybrids with different kernel blocks per logical block cannot use prefix "
+            "caching: disable prefix caching",
+            local.ppl,
+            remote.ppl,
+        )
     if local.engine.conv_layout is not remote.engine.conv_layout:
-        raise _err("conv_layout", "P and D must lay out the conv state alike (a DS page copied into an SD page "
-                   "puts each byte at another (channel, position)), at any TP sizes",
-                   local.engine.conv_layout.value, remote.engine.conv_layout.value)
+        raise _err(
+            "conv_layout",
+            "P and D must lay out the conv state alike (a DS page copied into an SD page "
+            "puts each byte at another (channel, position)), at any TP sizes",
+            local.engine.conv_layout.value,
+            remote.engine.conv_layout.value,
+        )
     if ratio != 1:
         if local.engine.conv_layout.value != "DS" or remote.engine.conv_layout.value != "DS":
-            raise _err("conv_layout", "heterogeneous TP needs the DS (channel-major) conv layout on both sides",
-                       local.engine.conv_layout.value, remote.engine.conv_layout.value)
+            raise _err(
+                "conv_layout",
+                "heterogeneous TP needs the DS (channel-major) conv layout on both sides",
+                local.engine.conv_layout.value,
+                remote.engine.conv_layout.value,
+            )
         lrep = spec.replicated_pieces(local.tp_size)
         rrep = spec.replicated_pieces(remote.tp_size)
         replicated = any(lrep) or any(rrep) or spec.temporal.replicated(max(local.tp_size, remote.tp_size))
@@ -291,5 +417,6 @@ def _check_ssm(local: RankGeometry, remote: RankGeometry, ratio: int, compat: Co
                 f"conv pieces {names} are replicated across ranks at this TP (e.g. Mamba2 n_groups < TP); "
                 "scaling them by the TP ratio would read the wrong bytes (vLLM issue 55208); vLLM-compatible mode "
                 "refuses the pair, kvgeom mode plans it from the sharding rule",
-                local=local.tp_size, remote=remote.tp_size,
+                local=local.tp_size,
+                remote=remote.tp_size,
             )

@@ -28,8 +28,15 @@ from typing import Any
 from .descids import SHARED_GROUP
 from .errors import GroupMismatchError, IncompatiblePairError, UnsupportedError
 
-__all__ = ["RegionTable", "region_sort_key", "transfer_layers", "align_regions_by_layer", "split_packed_rows",
-           "slice_regions", "pp_region_offset"]
+__all__ = [
+    "RegionTable",
+    "region_sort_key",
+    "transfer_layers",
+    "align_regions_by_layer",
+    "split_packed_rows",
+    "slice_regions",
+    "pp_region_offset",
+]
 
 
 def region_sort_key(layer_name: str) -> tuple[tuple[int, int | str], ...]:
@@ -59,7 +66,9 @@ class RegionTable:
         for name in ("block_lens", "block_strides", "num_blocks", "group_ids", "names", "mem_types"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
-                raise GroupMismatchError(name, f"{len(value)} entries for {n} regions", value=len(value), expected=n)
+                raise GroupMismatchError(
+                    name, f"{len(value)} entries for {n} regions", value=len(value), expected=n
+                )
 
     def __len__(self) -> int:
         return len(self.bases)
@@ -68,13 +77,20 @@ class RegionTable:
         def pick(values: Sequence[Any] | None) -> tuple[Any, ...] | None:
             return None if values is None else tuple(values[i] for i in picks)
 
-        return dict(bases=pick(self.bases), block_lens=pick(self.block_lens), block_strides=pick(self.block_strides),
-                    num_blocks=pick(self.num_blocks), group_ids=pick(self.group_ids), names=pick(self.names),
-                    mem_types=pick(self.mem_types))
+        return dict(
+            bases=pick(self.bases),
+            block_lens=pick(self.block_lens),
+            block_strides=pick(self.block_strides),
+            num_blocks=pick(self.num_blocks),
+            group_ids=pick(self.group_ids),
+            names=pick(self.names),
+            mem_types=pick(self.mem_types),
+        )
 
 
-def transfer_layers(region_members: Sequence[Sequence[str]], group_of_layer: Mapping[str, int]
-                    ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+def transfer_layers(
+    region_members: Sequence[Sequence[str]], group_of_layer: Mapping[str, int]
+) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
     """The transfer layers of layer-name routing (vLLM ``_set_region_layers``): every member layer of every
     region, in region order, as ``(names, region of each, group of each)``. A layer in two regions or in
     no group is refused."""
@@ -84,29 +100,44 @@ def transfer_layers(region_members: Sequence[Sequence[str]], group_of_layer: Map
         raise GroupMismatchError("region_members", f"layers {dup} span several regions", value=dup)
     missing = [n for n in names if n not in group_of_layer]
     if missing:
-        raise GroupMismatchError("region_members", f"layers {missing} belong to no KV-cache group", value=missing)
+        raise GroupMismatchError(
+            "region_members", f"layers {missing} belong to no KV-cache group", value=missing
+        )
     regions = tuple(r for r, members in enumerate(region_members) for _ in members)
     return tuple(names), regions, tuple(int(group_of_layer[n]) for n in names)
 
 
-def align_regions_by_layer(remote: RegionTable, layer_names: Sequence[str], layer_regions: Sequence[int],
-                           local_block_lens: Sequence[int]) -> RegionTable:
+def align_regions_by_layer(
+    remote: RegionTable,
+    layer_names: Sequence[str],
+    layer_regions: Sequence[int],
+    local_block_lens: Sequence[int],
+) -> RegionTable:
     """The remote's regions in this stage's transfer-layer order (vLLM ``_align_remote_regions_by_layer``):
     remote region of each of ``layer_names`` (found by its members), with a packed remote row narrowed to
     the layer's page (``base += offset``, ``len = page``, which must equal the local region's length and lie
     inside the row). The result has one region per transfer layer, named after it."""
     if not remote.members:
-        raise IncompatiblePairError("region_members", "the remote advertised no region members: routing by region "
-                                    "index would move another layer's cache", value=None)
+        raise IncompatiblePairError(
+            "region_members",
+            "the remote advertised no region members: routing by region "
+            "index would move another layer's cache",
+            value=None,
+        )
     if len(remote.members) != len(remote):
-        raise IncompatiblePairError("region_members", f"{len(remote.members)} member lists for {len(remote)} "
-                                    "regions", local=len(remote), remote=len(remote.members))
+        raise IncompatiblePairError(
+            "region_members",
+            f"{len(remote.members)} member lists for {len(remote)} regions",
+            local=len(remote),
+            remote=len(remote.members),
+        )
     by_layer: dict[str, int] = {}
     for r, members in enumerate(remote.members):
         for name in members:
             if name in by_layer:
-                raise IncompatiblePairError("region_members", f"the remote lists layer {name!r} in several regions",
-                                            value=name)
+                raise IncompatiblePairError(
+                    "region_members", f"the remote lists layer {name!r} in several regions", value=name
+                )
             by_layer[name] = r
     missing = [n for n in layer_names if n not in by_layer]
     if missing:
@@ -119,20 +150,29 @@ def align_regions_by_layer(remote: RegionTable, layer_names: Sequence[str], laye
         if picks[k] not in packed_regions:
             continue
         if name not in remote.packed:
-            raise IncompatiblePairError("packed_member_layouts", f"packed remote layer {name!r} has no layout",
-                                        value=name)
+            raise IncompatiblePairError(
+                "packed_member_layouts", f"packed remote layer {name!r} has no layout", value=name
+            )
         offset, page = remote.packed[name]
         if not 0 <= offset < offset + page <= lens[k]:
-            raise IncompatiblePairError("packed_member_layouts", f"layer {name!r}'s page [{offset}, {offset + page}) "
-                                        f"escapes its {lens[k]}-byte row", value=(offset, page))
+            raise IncompatiblePairError(
+                "packed_member_layouts",
+                f"layer {name!r}'s page [{offset}, {offset + page}) escapes its {lens[k]}-byte row",
+                value=(offset, page),
+            )
         local_len = int(local_block_lens[layer_regions[k]])
         if page != local_len:
-            raise IncompatiblePairError("packed_member_layouts", f"layer {name!r}: packed page of {page} B vs local "
-                                        f"page of {local_len} B", local=local_len, remote=page)
+            raise IncompatiblePairError(
+                "packed_member_layouts",
+                f"layer {name!r}: packed page of {page} B vs local page of {local_len} B",
+                local=local_len,
+                remote=page,
+            )
         bases[k] += offset
         lens[k] = page
-    fields.update(bases=tuple(bases), block_lens=tuple(lens),
-                  names=None if remote.names is None else tuple(layer_names))
+    fields.update(
+        bases=tuple(bases), block_lens=tuple(lens), names=None if remote.names is None else tuple(layer_names)
+    )
     return RegionTable(**fields, members=tuple((n,) for n in layer_names), packed={})
 
 
@@ -144,12 +184,17 @@ def split_packed_rows(remote: RegionTable, local_region_names: Sequence[str]) ->
         raise IncompatiblePairError("region_names", "the remote advertised no region names", value=None)
     rows = [r for r, name in enumerate(remote.names) if name in remote.packed]
     if len(rows) != 1:
-        raise IncompatiblePairError("packed_member_layouts", f"expected one packed row, found {len(rows)}",
-                                    value=len(rows))
+        raise IncompatiblePairError(
+            "packed_member_layouts", f"expected one packed row, found {len(rows)}", value=len(rows)
+        )
     row = rows[0]
     if remote.group_ids is not None and remote.group_ids[row] == SHARED_GROUP:
-        raise UnsupportedError("packed_member_layouts", "reading multi-group packed KV rows into per-layer regions "
-                               "is not supported; use the same KV cache layout on P and D", value=row)
+        raise UnsupportedError(
+            "packed_member_layouts",
+            "reading multi-group packed KV rows into per-layer regions "
+            "is not supported; use the same KV cache layout on P and D",
+            value=row,
+        )
     index = {name: r for r, name in enumerate(remote.names)}
     picks, offsets, pages = [], [], []
     for name in local_region_names:
@@ -164,10 +209,15 @@ def split_packed_rows(remote: RegionTable, local_region_names: Sequence[str]) ->
             offsets.append(0)
             pages.append(remote.block_lens[r])
         else:
-            raise IncompatiblePairError("region_names", f"the remote has no region for layer {name!r}", value=name)
+            raise IncompatiblePairError(
+                "region_names", f"the remote has no region for layer {name!r}", value=name
+            )
     fields = remote._take(picks)
-    fields.update(bases=tuple(b + o for b, o in zip(fields["bases"], offsets)),
-                  block_lens=tuple(pages), names=tuple(local_region_names))
+    fields.update(
+        bases=tuple(b + o for b, o in zip(fields["bases"], offsets)),
+        block_lens=tuple(pages),
+        names=tuple(local_region_names),
+    )
     return replace(remote, **fields, packed={})
 
 
@@ -176,14 +226,22 @@ def pp_region_offset(num_regions: int, start_layer: int, end_layer: int) -> int:
     ``regions_per_layer * start_layer`` (every layer registers the same number of regions)."""
     layers = end_layer - start_layer
     if layers <= 0 or num_regions % layers:
-        raise GroupMismatchError("num_regions", f"{num_regions} regions do not split over {layers} layers",
-                                 value=num_regions, expected=layers)
+        raise GroupMismatchError(
+            "num_regions",
+            f"{num_regions} regions do not split over {layers} layers",
+            value=num_regions,
+            expected=layers,
+        )
     return num_regions // layers * start_layer
 
 
 def slice_regions(remote: RegionTable, start: int, count: int) -> RegionTable:
     """Remote regions ``[start, start + count)``: a PP stage's window of a PP-1 peer's regions."""
     if start < 0 or start + count > len(remote):
-        raise IncompatiblePairError("num_regions", f"regions [{start}, {start + count}) of a peer with {len(remote)}",
-                                    local=count, remote=len(remote))
+        raise IncompatiblePairError(
+            "num_regions",
+            f"regions [{start}, {start + count}) of a peer with {len(remote)}",
+            local=count,
+            remote=len(remote),
+        )
     return replace(remote, **remote._take(range(start, start + count)))

@@ -51,9 +51,14 @@ class Pairing:
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def create(cls, local: RankGeometry | GeometryCard, remotes: Sequence[RankGeometry | GeometryCard] |
-               Mapping[int, RankGeometry | GeometryCard], mode: str = "pull", compat: Compat = "kvgeom",
-               prefix_caching: bool = False) -> Pairing:
+    def create(
+        cls,
+        local: RankGeometry | GeometryCard,
+        remotes: Sequence[RankGeometry | GeometryCard] | Mapping[int, RankGeometry | GeometryCard],
+        mode: str = "pull",
+        compat: Compat = "kvgeom",
+        prefix_caching: bool = False,
+    ) -> Pairing:
         """Validate and pair. ``remotes`` holds at least this rank's handshake targets (a sequence is
         taken as ranks ``0..n-1`` of the remote engine)."""
         if mode not in ("pull", "push"):
@@ -62,9 +67,13 @@ class Pairing:
         items = list(remotes.items() if isinstance(remotes, Mapping) else enumerate(remotes))
         for rank, x in [(-1, local), *items]:
             if isinstance(x, GeometryCard) and x.mode != mode:
-                raise IncompatiblePairError("mode", f"{'local' if rank < 0 else f'remote rank {rank}'} card is "
-                                            f"for {x.mode}, the pair is planned for {mode}", local=mode,
-                                            remote=x.mode)
+                raise IncompatiblePairError(
+                    "mode",
+                    f"{'local' if rank < 0 else f'remote rank {rank}'} card is "
+                    f"for {x.mode}, the pair is planned for {mode}",
+                    local=mode,
+                    remote=x.mode,
+                )
         rg = {int(k): _as_geometry(v) for k, v in items}
         if not rg:
             raise IncompatiblePairError("remotes", "no remote rank given", value=0)
@@ -72,19 +81,32 @@ class Pairing:
         for rank, g in rg.items():
             if g.tp_size != first.tp_size or g.num_blocks != first.num_blocks:
                 raise IncompatiblePairError(
-                    f"remotes[{rank}]", "all ranks of one remote engine must agree on TP size and num_blocks",
-                    local=(first.tp_size, first.num_blocks), remote=(g.tp_size, g.num_blocks))
+                    f"remotes[{rank}]",
+                    "all ranks of one remote engine must agree on TP size and num_blocks",
+                    local=(first.tp_size, first.num_blocks),
+                    remote=(g.tp_size, g.num_blocks),
+                )
             if g.tp_rank != rank:
-                raise IncompatiblePairError(f"remotes[{rank}].tp_rank", "card rank differs from its position",
-                                            local=rank, remote=g.tp_rank)
+                raise IncompatiblePairError(
+                    f"remotes[{rank}].tp_rank",
+                    "card rank differs from its position",
+                    local=rank,
+                    remote=g.tp_rank,
+                )
             if g.model != first.model:
-                raise IncompatiblePairError(f"remotes[{rank}].model", "all ranks of one remote engine must hold the "
-                                            "same model spec", local=first.model.dumps()[:200],
-                                            remote=g.model.dumps()[:200])
+                raise IncompatiblePairError(
+                    f"remotes[{rank}].model",
+                    "all ranks of one remote engine must hold the same model spec",
+                    local=first.model.dumps()[:200],
+                    remote=g.model.dumps()[:200],
+                )
             if g.engine.with_rank(first.tp_rank, pp_rank=first.engine.pp_rank) != first.engine:
-                raise IncompatiblePairError(f"remotes[{rank}].engine", "all ranks of one remote engine must share its "
-                                            "configuration (apart from the rank)", local=first.engine.to_json(),
-                                            remote=g.engine.to_json())
+                raise IncompatiblePairError(
+                    f"remotes[{rank}].engine",
+                    "all ranks of one remote engine must share its configuration (apart from the rank)",
+                    local=first.engine.to_json(),
+                    remote=g.engine.to_json(),
+                )
         shape = check_pair(lg, first, mode, compat, prefix_caching)
         targets = dcp_handshake_targets(lg.tp_rank, lg.tp_size, lg.dcp_size, first.tp_size, first.dcp_size)
         spread = compat == "kvgeom" and dcp_pages_differ(lg, first, mode)
@@ -92,17 +114,34 @@ class Pairing:
             targets = tuple(range(first.tp_size))
         missing = [t for t in targets if t not in rg]
         if missing:
-            raise IncompatiblePairError("remotes", f"handshake targets {missing} have no card", value=missing,
-                                        expected=list(targets))
-        mapping = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
-                                     lg.group_is_ssm, lg.dcp_size, first.dcp_size)
+            raise IncompatiblePairError(
+                "remotes", f"handshake targets {missing} have no card", value=missing, expected=list(targets)
+            )
+        mapping = compute_tp_mapping(
+            lg.tp_rank,
+            lg.tp_size,
+            first.tp_size,
+            lg.num_kv_heads,
+            lg.is_mla,
+            lg.group_is_ssm,
+            lg.dcp_size,
+            first.dcp_size,
+        )
         if spread:  # every local rank notifies every remote rank
             mapping = replace(mapping, local_consumers=lg.tp_size)
         draft = None
         if lg.has_draft:  # head-sharded layers next to MLA layers: their own mapping (by the draft's heads)
-            draft = compute_tp_mapping(lg.tp_rank, lg.tp_size, first.tp_size, lg.num_kv_heads, lg.is_mla,
-                                       lg.group_is_ssm, lg.dcp_size, first.dcp_size,
-                                       head_sharded_kv_heads=_kv_heads(lg))
+            draft = compute_tp_mapping(
+                lg.tp_rank,
+                lg.tp_size,
+                first.tp_size,
+                lg.num_kv_heads,
+                lg.is_mla,
+                lg.group_is_ssm,
+                lg.dcp_size,
+                first.dcp_size,
+                head_sharded_kv_heads=_kv_heads(lg),
+            )
         pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching, draft)
         pairing._validate_routes()
         return pairing
@@ -120,14 +159,19 @@ class Pairing:
             missing = [g for g, (a, b) in enumerate(zip(needed, sent)) if a and not b]
             if missing:
                 raise UnsupportedError(
-                    "tp_size", f"vLLM 0.33.0 would never send groups {missing} to/from remote rank {rank} "
+                    "tp_size",
+                    f"vLLM 0.33.0 would never send groups {missing} to/from remote rank {rank} "
                     f"({self.mode}, local TP{self.local.tp_size} vs remote TP{self.remote_tp}): that rank's copy "
-                    "would stay stale; kvgeom mode plans it", local=self.local.tp_size, remote=self.remote_tp)
+                    "would stay stale; kvgeom mode plans it",
+                    local=self.local.tp_size,
+                    remote=self.remote_tp,
+                )
         local_bytes = [r.nbytes for r in self.local.regions]
         for rank in self.transfer_ranks:  # invariant I6: every row lies inside its registered region
             self.local_table(self.local_key(rank)).check_bounds(local_bytes, "local")
-            self.remote_table(rank).check_bounds([r.nbytes for r in self.remotes[rank].regions],
-                                                 f"remote rank {rank}")
+            self.remote_table(rank).check_bounds(
+                [r.nbytes for r in self.remotes[rank].regions], f"remote rank {rank}"
+            )
 
     # -- ratios -------------------------------------------------------------------------------------
     @property
@@ -141,7 +185,9 @@ class Pairing:
     @cached_property
     def region_mapped(self) -> bool:
         """P and D group the same regions differently: block lists pair region by region (:mod:`kvgeom.regionmap`)."""
-        return region_mapped(self.local, self.remotes[self.targets[0]], (self.local_view, self.remote_view(self.targets[0])))
+        return region_mapped(
+            self.local, self.remotes[self.targets[0]], (self.local_view, self.remote_view(self.targets[0]))
+        )
 
     @cached_property
     def dcp_active(self) -> bool:
@@ -157,9 +203,12 @@ class Pairing:
         """Rows per remote kernel block: 1, or its tokens when kvgeom mode cuts token-major pages whose
         heads differ between the sides (a head slice is then one run per token: Part C item 3)."""
         spec = self.local.model.attention_spec
-        if self.compat != "kvgeom" or spec is None \
-                or self.local.engine.kv_layout.value != "token_major" \
-                or spec.heads_per_rank(self.local.tp_size) == spec.heads_per_rank(self.remote_tp):
+        if (
+            self.compat != "kvgeom"
+            or spec is None
+            or self.local.engine.kv_layout.value != "token_major"
+            or spec.heads_per_rank(self.local.tp_size) == spec.heads_per_rank(self.remote_tp)
+        ):
             return 1
         return self.remote_view(self.targets[0]).block_size
 
@@ -181,8 +230,11 @@ class Pairing:
         """The remote rank's streams as planned with (rescaled for non-dividing block sizes)."""
         key = ("view", rank)
         if key not in self._cache:
-            view = replace(self.shape.streams[1], tp_rank=rank) if self.shape.streams is not None else \
-                EngineView.of(self.remotes[rank])
+            view = (
+                replace(self.shape.streams[1], tp_rank=rank)
+                if self.shape.streams is not None
+                else EngineView.of(self.remotes[rank])
+            )
             self._cache[key] = view.rescaled(self.shape.remote_split) if self.shape.remote_split > 1 else view
         return cast("EngineView", self._cache[key])
 
@@ -194,10 +246,18 @@ class Pairing:
             view = self.local_view
             if view.transfer_groups or view.num_regions != self.local.num_regions:  # layer by layer
                 pages = []
-                for b, length, stride, g in zip(view.bases, view.block_lens, view.block_strides, view.transfer_groups):
+                for b, length, stride, g in zip(
+                    view.bases, view.block_lens, view.block_strides, view.transfer_groups
+                ):
                     region, offset = unpseudo(b)
-                    layer = next((name for k, (gg, name) in enumerate(self.local.regions[region].members)
-                                  if gg == g and self.local.regions[region].slot(name)[0] == offset), None)
+                    layer = next(
+                        (
+                            name
+                            for k, (gg, name) in enumerate(self.local.regions[region].members)
+                            if gg == g and self.local.regions[region].slot(name)[0] == offset
+                        ),
+                        None,
+                    )
                     if g == group and layer is not None:
                         pages.append(Page(region, offset, length, stride, page_heads(self.local, layer)))
                 self._cache[key] = pages
@@ -235,9 +295,16 @@ class Pairing:
         if key not in self._cache:
             rows = self.token_rows
             lview = self.local_view
-            self._cache[key] = route(self.local, self.remotes[rank], rank, self.mode, self.local_rows,
-                                     tuple(x // rows for x in self.remote_view(rank).block_lens), lview.block_lens,
-                                     lview.region_is_mla)
+            self._cache[key] = route(
+                self.local,
+                self.remotes[rank],
+                rank,
+                self.mode,
+                self.local_rows,
+                tuple(x // rows for x in self.remote_view(rank).block_lens),
+                lview.block_lens,
+                lview.region_is_mla,
+            )
         return cast("Route", self._cache[key])
 
     @cached_property
@@ -282,8 +349,14 @@ class Pairing:
                 whole = self.local_table((bsr, -1))
                 view = self.local_view
                 splits = build_local_splits(
-                    whole.runs, self.mapping, whole.num_fa, bsr, self.local.group_is_ssm,
-                    view.region_is_mla, [view.num_blocks] * view.num_regions)
+                    whole.runs,
+                    self.mapping,
+                    whole.num_fa,
+                    bsr,
+                    self.local.group_is_ssm,
+                    view.region_is_mla,
+                    [view.num_blocks] * view.num_regions,
+                )
                 for src, rows in zip(self.mapping.all_source_ranks, splits):
                     self._cache[(bsr, src)] = Dlist.from_pseudo(rows, whole.num_fa)
         return cast("Dlist", self._cache[key])
@@ -297,17 +370,24 @@ class Pairing:
             else:
                 attn_reads = len(self._first_sources(ssm=False)) or 1
                 draft = self.draft_mapping
-                self._cache[key] = remote_dlist(self.local_view, self.remote_view(rank), self.bsr, attn_reads,
-                                                self.mapping.rank_offset_factor,
-                                                self._vllm_ssm_pieces(self.remote_view(rank)),
-                                                None if draft is None else
-                                                (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor))
+                self._cache[key] = remote_dlist(
+                    self.local_view,
+                    self.remote_view(rank),
+                    self.bsr,
+                    attn_reads,
+                    self.mapping.rank_offset_factor,
+                    self._vllm_ssm_pieces(self.remote_view(rank)),
+                    None
+                    if draft is None
+                    else (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor),
+                )
         return cast("Dlist", self._cache[key])
 
     def _routed(self, rank: int) -> None:
         r = self.route(rank)
-        local, remote = routed_tables(self.local_view, self.remote_view(rank), self.local_rows, self.token_rows,
-                                      r.fa, r.ssm)
+        local, remote = routed_tables(
+            self.local_view, self.remote_view(rank), self.local_rows, self.token_rows, r.fa, r.ssm
+        )
         self._cache[(self.local_rows, rank)] = local
         self._cache[("remote", rank)] = remote
 
@@ -317,8 +397,13 @@ class Pairing:
         if ssm is None or view.ssm_sizes is None or local.ssm_sizes is None:
             return None
         local_offset = self.local.tp_rank % max(self.tp_ratio, 1)
-        conv = remote_conv_offsets(ssm.spec.piece_channels(self.local.tp_size), ssm.spec.conv_rows,
-                                   dtype_size(ssm.spec.conv_dtype), local_offset, self.tp_ratio)
+        conv = remote_conv_offsets(
+            ssm.spec.piece_channels(self.local.tp_size),
+            ssm.spec.conv_rows,
+            dtype_size(ssm.spec.conv_dtype),
+            local_offset,
+            self.tp_ratio,
+        )
         ssm_read = local.ssm_sizes[1] if self.tp_ratio >= 1 else view.ssm_sizes[1]
         return tuple(conv) + ((view.ssm_sizes[0] + local_offset * ssm_read, ssm_read),)
 

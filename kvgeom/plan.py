@@ -45,8 +45,17 @@ from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
 from .streams import region_group_ids
 from .tp import compute_tp_mapping
 
-__all__ = ["Transfer", "Regroup", "RequestPlan", "plan_request", "post_receive", "receive_step", "check_writes",
-           "contiguous_runs", "MOVE_COLUMNS"]
+__all__ = [
+    "Transfer",
+    "Regroup",
+    "RequestPlan",
+    "plan_request",
+    "post_receive",
+    "receive_step",
+    "check_writes",
+    "contiguous_runs",
+    "MOVE_COLUMNS",
+]
 
 MOVE_COLUMNS = ("src_rank", "src_region", "src_offset", "dst_rank", "dst_region", "dst_offset", "length")
 
@@ -112,9 +121,13 @@ class RequestPlan:
             unequal = lrows[:, 2] != rrows[:, 2]
             if unequal.any():
                 i = int(np.flatnonzero(unequal)[0])
-                raise PlanError("descriptor length", f"pair {i} of the transfer to rank {t.remote_rank} has local "
-                                f"length {lrows[i, 2]} and remote length {rrows[i, 2]}", local=int(lrows[i, 2]),
-                                remote=int(rrows[i, 2]))
+                raise PlanError(
+                    "descriptor length",
+                    f"pair {i} of the transfer to rank {t.remote_rank} has local "
+                    f"length {lrows[i, 2]} and remote length {rrows[i, 2]}",
+                    local=int(lrows[i, 2]),
+                    remote=int(rrows[i, 2]),
+                )
             src, dst = (rrows, lrows) if self.mode == "pull" else (lrows, rrows)
             peer = pairing.remotes[t.remote_rank].global_rank
             src_rank, dst_rank = (peer, me) if self.mode == "pull" else (me, peer)
@@ -126,12 +139,16 @@ class RequestPlan:
         return np.concatenate(out) if out else np.zeros((0, 7), dtype=np.int64)
 
     def describe(self, pairing: Pairing | None = None) -> str:
-        lines = [f"request {self.request_id!r}: {self.mode} ({self.op}), {len(self.transfers)} transfer(s), "
-                 f"{self.num_descriptors} descriptor pairs"]
+        lines = [
+            f"request {self.request_id!r}: {self.mode} ({self.op}), {len(self.transfers)} transfer(s), "
+            f"{self.num_descriptors} descriptor pairs"
+        ]
         for t in self.transfers:
             which = "whole" if t.local_table[1] < 0 else f"split for source #{t.local_table[1]}"
-            line = (f"  rank {t.remote_rank}: {len(t)} descs, local table {which} at ratio {t.local_table[0]}, "
-                    f"notif {t.notif!r}")
+            line = (
+                f"  rank {t.remote_rank}: {len(t)} descs, local table {which} at ratio {t.local_table[0]}, "
+                f"notif {t.notif!r}"
+            )
             if pairing is not None:
                 nbytes = int(pairing.local_table(t.local_table).take(t.local_ids)[:, 2].sum())
                 line += f", {nbytes} B"
@@ -140,11 +157,15 @@ class RequestPlan:
             lines.append(f"  notify only: ranks {list(self.notify_only)}")
         lines.append(f"  the other side expects {self.expected_notifications} notification(s) per rank")
         for r in self.regroup:
-            lines.append(f"  regroup {r.blocks.size} block(s) in regions {list(r.regions)[:4]}... "
-                         f"([{r.bsr},{r.heads},{r.tokens // r.bsr},*] -> [{r.heads},{r.tokens},*])")
+            lines.append(
+                f"  regroup {r.blocks.size} block(s) in regions {list(r.regions)[:4]}... "
+                f"([{r.bsr},{r.heads},{r.tokens // r.bsr},*] -> [{r.heads},{r.tokens},*])"
+            )
         if len(self.zero):
-            lines.append(f"  zero on rank {self.consumer_rank}: {len(self.zero)} range(s), "
-                         f"{int(self.zero[:, 2].sum())} B")
+            lines.append(
+                f"  zero on rank {self.consumer_rank}: {len(self.zero)} range(s), "
+                f"{int(self.zero[:, 2].sum())} B"
+            )
         return "\n".join(lines)
 
 
@@ -156,8 +177,11 @@ def _intake(block_ids: BlockIds, kinds: Sequence[bool], field: str) -> list[np.n
     """The request's ids per group, without copies when they are already 1-D ``int64`` arrays (the planner
     never writes to them); anything else goes through :func:`~kvgeom.blocks.as_group_ids`. Negative ids are
     refused by :func:`_check_ids`."""
-    if isinstance(block_ids, (list, tuple)) and len(block_ids) == len(kinds) and all(
-            isinstance(g, np.ndarray) and g.ndim == 1 and g.dtype == np.int64 for g in block_ids):
+    if (
+        isinstance(block_ids, (list, tuple))
+        and len(block_ids) == len(kinds)
+        and all(isinstance(g, np.ndarray) and g.ndim == 1 and g.dtype == np.int64 for g in block_ids)
+    ):
         return list(block_ids)
     return as_group_ids(block_ids, kinds, field)
 
@@ -172,14 +196,24 @@ def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
     check_distinct(ids, f"{side}_ids")
     for g, x in enumerate(ids):
         if x.size and int(x.max()) >= geom.logical_num_blocks:
-            raise BlockIdError(f"{side}_ids[{g}]", f"block id {int(x.max())} is past the {side} pool of "
-                               f"{geom.logical_num_blocks} logical blocks", value=int(x.max()),
-                               expected=geom.logical_num_blocks)
+            raise BlockIdError(
+                f"{side}_ids[{g}]",
+                f"block id {int(x.max())} is past the {side} pool of "
+                f"{geom.logical_num_blocks} logical blocks",
+                value=int(x.max()),
+                expected=geom.logical_num_blocks,
+            )
 
 
-def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, request_id: str = "req",
-                 remote_request_id: str | None = None, num_tokens: int | None = None,
-                 prefill_tokens: int | None = None) -> RequestPlan:
+def plan_request(
+    pairing: Pairing,
+    local_ids: BlockIds,
+    remote_ids: BlockIds,
+    request_id: str = "req",
+    remote_request_id: str | None = None,
+    num_tokens: int | None = None,
+    prefill_tokens: int | None = None,
+) -> RequestPlan:
     """Plan one request. ``local_ids`` / ``remote_ids``: logical block ids per group on each side (in
     pull, local = D's blocks to fill, remote = P's blocks; in push the reverse). An empty local list
     as a whole means nothing to transfer here (notification only).
@@ -196,7 +230,9 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
     lids = _intake([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
     if pairing.region_mapped:
-        return _plan_by_region(pairing, lids, remote_ids, request_id, remote_request_id, num_tokens, prefill_tokens)
+        return _plan_by_region(
+            pairing, lids, remote_ids, request_id, remote_request_id, num_tokens, prefill_tokens
+        )
     rids = _intake(remote_ids, kinds, "remote_ids")
     _check_ids(lids, local, "local")
     remote = pairing.remotes[pairing.targets[0]]
@@ -214,8 +250,10 @@ def plan_request(pairing: Pairing, local_ids: BlockIds, remote_ids: BlockIds, re
     if entry is None:
         shapes[key] = 1
     elif entry == 1:
-        shapes[key] = _Shape.trace(pairing, lids, rids, plan, request_id, remote_request_id, num_tokens,
-                                   prefill_tokens) or 0
+        shapes[key] = (
+            _Shape.trace(pairing, lids, rids, plan, request_id, remote_request_id, num_tokens, prefill_tokens)
+            or 0
+        )
     while len(shapes) > _SHAPES_KEPT:
         shapes.popitem(last=False)
     return plan
@@ -226,7 +264,9 @@ _SHAPES_KEPT = 256  # request shapes remembered per pairing (a recipe holds 3 in
 
 def _flatten(plan: RequestPlan) -> tuple[np.ndarray, tuple[int, ...]]:
     """A plan's integers as one vector, and the sizes of its parts (transfer ids, regroup blocks, zero)."""
-    parts = [x for t in plan.transfers for x in (t.local_ids, t.remote_ids)] + [r.blocks for r in plan.regroup]
+    parts = [x for t in plan.transfers for x in (t.local_ids, t.remote_ids)] + [
+        r.blocks for r in plan.regroup
+    ]
     parts.append(plan.zero.reshape(-1))
     sizes = tuple(int(x.size) for x in parts)
     return np.concatenate([np.asarray(x, dtype=np.int64) for x in parts]), sizes
@@ -242,40 +282,74 @@ class _Shape:
     suffix: str
 
     @classmethod
-    def trace(cls, pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], plan: RequestPlan,
-              request_id: str, remote_request_id: str | None, num_tokens: int | None,
-              prefill_tokens: int | None) -> _Shape | None:
+    def trace(
+        cls,
+        pairing: Pairing,
+        lids: list[np.ndarray],
+        rids: list[np.ndarray],
+        plan: RequestPlan,
+        request_id: str,
+        remote_request_id: str | None,
+        num_tokens: int | None,
+        prefill_tokens: int | None,
+    ) -> _Shape | None:
         vector, sizes = _flatten(plan)
 
         def run(lg: list[np.ndarray], rg: list[np.ndarray]) -> np.ndarray:
-            out, got = _flatten(_plan(pairing, lg, rg, request_id, remote_request_id, num_tokens, prefill_tokens))
+            out, got = _flatten(
+                _plan(pairing, lg, rg, request_id, remote_request_id, num_tokens, prefill_tokens)
+            )
             if got != sizes:
                 raise ValueError("another plan layout")
             return out
 
-        recipe = trace(run, [x.size for x in lids], [x.size for x in rids], pairing.local.logical_num_blocks,
-                       pairing.remotes[pairing.targets[0]].logical_num_blocks)
+        recipe = trace(
+            run,
+            [x.size for x in lids],
+            [x.size for x in rids],
+            pairing.local.logical_num_blocks,
+            pairing.remotes[pairing.targets[0]].logical_num_blocks,
+        )
         if recipe is None or not np.array_equal(recipe.apply(np.concatenate([*lids, *rids])), vector):
             return None
         tag = remote_request_id if remote_request_id is not None else request_id
-        suffix = plan.transfers[0].notif[len(tag):] if plan.transfers else ""
+        suffix = plan.transfers[0].notif[len(tag) :] if plan.transfers else ""
         return cls(recipe, sizes, plan, suffix)
 
     def plan(self, ids: np.ndarray, request_id: str, remote_request_id: str | None) -> RequestPlan:
         parts = np.split(self.recipe.apply(ids), np.cumsum(self.sizes)[:-1])
         tag = remote_request_id if remote_request_id is not None else request_id
         t = self.template
-        transfers = tuple(Transfer(x.remote_rank, x.local_table, parts[2 * i], parts[2 * i + 1], tag + self.suffix)
-                          for i, x in enumerate(t.transfers))
+        transfers = tuple(
+            Transfer(x.remote_rank, x.local_table, parts[2 * i], parts[2 * i + 1], tag + self.suffix)
+            for i, x in enumerate(t.transfers)
+        )
         k = 2 * len(transfers)
-        regroup = tuple(Regroup(r.regions, parts[k + i], r.bsr, r.heads, r.tokens, r.head_bytes)
-                        for i, r in enumerate(t.regroup))
-        return RequestPlan(request_id, t.mode, transfers, t.notify_only, t.expected_notifications, t.consumer_rank,
-                           regroup, parts[-1].reshape(-1, 3))
+        regroup = tuple(
+            Regroup(r.regions, parts[k + i], r.bsr, r.heads, r.tokens, r.head_bytes)
+            for i, r in enumerate(t.regroup)
+        )
+        return RequestPlan(
+            request_id,
+            t.mode,
+            transfers,
+            t.notify_only,
+            t.expected_notifications,
+            t.consumer_rank,
+            regroup,
+            parts[-1].reshape(-1, 3),
+        )
 
 
-def _plan(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], request_id: str,
-          remote_request_id: str | None, num_tokens: int | None, prefill_tokens: int | None) -> RequestPlan:
+def _plan(
+    pairing: Pairing,
+    lids: list[np.ndarray],
+    rids: list[np.ndarray],
+    request_id: str,
+    remote_request_id: str | None,
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> RequestPlan:
     """The general planner, on checked ids."""
     local, mode = pairing.local, pairing.mode
     kinds = local.group_is_ssm
@@ -289,7 +363,9 @@ def _plan(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], requ
     expected = pairing.mapping.local_consumers
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
     dcp = pairing.dcp_active
-    exact = _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local and not dcp else None
+    exact = (
+        _aligned(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens) if any_local and not dcp else None
+    )
     aligned = exact if pairing.compat == "kvgeom" else None
     transfers = []
     if dcp and any_local and pairing.compat == "vllm" and mode == "pull":
@@ -297,7 +373,9 @@ def _plan(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], requ
     for rank in pairing.transfer_ranks if any_local else ():
         keep = pairing.group_mask(rank)
         if dcp:
-            lg, rg = _dcp_pairs(pairing, rank, _select(lids, keep), _select(rids, keep), num_tokens, prefill_tokens)
+            lg, rg = _dcp_pairs(
+                pairing, rank, _select(lids, keep), _select(rids, keep), num_tokens, prefill_tokens
+            )
         elif aligned is not None:
             lg, rg = _select(aligned[0], keep), _select(aligned[1], keep)
         else:
@@ -308,8 +386,12 @@ def _plan(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], requ
             continue
         for g, (a, b) in enumerate(zip(lg, rg)):
             if a.size != b.size:
-                raise PlanError(f"block_ids[{g}]", f"{a.size} local and {b.size} remote blocks cannot be paired",
-                                local=int(a.size), remote=int(b.size))
+                raise PlanError(
+                    f"block_ids[{g}]",
+                    f"{a.size} local and {b.size} remote blocks cannot be paired",
+                    local=int(a.size),
+                    remote=int(b.size),
+                )
         rows = pairing.token_rows  # 1 unless kvgeom mode cuts token-major pages per token
         if rows > 1:  # token-major pages cut per token: every attention unit becomes its token rows
             lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
@@ -317,14 +399,24 @@ def _plan(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], requ
         r_desc = apply_segments(_segments(pairing, "remote", rank), rg, checked=True)
         l_desc = apply_segments(_segments(pairing, "local", rank), lg, checked=True)
         if r_desc.size != l_desc.size:
-            raise PlanError("descriptor ids", f"{l_desc.size} local ids vs {r_desc.size} remote ids",
-                            local=int(l_desc.size), remote=int(r_desc.size))
+            raise PlanError(
+                "descriptor ids",
+                f"{l_desc.size} local ids vs {r_desc.size} remote ids",
+                local=int(l_desc.size),
+                remote=int(r_desc.size),
+            )
         key = pairing.local_key(rank)
-        for side, ids, n in (("local", l_desc, len(pairing.local_table(key))),
-                             ("remote", r_desc, len(pairing.remote_table(rank)))):
+        for side, ids, n in (
+            ("local", l_desc, len(pairing.local_table(key))),
+            ("remote", r_desc, len(pairing.remote_table(rank))),
+        ):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
-                raise PlanError(f"{side} descriptor ids", f"id outside the {n}-row table", value=int(ids.max()),
-                                expected=n)
+                raise PlanError(
+                    f"{side} descriptor ids",
+                    f"id outside the {n}-row table",
+                    value=int(ids.max()),
+                    expected=n,
+                )
         transfers.append(Transfer(rank, key, l_desc, r_desc, notif))
     sent = {t.remote_rank for t in transfers}
     notify_only = tuple(r for r in pairing.targets if r not in sent)
@@ -332,19 +424,43 @@ def _plan(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], requ
     zero = np.zeros((0, 3), dtype=np.int64)
     if mode == "pull" and any_local:
         if dcp and pairing.compat == "kvgeom":
-            zero = _dcp_zero_rows(local, pairing.remotes[pairing.targets[0]], lids, rids, num_tokens, prefill_tokens,
-                                  pairing.prefix_caching)
+            zero = _dcp_zero_rows(
+                local,
+                pairing.remotes[pairing.targets[0]],
+                lids,
+                rids,
+                num_tokens,
+                prefill_tokens,
+                pairing.prefix_caching,
+            )
         elif aligned is not None:
             regroup = _regroups(local, lk, bsr, pairing.zero_pages)
             zero = _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
         else:
-            regroup, zero = post_receive(local, rview, lk, rk, bsr, pairing.compat, pages=lambda g: _pages(pairing, g))
-    return RequestPlan(request_id, mode, tuple(transfers), notify_only, expected,
-                       local.tp_rank if mode == "pull" else -1, regroup, zero)
+            regroup, zero = post_receive(
+                local, rview, lk, rk, bsr, pairing.compat, pages=lambda g: _pages(pairing, g)
+            )
+    return RequestPlan(
+        request_id,
+        mode,
+        tuple(transfers),
+        notify_only,
+        expected,
+        local.tp_rank if mode == "pull" else -1,
+        regroup,
+        zero,
+    )
 
 
-def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockIds, request_id: str,
-                    remote_request_id: str | None, num_tokens: int | None, prefill_tokens: int | None) -> RequestPlan:
+def _plan_by_region(
+    pairing: Pairing,
+    lids: list[np.ndarray],
+    remote_ids: BlockIds,
+    request_id: str,
+    remote_request_id: str | None,
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> RequestPlan:
     """A pull between sides that group the same regions differently (:mod:`kvgeom.regionmap`): each side's
     kernel ids expanded to one list per region, paired region by region (vLLM mode: vLLM's page-position or
     end-trim pairing, refused where it would pair other tokens than the token axis does; kvgeom mode: by
@@ -365,15 +481,24 @@ def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockI
             spans.append(None)
             starts.append(0)
             continue
-        c0, p0 = list_starts(lids[lg].size, local.logical_block_size, rids[rg].size, remote.logical_block_size,
-                             num_tokens, pairing.prefix_caching, _sliding(local.groups[lg]), r, prefill_tokens)
+        c0, p0 = list_starts(
+            lids[lg].size,
+            local.logical_block_size,
+            rids[rg].size,
+            remote.logical_block_size,
+            num_tokens,
+            pairing.prefix_caching,
+            _sliding(local.groups[lg]),
+            r,
+            prefill_tokens,
+        )
         spans.append(overlap(c0 // kb, l_by[r].size, p0 // kb, r_by[r].size))
         starts.append(c0)
     # a region without a span (vllm mode's shared regions) pairs nothing of its own and is zeroed whole
     full = [s if s is not None else (0, 0, 0) for s in spans]
     if pairing.compat == "kvgeom":
-        la = [x[c:c + n] for x, (c, _, n) in zip(l_by, full)]
-        ra = [x[p:p + n] for x, (_, p, n) in zip(r_by, full)]
+        la = [x[c : c + n] for x, (c, _, n) in zip(l_by, full)]
+        ra = [x[p : p + n] for x, (_, p, n) in zip(r_by, full)]
     else:
         computed, total = None, None
         tokens = prefill_tokens  # vLLM's remote_num_tokens: without it vLLM end-trims each region
@@ -382,24 +507,34 @@ def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockI
             computed = [counts[g] * local.ppl for g in lgid]
             total = math.ceil(tokens / remote.block_size)
         elif any(x.size for x in l_by) and remote.ppl != local.ppl:
-            raise UnsupportedError("prefill_tokens", "vLLM 0.33.0 pairs differently grouped regions of different "
-                                   "logical block sizes only by page position, from the request's token counts",
-                                   local=local.ppl, remote=remote.ppl)
+            raise UnsupportedError(
+                "prefill_tokens",
+                "vLLM 0.33.0 pairs differently grouped regions of different "
+                "logical block sizes only by page position, from the request's token counts",
+                local=local.ppl,
+                remote=remote.ppl,
+            )
         la, ra = apply_prefix_caching_by_region(l_by, r_by, computed, total, remote_rank=rank0)
         computed_tokens = prefill_tokens if prefill_tokens is not None else num_tokens
         for r, span in enumerate(spans):
             if span is None:
                 continue
-            c, p, n = span  # vLLM's pairs must be the token axis's, and leave no page holding a computed token
-            exact, got = _pairs(l_by[r][c:c + n], r_by[r][p:p + n]), _pairs(la[r], ra[r])
+            c, p, n = (
+                span  # vLLM's pairs must be the token axis's, and leave no page holding a computed token
+            )
+            exact, got = _pairs(l_by[r][c : c + n], r_by[r][p : p + n]), _pairs(la[r], ra[r])
             positions = np.arange(c, c + n)
             left = ~np.isin(l_by[r][positions], la[r])
             if computed_tokens is not None:
                 left &= starts[r] + positions * kb < computed_tokens
             if not np.isin(got, exact).all() or left.any():
-                raise UnsupportedError(f"regions[{r}]", "vLLM 0.33.0 would pair other pages of this region than the "
-                                       "token axis does, or leave pages P computed unread; kvgeom mode plans it",
-                                       local=la[r].tolist()[:8], remote=ra[r].tolist()[:8])
+                raise UnsupportedError(
+                    f"regions[{r}]",
+                    "vLLM 0.33.0 would pair other pages of this region than the "
+                    "token axis does, or leave pages P computed unread; kvgeom mode plans it",
+                    local=la[r].tolist()[:8],
+                    remote=ra[r].tolist()[:8],
+                )
     n = local.num_regions
     tag = remote_request_id if remote_request_id is not None else request_id
     expected = pairing.mapping.local_consumers
@@ -411,39 +546,79 @@ def _plan_by_region(pairing: Pairing, lids: list[np.ndarray], remote_ids: BlockI
             if key not in pairing._cache:
                 flat = [False] * n
                 lv, rv = pairing.local_view, pairing.remote_view(rank)
-                pairing._cache[key] = tuple(desc_segments(n, v.num_blocks, n, rows if rows > 1 else None, v.ppl, flat,
-                                                          region_group_ids=list(range(n)),
-                                                          uses_region_group_mapping=n > 1) for v in (lv, rv))
+                pairing._cache[key] = tuple(
+                    desc_segments(
+                        n,
+                        v.num_blocks,
+                        n,
+                        rows if rows > 1 else None,
+                        v.ppl,
+                        flat,
+                        region_group_ids=list(range(n)),
+                        uses_region_group_mapping=n > 1,
+                    )
+                    for v in (lv, rv)
+                )
             lseg, rseg = pairing._cache[key]
             lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
             rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
-            transfers.append(Transfer(rank, pairing.local_key(rank), apply_segments(lseg, lx), apply_segments(rseg, rx),
-                                      f"{tag}:{expected}"))
+            transfers.append(
+                Transfer(
+                    rank,
+                    pairing.local_key(rank),
+                    apply_segments(lseg, lx),
+                    apply_segments(rseg, rx),
+                    f"{tag}:{expected}",
+                )
+            )
     sent = {t.remote_rank for t in transfers}
     zero = [np.zeros((0, 3), dtype=np.int64)]
     for r, region in enumerate(local.regions):
         if pairing.compat == "vllm" or spans[r] is None:
-            stale = l_by[r][la[r].size:]
-            zero.append(np.stack([np.full(stale.size, r), stale * region.block_stride,
-                                  np.full(stale.size, region.block_len)], axis=1))
+            stale = l_by[r][la[r].size :]
+            zero.append(
+                np.stack(
+                    [
+                        np.full(stale.size, r),
+                        stale * region.block_stride,
+                        np.full(stale.size, region.block_len),
+                    ],
+                    axis=1,
+                )
+            )
         else:
             page = Page(r, 0, region.block_len, region.block_stride, page_heads(local, region.members[0][1]))
             zero.append(consumer_zero_rows([page], l_by[r], 1, full[r][0], full[r][2], kb))
-    return RequestPlan(request_id, "pull", tuple(transfers), tuple(r for r in pairing.targets if r not in sent),
-                       expected, local.tp_rank, (), np.concatenate(zero).astype(np.int64))
+    return RequestPlan(
+        request_id,
+        "pull",
+        tuple(transfers),
+        tuple(r for r in pairing.targets if r not in sent),
+        expected,
+        local.tp_rank,
+        (),
+        np.concatenate(zero).astype(np.int64),
+    )
 
 
 def _cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: int) -> int:
     """D's cached blocks of a group (its list is the uncached tail of ``ceil(num_tokens / block)``)."""
     if num_tokens is None:
         if pairing.prefix_caching:
-            raise PlanError("num_tokens", f"group {group}: with prefix caching D's list starts after its cached blocks: "
-                            "pass num_tokens", value=None)
+            raise PlanError(
+                "num_tokens",
+                f"group {group}: with prefix caching D's list starts after its cached blocks: "
+                "pass num_tokens",
+                value=None,
+            )
         return 0
     cached = math.ceil(num_tokens / pairing.local.logical_block_size) - count
     if cached < 0:
-        raise PlanError(f"block_ids[{group}]", f"D's {count} blocks are more than num_tokens={num_tokens} need",
-                        value=count)
+        raise PlanError(
+            f"block_ids[{group}]",
+            f"D's {count} blocks are more than num_tokens={num_tokens} need",
+            value=count,
+        )
     return cached
 
 
@@ -469,42 +644,82 @@ def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
         else:
             v, g = pairing.local_view, pairing.local
             ratio, pieces = pairing.local_rows, g.ssm.num_pieces if g.ssm else 3
-        seg = desc_segments(len(kinds), v.num_blocks, v.num_regions, ratio, v.ppl, kinds, v.ssm_region_indices or None,
-                            pieces, region_group_ids=v.group_ids or None, transfer_layer_group_ids=v.transfer_groups)
+        seg = desc_segments(
+            len(kinds),
+            v.num_blocks,
+            v.num_regions,
+            ratio,
+            v.ppl,
+            kinds,
+            v.ssm_region_indices or None,
+            pieces,
+            region_group_ids=v.group_ids or None,
+            transfer_layer_group_ids=v.transfer_groups,
+        )
         pairing._cache[key] = seg
     out: Segments = pairing._cache[key]
     return out
 
 
-def _first_position(consumer: RankGeometry, n: int, num_tokens: int | None, prefix_caching: bool, group: int) -> int:
+def _first_position(
+    consumer: RankGeometry, n: int, num_tokens: int | None, prefix_caching: bool, group: int
+) -> int:
     """The consumer's first list position (its cached scheduler blocks) of an attention group."""
     if num_tokens is not None:
         first = math.ceil(num_tokens / consumer.scheduler_block) - n
         if first < 0:
-            raise PlanError(f"block_ids[{group}]", f"D's {n} blocks are more than num_tokens={num_tokens} need",
-                            value=n)
+            raise PlanError(
+                f"block_ids[{group}]", f"D's {n} blocks are more than num_tokens={num_tokens} need", value=n
+            )
         return first
     if not prefix_caching:
         return 0
-    raise PlanError("num_tokens", f"group {group}: with prefix caching D's pages start after its cached ones: pass "
-                    "num_tokens (the tokens D holds blocks for) to place them", value=None)
+    raise PlanError(
+        "num_tokens",
+        f"group {group}: with prefix caching D's pages start after its cached ones: pass "
+        "num_tokens (the tokens D holds blocks for) to place them",
+        value=None,
+    )
 
 
-def _units(consumer: RankGeometry, producer: RankGeometry, c_ids: np.ndarray, p_ids: np.ndarray,
-           num_tokens: int | None, prefill_tokens: int | None, prefix_caching: bool, group: int
-           ) -> dict[str, np.ndarray]:
+def _units(
+    consumer: RankGeometry,
+    producer: RankGeometry,
+    c_ids: np.ndarray,
+    p_ids: np.ndarray,
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+    prefix_caching: bool,
+    group: int,
+) -> dict[str, np.ndarray]:
     """Every unit of the consumer rank's pages of one attention group and where P holds it
     (:func:`kvgeom.dcp.dcp_units`)."""
     first = _first_position(consumer, c_ids.size, num_tokens, prefix_caching, group)
     tokens = prefill_tokens if prefill_tokens is not None else num_tokens
     limit = tokens if tokens is not None else p_ids.size * producer.scheduler_block
-    return dcp_units(c_ids, first, consumer.logical_block_size, consumer.block_size, consumer.dcp_size,
-                     consumer.dcp_rank, p_ids, producer.logical_block_size, producer.block_size, producer.dcp_size,
-                     limit)
+    return dcp_units(
+        c_ids,
+        first,
+        consumer.logical_block_size,
+        consumer.block_size,
+        consumer.dcp_size,
+        consumer.dcp_rank,
+        p_ids,
+        producer.logical_block_size,
+        producer.block_size,
+        producer.dcp_size,
+        limit,
+    )
 
 
-def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray], num_tokens: int | None,
-               prefill_tokens: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _dcp_pairs(
+    pairing: Pairing,
+    rank: int,
+    lids: list[np.ndarray],
+    rids: list[np.ndarray],
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """With decode context parallelism, what this rank exchanges with remote rank ``rank``, per group: local
     ids at the local table's granularity and remote kernel ids. Attention units pair by global token position
     (:mod:`kvgeom.dcp`); SSM slots pair as without DCP. kvgeom mode takes the units P computed; vLLM mode
@@ -513,7 +728,10 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
     consumer, producer = (local, remote) if pull else (remote, local)
     c_all, p_all = (lids, rids) if pull else (rids, lids)
     kinds = local.group_is_ssm
-    lk, rk = logical_to_kernel(lids, local.ppl, kinds), logical_to_kernel(rids, pairing.remote_view(rank).ppl, kinds)
+    lk, rk = (
+        logical_to_kernel(lids, local.ppl, kinds),
+        logical_to_kernel(rids, pairing.remote_view(rank).ppl, kinds),
+    )
     exact_l, exact_r, allowed = [], [], []
     for g, ssm in enumerate(kinds):
         if ssm or not c_all[g].size or not p_all[g].size:
@@ -521,7 +739,9 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
             exact_r.append(rk[g][:0])
             allowed.append(np.zeros(0, np.int64))
             continue
-        u = _units(consumer, producer, c_all[g], p_all[g], num_tokens, prefill_tokens, pairing.prefix_caching, g)
+        u = _units(
+            consumer, producer, c_all[g], p_all[g], num_tokens, prefill_tokens, pairing.prefix_caching, g
+        )
         rank_of = u["p_rank"] == producer.dcp_rank
         mine = u["ok"] & rank_of
         c_fine, p_fine = u["c_fine"], u["p_fine"]  # ids at the tables' granularity on both sides
@@ -546,10 +766,15 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
                 rg.append(ro if ssm else ro[:0])
                 continue
             first = _first_position(local, lo.size, num_tokens, pairing.prefix_caching, g)
-            a, b = apply_dcp_prefix_caching(lo, ro, rank, local.dcp_size, local.dcp_rank, remote.dcp_size, first)
+            a, b = apply_dcp_prefix_caching(
+                lo, ro, rank, local.dcp_size, local.dcp_rank, remote.dcp_size, first
+            )
             lg.append(a)
             rg.append(b)
-        lg, rg = logical_to_kernel(lg, local.ppl, kinds), logical_to_kernel(rg, pairing.remote_view(rank).ppl, kinds)
+        lg, rg = (
+            logical_to_kernel(lg, local.ppl, kinds),
+            logical_to_kernel(rg, pairing.remote_view(rank).ppl, kinds),
+        )
         if pairing.bsr > 1:
             lg, rg = map_block_ids_for_block_size_ratio(lg, rg, pairing.bsr, kinds)
             if not lg:
@@ -564,16 +789,26 @@ def _dcp_pairs(pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[n
         if ssm:
             continue
         if lg[g].size != rg[g].size:  # vLLM's descriptor-count assert would fail in _read_blocks
-            raise UnsupportedError(f"block_ids[{g}]", f"with decode context parallelism vLLM 0.33.0 would pair "
-                                   f"{lg[g].size} local with {rg[g].size} remote blocks of remote rank {rank} and fail; "
-                                   "kvgeom mode pairs them by token", local=int(lg[g].size), remote=int(rg[g].size))
+            raise UnsupportedError(
+                f"block_ids[{g}]",
+                f"with decode context parallelism vLLM 0.33.0 would pair "
+                f"{lg[g].size} local with {rg[g].size} remote blocks of remote rank {rank} and fail; "
+                "kvgeom mode pairs them by token",
+                local=int(lg[g].size),
+                remote=int(rg[g].size),
+            )
         got, want = _pairs(lg[g], rg[g]), _pairs(exact_l[g], exact_r[g])
         if not np.isin(got, allowed[g]).all() or not np.isin(want, got).all():
             # other tokens paired, or tokens P computed left unread
-            raise UnsupportedError(f"block_ids[{g}]", "with decode context parallelism vLLM 0.33.0 would pair other "
-                                   f"pages ({_unpairs(np.setdiff1d(got, allowed[g]))[:4]}...) or leave pages P "
-                                   f"computed unread ({_unpairs(np.setdiff1d(want, got))[:4]}...); kvgeom mode pairs "
-                                   "them by token", local=_unpairs(got)[:8], remote=_unpairs(want)[:8])
+            raise UnsupportedError(
+                f"block_ids[{g}]",
+                "with decode context parallelism vLLM 0.33.0 would pair other "
+                f"pages ({_unpairs(np.setdiff1d(got, allowed[g]))[:4]}...) or leave pages P "
+                f"computed unread ({_unpairs(np.setdiff1d(want, got))[:4]}...); kvgeom mode pairs "
+                "them by token",
+                local=_unpairs(got)[:8],
+                remote=_unpairs(want)[:8],
+            )
     return lg, rg
 
 
@@ -588,8 +823,13 @@ def _unpairs(x: np.ndarray) -> list[tuple[int, int]]:
     return [(int(v) >> 32, int(v) & 0xFFFFFFFF) for v in np.asarray(x)[:8]]
 
 
-def _vllm_pull_covers(pairing: Pairing, d_ids: list[np.ndarray], p_ids: list[np.ndarray], num_tokens: int | None,
-                      prefill_tokens: int | None) -> None:
+def _vllm_pull_covers(
+    pairing: Pairing,
+    d_ids: list[np.ndarray],
+    p_ids: list[np.ndarray],
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> None:
     """vLLM's pull reads only from the DCP source ranks of its closed form: refuse when a unit P computed for
     this D rank lives on another P rank (pages of other sizes)."""
     local, remote = pairing.local, pairing.remotes[pairing.targets[0]]
@@ -600,23 +840,39 @@ def _vllm_pull_covers(pairing: Pairing, d_ids: list[np.ndarray], p_ids: list[np.
         u = _units(local, remote, c, p, num_tokens, prefill_tokens, pairing.prefix_caching, g)
         lost = u["ok"] & ~np.isin(u["p_rank"], sources)
         if lost.any():
-            raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0 reads this D rank only from P ranks {sources}, so "
-                                   f"tokens {u['token'][lost][:4].tolist()}... P computed on other ranks would stay "
-                                   "unread; kvgeom mode reads every rank that holds them", local=sources,
-                                   remote=sorted(set(u["p_rank"][lost].tolist())))
+            raise UnsupportedError(
+                f"block_ids[{g}]",
+                f"vLLM 0.33.0 reads this D rank only from P ranks {sources}, so "
+                f"tokens {u['token'][lost][:4].tolist()}... P computed on other ranks would stay "
+                "unread; kvgeom mode reads every rank that holds them",
+                local=sources,
+                remote=sorted(set(u["p_rank"][lost].tolist())),
+            )
         rview = pairing.remote_view(pairing.targets[0])
-        if pairing.bsr > 1 or rview.ppl != local.ppl:  # vLLM's receive step zeroes past what P's whole list covers
+        if (
+            pairing.bsr > 1 or rview.ppl != local.ppl
+        ):  # vLLM's receive step zeroes past what P's whole list covers
             covered = min(c.size * local.ppl * pairing.bsr, p.size * rview.ppl)
             zeroed = u["ok"] & (np.arange(u["ok"].size) >= covered)
             if zeroed.any():
-                raise UnsupportedError(f"block_ids[{g}]", "with decode context parallelism vLLM 0.33.0's receive step "
-                                       f"counts P's whole list and zeroes tokens {u['token'][zeroed][:4].tolist()}... "
-                                       "this rank received; kvgeom mode zeroes only what no rank wrote",
-                                       local=int(c.size), remote=int(p.size))
+                raise UnsupportedError(
+                    f"block_ids[{g}]",
+                    "with decode context parallelism vLLM 0.33.0's receive step "
+                    f"counts P's whole list and zeroes tokens {u['token'][zeroed][:4].tolist()}... "
+                    "this rank received; kvgeom mode zeroes only what no rank wrote",
+                    local=int(c.size),
+                    remote=int(p.size),
+                )
 
 
-def _vllm_push_covers(pairing: Pairing, rank: int, d_ids: list[np.ndarray], p_ids: list[np.ndarray],
-                      num_tokens: int | None, prefill_tokens: int | None) -> None:
+def _vllm_push_covers(
+    pairing: Pairing,
+    rank: int,
+    d_ids: list[np.ndarray],
+    p_ids: list[np.ndarray],
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> None:
     """vLLM's push writes D rank ``rank`` only from the P ranks whose TP mapping names it: refuse when some
     unit P computed for that D rank lives on another P rank (it would stay unwritten)."""
     local, d = pairing.local, pairing.remotes[rank]
@@ -624,8 +880,16 @@ def _vllm_push_covers(pairing: Pairing, rank: int, d_ids: list[np.ndarray], p_id
     if key not in pairing._cache:  # shape-only: the P ranks vLLM's mappings send to D rank ``rank``
         writers = set()
         for q in range(local.tp_size):
-            m = compute_tp_mapping(q, local.tp_size, d.tp_size, local.num_kv_heads, local.is_mla,
-                                   local.group_is_ssm, local.dcp_size, d.dcp_size)
+            m = compute_tp_mapping(
+                q,
+                local.tp_size,
+                d.tp_size,
+                local.num_kv_heads,
+                local.is_mla,
+                local.group_is_ssm,
+                local.dcp_size,
+                d.dcp_size,
+            )
             every = local.is_mla and not local.has_ssm and pairing.tp_ratio < 0
             targets = dcp_handshake_targets(q, local.tp_size, local.dcp_size, d.tp_size, d.dcp_size)
             if rank in (targets if every else m.all_source_ranks):
@@ -638,14 +902,25 @@ def _vllm_push_covers(pairing: Pairing, rank: int, d_ids: list[np.ndarray], p_id
         u = _units(d, local, c, p, num_tokens, prefill_tokens, pairing.prefix_caching, g)
         lost = u["ok"] & ~np.isin(u["p_rank"], sorted(writers))
         if lost.any():
-            raise UnsupportedError(f"block_ids[{g}]", f"vLLM 0.33.0's push writes D rank {rank} only from P ranks "
-                                   f"{sorted(writers)}, so tokens {u['token'][lost][:4].tolist()}... P computed on other "
-                                   "ranks would stay unwritten; kvgeom mode writes every D rank that needs them",
-                                   local=sorted(writers), remote=rank)
+            raise UnsupportedError(
+                f"block_ids[{g}]",
+                f"vLLM 0.33.0's push writes D rank {rank} only from P ranks "
+                f"{sorted(writers)}, so tokens {u['token'][lost][:4].tolist()}... P computed on other "
+                "ranks would stay unwritten; kvgeom mode writes every D rank that needs them",
+                local=sorted(writers),
+                remote=rank,
+            )
 
 
-def _dcp_zero_rows(consumer: RankGeometry, producer: RankGeometry, lids: list[np.ndarray], rids: list[np.ndarray],
-                   num_tokens: int | None, prefill_tokens: int | None, prefix_caching: bool) -> np.ndarray:
+def _dcp_zero_rows(
+    consumer: RankGeometry,
+    producer: RankGeometry,
+    lids: list[np.ndarray],
+    rids: list[np.ndarray],
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+    prefix_caching: bool,
+) -> np.ndarray:
     """kvgeom mode, DCP: zero every unit of the consumer's pages no producer rank holds (tokens P did not
     compute), in every page of the group's layers."""
     rows = [np.zeros((0, 3), dtype=np.int64)]
@@ -660,15 +935,21 @@ def _dcp_zero_rows(consumer: RankGeometry, producer: RankGeometry, lids: list[np
         for page in group_pages(consumer, group.index):
             per_head = page.length // page.heads
             tok = per_head // consumer.block_size
-            starts = (kernel * page.stride + page.offset + sub * unit * tok)[:, None] + \
-                np.arange(page.heads)[None, :] * per_head
-            rows.append(np.stack([np.full(starts.size, page.region), starts.reshape(-1),
-                                  np.full(starts.size, unit * tok)], axis=1))
+            starts = (kernel * page.stride + page.offset + sub * unit * tok)[:, None] + np.arange(page.heads)[
+                None, :
+            ] * per_head
+            rows.append(
+                np.stack(
+                    [np.full(starts.size, page.region), starts.reshape(-1), np.full(starts.size, unit * tok)],
+                    axis=1,
+                )
+            )
     return np.concatenate(rows).astype(np.int64)
 
 
-def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rview: EngineView
-               ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _vllm_pair(
+    pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rview: EngineView
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """vLLM's pairing of one source's lists: block-size-ratio map, then prefix trimming (B.3.5, B.3.6)."""
     local, kinds, bsr = pairing.local, pairing.local.group_is_ssm, pairing.bsr
     if bsr > 1:
@@ -683,8 +964,13 @@ def _vllm_pair(pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rvi
     return lg, rg
 
 
-def _same_tokens(lg: list[np.ndarray], rg: list[np.ndarray], el: list[np.ndarray], er: list[np.ndarray],
-                 kinds: Sequence[bool]) -> None:
+def _same_tokens(
+    lg: list[np.ndarray],
+    rg: list[np.ndarray],
+    el: list[np.ndarray],
+    er: list[np.ndarray],
+    kinds: Sequence[bool],
+) -> None:
     """vLLM mode never reproduces a silent corruption: its count-based pairing of attention blocks must
     pair the same tokens as kvgeom's token alignment, else the request is refused."""
     for g, ssm in enumerate(kinds):
@@ -694,19 +980,31 @@ def _same_tokens(lg: list[np.ndarray], rg: list[np.ndarray], el: list[np.ndarray
         b = rg[g] if rg else np.zeros(0, np.int64)
         if a.size and not (np.array_equal(a, el[g]) and np.array_equal(b, er[g])):
             raise UnsupportedError(
-                f"block_ids[{g}]", "vLLM 0.33.0 pairs these blocks by count and would move the wrong tokens "
+                f"block_ids[{g}]",
+                "vLLM 0.33.0 pairs these blocks by count and would move the wrong tokens "
                 f"(local {a[:4].tolist()}... <- remote {b[:4].tolist()}..., by token: local {el[g][:4].tolist()}... "
-                f"<- remote {er[g][:4].tolist()}...); kvgeom mode plans it", local=a.tolist()[:8], remote=b.tolist()[:8])
+                f"<- remote {er[g][:4].tolist()}...); kvgeom mode plans it",
+                local=a.tolist()[:8],
+                remote=b.tolist()[:8],
+            )
 
 
 def _sliding(group: Group) -> bool:
     return getattr(group.spec, "sliding_window", None) is not None
 
 
-def _align_groups(consumer: RankGeometry, c_logical: list[np.ndarray], c_fine: list[np.ndarray],
-                  producer_block: int, p_logical: list[np.ndarray], p_fine: list[np.ndarray], fine_tokens: int,
-                  num_tokens: int | None, prefix_caching: bool, prefill_tokens: int | None = None
-                  ) -> list[tuple[int, int, int]]:
+def _align_groups(
+    consumer: RankGeometry,
+    c_logical: list[np.ndarray],
+    c_fine: list[np.ndarray],
+    producer_block: int,
+    p_logical: list[np.ndarray],
+    p_fine: list[np.ndarray],
+    fine_tokens: int,
+    num_tokens: int | None,
+    prefix_caching: bool,
+    prefill_tokens: int | None = None,
+) -> list[tuple[int, int, int]]:
     """Per group, ``(consumer position, producer position, count)`` of the fine units both hold (SSM
     groups: ``(0, 0, 0)``, they are paired by slot)."""
     full = [g.index for g in consumer.groups if not g.is_ssm and not _sliding(g) and p_logical[g.index].size]
@@ -716,15 +1014,31 @@ def _align_groups(consumer: RankGeometry, c_logical: list[np.ndarray], c_fine: l
         if group.is_ssm:
             out.append((0, 0, 0))
             continue
-        c0, p0 = list_starts(c_logical[g].size, consumer.logical_block_size, p_logical[g].size, producer_block,
-                             num_tokens, prefix_caching, _sliding(group), g, prefill_tokens, p_end_hint=hint)
+        c0, p0 = list_starts(
+            c_logical[g].size,
+            consumer.logical_block_size,
+            p_logical[g].size,
+            producer_block,
+            num_tokens,
+            prefix_caching,
+            _sliding(group),
+            g,
+            prefill_tokens,
+            p_end_hint=hint,
+        )
         out.append(overlap(c0 // fine_tokens, c_fine[g].size, p0 // fine_tokens, p_fine[g].size))
     return out
 
 
-def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], lk: list[np.ndarray],
-             rk: list[np.ndarray], num_tokens: int | None, prefill_tokens: int | None = None
-             ) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[int, int, int]]]:
+def _aligned(
+    pairing: Pairing,
+    lids: list[np.ndarray],
+    rids: list[np.ndarray],
+    lk: list[np.ndarray],
+    rk: list[np.ndarray],
+    num_tokens: int | None,
+    prefill_tokens: int | None = None,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[int, int, int]]]:
     """kvgeom mode: the local and remote fine ids of every group, paired by token (attention) or by
     state slot (SSM, vLLM's slot rule), and each attention group's coverage on the consumer."""
     local, kinds, bsr, pull = pairing.local, pairing.local.group_is_ssm, pairing.bsr, pairing.mode == "pull"
@@ -733,11 +1047,31 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
     lfine = [k if ssm else _expand(k, bsr) for k, ssm in zip(lk, kinds)]
     rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
     if pull:
-        spans = _align_groups(local, lids, lfine, rblock, rids, rk, rview.block_size, num_tokens,
-                              pairing.prefix_caching, prefill_tokens)
+        spans = _align_groups(
+            local,
+            lids,
+            lfine,
+            rblock,
+            rids,
+            rk,
+            rview.block_size,
+            num_tokens,
+            pairing.prefix_caching,
+            prefill_tokens,
+        )
     else:
-        spans = _align_groups(remote, rids, rk, local.logical_block_size, lids, lfine, rview.block_size,
-                              num_tokens, pairing.prefix_caching, prefill_tokens)
+        spans = _align_groups(
+            remote,
+            rids,
+            rk,
+            local.logical_block_size,
+            lids,
+            lfine,
+            rview.block_size,
+            num_tokens,
+            pairing.prefix_caching,
+            prefill_tokens,
+        )
     empty = [x[:0] for x in lk]
     ssm_l, ssm_r = (_select(lk, kinds), _select(rk, kinds))
     if pull:
@@ -749,14 +1083,18 @@ def _aligned(pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray], l
         if ssm:
             lsel[g], rsel[g] = ssm_l[g], ssm_r[g]
         elif pull:
-            lsel[g], rsel[g] = lfine[g][cpos:cpos + n], rk[g][ppos:ppos + n]
+            lsel[g], rsel[g] = lfine[g][cpos : cpos + n], rk[g][ppos : ppos + n]
         else:
-            lsel[g], rsel[g] = lfine[g][ppos:ppos + n], rk[g][cpos:cpos + n]
+            lsel[g], rsel[g] = lfine[g][ppos : ppos + n], rk[g][cpos : cpos + n]
     return lsel, rsel, spans
 
 
-def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int,
-              pages: Callable[[int], list[Page]] | None = None) -> tuple[Regroup, ...]:
+def _regroups(
+    consumer: RankGeometry,
+    kernel_ids: list[np.ndarray],
+    bsr: int,
+    pages: Callable[[int], list[Page]] | None = None,
+) -> tuple[Regroup, ...]:
     """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9), in the
     regions of each group's ``pages`` (default: every page of the group's layers) holding several heads."""
     out = []
@@ -770,13 +1108,26 @@ def _regroups(consumer: RankGeometry, kernel_ids: list[np.ndarray], bsr: int,
             if p.heads > 1 and p.region not in kinds.get((region.part, p.heads, p.length), []):
                 kinds.setdefault((region.part, p.heads, p.length), []).append(p.region)
         for (_, heads, length), rs in sorted(kinds.items()):
-            out.append(Regroup(tuple(rs), L.copy(), bsr, heads, consumer.block_size,
-                               length // (heads * consumer.block_size)))
+            out.append(
+                Regroup(
+                    tuple(rs),
+                    L.copy(),
+                    bsr,
+                    heads,
+                    consumer.block_size,
+                    length // (heads * consumer.block_size),
+                )
+            )
     return tuple(out)
 
 
-def _zero_rows(consumer: RankGeometry, kernel_ids: list[np.ndarray], units: int,
-               spans: list[tuple[int, int, int]], pages: Callable[[int], list[Page]] | None = None) -> np.ndarray:
+def _zero_rows(
+    consumer: RankGeometry,
+    kernel_ids: list[np.ndarray],
+    units: int,
+    spans: list[tuple[int, int, int]],
+    pages: Callable[[int], list[Page]] | None = None,
+) -> np.ndarray:
     """Zero every byte of the consumer's attention blocks outside the units the transfer covered, in the
     pages of each group (``pages``; default: every page of the group's layers)."""
     rows = [np.zeros((0, 3), dtype=np.int64)]
@@ -788,9 +1139,15 @@ def _zero_rows(consumer: RankGeometry, kernel_ids: list[np.ndarray], units: int,
     return np.concatenate(rows)
 
 
-def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: BlockIds,
-                 producer_ids: BlockIds, num_tokens: int | None = None, prefix_caching: bool = False,
-                 prefill_tokens: int | None = None) -> tuple[tuple[Regroup, ...], np.ndarray]:
+def receive_step(
+    consumer: RankGeometry,
+    producer: RankGeometry,
+    consumer_ids: BlockIds,
+    producer_ids: BlockIds,
+    num_tokens: int | None = None,
+    prefix_caching: bool = False,
+    prefill_tokens: int | None = None,
+) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The post-receive step of a D rank that was written to (push): zero ranges of its own blocks,
     from D's and P's logical ids of the request, aligned by token like the writer's plan (``num_tokens``
     and ``prefill_tokens`` as in :func:`plan_request`). vLLM never zeroes in push (B.6.1 item 9); kvgeom
@@ -804,18 +1161,38 @@ def receive_step(consumer: RankGeometry, producer: RankGeometry, consumer_ids: B
     dk = logical_to_kernel(dl, consumer.ppl, kinds)
     pk = logical_to_kernel(pl, producer.ppl, kinds)
     if producer.block_size % consumer.block_size:
-        raise PlanError("block_size", "push needs P kernel blocks that are multiples of D's",
-                        local=consumer.block_size, remote=producer.block_size)
+        raise PlanError(
+            "block_size",
+            "push needs P kernel blocks that are multiples of D's",
+            local=consumer.block_size,
+            remote=producer.block_size,
+        )
     q = producer.block_size // consumer.block_size
     pfine = [k if ssm else get_mapped_blocks(k, q) for k, ssm in zip(pk, kinds)]
-    spans = _align_groups(consumer, dl, dk, producer.logical_block_size, pl, pfine, consumer.block_size,
-                          num_tokens, prefix_caching, prefill_tokens)
+    spans = _align_groups(
+        consumer,
+        dl,
+        dk,
+        producer.logical_block_size,
+        pl,
+        pfine,
+        consumer.block_size,
+        num_tokens,
+        prefix_caching,
+        prefill_tokens,
+    )
     return (), _zero_rows(consumer, dk, 1, spans)
 
 
-def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_ids: list[np.ndarray],
-                 producer_kernel_ids: list[np.ndarray], bsr: int, compat: str = "kvgeom",
-                 pages: Callable[[int], list[Page]] | None = None) -> tuple[tuple[Regroup, ...], np.ndarray]:
+def post_receive(
+    consumer: RankGeometry,
+    producer: EngineView,
+    consumer_kernel_ids: list[np.ndarray],
+    producer_kernel_ids: list[np.ndarray],
+    bsr: int,
+    compat: str = "kvgeom",
+    pages: Callable[[int], list[Page]] | None = None,
+) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The consumer's post-receive step (vLLM B.3.9 / B.6.11): regroup head-major blocks that arrived as
     ``bsr`` finer remote pages, then zero what the transfer did not write.
 
@@ -829,8 +1206,10 @@ def post_receive(consumer: RankGeometry, producer: EngineView, consumer_kernel_i
     if compat == "vllm" and bsr == 1 and consumer.ppl == producer.ppl:
         return (), np.zeros((0, 3), dtype=np.int64)
     spans = [(0, 0, min(L.size * bsr, R.size)) for L, R in zip(consumer_kernel_ids, producer_kernel_ids)]
-    return (_regroups(consumer, consumer_kernel_ids, bsr, pages),
-            _zero_rows(consumer, consumer_kernel_ids, bsr, spans, pages))
+    return (
+        _regroups(consumer, consumer_kernel_ids, bsr, pages),
+        _zero_rows(consumer, consumer_kernel_ids, bsr, spans, pages),
+    )
 
 
 def contiguous_runs(moves: np.ndarray) -> int:
@@ -857,21 +1236,32 @@ def check_writes(plan: RequestPlan, pairing: Pairing, dst_ids: BlockIds) -> None
     kernel = logical_to_kernel(ids, dst_geom.ppl, kinds)
     ppl = dst_geom.ppl
     # attention ids are kernel ids already; an SSM slot's page spans ppl kernel blocks
-    ok_blocks = np.unique(np.concatenate([np.zeros(0, np.int64)] + [
-        k if not ssm else (k[:, None] * ppl + np.arange(ppl)).ravel() for k, ssm in zip(kernel, kinds)]))
+    ok_blocks = np.unique(
+        np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [k if not ssm else (k[:, None] * ppl + np.arange(ppl)).ravel() for k, ssm in zip(kernel, kinds)]
+        )
+    )
     moves = plan.moves(pairing)
     if not len(moves):
         return
     strides = np.asarray([r.block_stride for r in dst_geom.regions], dtype=np.int64)
     region, off, length = moves[:, 4], moves[:, 5], moves[:, 6]
     if np.any((region < 0) | (region >= strides.size)):
-        raise PlanError("destination region", "a move targets a region the destination does not have",
-                        value=int(region.max()), expected=strides.size)
+        raise PlanError(
+            "destination region",
+            "a move targets a region the destination does not have",
+            value=int(region.max()),
+            expected=strides.size,
+        )
     first = off // strides[region]
     last = (off + np.maximum(length, 1) - 1) // strides[region]
     bad = ~np.isin(first, ok_blocks) | ~np.isin(last, ok_blocks) | (last - first >= ppl) | (off < 0)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise PlanError("destination", f"move {i} writes region {int(region[i])} bytes [{int(off[i])}, "
-                        f"{int(off[i] + length[i])}) outside the request's blocks {sorted(ok_blocks.tolist())[:8]}",
-                        value=(int(region[i]), int(off[i]), int(length[i])))
+        raise PlanError(
+            "destination",
+            f"move {i} writes region {int(region[i])} bytes [{int(off[i])}, "
+            f"{int(off[i] + length[i])}) outside the request's blocks {sorted(ok_blocks.tolist())[:8]}",
+            value=(int(region[i]), int(off[i]), int(length[i])),
+        )

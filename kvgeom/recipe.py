@@ -43,8 +43,9 @@ def _split(flat: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
     return list(np.split(flat, np.cumsum(sizes)[:-1])) if len(sizes) else []
 
 
-def trace(run: Run, local_sizes: Sequence[int], remote_sizes: Sequence[int], local_pool: int,
-          remote_pool: int) -> Recipe | None:
+def trace(
+    run: Run, local_sizes: Sequence[int], remote_sizes: Sequence[int], local_pool: int, remote_pool: int
+) -> Recipe | None:
     """The recipe of ``run`` (block ids per group on each side -> one flat ``int64`` output) at this shape,
     or None where the output is not of the recipe form, a probe is refused, or the pools are too small
     for the probes (twice the request's ids on each side)."""
@@ -64,7 +65,9 @@ def trace(run: Run, local_sizes: Sequence[int], remote_sizes: Sequence[int], loc
         rev_r = out(even_l, even_r[::-1].copy())
     except Exception:  # noqa: BLE001 - a shape the planner refuses stays on the general path
         return None
-    if any(x.shape != base.shape for x in (step_l, step_r, rev_l, rev_r)) or np.any((step_l != 0) & (step_r != 0)):
+    if any(x.shape != base.shape for x in (step_l, step_r, rev_l, rev_r)) or np.any(
+        (step_l != 0) & (step_r != 0)
+    ):
         return None
     factor = step_l + step_r
     remote = step_r != 0
@@ -85,8 +88,12 @@ def trace(run: Run, local_sizes: Sequence[int], remote_sizes: Sequence[int], loc
     if np.any(position < 0) or np.any(position >= np.maximum(n, 1)):
         return None
     recipe = Recipe(np.where(remote, position + nl, position), factor, const)
-    for lflat, rflat, want in ((even_l, even_r, base), (even_l + 1, even_r, base + step_l),
-                               (even_l[::-1], even_r, rev_l), (even_l, even_r[::-1], rev_r)):
+    for lflat, rflat, want in (
+        (even_l, even_r, base),
+        (even_l + 1, even_r, base + step_l),
+        (even_l[::-1], even_r, rev_l),
+        (even_l, even_r[::-1], rev_r),
+    ):
         if not np.array_equal(recipe.apply(np.concatenate([lflat, rflat])), want):
             return None
     return recipe

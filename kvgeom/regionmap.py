@@ -39,17 +39,25 @@ def block_ids_by_region(block_ids: BlockIds, region_group_ids: Sequence[int]) ->
         elif 0 <= gid < len(groups):
             out.append(groups[gid].copy())
         else:
-            raise GroupMismatchError(f"region_group_ids[{r}]", f"group {gid} of a request with {len(groups)} "
-                                     "groups", value=gid, expected=len(groups))
+            raise GroupMismatchError(
+                f"region_group_ids[{r}]",
+                f"group {gid} of a request with {len(groups)} groups",
+                value=gid,
+                expected=len(groups),
+            )
     return out
 
 
-def apply_prefix_caching_by_region(decode_ids: Sequence[Sequence[int] | np.ndarray],
-                                   prefill_ids: Sequence[Sequence[int] | np.ndarray],
-                                   num_computed_blocks: Sequence[int] | None = None,
-                                   num_remote_blocks: int | None = None, remote_rank: int = 0,
-                                   local_dcp_size: int = 1, local_dcp_rank: int = 0, remote_dcp_size: int = 1
-                                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def apply_prefix_caching_by_region(
+    decode_ids: Sequence[Sequence[int] | np.ndarray],
+    prefill_ids: Sequence[Sequence[int] | np.ndarray],
+    num_computed_blocks: Sequence[int] | None = None,
+    num_remote_blocks: int | None = None,
+    remote_rank: int = 0,
+    local_dcp_size: int = 1,
+    local_dcp_rank: int = 0,
+    remote_dcp_size: int = 1,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Pair D's uncached pages with P's, region by region (vLLM ``_apply_prefix_caching_by_region``).
 
     Nothing on D: empty lists. With ``num_computed_blocks`` (per region, D's cached pages) and
@@ -59,8 +67,12 @@ def apply_prefix_caching_by_region(decode_ids: Sequence[Sequence[int] | np.ndarr
     :class:`PlanError`.
     """
     if len(decode_ids) != len(prefill_ids):
-        raise GroupMismatchError("prefill_ids", f"{len(prefill_ids)} prefill regions for {len(decode_ids)} decode "
-                                 "regions", value=len(prefill_ids), expected=len(decode_ids))
+        raise GroupMismatchError(
+            "prefill_ids",
+            f"{len(prefill_ids)} prefill regions for {len(decode_ids)} decode regions",
+            value=len(prefill_ids),
+            expected=len(decode_ids),
+        )
     dec = [as_ids(x, f"decode_ids[{r}]") for r, x in enumerate(decode_ids)]
     pre = [as_ids(x, f"prefill_ids[{r}]") for r, x in enumerate(prefill_ids)]
     if not any(x.size for x in dec):
@@ -68,26 +80,41 @@ def apply_prefix_caching_by_region(decode_ids: Sequence[Sequence[int] | np.ndarr
         return empty, [e.copy() for e in empty]
     if num_computed_blocks is not None:
         if num_remote_blocks is None:
-            raise PlanError("num_remote_blocks", "matching regions by page position needs the request's remote "
-                            "page count", value=None)
+            raise PlanError(
+                "num_remote_blocks",
+                "matching regions by page position needs the request's remote page count",
+                value=None,
+            )
         if len(num_computed_blocks) != len(dec):
-            raise GroupMismatchError("num_computed_blocks", f"{len(num_computed_blocks)} counts for {len(dec)} "
-                                     "regions", value=len(num_computed_blocks), expected=len(dec))
-        pairs = [apply_dcp_prefix_caching(d, p, remote_rank, local_dcp_size, local_dcp_rank, remote_dcp_size,
-                                          int(c), num_remote_blocks)
-                 for d, p, c in zip(dec, pre, num_computed_blocks)]
+            raise GroupMismatchError(
+                "num_computed_blocks",
+                f"{len(num_computed_blocks)} counts for {len(dec)} regions",
+                value=len(num_computed_blocks),
+                expected=len(dec),
+            )
+        pairs = [
+            apply_dcp_prefix_caching(
+                d, p, remote_rank, local_dcp_size, local_dcp_rank, remote_dcp_size, int(c), num_remote_blocks
+            )
+            for d, p, c in zip(dec, pre, num_computed_blocks)
+        ]
         return [a for a, _ in pairs], [b for _, b in pairs]
     out = []
     for r, (d, p) in enumerate(zip(dec, pre)):
         if d.size > p.size:
-            raise PlanError(f"decode_ids[{r}]", f"D allocated {d.size} pages in region {r} but P supplied {p.size}",
-                            local=int(d.size), remote=int(p.size))
-        out.append(p[p.size - d.size:] if d.size else p[:0])
+            raise PlanError(
+                f"decode_ids[{r}]",
+                f"D allocated {d.size} pages in region {r} but P supplied {p.size}",
+                local=int(d.size),
+                remote=int(p.size),
+            )
+        out.append(p[p.size - d.size :] if d.size else p[:0])
     return dec, out
 
 
-def region_zero_ids(local_by_region: Sequence[np.ndarray], matched_by_rank: Sequence[Sequence[np.ndarray]]
-                    ) -> list[np.ndarray]:
+def region_zero_ids(
+    local_by_region: Sequence[np.ndarray], matched_by_rank: Sequence[Sequence[np.ndarray]]
+) -> list[np.ndarray]:
     """D's pages to zero per region after a region-mapped pull: region ``r``'s list past the pages matched
     over all source ranks (``matched_by_rank[k][r]``, the local pages rank ``k`` covered)."""
     out = []
@@ -97,14 +124,21 @@ def region_zero_ids(local_by_region: Sequence[np.ndarray], matched_by_rank: Sequ
     return out
 
 
-def region_zero_rows(block_ids_by_region: Sequence[Sequence[int] | np.ndarray], block_lens: Sequence[int],
-                     block_strides: Sequence[int]) -> np.ndarray:
+def region_zero_rows(
+    block_ids_by_region: Sequence[Sequence[int] | np.ndarray],
+    block_lens: Sequence[int],
+    block_strides: Sequence[int],
+) -> np.ndarray:
     """``(region, offset, length)`` rows clearing pages ``block_ids_by_region[r]`` of each region ``r``
     (page ``b`` of region ``r`` is ``[b * stride_r, b * stride_r + len_r)``), region by region."""
     if len(block_ids_by_region) > len(block_lens) or len(block_lens) != len(block_strides):
-        raise GroupMismatchError("block_ids_by_region", f"{len(block_ids_by_region)} id lists for {len(block_lens)} "
-                                 f"regions ({len(block_strides)} strides)", value=len(block_ids_by_region),
-                                 expected=len(block_lens))
+        raise GroupMismatchError(
+            "block_ids_by_region",
+            f"{len(block_ids_by_region)} id lists for {len(block_lens)} "
+            f"regions ({len(block_strides)} strides)",
+            value=len(block_ids_by_region),
+            expected=len(block_lens),
+        )
     ids = [as_ids(x, f"block_ids_by_region[{r}]") for r, x in enumerate(block_ids_by_region)]
     region = np.repeat(np.arange(len(ids), dtype=np.int64), [x.size for x in ids])
     flat = np.concatenate([np.zeros(0, np.int64), *ids])

@@ -40,38 +40,49 @@ class Route:
     ssm: tuple[Slice, ...] | None
 
 
-def _unit_slice(shard: Shard, unit_bytes: int, c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int,
-                what: str) -> tuple[int, int, int]:
+def _unit_slice(
+    shard: Shard, unit_bytes: int, c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int, what: str
+) -> tuple[int, int, int]:
     """``(consumer offset, producer offset, length)`` of what producer ``p_rank`` (source ``j`` of ``n``)
     gives consumer ``c_rank`` of one sharded piece, offsets relative to each side's piece start."""
     cu0, cn = shard.first_unit(c_rank, c_tp), shard.units_per_rank(c_tp)
     pu0, pn = shard.first_unit(p_rank, p_tp), shard.units_per_rank(p_tp)
     need = cn * unit_bytes
     if need % n:
-        raise UnsupportedError(what, f"{need} B cannot be gathered from {n} sources in equal chunks", value=need,
-                               expected=n)
+        raise UnsupportedError(
+            what, f"{need} B cannot be gathered from {n} sources in equal chunks", value=need, expected=n
+        )
     chunk = need // n
     c_off = j * chunk
     p_off = cu0 * unit_bytes + c_off - pu0 * unit_bytes
     if p_off < 0 or p_off + chunk > pn * unit_bytes:
-        raise UnsupportedError(what, f"consumer units [{cu0}, {cu0 + cn}) are not held by producer rank {p_rank} "
-                               f"(units [{pu0}, {pu0 + pn}))", local=(cu0, cn), remote=(pu0, pn))
+        raise UnsupportedError(
+            what,
+            f"consumer units [{cu0}, {cu0 + cn}) are not held by producer rank {p_rank} "
+            f"(units [{pu0}, {pu0 + pn}))",
+            local=(cu0, cn),
+            remote=(pu0, pn),
+        )
     return c_off, p_off, chunk
 
 
-def _ssm_slices(spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int
-                ) -> list[tuple[int, int, int]]:
+def _ssm_slices(
+    spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int
+) -> list[tuple[int, int, int]]:
     """Per conv piece then the temporal state: (consumer, producer) offsets in the page, and length."""
     row = spec.conv_rows * dtype_size(spec.conv_dtype)
     out, c_base, p_base = [], 0, 0
     for name, piece in zip(spec.piece_names, spec.conv_pieces):
-        c, p, ln = _unit_slice(piece, piece.unit_elems * row, c_rank, c_tp, p_rank, p_tp, j, n, f"conv piece {name}")
+        c, p, ln = _unit_slice(
+            piece, piece.unit_elems * row, c_rank, c_tp, p_rank, p_tp, j, n, f"conv piece {name}"
+        )
         out.append((c_base + c, p_base + p, ln))
         c_base += piece.elems_per_rank(c_tp) * row
         p_base += piece.elems_per_rank(p_tp) * row
     t = spec.temporal
-    c, p, ln = _unit_slice(t, t.unit_elems * dtype_size(spec.ssm_dtype), c_rank, c_tp, p_rank, p_tp, j, n,
-                           "temporal state")
+    c, p, ln = _unit_slice(
+        t, t.unit_elems * dtype_size(spec.ssm_dtype), c_rank, c_tp, p_rank, p_tp, j, n, "temporal state"
+    )
     out.append((c_base + c, p_base + p, ln))
     return out
 
@@ -80,12 +91,21 @@ def dcp_pages_differ(a: RankGeometry, b: RankGeometry, mode: str = "pull") -> bo
     """Decode context parallelism where a rank's tokens come from (pull with pages of different sizes) or go to
     (push) any rank of the other side, not only those vLLM's closed form names: kvgeom pairs such a rank with
     every rank of the other side, and the units pick what each pair exchanges."""
-    return (a.dcp_size > 1 or b.dcp_size > 1) and (a.logical_block_size != b.logical_block_size or mode == "push")
+    return (a.dcp_size > 1 or b.dcp_size > 1) and (
+        a.logical_block_size != b.logical_block_size or mode == "push"
+    )
 
 
-def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str, local_rows: int,
-          remote_row_lens: tuple[int, ...], local_lens: tuple[int, ...] | None = None,
-          local_is_mla: tuple[bool, ...] | None = None) -> Route:
+def route(
+    local: RankGeometry,
+    remote: RankGeometry,
+    remote_rank: int,
+    mode: str,
+    local_rows: int,
+    remote_row_lens: tuple[int, ...],
+    local_lens: tuple[int, ...] | None = None,
+    local_is_mla: tuple[bool, ...] | None = None,
+) -> Route:
     """The route between ``local`` and remote rank ``remote_rank`` (``remote``: any rank of that engine).
     ``local_rows``: rows per local kernel block (the block-size ratio, times the tokens per remote block
     when pages are cut per token); ``remote_row_lens``: the remote rows' lengths as planned, one per
@@ -98,11 +118,24 @@ def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str
     c_tp, p_tp = c_geom.tp_size, p_geom.tp_size
     kinds = local.group_is_ssm
     spec = local.model.attention_spec
-    draft = spec.num_kv_heads if local.is_mla and spec is not None else None  # head-sharded layers next to MLA
-    cmap = compute_tp_mapping(c_rank, c_tp, p_tp, local.num_kv_heads, local.is_mla, kinds, c_geom.dcp_size,
-                              p_geom.dcp_size, head_sharded_kv_heads=draft)
+    draft = (
+        spec.num_kv_heads if local.is_mla and spec is not None else None
+    )  # head-sharded layers next to MLA
+    cmap = compute_tp_mapping(
+        c_rank,
+        c_tp,
+        p_tp,
+        local.num_kv_heads,
+        local.is_mla,
+        kinds,
+        c_geom.dcp_size,
+        p_geom.dcp_size,
+        head_sharded_kv_heads=draft,
+    )
     spread = dcp_pages_differ(c_geom, p_geom, mode)  # any producer rank may hold a token of the consumer's
-    groups = tuple((spread and not ssm) or p_rank in srcs for srcs, ssm in zip(cmap.source_ranks_per_group, kinds))
+    groups = tuple(
+        (spread and not ssm) or p_rank in srcs for srcs, ssm in zip(cmap.source_ranks_per_group, kinds)
+    )
     attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
     fa = []
     lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)
@@ -114,27 +147,50 @@ def route(local: RankGeometry, remote: RankGeometry, remote_rank: int, mode: str
             # the draft's sources all hold identical copies of the latent: a chunk from each
             n, j = len(attn_src), attn_src.index(p_rank)
             if c_len % n or c_len != p_len:
-                raise UnsupportedError(f"regions[{r}].block_len", f"a {c_len}-byte replicated page cannot be gathered "
-                                       f"from {n} sources in equal chunks", local=llen, remote=rlen)
+                raise UnsupportedError(
+                    f"regions[{r}].block_len",
+                    f"a {c_len}-byte replicated page cannot be gathered from {n} sources in equal chunks",
+                    local=llen,
+                    remote=rlen,
+                )
             ch = c_len // n
             fa.append((j * ch, j * ch, ch))
             continue
-        whole = is_mla or spec is None or p_rank not in attn_src or (
-            spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
+        whole = (
+            is_mla
+            or spec is None
+            or p_rank not in attn_src
+            or (spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
+        )
         if whole or spec is None:  # the row as it is: a replicated latent, or the same heads on both sides
             if c_len != p_len and p_rank in attn_src and spec is not None:
-                raise UnsupportedError(f"regions[{r}].block_len", "rows of different lengths cannot be paired",
-                                       local=llen, remote=rlen)
+                raise UnsupportedError(
+                    f"regions[{r}].block_len",
+                    "rows of different lengths cannot be paired",
+                    local=llen,
+                    remote=rlen,
+                )
             fa.append((0, 0, min(c_len, p_len)))
             continue
         heads = spec.heads_per_rank(c_tp)
-        c, p, ln = _unit_slice(spec.heads, c_len // heads, c_rank, c_tp, p_rank, p_tp, attn_src.index(p_rank),
-                               len(attn_src), f"regions[{r}] heads")
+        c, p, ln = _unit_slice(
+            spec.heads,
+            c_len // heads,
+            c_rank,
+            c_tp,
+            p_rank,
+            p_tp,
+            attn_src.index(p_rank),
+            len(attn_src),
+            f"regions[{r}] heads",
+        )
         fa.append((c, p, ln) if pull else (p, c, ln))
     ssm = None
     if local.ssm is not None:
         ssm_src = next((s for s, is_ssm in zip(cmap.source_ranks_per_group, kinds) if is_ssm), ())
         if p_rank in ssm_src:
-            slices = _ssm_slices(local.ssm.spec, c_rank, c_tp, p_rank, p_tp, ssm_src.index(p_rank), len(ssm_src))
+            slices = _ssm_slices(
+                local.ssm.spec, c_rank, c_tp, p_rank, p_tp, ssm_src.index(p_rank), len(ssm_src)
+            )
             ssm = tuple((c, p, ln) if pull else (p, c, ln) for c, p, ln in slices)
     return Route(remote_rank, groups, tuple(fa), ssm)

@@ -16,6 +16,7 @@ replication, Mamba2 ``n_groups < TP``). This one rule covers KV heads, SSM heads
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -200,33 +201,85 @@ class MambaSpec:
 
     # -- constructors for the four families --------------------------------------------------------
     @classmethod
-    def mamba1(cls, intermediate_size: int, state_size: int, conv_kernel: int = 4, conv_dtype: str = "bfloat16",
-               ssm_dtype: str | None = None) -> MambaSpec:
-        return cls(LayerKind.MAMBA1, (Shard(intermediate_size, 1),), Shard(intermediate_size, state_size),
-                   conv_kernel, conv_dtype, ssm_dtype or conv_dtype, ("x",))
+    def mamba1(
+        cls,
+        intermediate_size: int,
+        state_size: int,
+        conv_kernel: int = 4,
+        conv_dtype: str = "bfloat16",
+        ssm_dtype: str | None = None,
+    ) -> MambaSpec:
+        return cls(
+            LayerKind.MAMBA1,
+            (Shard(intermediate_size, 1),),
+            Shard(intermediate_size, state_size),
+            conv_kernel,
+            conv_dtype,
+            ssm_dtype or conv_dtype,
+            ("x",),
+        )
 
     @classmethod
-    def mamba2(cls, num_heads: int, head_dim: int, n_groups: int, state_size: int, conv_kernel: int = 4,
-               conv_dtype: str = "bfloat16", ssm_dtype: str | None = None) -> MambaSpec:
-        return cls(LayerKind.MAMBA2,
-                   (Shard(num_heads, head_dim), Shard(n_groups, state_size), Shard(n_groups, state_size)),
-                   Shard(num_heads, head_dim * state_size), conv_kernel, conv_dtype, ssm_dtype or conv_dtype,
-                   ("x", "B", "C"))
+    def mamba2(
+        cls,
+        num_heads: int,
+        head_dim: int,
+        n_groups: int,
+        state_size: int,
+        conv_kernel: int = 4,
+        conv_dtype: str = "bfloat16",
+        ssm_dtype: str | None = None,
+    ) -> MambaSpec:
+        return cls(
+            LayerKind.MAMBA2,
+            (Shard(num_heads, head_dim), Shard(n_groups, state_size), Shard(n_groups, state_size)),
+            Shard(num_heads, head_dim * state_size),
+            conv_kernel,
+            conv_dtype,
+            ssm_dtype or conv_dtype,
+            ("x", "B", "C"),
+        )
 
     @classmethod
-    def gdn(cls, num_k_heads: int, k_head_dim: int, num_v_heads: int, v_head_dim: int, conv_kernel: int = 4,
-            conv_dtype: str = "bfloat16", ssm_dtype: str | None = None) -> MambaSpec:
-        return cls(LayerKind.GDN,
-                   (Shard(num_k_heads, k_head_dim), Shard(num_k_heads, k_head_dim), Shard(num_v_heads, v_head_dim)),
-                   Shard(num_v_heads, v_head_dim * k_head_dim), conv_kernel, conv_dtype, ssm_dtype or conv_dtype,
-                   ("Q", "K", "V"))
+    def gdn(
+        cls,
+        num_k_heads: int,
+        k_head_dim: int,
+        num_v_heads: int,
+        v_head_dim: int,
+        conv_kernel: int = 4,
+        conv_dtype: str = "bfloat16",
+        ssm_dtype: str | None = None,
+    ) -> MambaSpec:
+        return cls(
+            LayerKind.GDN,
+            (Shard(num_k_heads, k_head_dim), Shard(num_k_heads, k_head_dim), Shard(num_v_heads, v_head_dim)),
+            Shard(num_v_heads, v_head_dim * k_head_dim),
+            conv_kernel,
+            conv_dtype,
+            ssm_dtype or conv_dtype,
+            ("Q", "K", "V"),
+        )
 
     @classmethod
-    def kda(cls, num_heads: int, head_dim: int, conv_kernel: int = 4, conv_dtype: str = "bfloat16",
-            ssm_dtype: str = "float32") -> MambaSpec:
+    def kda(
+        cls,
+        num_heads: int,
+        head_dim: int,
+        conv_kernel: int = 4,
+        conv_dtype: str = "bfloat16",
+        ssm_dtype: str = "float32",
+    ) -> MambaSpec:
         s = Shard(num_heads, head_dim)
-        return cls(LayerKind.KDA, (s, s, s), Shard(num_heads, head_dim * head_dim), conv_kernel, conv_dtype,
-                   ssm_dtype, ("Q", "K", "V"))
+        return cls(
+            LayerKind.KDA,
+            (s, s, s),
+            Shard(num_heads, head_dim * head_dim),
+            conv_kernel,
+            conv_dtype,
+            ssm_dtype,
+            ("Q", "K", "V"),
+        )
 
     # -- per-rank sizes ----------------------------------------------------------------------------
     @property
@@ -331,7 +384,7 @@ class ModelSpec:
             raise SpecError("layers", "all SSM layers of a model must share one state spec", value=len(ssm))
 
     @classmethod
-    def from_layers(cls, name: str, specs: list[LayerSpec | None]) -> ModelSpec:
+    def from_layers(cls, name: str, specs: Sequence[LayerSpec | None]) -> ModelSpec:
         """Build from one spec per decoder layer (``None`` for layers without a cache)."""
         layers = []
         for i, spec in enumerate(specs):
@@ -381,7 +434,9 @@ class ModelSpec:
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "layers": [{"name": la.name, "index": la.index, "spec": _spec_to_json(la.spec)} for la in self.layers],
+            "layers": [
+                {"name": la.name, "index": la.index, "spec": _spec_to_json(la.spec)} for la in self.layers
+            ],
         }
 
     @classmethod
@@ -391,7 +446,9 @@ class ModelSpec:
         layers = []
         for i, la in enumerate(d["layers"]):
             try:
-                layers.append(Layer(str(la["name"]), int(la["index"]), _spec_from_json(la["spec"], f"layers[{i}]")))
+                layers.append(
+                    Layer(str(la["name"]), int(la["index"]), _spec_from_json(la["spec"], f"layers[{i}]"))
+                )
             except (KeyError, TypeError):
                 raise SpecError(f"layers[{i}]", "needs 'name', 'index' and 'spec'", value=la) from None
         return cls(str(d.get("name", "")), tuple(layers))

@@ -132,8 +132,12 @@ def build_local_splits(
         )
     tail = check_positive_int(num_replicated_tail, "num_replicated_tail", minimum=0, error=PlanError)
     if nfa > total - tail:
-        raise PlanError("num_replicated_tail", f"{tail} replicated descriptors overlap the {nfa} FA descriptors of "
-                        f"{total}", value=tail, expected=total - nfa)
+        raise PlanError(
+            "num_replicated_tail",
+            f"{tail} replicated descriptors overlap the {nfa} FA descriptors of {total}",
+            value=tail,
+            expected=total - nfa,
+        )
     is_fa = starts < nfa  # by first descriptor, as vLLM: a row straddling the boundary counts as FA
     replicated = _replicated_fa_rows(starts[is_fa], bsr, region_is_mla, region_num_blocks, nfa)
     split_fa = np.zeros(rows.shape[0], dtype=bool)

@@ -19,8 +19,12 @@ __all__ = ["stage_partition", "stage_range", "stage_layers"]
 def stage_partition(num_layers: int, pp_size: int) -> tuple[int, ...]:
     """Decoder layers per stage (vLLM ``get_pp_indices`` without an explicit partition)."""
     if num_layers < 1 or pp_size < 1:
-        raise ConfigError("pp_size", f"{num_layers} layers cannot be split over {pp_size} stages",
-                          value=pp_size, expected=num_layers)
+        raise ConfigError(
+            "pp_size",
+            f"{num_layers} layers cannot be split over {pp_size} stages",
+            value=pp_size,
+            expected=num_layers,
+        )
     base, extra = divmod(num_layers, pp_size)
     sizes = [base] * pp_size
     for i in range(2, extra + 2):

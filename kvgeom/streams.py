@@ -43,8 +43,16 @@ from .layerroute import (
 from .spec import MambaSpec
 from .stages import stage_range
 
-__all__ = ["Registration", "registration", "hma_required", "region_group_ids", "region_mapped", "pair_streams",
-           "pseudo", "unpseudo"]
+__all__ = [
+    "Registration",
+    "registration",
+    "hma_required",
+    "region_group_ids",
+    "region_mapped",
+    "pair_streams",
+    "pseudo",
+    "unpseudo",
+]
 
 _SHIFT = 44
 
@@ -61,8 +69,9 @@ def unpseudo(address: int) -> tuple[int, int]:
 def hma_required(geom: RankGeometry) -> bool:
     """vLLM needs its hybrid KV-cache manager for this model: a layer that is not full attention (a sliding
     window, an SSM state)."""
-    return any(isinstance(la.spec, MambaSpec) or getattr(la.spec, "sliding_window", None)
-               for la in geom.model.layers)
+    return any(
+        isinstance(la.spec, MambaSpec) or getattr(la.spec, "sliding_window", None) for la in geom.model.layers
+    )
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,9 @@ def _registration(geom: RankGeometry, mode: str) -> Registration:
     is_mla: list[bool] = []
     packed: dict[str, tuple[int, int]] = {}
 
-    def add(region: Region, offset: int, length: int, stride: int, who: list[tuple[int, str]], name: str) -> None:
+    def add(
+        region: Region, offset: int, length: int, stride: int, who: list[tuple[int, str]], name: str
+    ) -> None:
         bases.append(pseudo(region.index, offset))
         lens.append(length)
         strides.append(stride)
@@ -126,8 +137,14 @@ def _registration(geom: RankGeometry, mode: str) -> Registration:
         order = sorted(range(len(region.members)), key=lambda k: region_sort_key(region.members[k][1]))
         who = [region.members[k] for k in order]
         if not region.slots:
-            add(region, 0, region.block_len, region.block_stride, who, region.name if region.part != "kv"
-                else who[0][1])
+            add(
+                region,
+                0,
+                region.block_len,
+                region.block_stride,
+                who,
+                region.name if region.part != "kv" else who[0][1],
+            )
             continue
         slots = [region.slots[k] for k in order]
         if routing:  # one region per layer's page, aliases kept apart
@@ -141,8 +158,17 @@ def _registration(geom: RankGeometry, mode: str) -> Registration:
                 at = [m for m, s in zip(who, slots) if s[0] == off]
                 add(region, off, max(s[1] for s in slots if s[0] == off), region.block_stride, at, at[0][1])
     nb = geom.num_blocks
-    table = RegionTable(tuple(bases), tuple(lens), tuple(strides), tuple([nb] * len(bases)), tuple(gids),
-                        tuple(names), None, tuple(members) if tracks else (), packed)
+    table = RegionTable(
+        tuple(bases),
+        tuple(lens),
+        tuple(strides),
+        tuple([nb] * len(bases)),
+        tuple(gids),
+        tuple(names),
+        None,
+        tuple(members) if tracks else (),
+        packed,
+    )
     if not routing:
         return Registration(table, tuple(is_mla))
     regions = tuple(r for r, m in enumerate(members) for _ in m)
@@ -151,69 +177,121 @@ def _registration(geom: RankGeometry, mode: str) -> Registration:
     return Registration(table, tuple(is_mla), flat, regions, tuple(group_of[n] for n in flat))
 
 
-def _view(geom: RankGeometry, table: RegionTable, is_mla: tuple[bool, ...], transfer_groups: tuple[int, ...] = ()
-          ) -> EngineView:
+def _view(
+    geom: RankGeometry, table: RegionTable, is_mla: tuple[bool, ...], transfer_groups: tuple[int, ...] = ()
+) -> EngineView:
     base = EngineView.of(geom)
-    if tuple(table.bases) == tuple(pseudo(r) for r in range(geom.num_regions)) and not transfer_groups \
-            and tuple(table.block_lens) == base.block_lens:
+    if (
+        tuple(table.bases) == tuple(pseudo(r) for r in range(geom.num_regions))
+        and not transfer_groups
+        and tuple(table.block_lens) == base.block_lens
+    ):
         return replace(base, group_ids=tuple(table.group_ids or ()))  # stream r is region r
-    return replace(base, block_lens=tuple(table.block_lens), block_strides=tuple(table.block_strides),
-                   region_is_mla=is_mla, bases=tuple(table.bases), group_ids=tuple(table.group_ids or ()),
-                   transfer_groups=transfer_groups)
+    return replace(
+        base,
+        block_lens=tuple(table.block_lens),
+        block_strides=tuple(table.block_strides),
+        region_is_mla=is_mla,
+        bases=tuple(table.bases),
+        group_ids=tuple(table.group_ids or ()),
+        transfer_groups=transfer_groups,
+    )
 
 
 def _vllm_streams(local: RankGeometry, remote: RankGeometry, mode: str) -> tuple[EngineView, EngineView]:
     """vLLM 0.33.0's handling of the peer's advertised regions (``add_remote_agent``), its refusals typed."""
     if remote.pp_size > 1:
-        why = ("its push connector refuses a decode engine in pipeline stages" if mode == "push" else
-               "its pull connector keeps one table per remote TP rank, so a prefill engine's stages overwrite each "
-               "other's")
-        raise UnsupportedError("pp_size", f"vLLM 0.33.0 pairs only with a peer without pipeline stages: {why} "
-                               "(kvgeom mode pairs each stage)", local=local.pp_size, remote=remote.pp_size)
+        why = (
+            "its push connector refuses a decode engine in pipeline stages"
+            if mode == "push"
+            else "its pull connector keeps one table per remote TP rank, so a prefill engine's stages overwrite each "
+            "other's"
+        )
+        raise UnsupportedError(
+            "pp_size",
+            f"vLLM 0.33.0 pairs only with a peer without pipeline stages: {why} "
+            "(kvgeom mode pairs each stage)",
+            local=local.pp_size,
+            remote=remote.pp_size,
+        )
     mine, theirs = registration(local, mode), registration(remote, mode)
     table = theirs.table
     routing = bool(mine.transfer_regions)
     if local.pp_size > 1:
         if mode == "pull" and hma_required(local):
-            raise UnsupportedError("pp_size", "vLLM 0.33.0's pull connector does not run pipeline stages of models "
-                                   "that need the hybrid KV-cache manager (its push connector routes them by layer "
-                                   "name)", local=local.pp_size, remote=remote.pp_size)
+            raise UnsupportedError(
+                "pp_size",
+                "vLLM 0.33.0's pull connector does not run pipeline stages of models "
+                "that need the hybrid KV-cache manager (its push connector routes them by layer "
+                "name)",
+                local=local.pp_size,
+                remote=remote.pp_size,
+            )
         if local.has_ssm:
-            raise UnsupportedError("pp_size", "vLLM 0.33.0 does not run pipeline stages of SSM hybrids",
-                                   local=local.pp_size, remote=remote.pp_size)
+            raise UnsupportedError(
+                "pp_size",
+                "vLLM 0.33.0 does not run pipeline stages of SSM hybrids",
+                local=local.pp_size,
+                remote=remote.pp_size,
+            )
     if routing:
         if local.block_size != remote.block_size:
-            raise UnsupportedError("block_size", "vLLM 0.33.0 routes pipeline stages by layer name only between "
-                                   "identical P/D block sizes", local=local.block_size, remote=remote.block_size)
+            raise UnsupportedError(
+                "block_size",
+                "vLLM 0.33.0 routes pipeline stages by layer name only between identical P/D block sizes",
+                local=local.block_size,
+                remote=remote.block_size,
+            )
         if remote.tp_size > local.tp_size and not local.is_mla:
-            raise UnsupportedError("tp_size", "vLLM 0.33.0 routes attention layers by name only when decode TP is "
-                                   "not greater than prefill TP", local=local.tp_size, remote=remote.tp_size)
-        table = align_regions_by_layer(table, mine.transfer_names, mine.transfer_regions, mine.table.block_lens)
+            raise UnsupportedError(
+                "tp_size",
+                "vLLM 0.33.0 routes attention layers by name only when decode TP is "
+                "not greater than prefill TP",
+                local=local.tp_size,
+                remote=remote.tp_size,
+            )
+        table = align_regions_by_layer(
+            table, mine.transfer_names, mine.transfer_regions, mine.table.block_lens
+        )
     elif table.packed and not mine.table.packed:
         table = split_packed_rows(table, mine.table.names or ())
     elif local.pp_size > 1 and len(table) > len(mine.table):
         start, end = stage_range(local.model.num_hidden_layers, local.pp_rank, local.pp_size)
         table = slice_regions(table, pp_region_offset(len(mine.table), start, end), len(mine.table))
     if mine.table.packed and not routing and dict(mine.table.packed) != dict(table.packed):
-        raise IncompatiblePairError("packed_rows", "packed KV rows differ between P and D (use the same layout "
-                                    "and block size on both sides; kvgeom mode pairs them layer by layer)",
-                                    local=dict(mine.table.packed), remote=dict(table.packed))
+        raise IncompatiblePairError(
+            "packed_rows",
+            "packed KV rows differ between P and D (use the same layout "
+            "and block size on both sides; kvgeom mode pairs them layer by layer)",
+            local=dict(mine.table.packed),
+            remote=dict(table.packed),
+        )
     expected = mine.transfer_names or mine.table.names or ()
     if len(table) != len(expected):
-        raise IncompatiblePairError("num_regions", "both sides must register the same regions",
-                                    local=len(expected), remote=len(table))
+        raise IncompatiblePairError(
+            "num_regions", "both sides must register the same regions", local=len(expected), remote=len(table)
+        )
     if table.names is not None and tuple(table.names) != tuple(expected):
-        raise IncompatiblePairError("region_names", "the transfer regions name different caches in another order",
-                                    local=list(expected)[:8], remote=list(table.names)[:8])
+        raise IncompatiblePairError(
+            "region_names",
+            "the transfer regions name different caches in another order",
+            local=list(expected)[:8],
+            remote=list(table.names)[:8],
+        )
     if routing:
         picks = mine.transfer_regions
-        sub = RegionTable(tuple(mine.table.bases[r] for r in picks), tuple(mine.table.block_lens[r] for r in picks),
-                          tuple(mine.table.block_strides[r] for r in picks), group_ids=mine.transfer_groups)
+        sub = RegionTable(
+            tuple(mine.table.bases[r] for r in picks),
+            tuple(mine.table.block_lens[r] for r in picks),
+            tuple(mine.table.block_strides[r] for r in picks),
+            group_ids=mine.transfer_groups,
+        )
         lview = _view(local, sub, tuple(mine.is_mla[r] for r in picks), mine.transfer_groups)
     else:
         lview = _view(local, mine.table, mine.is_mla)
-    rview = _view(remote, table, mine.is_mla if not routing else tuple(mine.is_mla[r] for r in
-                                                                         mine.transfer_regions))
+    rview = _view(
+        remote, table, mine.is_mla if not routing else tuple(mine.is_mla[r] for r in mine.transfer_regions)
+    )
     if routing:
         rview = replace(rview, transfer_groups=mine.transfer_groups)
     return lview, rview
@@ -243,8 +321,13 @@ def _kvgeom_streams(local: RankGeometry, remote: RankGeometry) -> tuple[EngineVi
     if _structure(local) == _structure(remote):
         return lview, rview
     if local.has_ssm or remote.has_ssm:
-        raise UnsupportedError("pp_size", "kvgeom pairs SSM state regions by index: both sides must hold the same "
-                               "layers in the same regions", local=local.pp_rank, remote=remote.pp_rank)
+        raise UnsupportedError(
+            "pp_size",
+            "kvgeom pairs SSM state regions by index: both sides must hold the same "
+            "layers in the same regions",
+            local=local.pp_rank,
+            remote=remote.pp_rank,
+        )
     if any(r.part != "kv" for r in (*local.regions, *remote.regions)):
         raise UnsupportedError("kv_split", "split K/V regions pair region by region only", value=True)
     theirs = _pages(remote)
@@ -265,21 +348,41 @@ def _kvgeom_streams(local: RankGeometry, remote: RankGeometry) -> tuple[EngineVi
             rl.append(rlen)
             rs.append(rstride)
     t = tuple(groups)
-    return (replace(lview, bases=tuple(lb), block_lens=tuple(ll), block_strides=tuple(ls), region_is_mla=tuple(lm),
-                    transfer_groups=t, group_ids=t),
-            replace(rview, bases=tuple(rb), block_lens=tuple(rl), block_strides=tuple(rs), region_is_mla=tuple(lm),
-                    transfer_groups=t, group_ids=t))
+    return (
+        replace(
+            lview,
+            bases=tuple(lb),
+            block_lens=tuple(ll),
+            block_strides=tuple(ls),
+            region_is_mla=tuple(lm),
+            transfer_groups=t,
+            group_ids=t,
+        ),
+        replace(
+            rview,
+            bases=tuple(rb),
+            block_lens=tuple(rl),
+            block_strides=tuple(rs),
+            region_is_mla=tuple(lm),
+            transfer_groups=t,
+            group_ids=t,
+        ),
+    )
 
 
 def region_mapped(local: RankGeometry, remote: RankGeometry, streams: tuple[EngineView, EngineView]) -> bool:
     """Both sides register the same regions (stream ``r`` is region ``r``) but group them differently: block
     lists then pair region by region (:mod:`kvgeom.regionmap`)."""
-    identity = all(not v.bases and not v.transfer_groups and v.num_regions == g.num_regions
-                   for v, g in zip(streams, (local, remote)))
+    identity = all(
+        not v.bases and not v.transfer_groups and v.num_regions == g.num_regions
+        for v, g in zip(streams, (local, remote))
+    )
     return identity and region_group_ids(local) != region_group_ids(remote)
 
 
-def pair_streams(local: RankGeometry, remote: RankGeometry, mode: str, compat: str) -> tuple[EngineView, EngineView]:
+def pair_streams(
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: str
+) -> tuple[EngineView, EngineView]:
     """Both sides' streams for a pair (``remote``: any rank of the peer's stage): vLLM's rules in
     ``compat="vllm"``, region or layer pairing in ``compat="kvgeom"`` (module docstring)."""
     if compat == "vllm":

@@ -23,8 +23,14 @@ import numpy as np
 from .blocks import check_positive_int
 from .errors import GroupMismatchError, IncompatiblePairError, PlanError
 
-__all__ = ["block_strided_rows", "fa_local_rows", "fa_remote_rows", "mamba_local_rows", "mamba_remote_rows",
-           "strided_starts"]
+__all__ = [
+    "block_strided_rows",
+    "fa_local_rows",
+    "fa_remote_rows",
+    "mamba_local_rows",
+    "mamba_remote_rows",
+    "strided_starts",
+]
 
 
 def _rows(rows: list[tuple[int, int, int, int, int]]) -> np.ndarray:
@@ -37,8 +43,9 @@ def strided_starts(rows: np.ndarray) -> np.ndarray:
     return np.cumsum(counts) - counts
 
 
-def block_strided_rows(base: int, block_len: int, block_stride: int, num_blocks: int, bsr: int,
-                       device: int = 0) -> np.ndarray:
+def block_strided_rows(
+    base: int, block_len: int, block_stride: int, num_blocks: int, bsr: int, device: int = 0
+) -> np.ndarray:
     """``num_blocks`` blocks ``block_stride`` apart, each cut into ``bsr`` sub-blocks of ``block_len``
     bytes: one row when the sub-blocks are evenly spaced (``bsr == 1`` or ``block_stride == bsr *
     block_len``), else one row per block (a padded block: sub-blocks abut only inside it)."""
@@ -51,25 +58,49 @@ def block_strided_rows(base: int, block_len: int, block_stride: int, num_blocks:
     return out
 
 
-def fa_local_rows(bases: Sequence[int], block_lens: Sequence[int], block_strides: Sequence[int],
-                  region_num_blocks: Sequence[int], bsr: int = 1, device: int = 0,
-                  region_indices: Sequence[int] | None = None) -> np.ndarray:
+def fa_local_rows(
+    bases: Sequence[int],
+    block_lens: Sequence[int],
+    block_strides: Sequence[int],
+    region_num_blocks: Sequence[int],
+    bsr: int = 1,
+    device: int = 0,
+    region_indices: Sequence[int] | None = None,
+) -> np.ndarray:
     """The local attention rows: per region (per transfer layer's region under layer-name routing,
     ``region_indices``), its ``region_num_blocks`` kernel blocks at ``bsr`` sub-blocks each."""
     if not len(bases):
         raise PlanError("bases", "local KV cache base addresses must not be empty", value=0)
     regions = range(len(bases)) if not region_indices else region_indices
-    parts = [block_strided_rows(int(bases[i]), int(block_lens[i]) // bsr, int(block_strides[i]),
-                                int(region_num_blocks[i]), bsr, device) for i in regions]
+    parts = [
+        block_strided_rows(
+            int(bases[i]),
+            int(block_lens[i]) // bsr,
+            int(block_strides[i]),
+            int(region_num_blocks[i]),
+            bsr,
+            device,
+        )
+        for i in regions
+    ]
     return np.concatenate(parts)
 
 
-def fa_remote_rows(remote_bases: Sequence[int], remote_block_strides: Sequence[int],
-                   remote_region_num_blocks: Sequence[int], local_block_lens: Sequence[int],
-                   local_replicated: Sequence[bool], bsr: int, reads: int, rank_offset_factor: int,
-                   device: int = 0, local_region_of: Sequence[int] | None = None,
-                   draft_regions: Sequence[int] = (), draft_reads: int = 1, draft_offset_factor: int = 0
-                   ) -> np.ndarray:
+def fa_remote_rows(
+    remote_bases: Sequence[int],
+    remote_block_strides: Sequence[int],
+    remote_region_num_blocks: Sequence[int],
+    local_block_lens: Sequence[int],
+    local_replicated: Sequence[bool],
+    bsr: int,
+    reads: int,
+    rank_offset_factor: int,
+    device: int = 0,
+    local_region_of: Sequence[int] | None = None,
+    draft_regions: Sequence[int] = (),
+    draft_reads: int = 1,
+    draft_offset_factor: int = 0,
+) -> np.ndarray:
     """One row per remote region ``i``, as this rank reads it: with ``L`` the matching local region's
     length (``local_region_of[i]``, or ``i``) and ``rkv = L // bsr`` (``L := rkv`` when ``bsr > 1``), a
     replicated (MLA) region is read whole from offset 0; a split region in ``reads`` slices at offset
@@ -78,16 +109,25 @@ def fa_remote_rows(remote_bases: Sequence[int], remote_block_strides: Sequence[i
     if not len(remote_bases):
         raise PlanError("remote_bases", "remote KV cache base addresses must not be empty", value=0)
     n = len(remote_bases)
-    local = np.arange(n) if local_region_of is None or not len(local_region_of) else \
-        np.asarray(local_region_of, dtype=np.int64)
+    local = (
+        np.arange(n)
+        if local_region_of is None or not len(local_region_of)
+        else np.asarray(local_region_of, dtype=np.int64)
+    )
     if local.size != n:
-        raise GroupMismatchError("local_region_of", f"{local.size} local regions for {n} remote regions",
-                                 value=int(local.size), expected=n)
+        raise GroupMismatchError(
+            "local_region_of",
+            f"{local.size} local regions for {n} remote regions",
+            value=int(local.size),
+            expected=n,
+        )
     lens = np.asarray(local_block_lens, dtype=np.int64)[local]
     rkv = lens // bsr
     length = rkv if bsr > 1 else lens
-    replicated = np.asarray([bool(local_replicated[i]) if i < len(local_replicated) else False
-                             for i in local.tolist()], dtype=bool)
+    replicated = np.asarray(
+        [bool(local_replicated[i]) if i < len(local_replicated) else False for i in local.tolist()],
+        dtype=bool,
+    )
     draft = np.isin(local, np.asarray(list(draft_regions), dtype=np.int64))
     r = np.where(replicated, 1, np.where(draft, draft_reads, reads))
     off = np.where(replicated, 0, np.where(draft, draft_offset_factor, rank_offset_factor) * rkv)
@@ -100,8 +140,15 @@ def fa_remote_rows(remote_bases: Sequence[int], remote_block_strides: Sequence[i
     return out
 
 
-def _ssm_rows(bases: Sequence[int], strides: Sequence[int], regions: Sequence[int], pieces: Sequence[tuple[int, int]],
-              ppl: int, nbl: int, device: int) -> list[tuple[int, int, int, int, int]]:
+def _ssm_rows(
+    bases: Sequence[int],
+    strides: Sequence[int],
+    regions: Sequence[int],
+    pieces: Sequence[tuple[int, int]],
+    ppl: int,
+    nbl: int,
+    device: int,
+) -> list[tuple[int, int, int, int, int]]:
     rows = []
     for i in regions:
         stride = int(strides[i]) * ppl
@@ -109,10 +156,18 @@ def _ssm_rows(bases: Sequence[int], strides: Sequence[int], regions: Sequence[in
     return rows
 
 
-def mamba_local_rows(bases: Sequence[int], block_strides: Sequence[int], ssm_region_indices: Sequence[int],
-                     conv_offsets: Sequence[tuple[int, int]], ssm_sizes: tuple[int, int], ppl: int,
-                     logical_num_blocks: int, device: int = 0, ple_region: int | None = None,
-                     ple_block_len: int | None = None) -> np.ndarray:
+def mamba_local_rows(
+    bases: Sequence[int],
+    block_strides: Sequence[int],
+    ssm_region_indices: Sequence[int],
+    conv_offsets: Sequence[tuple[int, int]],
+    ssm_sizes: tuple[int, int],
+    ppl: int,
+    logical_num_blocks: int,
+    device: int = 0,
+    ple_region: int | None = None,
+    ple_block_len: int | None = None,
+) -> np.ndarray:
     """The local SSM rows: per SSM region (every region when ``ssm_region_indices`` is empty), one row per
     conv piece ``(base + offset, size)`` then the temporal state ``(base + conv_bytes, ssm_bytes)``, each
     over ``logical_num_blocks`` state pages ``block_stride * ppl`` apart; then the replicated (PLE) page
@@ -123,16 +178,34 @@ def mamba_local_rows(bases: Sequence[int], block_strides: Sequence[int], ssm_reg
     if ple_region is not None:
         if ple_block_len is None:
             raise PlanError("ple_block_len", "a replicated state region needs its page length", value=None)
-        rows.append((int(bases[ple_region]), ple_block_len * ppl, device, int(block_strides[ple_region]) * ppl,
-                     logical_num_blocks))
+        rows.append(
+            (
+                int(bases[ple_region]),
+                ple_block_len * ppl,
+                device,
+                int(block_strides[ple_region]) * ppl,
+                logical_num_blocks,
+            )
+        )
     return _rows(rows)
 
 
-def mamba_remote_rows(remote_bases: Sequence[int], remote_block_strides: Sequence[int], remote_num_blocks: int,
-                      remote_ppl: int, remote_ssm_sizes: tuple[int, int], ssm_region_indices: Sequence[int],
-                      conv_reads: Sequence[tuple[int, int]], local_ssm_bytes: int, tp_ratio: int, local_rank: int,
-                      device: int = 0, ple_region: int | None = None, local_ple_len: int | None = None,
-                      remote_ple_len: int | None = None) -> np.ndarray:
+def mamba_remote_rows(
+    remote_bases: Sequence[int],
+    remote_block_strides: Sequence[int],
+    remote_num_blocks: int,
+    remote_ppl: int,
+    remote_ssm_sizes: tuple[int, int],
+    ssm_region_indices: Sequence[int],
+    conv_reads: Sequence[tuple[int, int]],
+    local_ssm_bytes: int,
+    tp_ratio: int,
+    local_rank: int,
+    device: int = 0,
+    ple_region: int | None = None,
+    local_ple_len: int | None = None,
+    remote_ple_len: int | None = None,
+) -> np.ndarray:
     """The remote SSM rows as this rank reads them (vLLM ``_build_mamba_remote``): per SSM region (indexed
     by the **local** SSM region list, every region when empty) the conv reads ``conv_reads`` (``(offset,
     size)`` in the remote page, :func:`kvgeom.conv.remote_conv_offsets`), then the temporal slice at
@@ -149,9 +222,19 @@ def mamba_remote_rows(remote_bases: Sequence[int], remote_block_strides: Sequenc
     rows = _ssm_rows(remote_bases, remote_block_strides, regions, pieces, rppl, nbl, device)
     if ple_region is not None:
         if local_ple_len is None or remote_ple_len is None or local_ple_len != remote_ple_len:
-            raise IncompatiblePairError("ple_block_len", "PLE pages require identical P/D geometry: replicated state "
-                                        "pages are copied whole",
-                                        local=local_ple_len, remote=remote_ple_len)
-        rows.append((int(remote_bases[ple_region]), remote_ple_len, device,
-                     int(remote_block_strides[ple_region]) * rppl, nbl))
+            raise IncompatiblePairError(
+                "ple_block_len",
+                "PLE pages require identical P/D geometry: replicated state pages are copied whole",
+                local=local_ple_len,
+                remote=remote_ple_len,
+            )
+        rows.append(
+            (
+                int(remote_bases[ple_region]),
+                remote_ple_len,
+                device,
+                int(remote_block_strides[ple_region]) * rppl,
+                nbl,
+            )
+        )
     return _rows(rows)

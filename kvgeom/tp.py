@@ -156,8 +156,9 @@ def compute_tp_mapping(
         a = remote_tp // local_tp
         candidates = [local_rank * a + j for j in range(a)]
     if is_mla and remote_dcp_size > 1:
-        attn = list(dcp_source_ranks(dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp,
-                                     remote_dcp_size))
+        attn = list(
+            dcp_source_ranks(dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp, remote_dcp_size)
+        )
     elif is_mla or local_tp >= remote_tp:
         attn = [local_rank * remote_tp // local_tp]
     else:

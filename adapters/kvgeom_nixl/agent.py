@@ -87,8 +87,10 @@ def _as_descs(descs: Any, what: str) -> np.ndarray:
     (NIXL >= 1.5 expands it, descriptor ids in row order), and return it as C-contiguous uint64."""
     arr = np.asarray(descs)
     if arr.ndim != 2 or arr.shape[1] not in (3, 5):
-        raise ValueError(f"{what}: expected an N×3 array of (addr, nbytes, device_id) or an N×5 strided "
-                         f"array, got shape {arr.shape}")
+        raise ValueError(
+            f"{what}: expected an N×3 array of (addr, nbytes, device_id) or an N×5 strided "
+            f"array, got shape {arr.shape}"
+        )
     if arr.shape[0] == 0:
         raise ValueError(f"{what}: empty descriptor list")
     if arr.dtype != np.uint64:
@@ -443,8 +445,12 @@ class Endpoint:
         self._check_open()
         live = [x for x in self._transfers if x.peer == name and x.live]
         if live:
-            raise TransferError(f"{len(live)} transfer(s) towards {name} are still live; let them end first",
-                                stage="remove_peer", peer=name, status="BUSY")
+            raise TransferError(
+                f"{len(live)} transfer(s) towards {name} are still live; let them end first",
+                stage="remove_peer",
+                peer=name,
+                status="BUSY",
+            )
         for p in [p for p in self._prepped if p.peer == name]:
             p.release()
         if self._peers.pop(name, None) is None:
@@ -620,8 +626,11 @@ class Endpoint:
         while True:
             self._check_open()
             self._pull_notifs()
-            hits = [i for i, (_, p, m) in enumerate(self._notifs)
-                    if (peer is None or p == peer) and m.startswith(tag_prefix)]
+            hits = [
+                i
+                for i, (_, p, m) in enumerate(self._notifs)
+                if (peer is None or p == peer) and m.startswith(tag_prefix)
+            ]
             if len(hits) >= count:
                 keep = set(hits[:count])
                 taken = [(p, m) for i, (_, p, m) in enumerate(self._notifs) if i in keep]
@@ -655,8 +664,13 @@ class Endpoint:
     def handle_counts(self) -> dict[str, int]:
         """What this endpoint holds: prepared lists, live transfers, handles NIXL refused to release,
         peers, pending (unconsumed) notifications. Flat across requests in a healthy process."""
-        return {"prepped": len(self._prepped), "transfers": len(self._transfers), "leaked": len(self._leaked),
-                "peers": len(self._peers), "pending_notifs": len(self._notifs)}
+        return {
+            "prepped": len(self._prepped),
+            "transfers": len(self._transfers),
+            "leaked": len(self._leaked),
+            "peers": len(self._peers),
+            "pending_notifs": len(self._notifs),
+        }
 
     # ------------------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:

@@ -65,15 +65,18 @@ class Auth:
             return cls(config.secret)
         if config.insecure:
             return cls.none()
-        raise AdapterError("no secret configured: set TransportConfig(secret=...) (or KVGEOM_NIXL_SECRET) to "
-                           "the deployment's shared secret, or insecure=True for a local experiment",
-                           stage="config")
+        raise AdapterError(
+            "no secret configured: set TransportConfig(secret=...) (or KVGEOM_NIXL_SECRET) to "
+            "the deployment's shared secret, or insecure=True for a local experiment",
+            stage="config",
+        )
 
     def _key(self, purpose: str) -> bytes:
         key = self._keys.get(purpose)
         if key is None:
-            key = self._keys[purpose] = hmac.new(self._secret, b"kvgeom-nixl/" + purpose.encode(),
-                                                 hashlib.sha256).digest()
+            key = self._keys[purpose] = hmac.new(
+                self._secret, b"kvgeom-nixl/" + purpose.encode(), hashlib.sha256
+            ).digest()
         return key
 
     def tag(self, purpose: str, *parts: bytes) -> bytes:
@@ -115,7 +118,7 @@ class Auth:
             return True
         if len(tag) < 16:
             return False
-        return hmac.compare_digest(self.tag(purpose, *parts)[:len(tag)], tag)
+        return hmac.compare_digest(self.tag(purpose, *parts)[: len(tag)], tag)
 
     def __repr__(self) -> str:
         return f"Auth(secure={self.secure})"
@@ -149,8 +152,10 @@ class Notice:
 
 def encode_notice(auth: Auth, notice: Notice, sender: str, receiver: str) -> bytes:
     """``kvg1`` + hex tag + JSON body; the tag covers sender and receiver agent names and the body."""
-    body = json.dumps([notice.kind, notice.engine, notice.rank, notice.request, notice.attempt, notice.count],
-                      separators=(",", ":")).encode()
+    body = json.dumps(
+        [notice.kind, notice.engine, notice.rank, notice.request, notice.attempt, notice.count],
+        separators=(",", ":"),
+    ).encode()
     tag = auth.tag("notif", sender.encode(), receiver.encode(), body)[:_NOTICE_TAG]
     msg = _NOTICE_MAGIC + tag.hex().encode() + body
     if len(msg) > MAX_NOTICE_BYTES:
@@ -165,7 +170,7 @@ def decode_notice(auth: Auth, msg: bytes, sender: str, receiver: str) -> Notice 
     if len(msg) > MAX_NOTICE_BYTES or len(msg) <= head or not msg.startswith(_NOTICE_MAGIC):
         return None
     try:
-        tag = bytes.fromhex(msg[len(_NOTICE_MAGIC):head].decode("ascii"))
+        tag = bytes.fromhex(msg[len(_NOTICE_MAGIC) : head].decode("ascii"))
     except (UnicodeDecodeError, ValueError):
         return None
     body = msg[head:]
@@ -175,7 +180,11 @@ def decode_notice(auth: Auth, msg: bytes, sender: str, receiver: str) -> Notice 
         kind, engine, rank, request, attempt, count = json.loads(body)
     except (ValueError, TypeError, RecursionError):
         return None
-    if (kind not in NOTICE_KINDS or not isinstance(engine, str) or not isinstance(request, str)
-            or any(isinstance(x, bool) or not isinstance(x, int) for x in (rank, attempt, count))):
+    if (
+        kind not in NOTICE_KINDS
+        or not isinstance(engine, str)
+        or not isinstance(request, str)
+        or any(isinstance(x, bool) or not isinstance(x, int) for x in (rank, attempt, count))
+    ):
         return None
     return Notice(kind, engine, rank, request, attempt, count)

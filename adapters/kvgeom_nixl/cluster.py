@@ -64,20 +64,20 @@ FAULTS = {
     "bad_regions": "engine `engine` advertises region addresses it never registered",
     "reregister": "engine `engine` re-registers its memory once request `after` is done",
     "stop": "SIGSTOP engine `engine` (every rank, or rank `rank`) just before attempt `attempt` (default 1) of "
-            "request `at` is sent (`when`: before), or `delay_s` after D starts it (`when`: after_post); SIGCONT "
-            "`seconds` later",
+    "request `at` is sent (`when`: before), or `delay_s` after D starts it (`when`: after_post); SIGCONT "
+    "`seconds` later",
     "busy": "engine `engine` (every rank, or rank `rank`) stops driving NIXL (alive, its side channel answers) "
-            "for `seconds` before attempt `attempt` (default 1) of request `at`",
+    "for `seconds` before attempt `attempt` (default 1) of request `at`",
     "lie": "engine `engine` serves a lying handshake payload: `what` is num_blocks | sizes | unregistered | "
-           "overlap | impersonate | swap",
+    "overlap | impersonate | swap",
     "rogue": "a process with no role tries every side channel without the secret; given the ranks' leaked NIXL "
-             "metadata it forges W notices to D and D notices to P for attempt `attempt` of request `at`",
+    "metadata it forges W notices to D and D notices to P for attempt `attempt` of request `at`",
     "net": "a list of {at, attempt, when: before | after_post, delay_s, do, undo, seconds}: the scheduler runs "
-           "actions[do]() `delay_s` after attempt `attempt` of request `at` is sent (after_post: after D starts "
-           "it) and actions[undo]() `seconds` later",
+    "actions[do]() `delay_s` after attempt `attempt` of request `at` is sent (after_post: after D starts "
+    "it) and actions[undo]() `seconds` later",
     "readdress": "{engine, after, action}: once request `after` is done, actions[action]() gives engine's host a "
-                 "new address (returned) and the engine's ranks rebind to it; with side-channel discovery D "
-                 "learns the new addresses only after the next attempt (as from an orchestrator)",
+    "new address (returned) and the engine's ranks rebind to it; with side-channel discovery D "
+    "learns the new addresses only after the next attempt (as from an orchestrator)",
 }
 STEP_S = 30.0
 
@@ -105,12 +105,18 @@ def assign_blocks(sc: Scenario, requests: list[dict], engines: list[str]) -> lis
     for req in requests:
         r = dict(req)
         r.setdefault("engine", engines[0])
-        for side, eng, pool in (("p_ids", sc.prefill, pools[r["engine"]]), ("d_ids", sc.decode, pools["decode"])):
+        for side, eng, pool in (
+            ("p_ids", sc.prefill, pools[r["engine"]]),
+            ("d_ids", sc.decode, pools["decode"]),
+        ):
             ids = []
             for n in _need(sc, eng, r["tokens"]):
                 if n > len(pool):
-                    raise KvgeomError("num_blocks", f"the requests need more blocks than the {side[0].upper()} pool "
-                                      "holds", value=eng.num_blocks)
+                    raise KvgeomError(
+                        "num_blocks",
+                        f"the requests need more blocks than the {side[0].upper()} pool holds",
+                        value=eng.num_blocks,
+                    )
                 ids.append([int(pool.pop()) for _ in range(n)])
             r[side] = ids
         out.append(r)
@@ -163,7 +169,9 @@ def _prepare(sc: Scenario, requests: list[dict], engines: list[str]) -> list[dic
 
 
 def _space(sc: Scenario, requests: list[dict]) -> CoordSpace:
-    return CoordSpace(sc.model, max(r["tokens"] for r in requests) + max(sc.prefill.block_size, sc.decode.block_size))
+    return CoordSpace(
+        sc.model, max(r["tokens"] for r in requests) + max(sc.prefill.block_size, sc.decode.block_size)
+    )
 
 
 def _env(spec: dict, engine: str | None = None) -> None:
@@ -218,7 +226,9 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
             events.put(("leak", engine, rank, {"agent": kv.ep.name, "metadata": kv.ep.metadata()}))
         ports = _wait_ports(inbox)
         out = {"engine": engine, "rank": rank, "results": [], "released": [], "watch_error": None}
-        if _etcd(spec) and sc.mode == "pull":  # the consumers read us: know their agents and cards (check_peers)
+        if (
+            _etcd(spec) and sc.mode == "pull"
+        ):  # the consumers read us: know their agents and cards (check_peers)
             try:
                 kv.watch("decode")
             except (AdapterError, KvgeomError) as exc:
@@ -234,8 +244,10 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
                     released.add(rid)
                     kv.forget_released(rid)
             kv.settle()  # our fenced WRITEs: their W (or A) notices go out when they end
-            if exiting is not None and (time.monotonic() > exiting or (
-                    not kv.quarantined() if sc.mode == "push" else all(r["id"] in released for _, r in mine))):
+            if exiting is not None and (
+                time.monotonic() > exiting
+                or (not kv.quarantined() if sc.mode == "push" else all(r["id"] in released for _, r in mine))
+            ):
                 break
             msg = _poll_inbox(inbox, 0.002)
             if msg is None:
@@ -259,8 +271,14 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
                 out["results"].append(row)
                 events.put(("pushed", engine, rank, row))
         kv.check_peers(sc.mode)
-        out.update(released=sorted(released), rejected=kv.rejected, stats=dict(kv.stats),
-                   handles=kv.ep.handle_counts(), held=len(kv.quarantined()), sidechannel=dict(kv.server.stats))
+        out.update(
+            released=sorted(released),
+            rejected=kv.rejected,
+            stats=dict(kv.stats),
+            handles=kv.ep.handle_counts(),
+            held=len(kv.quarantined()),
+            sidechannel=dict(kv.server.stats),
+        )
         return out
 
 
@@ -278,14 +296,27 @@ def _push(kv: KVRank, spec: dict, sc: Scenario, req: dict, ports: dict, connecte
             kv.connect("decode", None if _etcd(spec) else ports["decode"], mode="push", compat=sc.compat)
             connected = True
         not_after = req["not_after"] if spec.get("push_deadline", True) else None
-        res = kv.push("decode", req["p_ids"], req["d_ids"], req["id"], req["id"], num_tokens=req["tokens"],
-                      attempt=req["attempt"], not_after=not_after)
+        res = kv.push(
+            "decode",
+            req["p_ids"],
+            req["d_ids"],
+            req["id"],
+            req["id"],
+            num_tokens=req["tokens"],
+            attempt=req["attempt"],
+            not_after=not_after,
+        )
         row = res.__dict__ | {"telemetry": None}
     except (AdapterError, KvgeomError) as exc:
         if isinstance(exc, StaleMetadata):
             connected = False
-        row = {"request_id": req["id"], "attempt": req["attempt"], "ok": False,
-               "error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+        row = {
+            "request_id": req["id"],
+            "attempt": req["attempt"],
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "seconds": time.monotonic() - t0,
+        }
     return row | {"connected": connected}
 
 
@@ -305,8 +336,15 @@ def _lie(kv: KVRank, what: str) -> dict:
         p["engine_id"] = card["engine_id"] = "someone-else"
     elif what == "swap":  # two regions of equal size trade places: only the liar knows
         regions = [list(r) for r in p["regions"]]
-        pair = next(((i, j) for i in range(len(regions)) for j in range(i + 1, len(regions))
-                     if regions[i][1] == regions[j][1]), None)
+        pair = next(
+            (
+                (i, j)
+                for i in range(len(regions))
+                for j in range(i + 1, len(regions))
+                if regions[i][1] == regions[j][1]
+            ),
+            None,
+        )
         if pair:
             i, j = pair
             regions[i][0], regions[j][0] = regions[j][0], regions[i][0]
@@ -368,36 +406,59 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                 if _after_post(spec):
                     events.put(("posting", "decode", rank, (data["id"], data["attempt"])))
                 row = _consume(kv, sc, data, None if _etcd(spec) else ports)
-                if row["ok"] and spec.get("check_each", True):  # what a consumer reads now: every byte checked
-                    row["bad_at_completion"] = check_request(kv.tensors, card, space, data["d_ids"], data["tokens"],
-                                                             data["salt"])
+                if row["ok"] and spec.get(
+                    "check_each", True
+                ):  # what a consumer reads now: every byte checked
+                    row["bad_at_completion"] = check_request(
+                        kv.tensors, card, space, data["d_ids"], data["tokens"], data["salt"]
+                    )
                 rows.append(row)
                 for st in kv.settle():  # before "done": the scheduler reuses what is settled at once
-                    events.put(("settled", "decode", rank, (st.request_id, st.attempt, st.held_s, st.cleared_by)))
+                    events.put(
+                        ("settled", "decode", rank, (st.request_id, st.attempt, st.held_s, st.cleared_by))
+                    )
                 events.put(("done", "decode", rank, row))
             elif cmd == "drop":  # a request failed on another rank: its blocks are invalid here too
                 kv.invalidate(data)
-            elif cmd == "moved":  # an engine's side channels moved (side-channel discovery: the orchestrator says)
+            elif (
+                cmd == "moved"
+            ):  # an engine's side channels moved (side-channel discovery: the orchestrator says)
                 for e, ranks in data.items():
                     ports[e] = {int(r): (str(p[0]), int(p[1])) for r, p in ranks.items()}
                     kv.pairings.pop(e, None)
             elif cmd == "finish":
                 drain_s, linger_s = data
                 t_fin = time.monotonic()
-                while time.monotonic() < t_fin + drain_s and (kv.quarantined() or time.monotonic() < t_fin + linger_s):
+                while time.monotonic() < t_fin + drain_s and (
+                    kv.quarantined() or time.monotonic() < t_fin + linger_s
+                ):
                     for s in kv.settle():
-                        events.put(("settled", "decode", rank, (s.request_id, s.attempt, s.held_s, s.cleared_by)))
+                        events.put(
+                            ("settled", "decode", rank, (s.request_id, s.attempt, s.held_s, s.cleared_by))
+                        )
                     time.sleep(0.01)
                 events.put(("finished", "decode", rank, [h.token for h in kv.quarantined()]))
             elif cmd == "verify":
                 rep = verify_report(kv.tensors, card, space, data["requests"], data["free"], data["skip"])
-                return {"rank": rank, "results": rows, "mismatches": [str(m) for m in rep.mismatches],
-                        "bad_bytes": rep.bad_bytes, "bad_outside": rep.bad_outside, "checked_bytes": rep.checked_bytes,
-                        "skipped_bytes": rep.skipped_bytes, "stats": dict(kv.stats),
-                        "handles": kv.ep.handle_counts(), "held": [h.token for h in kv.quarantined()],
-                        "via": {e: sorted({link.via for link in links.values()}) for e, links in kv.links.items()},
-                        "peer_hosts": {e: sorted({link.host for link in links.values()}) for e, links in kv.links.items()},
-                        "sidechannel": dict(kv.server.stats)}
+                return {
+                    "rank": rank,
+                    "results": rows,
+                    "mismatches": [str(m) for m in rep.mismatches],
+                    "bad_bytes": rep.bad_bytes,
+                    "bad_outside": rep.bad_outside,
+                    "checked_bytes": rep.checked_bytes,
+                    "skipped_bytes": rep.skipped_bytes,
+                    "stats": dict(kv.stats),
+                    "handles": kv.ep.handle_counts(),
+                    "held": [h.token for h in kv.quarantined()],
+                    "via": {
+                        e: sorted({link.via for link in links.values()}) for e, links in kv.links.items()
+                    },
+                    "peer_hosts": {
+                        e: sorted({link.host for link in links.values()}) for e, links in kv.links.items()
+                    },
+                    "sidechannel": dict(kv.server.stats),
+                }
         raise TimeoutError("consumer: no verify command in time")
 
 
@@ -407,24 +468,46 @@ def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict | None) -> dict:
         if sc.mode == "pull":
             if req["engine"] not in kv.pairings:
                 try:
-                    kv.connect(req["engine"], None if ports is None else ports[req["engine"]], mode="pull",
-                               compat=sc.compat)
+                    kv.connect(
+                        req["engine"],
+                        None if ports is None else ports[req["engine"]],
+                        mode="pull",
+                        compat=sc.compat,
+                    )
                 except (AdapterError, KvgeomError):
                     kv.invalidate(req["d_ids"])  # nothing was posted: invalid now, free at once
                     kv.fence.hold((req["id"], req["attempt"]), req["d_ids"], reason="handshake failed")
                     raise
-            res = kv.pull(req["engine"], req["d_ids"], req["p_ids"], req["id"], req["id"], num_tokens=req["tokens"],
-                          attempt=req["attempt"])
+            res = kv.pull(
+                req["engine"],
+                req["d_ids"],
+                req["p_ids"],
+                req["id"],
+                req["id"],
+                num_tokens=req["tokens"],
+                attempt=req["attempt"],
+            )
         else:
             producer = GeometryCard(req["engine"], sc.model, sc.prefill, "push")
-            res = kv.wait_received(producer, req["d_ids"], req["p_ids"], req["id"], num_tokens=req["tokens"],
-                                   attempt=req["attempt"])
+            res = kv.wait_received(
+                producer,
+                req["d_ids"],
+                req["p_ids"],
+                req["id"],
+                num_tokens=req["tokens"],
+                attempt=req["attempt"],
+            )
         return res.__dict__ | {"telemetry": None}
     except (AdapterError, KvgeomError) as exc:
         if isinstance(exc, StaleMetadata):  # handshake again before the next request
             kv.pairings.pop(req["engine"], None)
-        return {"request_id": req["id"], "attempt": req["attempt"], "ok": False,
-                "error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+        return {
+            "request_id": req["id"],
+            "attempt": req["attempt"],
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "seconds": time.monotonic() - t0,
+        }
 
 
 # ----------------------------------------------------------------------------------------- rogue
@@ -473,11 +556,16 @@ def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
             sc = Scenario.from_json(spec["scenario"])
             for (engine, _r), who in leaked.items():
                 kind = "W" if engine == "decode" else "D"
-                claims = ([(data["engine"], r) for r in range(sc.prefill.tp_size)] if engine == "decode" else
-                          [("decode", r) for r in range(sc.decode.tp_size)])
+                claims = (
+                    [(data["engine"], r) for r in range(sc.prefill.tp_size)]
+                    if engine == "decode"
+                    else [("decode", r) for r in range(sc.decode.tp_size)]
+                )
                 for auth in (Auth.none(), wrong):
                     for claim in claims:  # claims to be every rank that would send it
-                        msg = encode_notice(auth, Notice(kind, claim[0], claim[1], rid, attempt), ep.name, who["agent"])
+                        msg = encode_notice(
+                            auth, Notice(kind, claim[0], claim[1], rid, attempt), ep.name, who["agent"]
+                        )
                         ep.send_notif(who["agent"], msg)
                         out["forged"] += 1
                 ep.send_notif(who["agent"], f"{rid}:1".encode())  # the old, prefix-matched format
@@ -488,8 +576,16 @@ def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
 
 # ----------------------------------------------------------------------------------------- parent
 class _Scheduler:
-    def __init__(self, spec: dict, group: ProcGroup, events: Any, inboxes: dict, progress: Callable | None,
-                 deadline: float, actions: dict[str, Callable[[], Any]] | None = None) -> None:
+    def __init__(
+        self,
+        spec: dict,
+        group: ProcGroup,
+        events: Any,
+        inboxes: dict,
+        progress: Callable | None,
+        deadline: float,
+        actions: dict[str, Callable[[], Any]] | None = None,
+    ) -> None:
         self.spec, self.group, self.events, self.inboxes = spec, group, events, inboxes
         self.sc = Scenario.from_json(spec["scenario"])
         self.progress, self.deadline = progress, deadline
@@ -523,8 +619,10 @@ class _Scheduler:
                 dead = [n for n, p in self.group.procs.items() if not p.is_alive() and p.exitcode != -9]
                 if dead:
                     res = self.group.collect(1.0, dead)
-                    raise RuntimeError(f"rank(s) {dead} ended early: {[res[d].error for d in dead]}\n"
-                                       + "\n".join(res[d].traceback or "" for d in dead)) from None
+                    raise RuntimeError(
+                        f"rank(s) {dead} ended early: {[res[d].error for d in dead]}\n"
+                        + "\n".join(res[d].traceback or "" for d in dead)
+                    ) from None
                 continue
             kind, engine, rank, data = ev
             if kind == "settled":
@@ -560,7 +658,9 @@ class _Scheduler:
         t = time.monotonic() + delay_s
         engine, rank = stop["engine"], stop.get("rank")
         self.timers.append((t, lambda: self.signal_engine(engine, signal.SIGSTOP, rank)))
-        self.timers.append((t + float(stop["seconds"]), lambda: self.signal_engine(engine, signal.SIGCONT, rank)))
+        self.timers.append(
+            (t + float(stop["seconds"]), lambda: self.signal_engine(engine, signal.SIGCONT, rank))
+        )
 
     def act(self, name: str) -> Any:
         """Run ``actions[name]()`` now and log it."""
@@ -577,12 +677,20 @@ class _Scheduler:
 
     def signal_engine(self, engine: str, sig: int, rank: int | None = None) -> None:
         for name, proc in self.group.procs.items():
-            if name.startswith(engine + "-") and (rank is None or name == f"{engine}-{rank}") and proc.is_alive():
+            if (
+                name.startswith(engine + "-")
+                and (rank is None or name == f"{engine}-{rank}")
+                and proc.is_alive()
+            ):
                 os.kill(proc.pid, sig)
 
 
-def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, timeout_s: float = 300.0,
-                actions: dict[str, Callable[[], Any]] | None = None) -> dict:
+def run_cluster(
+    spec: dict,
+    progress: Callable[[dict], None] | None = None,
+    timeout_s: float = 300.0,
+    actions: dict[str, Callable[[], Any]] | None = None,
+) -> dict:
     """Run a whole P/D cluster (see the module docstring); returns every rank's report and the
     scheduler's record (``attempts``, ``settled``, ``pushed``, ``actions``: the fault actions run, with
     their times relative to each attempt's ``t_sent``)."""
@@ -590,20 +698,26 @@ def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, time
     engines = list(spec.get("prefill_engines", ["prefill"]))
     spec = dict(spec, requests=_prepare(sc, spec["requests"], engines))
     faults = spec.get("faults", {})
-    names = [(e, r) for e in engines for r in range(sc.prefill.tp_size)] + \
-            [("decode", r) for r in range(sc.decode.tp_size)]
+    names = [(e, r) for e in engines for r in range(sc.prefill.tp_size)] + [
+        ("decode", r) for r in range(sc.decode.tp_size)
+    ]
     with ProcGroup() as group:
         events = group.queue()
         inboxes = {n: group.queue() for n in names}
         for e, r in names:
             if e == "decode":
-                group.spawn(_consumer_main, (spec, r, events, inboxes[(e, r)]), f"decode-{r}",
-                            netns=_netns(spec, e))
+                group.spawn(
+                    _consumer_main, (spec, r, events, inboxes[(e, r)]), f"decode-{r}", netns=_netns(spec, e)
+                )
             else:
-                group.spawn(_producer_main, (spec, e, r, events, inboxes[(e, r)]), f"{e}-{r}", netns=_netns(spec, e))
+                group.spawn(
+                    _producer_main, (spec, e, r, events, inboxes[(e, r)]), f"{e}-{r}", netns=_netns(spec, e)
+                )
         if "rogue" in faults:
             inboxes[("rogue", 0)] = group.queue()
-            group.spawn(_rogue_main, (spec, events, inboxes[("rogue", 0)]), "rogue", netns=_netns(spec, "rogue"))
+            group.spawn(
+                _rogue_main, (spec, events, inboxes[("rogue", 0)]), "rogue", netns=_netns(spec, "rogue")
+            )
         s = _Scheduler(spec, group, events, inboxes, progress, time.monotonic() + timeout_s, actions)
         ports: dict[str, dict[int, int]] = {}
         while sum(len(v) for v in ports.values()) < len(names):
@@ -626,10 +740,16 @@ def run_cluster(spec: dict, progress: Callable[[dict], None] | None = None, time
         if "rogue" in faults:
             inboxes[("rogue", 0)].put(("exit", None))
         results = group.collect(max(1.0, s.deadline - time.monotonic()))
-    return {"spec": spec, "attempts": attempts, "settled": s.settle_log, "pushed": s.pushed,
-            "actions": [(t, name, out) for t, name, out in s.action_log],
-            "results": {k: (v.value if v.ok else {"error": v.error, "traceback": v.traceback})
-                        for k, v in results.items()}}
+    return {
+        "spec": spec,
+        "attempts": attempts,
+        "settled": s.settle_log,
+        "pushed": s.pushed,
+        "actions": [(t, name, out) for t, name, out in s.action_log],
+        "results": {
+            k: (v.value if v.ok else {"error": v.error, "traceback": v.traceback}) for k, v in results.items()
+        },
+    }
 
 
 def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
@@ -640,7 +760,9 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
     owners: dict[str, dict] = {}
     quarantine: dict[tuple[str, int], dict] = {}
     attempts: list[dict] = []
-    timeout = spec.get("config", {}).get("transfer_timeout_s" if sc.mode == "pull" else "notif_timeout_s", 30.0)
+    timeout = spec.get("config", {}).get(
+        "transfer_timeout_s" if sc.mode == "pull" else "notif_timeout_s", 30.0
+    )
 
     def reclaim() -> None:
         for token, q in list(quarantine.items()):
@@ -671,10 +793,20 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
                 reclaim()
                 ids = pool.take(counts[req["id"]])
             if ids is None:
-                attempts.append({"request_id": req["id"], "attempt": attempt, "ok": False, "error": "no free blocks"})
+                attempts.append(
+                    {"request_id": req["id"], "attempt": attempt, "ok": False, "error": "no free blocks"}
+                )
                 break
-            msg = {"id": req["id"], "attempt": attempt, "d_ids": ids, "p_ids": req["p_ids"], "tokens": req["tokens"],
-                   "engine": req["engine"], "salt": salt, "not_after": time.time() + timeout}
+            msg = {
+                "id": req["id"],
+                "attempt": attempt,
+                "d_ids": ids,
+                "p_ids": req["p_ids"],
+                "tokens": req["tokens"],
+                "engine": req["engine"],
+                "salt": salt,
+                "not_after": time.time() + timeout,
+            }
             if sc.mode == "push":
                 for n in s.inboxes:
                     if n[0] == req["engine"]:
@@ -686,11 +818,19 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
                 if s.progress:
                     s.progress(dict(row, rank=rank))
             ok = all(r["ok"] for r in rows.values())
-            attempts.append({"request_id": req["id"], "attempt": attempt, "ok": ok, "ids": ids, "engine": req["engine"],
-                             "t_sent": msg["not_after"] - timeout,
-                             "bad_at_completion": sum(r.get("bad_at_completion", 0) for r in rows.values()),
-                             "errors": {k: r.get("error") for k, r in rows.items() if not r["ok"]},
-                             "seconds": max(r.get("seconds", 0.0) for r in rows.values())})
+            attempts.append(
+                {
+                    "request_id": req["id"],
+                    "attempt": attempt,
+                    "ok": ok,
+                    "ids": ids,
+                    "engine": req["engine"],
+                    "t_sent": msg["not_after"] - timeout,
+                    "bad_at_completion": sum(r.get("bad_at_completion", 0) for r in rows.values()),
+                    "errors": {k: r.get("error") for k, r in rows.items() if not r["ok"]},
+                    "seconds": max(r.get("seconds", 0.0) for r in rows.values()),
+                }
+            )
             if ok:
                 owners[req["id"]] = {"ids": ids, "tokens": req["tokens"], "salt": salt}
             else:
@@ -711,8 +851,9 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
     for n in s.d_ranks:
         mine = {tuple(t) for t in held[n[1]]}
         skip = [b for token, q in quarantine.items() if token in mine for g in q["ids"] for b in g]
-        s.inboxes[n].put(("verify", {"requests": requests, "free": free, "skip": [skip] + [[] for _ in
-                                                                                        range(groups - 1)]}))
+        s.inboxes[n].put(
+            ("verify", {"requests": requests, "free": free, "skip": [skip] + [[] for _ in range(groups - 1)]})
+        )
     s.fire_timers(all_now=True)  # pending SIGCONTs fire now: nothing stays stopped
     return attempts
 

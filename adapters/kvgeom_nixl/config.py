@@ -120,9 +120,14 @@ class TransportConfig:
         object.__setattr__(self, "etcd_endpoints", eps)
         if self.discovery == "etcd" and not eps:
             raise ValueError("etcd_endpoints: discovery='etcd' needs at least one endpoint, got none")
-        if not isinstance(self.etcd_prefix, str) or not self.etcd_prefix.startswith("/") or \
-                len(self.etcd_prefix) > 256:
-            raise ValueError(f"etcd_prefix: expected a key prefix starting with '/', got {self.etcd_prefix!r}")
+        if (
+            not isinstance(self.etcd_prefix, str)
+            or not self.etcd_prefix.startswith("/")
+            or len(self.etcd_prefix) > 256
+        ):
+            raise ValueError(
+                f"etcd_prefix: expected a key prefix starting with '/', got {self.etcd_prefix!r}"
+            )
         ttl = float(self.etcd_lease_ttl_s)
         if not ttl >= 1:
             raise ValueError(f"etcd_lease_ttl_s: must be >= 1, got {ttl!r}")

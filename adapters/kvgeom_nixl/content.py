@@ -19,8 +19,17 @@ from kvgeom import GeometryCard
 from kvgeom.testing import CoordSpace
 from kvgeom.testing._layout import NEEDED, OPTIONAL, OUTSIDE, rank_image
 
-__all__ = ["BACKGROUND", "POISON_BYTE", "byte_of", "fill_source", "verify", "verify_report", "check_request",
-           "Mismatch", "Report"]
+__all__ = [
+    "BACKGROUND",
+    "POISON_BYTE",
+    "byte_of",
+    "fill_source",
+    "verify",
+    "verify_report",
+    "check_request",
+    "Mismatch",
+    "Report",
+]
 
 BACKGROUND = 0x5A  # producer bytes outside any request
 POISON_BYTE = 0xA5  # consumer bytes before anything is received
@@ -29,8 +38,9 @@ POISON_BYTE = 0xA5  # consumer bytes before anything is received
 def byte_of(tags: np.ndarray, salt: int = 0) -> np.ndarray:
     """One byte per coordinate tag and request salt (a multiplicative hash; misplaced bytes differ with
     p = 255/256)."""
-    h = (np.asarray(tags, dtype=np.uint64) + np.uint64(1) + np.uint64(salt) * np.uint64(0x100000001B3)) \
-        * np.uint64(0x9E3779B97F4A7C15)
+    h = (
+        np.asarray(tags, dtype=np.uint64) + np.uint64(1) + np.uint64(salt) * np.uint64(0x100000001B3)
+    ) * np.uint64(0x9E3779B97F4A7C15)
     return (h >> np.uint64(56)).astype(np.uint8)
 
 
@@ -38,8 +48,14 @@ def _np(t) -> np.ndarray:
     return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
 
 
-def fill_source(tensors: Sequence, card: GeometryCard, space: CoordSpace, ids: Sequence[Sequence[int]],
-                num_tokens: int, salt: int = 0) -> int:
+def fill_source(
+    tensors: Sequence,
+    card: GeometryCard,
+    space: CoordSpace,
+    ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    salt: int = 0,
+) -> int:
     """Write a request's coordinate bytes into a producer rank's tensors; returns bytes written."""
     img = rank_image(card.geometry, space, ids, 0, num_tokens)
     written = 0
@@ -90,8 +106,9 @@ class Report:
     bad_outside: int = 0  # of bad_bytes, those outside every successful request's blocks
 
 
-def verify(tensors: Sequence, card: GeometryCard, space: CoordSpace,
-           requests: Sequence[tuple], limit: int = 20) -> list[Mismatch]:
+def verify(
+    tensors: Sequence, card: GeometryCard, space: CoordSpace, requests: Sequence[tuple], limit: int = 20
+) -> list[Mismatch]:
     """Check a consumer rank after its requests (see :func:`verify_report`); the mismatching runs."""
     return verify_report(tensors, card, space, requests, limit=limit).mismatches
 
@@ -101,13 +118,19 @@ def _page_mask(geom, ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
 
     masks = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
     for region, off, n in block_rows(geom, ids).tolist():
-        masks[region][off:off + n] = True
+        masks[region][off : off + n] = True
     return masks
 
 
-def verify_report(tensors: Sequence, card: GeometryCard, space: CoordSpace, requests: Sequence[tuple],
-                  free_ids: Sequence[Sequence[int]] = (), skip_ids: Sequence[Sequence[int]] = (),
-                  limit: int = 20) -> Report:
+def verify_report(
+    tensors: Sequence,
+    card: GeometryCard,
+    space: CoordSpace,
+    requests: Sequence[tuple],
+    free_ids: Sequence[Sequence[int]] = (),
+    skip_ids: Sequence[Sequence[int]] = (),
+    limit: int = 20,
+) -> Report:
     """Check a consumer rank after its requests. Each request is ``(ids, first_token, num_tokens, ok)``
     or ``(..., ok, salt)``: a successful request's needed bytes must hold their coordinates (optional
     ones: theirs or zero); a failed request's blocks must be zero or untouched. ``free_ids`` (per group)
@@ -153,15 +176,27 @@ def verify_report(tensors: Sequence, card: GeometryCard, space: CoordSpace, requ
         skipped += int(skip[region].sum())
         checked += got.size - int(skip[region].sum())
         for off, n in _runs(bad)[: max(0, limit - len(out))]:
-            kind = ("changed outside the request" if want[off] == -1 and not failed[region][off] else
-                    "not zero in a failed or free block" if want[off] == -1 else
-                    "wrong or missing content" if want[off] >= 0 else "not zeroed after failure")
+            kind = (
+                "changed outside the request"
+                if want[off] == -1 and not failed[region][off]
+                else "not zero in a failed or free block"
+                if want[off] == -1
+                else "wrong or missing content"
+                if want[off] >= 0
+                else "not zeroed after failure"
+            )
             out.append(Mismatch(region, off, n, kind))
     return Report(out, bad_total, checked, skipped, outside)
 
 
-def check_request(tensors: Sequence, card: GeometryCard, space: CoordSpace, ids: Sequence[Sequence[int]],
-                  num_tokens: int, salt: int = 0) -> int:
+def check_request(
+    tensors: Sequence,
+    card: GeometryCard,
+    space: CoordSpace,
+    ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    salt: int = 0,
+) -> int:
     """Bad bytes inside one request's blocks right after it completed (content where the oracle expects
     it, anything in padding): what a consumer checks before it reports the request done."""
     img = rank_image(card.geometry, space, ids, 0, num_tokens)

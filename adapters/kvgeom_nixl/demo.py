@@ -24,8 +24,17 @@ for i in range(12):
     if i % 4 == 3:
         _LAYERS.append(AttentionSpec(num_kv_heads=4, head_size=32, dtype="bfloat16"))
     else:
-        _LAYERS.append(MambaSpec.mamba2(num_heads=8, head_dim=16, n_groups=2, state_size=16, conv_kernel=4,
-                                        conv_dtype="bfloat16", ssm_dtype="float32"))
+        _LAYERS.append(
+            MambaSpec.mamba2(
+                num_heads=8,
+                head_dim=16,
+                n_groups=2,
+                state_size=16,
+                conv_kernel=4,
+                conv_dtype="bfloat16",
+                ssm_dtype="float32",
+            )
+        )
 DEMO_MODEL = ModelSpec.from_layers("demo-mamba2-hybrid", _LAYERS)
 
 DEFAULT_SCENARIO = {
@@ -58,23 +67,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode:
         scenario["mode"] = args.mode
     # a fresh secret per run: every side-channel message, payload and notification is authenticated
-    spec = {"scenario": scenario,
-            "requests": [{"id": f"req-{i}", "tokens": n} for i, n in enumerate(args.tokens)],
-            "config": {"progress_thread": args.progress_thread, "secret": secrets.token_hex(32)}}
+    spec = {
+        "scenario": scenario,
+        "requests": [{"id": f"req-{i}", "tokens": n} for i, n in enumerate(args.tokens)],
+        "config": {"progress_thread": args.progress_thread, "secret": secrets.token_hex(32)},
+    }
     from kvgeom.scenario import Scenario
 
     sc = Scenario.from_json(scenario)
     print(f"kvgeom demo: {sc.describe()}")
-    print(f"  {len(args.tokens)} requests of {', '.join(map(str, args.tokens))} tokens; starting "
-          f"{sc.prefill.tp_size} P + {sc.decode.tp_size} D processes (one NIXL agent each) ...", flush=True)
+    print(
+        f"  {len(args.tokens)} requests of {', '.join(map(str, args.tokens))} tokens; starting "
+        f"{sc.prefill.tp_size} P + {sc.decode.tp_size} D processes (one NIXL agent each) ...",
+        flush=True,
+    )
     t0 = time.monotonic()
 
     def progress(row: dict) -> None:
         status = "ok" if row.get("ok") else f"FAILED ({row.get('error')})"
-        extra = (f"{row.get('descriptors', 0)} descs, {_fmt_bytes(row.get('bytes_moved', 0))}, "
-                 f"zeroed {_fmt_bytes(row.get('bytes_zeroed', 0))}" if row.get("ok") else "")
-        print(f"  [{time.monotonic() - t0:6.2f}s] D rank {row['rank']}: {row['request_id']} {status} {extra}",
-              flush=True)
+        extra = (
+            f"{row.get('descriptors', 0)} descs, {_fmt_bytes(row.get('bytes_moved', 0))}, "
+            f"zeroed {_fmt_bytes(row.get('bytes_zeroed', 0))}"
+            if row.get("ok")
+            else ""
+        )
+        print(
+            f"  [{time.monotonic() - t0:6.2f}s] D rank {row['rank']}: {row['request_id']} {status} {extra}",
+            flush=True,
+        )
 
     out = run_cluster(spec, progress=progress, timeout_s=args.timeout)
     return _summary(out, sc, time.monotonic() - t0)
@@ -100,19 +120,29 @@ def _summary(out: dict, sc, wall: float) -> int:
     print("\nsummary")
     ids = sorted({r["request_id"] for r in rows})
     n_ok = sum(all(r.get("ok") for r in rows if r["request_id"] == i) for i in ids)
-    print(f"  requests           : {n_ok} ok / {len(ids)} ({len(ok)} of {len(rows)} rank-transfers ok; {sc.mode}, "
-          f"{sc.compat} mode)")
-    print(f"  bytes moved        : {_fmt_bytes(moved)} in {descs} descriptor pairs "
-          f"({runs} contiguous runs; NIXL posted {posted} after merging)")
-    print(f"  throughput         : {moved / max(nixl_s, 1e-9) / 1e9:.2f} GB/s in NIXL transfers ({nixl_s:.3f} s); "
-          f"{moved / max(xfer_s, 1e-9) / 1e9:.2f} GB/s per request end to end ({xfer_s:.3f} s: planning, checks, "
-          f"transfers, post-receive); wall {wall:.1f} s incl. process start")
+    print(
+        f"  requests           : {n_ok} ok / {len(ids)} ({len(ok)} of {len(rows)} rank-transfers ok; {sc.mode}, "
+        f"{sc.compat} mode)"
+    )
+    print(
+        f"  bytes moved        : {_fmt_bytes(moved)} in {descs} descriptor pairs "
+        f"({runs} contiguous runs; NIXL posted {posted} after merging)"
+    )
+    print(
+        f"  throughput         : {moved / max(nixl_s, 1e-9) / 1e9:.2f} GB/s in NIXL transfers ({nixl_s:.3f} s); "
+        f"{moved / max(xfer_s, 1e-9) / 1e9:.2f} GB/s per request end to end ({xfer_s:.3f} s: planning, checks, "
+        f"transfers, post-receive); wall {wall:.1f} s incl. process start"
+    )
     print(f"  bytes zeroed       : {_fmt_bytes(zeroed)} (token tails and blocks the producer did not cover)")
     verdict = "PASS" if not mismatches and not bad and not failed and len(ok) == len(rows) else "FAIL"
-    print(f"  verification       : {verdict}: every byte of {_fmt_bytes(checked)} of D cache checked against the "
-          f"oracle's expected content, {len(mismatches)} mismatching run(s), {bad} bad byte(s)")
-    print("  authentication     : HMAC-SHA256 with a secret generated for this run (side channel, payloads, "
-          "notifications)")
+    print(
+        f"  verification       : {verdict}: every byte of {_fmt_bytes(checked)} of D cache checked against the "
+        f"oracle's expected content, {len(mismatches)} mismatching run(s), {bad} bad byte(s)"
+    )
+    print(
+        "  authentication     : HMAC-SHA256 with a secret generated for this run (side channel, payloads, "
+        "notifications)"
+    )
     for m in mismatches[:10]:
         print(f"    {m}")
     for k in failed:

@@ -62,8 +62,16 @@ from .sidechannel import (
     validate_payload,
 )
 
-__all__ = ["EtcdClient", "Registration", "Directory", "Revision", "engine_key", "seal_record", "open_record",
-           "RECORD_VERSION"]
+__all__ = [
+    "EtcdClient",
+    "Registration",
+    "Directory",
+    "Revision",
+    "engine_key",
+    "seal_record",
+    "open_record",
+    "RECORD_VERSION",
+]
 
 RECORD_VERSION = 2
 
@@ -112,8 +120,9 @@ class EtcdClient:
     turn, starting with the last one that answered, until its deadline (``timeout_s`` from its start).
     Raises :class:`DiscoveryError` when no member answered in time."""
 
-    def __init__(self, endpoints: Sequence[str] | str, timeout_s: float = 2.0,
-                 max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self, endpoints: Sequence[str] | str, timeout_s: float = 2.0, max_bytes: int = MAX_MESSAGE_BYTES
+    ) -> None:
         if isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e.strip()]
         eps = [e.strip().rstrip("/") for e in endpoints]
@@ -165,11 +174,15 @@ class EtcdClient:
                 try:
                     out = json.loads(raw)
                 except ValueError:
-                    raise DiscoveryError(f"etcd at {ep} answered {path} with invalid JSON", stage="discovery",
-                                         peer=ep) from None
+                    raise DiscoveryError(
+                        f"etcd at {ep} answered {path} with invalid JSON", stage="discovery", peer=ep
+                    ) from None
                 if not isinstance(out, dict):
-                    raise DiscoveryError(f"etcd at {ep} answered {path} with a {type(out).__name__}",
-                                         stage="discovery", peer=ep)
+                    raise DiscoveryError(
+                        f"etcd at {ep} answered {path} with a {type(out).__name__}",
+                        stage="discovery",
+                        peer=ep,
+                    )
                 return out
             except urllib.error.HTTPError as e:  # etcd answered: an error status, not unavailability
                 try:
@@ -178,8 +191,12 @@ class EtcdClient:
                     detail = {}
                 code = detail.get("code") if isinstance(detail, dict) else None
                 msg = detail.get("message") or detail.get("error") if isinstance(detail, dict) else None
-                raise _Status(f"etcd at {ep} refused {path}: HTTP {e.code} {msg or e.reason}", code,
-                              stage="discovery", peer=ep) from None
+                raise _Status(
+                    f"etcd at {ep} refused {path}: HTTP {e.code} {msg or e.reason}",
+                    code,
+                    stage="discovery",
+                    peer=ep,
+                ) from None
             except (urllib.error.URLError, OSError, TimeoutError, ConnectionError) as e:
                 reason = getattr(e, "reason", e)
                 errors.append(f"{ep}: {type(reason).__name__}: {reason}")
@@ -190,12 +207,16 @@ class EtcdClient:
                 time.sleep(min(pause, rem))
                 pause = min(pause * 2, 0.25)
         last = errors[-1] if errors else "deadline passed before a request could be sent"
-        raise DiscoveryError(f"etcd {self.endpoints} did not answer {path} in time ({len(errors)} attempt(s); "
-                             f"last: {last})", stage="discovery")
+        raise DiscoveryError(
+            f"etcd {self.endpoints} did not answer {path} in time ({len(errors)} attempt(s); last: {last})",
+            stage="discovery",
+        )
 
     # -- kv
     def put(self, key: str, value: bytes, lease: int = 0, deadline: float | None = None) -> int:
-        out = self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(int(lease))}, deadline)
+        out = self.call(
+            "/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(int(lease))}, deadline
+        )
         return int(out.get("header", {}).get("revision", 0))
 
     def get(self, key: str, deadline: float | None = None) -> tuple[bytes, Revision] | None:
@@ -212,14 +233,18 @@ class EtcdClient:
         kvs = out.get("kvs") or []
         return _revision(out, kvs[0]) if kvs else None
 
-    def prefix(self, prefix: str, deadline: float | None = None,
-               limit: int = 1024) -> list[tuple[str, bytes, Revision]]:
+    def prefix(
+        self, prefix: str, deadline: float | None = None, limit: int = 1024
+    ) -> list[tuple[str, bytes, Revision]]:
         """``(key, value, revision)`` of every key under ``prefix`` (at most ``limit``)."""
         p = prefix.encode()
-        out = self.call("/v3/kv/range", {"key": _b64(p), "range_end": _b64(_prefix_end(p)), "limit": str(limit)},
-                        deadline)
-        return [(_unb64(kv["key"]).decode("utf-8", "replace"), _unb64(kv.get("value", "")), _revision(out, kv))
-                for kv in out.get("kvs") or []]
+        out = self.call(
+            "/v3/kv/range", {"key": _b64(p), "range_end": _b64(_prefix_end(p)), "limit": str(limit)}, deadline
+        )
+        return [
+            (_unb64(kv["key"]).decode("utf-8", "replace"), _unb64(kv.get("value", "")), _revision(out, kv))
+            for kv in out.get("kvs") or []
+        ]
 
     def delete(self, key: str, deadline: float | None = None) -> None:
         self.call("/v3/kv/deleterange", {"key": _b64(key)}, deadline)
@@ -258,13 +283,16 @@ def engine_key(prefix: str, engine_id: str, rank: int | None = None) -> str:
     return base if rank is None else f"{base}{int(rank)}"
 
 
-def seal_record(payload: Mapping[str, Any], auth: Auth, key: str, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+def seal_record(
+    payload: Mapping[str, Any], auth: Auth, key: str, max_bytes: int = MAX_MESSAGE_BYTES
+) -> bytes:
     """The etcd value for ``payload`` stored at ``key``: sealed (as the side channel does), encrypted and
     MACed (see the module docstring)."""
     plain = _dumps(seal_payload(payload, auth))
     nonce, box = auth.encrypt("etcd-record", plain, key.encode())
-    value = json.dumps({"v": RECORD_VERSION, "nonce": nonce.hex(), "box": _b64(box)},
-                       separators=(",", ":")).encode()
+    value = json.dumps(
+        {"v": RECORD_VERSION, "nonce": nonce.hex(), "box": _b64(box)}, separators=(",", ":")
+    ).encode()
     if len(value) > max_bytes:
         raise ValueError(f"record of {len(value)} bytes exceeds the limit of {max_bytes}")
     return value
@@ -276,24 +304,32 @@ def open_record(value: bytes, auth: Auth, key: str, max_bytes: int = MAX_MESSAGE
     without a valid tag or seal, :class:`ProtocolError` for a malformed one."""
     where = f"etcd:{key}"
     if len(value) > max_bytes:
-        raise ProtocolError(f"record of {len(value)} bytes exceeds the limit of {max_bytes}", stage="discovery",
-                            peer=where)
+        raise ProtocolError(
+            f"record of {len(value)} bytes exceeds the limit of {max_bytes}", stage="discovery", peer=where
+        )
     try:
         rec = json.loads(value)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise ProtocolError("record is not JSON", stage="discovery", peer=where) from None
     if not isinstance(rec, dict) or rec.get("v") != RECORD_VERSION:
-        raise ProtocolError(f"record of an unknown version {rec.get('v') if isinstance(rec, dict) else rec!r}",
-                            stage="discovery", peer=where)
+        raise ProtocolError(
+            f"record of an unknown version {rec.get('v') if isinstance(rec, dict) else rec!r}",
+            stage="discovery",
+            peer=where,
+        )
     try:
         nonce, box = bytes.fromhex(rec["nonce"]), _unb64(rec["box"])
     except (KeyError, TypeError, ValueError):
-        raise ProtocolError("record fields nonce/box missing or malformed", stage="discovery",
-                            peer=where) from None
+        raise ProtocolError(
+            "record fields nonce/box missing or malformed", stage="discovery", peer=where
+        ) from None
     plain = auth.decrypt("etcd-record", nonce, box, key.encode())
     if plain is None:
-        raise AuthenticationError("etcd record is not sealed with this deployment's secret (or was moved from "
-                                  "another key)", stage="discovery", peer=where)
+        raise AuthenticationError(
+            "etcd record is not sealed with this deployment's secret (or was moved from another key)",
+            stage="discovery",
+            peer=where,
+        )
     payload = open_payload(decode(plain), auth, where)
     validate_payload(payload, where, max_metadata_bytes=max_bytes)
     _check_extras(payload, where)
@@ -304,8 +340,11 @@ def _check_extras(payload: Mapping[str, Any], where: str) -> None:
     """What a record needs beyond a side-channel payload: where its side channel is, and its incarnation."""
     sc = payload.get("sidechannel")
     if sc is None or not sc[1]:
-        raise ProtocolError(f"payload field 'sidechannel': a record needs [host, port], got {str(sc)[:80]}",
-                            stage="discovery", peer=where)
+        raise ProtocolError(
+            f"payload field 'sidechannel': a record needs [host, port], got {str(sc)[:80]}",
+            stage="discovery",
+            peer=where,
+        )
     if not payload.get("incarnation"):
         raise ProtocolError("payload field 'incarnation': a record needs one", stage="discovery", peer=where)
 
@@ -427,23 +466,34 @@ class Directory:
     """Read and check the records of a deployment (see the module docstring); remembers, per rank, the
     newest record accepted, so that an older one is refused."""
 
-    def __init__(self, client: EtcdClient, prefix: str, auth: Auth, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self, client: EtcdClient, prefix: str, auth: Auth, max_bytes: int = MAX_MESSAGE_BYTES
+    ) -> None:
         self.client, self.prefix, self.auth, self.max_bytes = client, prefix, auth, max_bytes
         self._seen: dict[tuple[str, int], tuple[float, str, int]] = {}  # (started, incarnation, generation)
         self._rev: dict[tuple[str, int], Revision] = {}  # revision of the record last loaded
 
-    def _accept(self, engine_id: str, rank: int, payload: dict[str, Any], rev: Revision,
-                key: str) -> dict[str, Any]:
+    def _accept(
+        self, engine_id: str, rank: int, payload: dict[str, Any], rev: Revision, key: str
+    ) -> dict[str, Any]:
         where = f"etcd:{key}"
         if payload["engine_id"] != engine_id or payload["rank"] != rank:
-            raise ProtocolError(f"{key} holds the record of engine {payload['engine_id']!r} rank {payload['rank']}",
-                                stage="discovery", peer=where)
+            raise ProtocolError(
+                f"{key} holds the record of engine {payload['engine_id']!r} rank {payload['rank']}",
+                stage="discovery",
+                peer=where,
+            )
         me = (float(payload["started"]), payload["incarnation"], payload["generation"])
         seen = self._seen.get((engine_id, rank))
         if seen is not None and (me[0] < seen[0] or (me[1] == seen[1] and me[2] < seen[2])):
-            raise StaleMetadata(f"{key} holds an older record (generation {me[2]}) than one already seen "
-                                f"(generation {seen[2]}): replayed or reverted, not used", stage="discovery",
-                                peer=where, expected=seen[2], seen=me[2])
+            raise StaleMetadata(
+                f"{key} holds an older record (generation {me[2]}) than one already seen "
+                f"(generation {seen[2]}): replayed or reverted, not used",
+                stage="discovery",
+                peer=where,
+                expected=seen[2],
+                seen=me[2],
+            )
         self._seen[(engine_id, rank)] = me
         self._rev[(engine_id, rank)] = rev
         return payload
@@ -455,11 +505,15 @@ class Directory:
         while True:
             got = self.client.get(key, deadline)
             if got is not None:
-                return self._accept(engine_id, rank, open_record(got[0], self.auth, key, self.max_bytes), got[1],
-                                    key)
+                return self._accept(
+                    engine_id, rank, open_record(got[0], self.auth, key, self.max_bytes), got[1], key
+                )
             if not _pause(deadline, pause):
-                raise HandshakeTimeout(f"engine {engine_id!r} rank {rank} is not registered in etcd under {key}",
-                                       stage="discovery", peer=f"etcd:{key}")
+                raise HandshakeTimeout(
+                    f"engine {engine_id!r} rank {rank} is not registered in etcd under {key}",
+                    stage="discovery",
+                    peer=f"etcd:{key}",
+                )
             pause = min(pause * 2, 0.25)
 
     def engine(self, engine_id: str, deadline: float) -> dict[int, dict[str, Any]]:
@@ -470,7 +524,7 @@ class Directory:
         while True:
             found: dict[int, tuple[bytes, Revision, str]] = {}
             for key, value, rev in self.client.prefix(base, deadline):
-                tail = key[len(base):]
+                tail = key[len(base) :]
                 if tail.isdigit() and len(tail) < 6:
                     found[int(tail)] = (value, rev, key)
             tp = None
@@ -480,15 +534,30 @@ class Directory:
                 card = payload.get("card") or {}
                 tp = (card.get("engine") or {}).get("tp_size") if isinstance(card, dict) else None
                 if not isinstance(tp, int) or isinstance(tp, bool) or not 0 < tp <= 1 << 16:
-                    raise ProtocolError(f"{found[r0][2]}: card without a valid engine.tp_size", stage="discovery",
-                                        peer=f"etcd:{found[r0][2]}")
+                    raise ProtocolError(
+                        f"{found[r0][2]}: card without a valid engine.tp_size",
+                        stage="discovery",
+                        peer=f"etcd:{found[r0][2]}",
+                    )
             if tp is not None and all(r in found for r in range(tp)):
-                return {r: self._accept(engine_id, r, open_record(found[r][0], self.auth, found[r][2], self.max_bytes),
-                                        found[r][1], found[r][2]) for r in range(tp)}
+                return {
+                    r: self._accept(
+                        engine_id,
+                        r,
+                        open_record(found[r][0], self.auth, found[r][2], self.max_bytes),
+                        found[r][1],
+                        found[r][2],
+                    )
+                    for r in range(tp)
+                }
             if not _pause(deadline, pause):
                 have = sorted(found)
-                raise HandshakeTimeout(f"engine {engine_id!r}: ranks {have} of {tp if tp else '?'} registered in etcd "
-                                       f"under {base} at the deadline", stage="discovery", peer=f"etcd:{base}")
+                raise HandshakeTimeout(
+                    f"engine {engine_id!r}: ranks {have} of {tp if tp else '?'} registered in etcd "
+                    f"under {base} at the deadline",
+                    stage="discovery",
+                    peer=f"etcd:{base}",
+                )
             pause = min(pause * 2, 0.25)
 
     def check(self, engine_id: str, rank: int, generation: int, agent: str, deadline: float) -> int:
@@ -498,18 +567,32 @@ class Directory:
         key = engine_key(self.prefix, engine_id, rank)
         rev = self.client.mod_revision(key, deadline)
         if rev is None:
-            raise PeerGone(f"engine {engine_id!r} rank {rank} is no longer registered in etcd ({key}: its lease "
-                           "expired or it unregistered)", stage="generation", peer=f"etcd:{key}")
+            raise PeerGone(
+                f"engine {engine_id!r} rank {rank} is no longer registered in etcd ({key}: its lease "
+                "expired or it unregistered)",
+                stage="generation",
+                peer=f"etcd:{key}",
+            )
         if rev == self._rev.get((engine_id, rank)):
             return generation
         got = self.client.get(key, deadline)
         if got is None:
-            raise PeerGone(f"engine {engine_id!r} rank {rank} unregistered from etcd ({key})", stage="generation",
-                           peer=f"etcd:{key}")
-        payload = self._accept(engine_id, rank, open_record(got[0], self.auth, key, self.max_bytes), got[1], key)
+            raise PeerGone(
+                f"engine {engine_id!r} rank {rank} unregistered from etcd ({key})",
+                stage="generation",
+                peer=f"etcd:{key}",
+            )
+        payload = self._accept(
+            engine_id, rank, open_record(got[0], self.auth, key, self.max_bytes), got[1], key
+        )
         if payload["generation"] != generation or payload["agent_name"] != agent:
-            raise StaleMetadata(f"engine {engine_id!r} rank {rank} re-registered: etcd has generation "
-                                f"{payload['generation']} of agent {payload['agent_name']!r}, our metadata is "
-                                f"generation {generation} of {agent!r}", stage="generation", peer=f"etcd:{key}",
-                                expected=generation, seen=payload["generation"])
+            raise StaleMetadata(
+                f"engine {engine_id!r} rank {rank} re-registered: etcd has generation "
+                f"{payload['generation']} of agent {payload['agent_name']!r}, our metadata is "
+                f"generation {generation} of {agent!r}",
+                stage="generation",
+                peer=f"etcd:{key}",
+                expected=generation,
+                seen=payload["generation"],
+            )
         return generation

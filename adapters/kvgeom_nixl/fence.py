@@ -46,8 +46,14 @@ class Fence:
     def __init__(self) -> None:
         self._held: dict[Token, Held] = {}
 
-    def hold(self, token: Token, ids: Any, transfers: Iterable[Any] = (), writers: Iterable[tuple[str, int]] = (),
-             reason: str = "") -> Held:
+    def hold(
+        self,
+        token: Token,
+        ids: Any,
+        transfers: Iterable[Any] = (),
+        writers: Iterable[tuple[str, int]] = (),
+        reason: str = "",
+    ) -> Held:
         """Quarantine ``ids`` for attempt ``token``; merges with an entry of the same token."""
         ids = [[int(b) for b in g] for g in ids]
         entry = self._held.get(token)

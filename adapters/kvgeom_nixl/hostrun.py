@@ -44,8 +44,14 @@ def ucx_env(log: str | None = None, tcp: bool = True) -> dict[str, str]:
 class Lab:
     """Hosts ``p``, ``b``, ``d``, ``e`` (see the module docstring); with ``etcd``, an etcd member on ``e``."""
 
-    def __init__(self, etcd: bool = False, *, impairable: bool = True, proto_logs: bool = False,
-                 prefix: str = "/kvgeom-lab") -> None:
+    def __init__(
+        self,
+        etcd: bool = False,
+        *,
+        impairable: bool = True,
+        proto_logs: bool = False,
+        prefix: str = "/kvgeom-lab",
+    ) -> None:
         self.net = VirtualNet(["p", "b", "d", "e"], impairable=impairable)
         self.proto_logs = proto_logs
         self.prefix = prefix
@@ -69,19 +75,34 @@ class Lab:
         return out
 
     def config(self, timeout_s: float, **extra: Any) -> dict[str, Any]:
-        cfg: dict[str, Any] = {"handshake_timeout_s": 3.0, "transfer_timeout_s": timeout_s,
-                               "notif_timeout_s": timeout_s, "secret": "kvgeom-hosts-lab-secret-0123456789"}
+        cfg: dict[str, Any] = {
+            "handshake_timeout_s": 3.0,
+            "transfer_timeout_s": timeout_s,
+            "notif_timeout_s": timeout_s,
+            "secret": "kvgeom-hosts-lab-secret-0123456789",
+        }
         if self.etcd is not None:
-            cfg.update(discovery="etcd", etcd_endpoints=[self.etcd.endpoint], etcd_prefix=self.prefix,
-                       etcd_timeout_s=1.0, etcd_lease_ttl_s=3.0)
+            cfg.update(
+                discovery="etcd",
+                etcd_endpoints=[self.etcd.endpoint],
+                etcd_prefix=self.prefix,
+                etcd_timeout_s=1.0,
+                etcd_lease_ttl_s=3.0,
+            )
         cfg.update(extra)
         return cfg
 
     def spec(self, mode: str, requests: list[dict], timeout_s: float = 10.0, **extra: Any) -> dict[str, Any]:
         """A ``run_cluster`` spec: the demo Mamba2 hybrid (P TP2, 32-token blocks -> D TP1, 64-token blocks),
         engines ``prefill`` and ``backup`` on their hosts, D on ``d``."""
-        spec = {"scenario": dict(DEFAULT_SCENARIO, mode=mode), "requests": requests, "hosts": self.hosts(),
-                "prefill_engines": ["prefill", "backup"], "config": self.config(timeout_s), "drain_s": 15.0}
+        spec = {
+            "scenario": dict(DEFAULT_SCENARIO, mode=mode),
+            "requests": requests,
+            "hosts": self.hosts(),
+            "prefill_engines": ["prefill", "backup"],
+            "config": self.config(timeout_s),
+            "drain_s": 15.0,
+        }
         spec.update(extra)
         return spec
 
@@ -97,8 +118,11 @@ class Lab:
         }
         if self.etcd is not None:
             etcd = self.etcd
-            acts.update(etcd_stop=lambda: etcd.stop(signal.SIGKILL), etcd_start=lambda: etcd.start(),
-                        etcd_wipe_start=lambda: etcd.start(wipe=True))
+            acts.update(
+                etcd_stop=lambda: etcd.stop(signal.SIGKILL),
+                etcd_start=lambda: etcd.start(),
+                etcd_wipe_start=lambda: etcd.start(wipe=True),
+            )
         return acts
 
     def run(self, spec: dict[str, Any], timeout_s: float = 150.0) -> dict[str, Any]:
@@ -129,10 +153,25 @@ def link_cut(lab: Lab, mode: str, t: float) -> dict[str, Any]:
     40 Mbit/s), plugged back ``t + 2`` s later. ``backup`` serves r2 and r1's retry meanwhile; r3 goes to
     ``prefill`` once the link is back."""
     lab.net.netem("p", rate_mbit=SLOW_MBIT)
-    reqs = [_req("r0", 900, "prefill"), _req("r1", 900, "prefill"), _req("r2", 900, "backup"),
-            _req("r1", 900, "backup"), _req("r3", 600, "prefill", delay_s=t + 2.5)]
-    faults = {"net": [{"at": "r1", "when": "after_post", "delay_s": 0.15, "do": "cut_p", "undo": "mend_p",
-                       "seconds": t + 2.0}]}
+    reqs = [
+        _req("r0", 900, "prefill"),
+        _req("r1", 900, "prefill"),
+        _req("r2", 900, "backup"),
+        _req("r1", 900, "backup"),
+        _req("r3", 600, "prefill", delay_s=t + 2.5),
+    ]
+    faults = {
+        "net": [
+            {
+                "at": "r1",
+                "when": "after_post",
+                "delay_s": 0.15,
+                "do": "cut_p",
+                "undo": "mend_p",
+                "seconds": t + 2.0,
+            }
+        ]
+    }
     return lab.spec(mode, reqs, t, faults=faults, retries=0, linger_s=t + 3.0, push_deadline=False)
 
 
@@ -140,17 +179,29 @@ def impaired(lab: Lab, mode: str, t: float) -> dict[str, Any]:
     """``p`` sends with 100 ms of delay, 5 % loss and at most 16 Mbit/s (netem) from r1 on: a small request
     (r1, 150 KB) still makes it, a large one (r2, 6 MiB) misses its deadline; ``backup`` serves r3; the
     impairment is lifted ``t + 3`` s after r1 started, and r4 goes to ``prefill`` after that."""
-    reqs = [_req("r0", 900, "prefill"), _req("r1", 97, "prefill"), _req("r2", 4096, "prefill"),
-            _req("r3", 900, "backup"), _req("r4", 600, "prefill", delay_s=t + 2.0)]
-    faults = {"net": [{"at": "r1", "when": "before", "do": "impair_p", "undo": "clear_p", "seconds": t + 3.0}]}
+    reqs = [
+        _req("r0", 900, "prefill"),
+        _req("r1", 97, "prefill"),
+        _req("r2", 4096, "prefill"),
+        _req("r3", 900, "backup"),
+        _req("r4", 600, "prefill", delay_s=t + 2.0),
+    ]
+    faults = {
+        "net": [{"at": "r1", "when": "before", "do": "impair_p", "undo": "clear_p", "seconds": t + 3.0}]
+    }
     return lab.spec(mode, reqs, t, faults=faults, linger_s=t + 3.0, push_deadline=False)
 
 
 def readdress(lab: Lab, mode: str, t: float) -> dict[str, Any]:
     """After r0, ``p``'s address changes and ``prefill``'s ranks rebind to the new one (new NIXL agents,
     new side channels, a higher generation). r1 is tried up to three times, then r2."""
-    reqs = [_req("r0", 900, "prefill"), _req("r1", 900, "prefill"), _req("r1", 900, "prefill"),
-            _req("r1", 900, "prefill"), _req("r2", 600, "prefill")]
+    reqs = [
+        _req("r0", 900, "prefill"),
+        _req("r1", 900, "prefill"),
+        _req("r1", 900, "prefill"),
+        _req("r1", 900, "prefill"),
+        _req("r2", 600, "prefill"),
+    ]
     faults = {"readdress": {"engine": "prefill", "after": "r0", "action": "readdress_p"}}
     return lab.spec(mode, reqs, t, faults=faults)
 
@@ -159,9 +210,17 @@ def etcd_restart(lab: Lab, mode: str, t: float) -> dict[str, Any]:
     """etcd is killed as r2 (the first request to ``backup``) is sent and comes back 6 s later without its
     data. r2 needs a handshake through etcd; r3 goes to ``prefill``, already connected; r2 is retried
     once etcd is back; then r4."""
-    reqs = [_req("r0", 900, "prefill"), _req("r1", 900, "prefill"), _req("r2", 900, "backup"),
-            _req("r3", 600, "prefill"), _req("r2", 900, "backup", delay_s=4.0), _req("r4", 600, "prefill")]
-    faults = {"net": [{"at": "r2", "when": "before", "do": "etcd_stop", "undo": "etcd_wipe_start", "seconds": 6.0}]}
+    reqs = [
+        _req("r0", 900, "prefill"),
+        _req("r1", 900, "prefill"),
+        _req("r2", 900, "backup"),
+        _req("r3", 600, "prefill"),
+        _req("r2", 900, "backup", delay_s=4.0),
+        _req("r4", 600, "prefill"),
+    ]
+    faults = {
+        "net": [{"at": "r2", "when": "before", "do": "etcd_stop", "undo": "etcd_wipe_start", "seconds": 6.0}]
+    }
     return lab.spec(mode, reqs, t, faults=faults)
 
 
@@ -181,17 +240,35 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     attempts = []
     for a in out["attempts"]:
         err = next(iter((a.get("errors") or {}).values()), None)
-        attempts.append({"request": a["request_id"], "attempt": a["attempt"], "ok": a["ok"],
-                         "error": err.split(":")[0] if err else None, "message": err,
-                         "seconds": round(float(a.get("seconds", 0.0)), 3), "engine": a.get("engine"),
-                         "ids": sorted(b for g in a.get("ids", []) for b in g)})
-    settled = {(rid, att): {"held_s": round(held, 3), "cleared_by": list(by)} for _, rid, att, held, by in
-               out["settled"]}
+        attempts.append(
+            {
+                "request": a["request_id"],
+                "attempt": a["attempt"],
+                "ok": a["ok"],
+                "error": err.split(":")[0] if err else None,
+                "message": err,
+                "seconds": round(float(a.get("seconds", 0.0)), 3),
+                "engine": a.get("engine"),
+                "ids": sorted(b for g in a.get("ids", []) for b in g),
+            }
+        )
+    settled = {
+        (rid, att): {"held_s": round(held, 3), "cleared_by": list(by)}
+        for _, rid, att, held, by in out["settled"]
+    }
     d = out["results"].get("decode-0", {})
     crashed = {k: v.get("error") for k, v in out["results"].items() if "traceback" in v}
-    return {"attempts": attempts, "settled": settled, "crashed": crashed,
-            "checked_bytes": d.get("checked_bytes", 0), "bad_bytes": d.get("bad_bytes"),
-            "bad_at_completion": sum(int(a.get("bad_at_completion") or 0) for a in out["attempts"]),
-            "mismatches": d.get("mismatches"), "held_at_end": d.get("held"), "stats": d.get("stats", {}),
-            "handles": d.get("handles", {}), "elapsed_s": round(out.get("elapsed_s", 0.0), 1),
-            "actions": [(name, str(res)) for _, name, res in out.get("actions", [])]}
+    return {
+        "attempts": attempts,
+        "settled": settled,
+        "crashed": crashed,
+        "checked_bytes": d.get("checked_bytes", 0),
+        "bad_bytes": d.get("bad_bytes"),
+        "bad_at_completion": sum(int(a.get("bad_at_completion") or 0) for a in out["attempts"]),
+        "mismatches": d.get("mismatches"),
+        "held_at_end": d.get("held"),
+        "stats": d.get("stats", {}),
+        "handles": d.get("handles", {}),
+        "elapsed_s": round(out.get("elapsed_s", 0.0), 1),
+        "actions": [(name, str(res)) for _, name, res in out.get("actions", [])],
+    }

@@ -53,8 +53,15 @@ def _open(ifname: str) -> socket.socket:
 class _Direction:
     """Frames of one direction: a FIFO of ``(due, frame)``, a loss draw and a rate pacer."""
 
-    def __init__(self, out: socket.socket, delay_s: float, jitter_s: float, loss: float, rate_bps: float | None,
-                 rng: random.Random) -> None:
+    def __init__(
+        self,
+        out: socket.socket,
+        delay_s: float,
+        jitter_s: float,
+        loss: float,
+        rate_bps: float | None,
+        rng: random.Random,
+    ) -> None:
         self.out, self.delay_s, self.jitter_s, self.loss, self.rate = out, delay_s, jitter_s, loss, rate_bps
         self.rng = rng
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
@@ -91,9 +98,18 @@ class _Direction:
         return self.queue[0][0] if self.queue else None
 
 
-def forward(host_port: str, bridge_port: str, *, delay_ms: float = 0.0, jitter_ms: float = 0.0,
-            loss_pct: float = 0.0, rate_mbit: float | None = None, both: bool = False, seed: int = 0,
-            stop_after_s: float | None = None) -> dict[str, dict[str, int]]:
+def forward(
+    host_port: str,
+    bridge_port: str,
+    *,
+    delay_ms: float = 0.0,
+    jitter_ms: float = 0.0,
+    loss_pct: float = 0.0,
+    rate_mbit: float | None = None,
+    both: bool = False,
+    seed: int = 0,
+    stop_after_s: float | None = None,
+) -> dict[str, dict[str, int]]:
     """Forward frames between ``host_port`` and ``bridge_port`` until SIGTERM (or ``stop_after_s``),
     impairing those that leave the host (both directions with ``both``). Returns per-direction counts."""
     rng = random.Random(seed)
@@ -153,8 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         from .netns import _setns_net
 
         _setns_net(args.netns)
-    stats = forward(args.host_port, args.bridge_port, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms,
-                    loss_pct=args.loss_pct, rate_mbit=args.rate_mbit, both=args.both, seed=args.seed)
+    stats = forward(
+        args.host_port,
+        args.bridge_port,
+        delay_ms=args.delay_ms,
+        jitter_ms=args.jitter_ms,
+        loss_pct=args.loss_pct,
+        rate_mbit=args.rate_mbit,
+        both=args.both,
+        seed=args.seed,
+    )
     print(stats, flush=True)
     return 0
 

@@ -55,8 +55,16 @@ from .errors import (
 from .fence import Fence, Held, Token
 from .sidechannel import SideChannelServer, check_generation, fetch, make_payload, query_generation
 
-__all__ = ["KVRank", "PeerLink", "RequestResult", "Settled", "allocate", "apply_post_receive", "block_rows",
-           "request_block_rows"]
+__all__ = [
+    "KVRank",
+    "PeerLink",
+    "RequestResult",
+    "Settled",
+    "allocate",
+    "apply_post_receive",
+    "block_rows",
+    "request_block_rows",
+]
 
 _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
 _GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
@@ -116,12 +124,17 @@ def _regroup(tensors: Sequence[Any], card: GeometryCard, step: Regroup) -> None:
         r = geom.regions[region]
         view = tensors[region].view(r.num_blocks, r.block_stride)
         page = view[blocks.to(view.device), : r.block_len]
-        page = page.view(-1, step.bsr, step.heads, n, step.head_bytes).permute(0, 2, 1, 3, 4).reshape(len(blocks), -1)
+        page = (
+            page.view(-1, step.bsr, step.heads, n, step.head_bytes)
+            .permute(0, 2, 1, 3, 4)
+            .reshape(len(blocks), -1)
+        )
         view[blocks.to(view.device), : r.block_len] = page
 
 
-def apply_post_receive(tensors: Sequence[Any], card: GeometryCard, regroups: Sequence[Regroup],
-                       zero: np.ndarray) -> int:
+def apply_post_receive(
+    tensors: Sequence[Any], card: GeometryCard, regroups: Sequence[Regroup], zero: np.ndarray
+) -> int:
     """The consumer's post-receive step on its tensors: regroups, then zero ranges. Returns bytes zeroed."""
     for step in regroups:
         _regroup(tensors, card, step)
@@ -138,10 +151,22 @@ def block_rows(geom: Any, ids: Sequence[Sequence[int]]) -> np.ndarray:
     """:func:`request_block_rows` for a :class:`~kvgeom.geometry.RankGeometry`."""
     kinds = geom.group_is_ssm
     kernel = logical_to_kernel(as_group_ids(ids, kinds, "ids"), geom.ppl, kinds)
-    blocks = np.unique(np.concatenate([np.zeros(0, np.int64)] + [
-        k if not ssm else (k[:, None] * geom.ppl + np.arange(geom.ppl)).ravel() for k, ssm in zip(kernel, kinds)]))
-    rows = [np.stack([np.full(blocks.size, r.index), blocks * r.block_stride, np.full(blocks.size, r.block_stride)],
-                     axis=1) for r in geom.regions]
+    blocks = np.unique(
+        np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [
+                k if not ssm else (k[:, None] * geom.ppl + np.arange(geom.ppl)).ravel()
+                for k, ssm in zip(kernel, kinds)
+            ]
+        )
+    )
+    rows = [
+        np.stack(
+            [np.full(blocks.size, r.index), blocks * r.block_stride, np.full(blocks.size, r.block_stride)],
+            axis=1,
+        )
+        for r in geom.regions
+    ]
     return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), np.int64)
 
 
@@ -209,14 +234,22 @@ class _Bounded(OrderedDict):
 class KVRank:
     """One engine rank with its KV cache registered on a NIXL agent (see the module docstring)."""
 
-    def __init__(self, card: GeometryCard, config: TransportConfig | None = None, device: str = "cpu",
-                 host: str = "127.0.0.1", card_limits: CardLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        card: GeometryCard,
+        config: TransportConfig | None = None,
+        device: str = "cpu",
+        host: str = "127.0.0.1",
+        card_limits: CardLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.card = card
         self.config = config or TransportConfig()
         self.auth = Auth.from_config(self.config)  # no secret and not insecure: refused here
         self.card_limits = card_limits
         self.host = host
-        self.incarnation = secrets.token_hex(8)  # this process's registrations; with ``started``, orders records
+        self.incarnation = secrets.token_hex(
+            8
+        )  # this process's registrations; with ``started``, orders records
         self.started = time.time()
         self._gen_base = 0  # generations of earlier agents of this rank (rebind): the payload's only grows
         self.tensors = allocate(card, device)
@@ -230,11 +263,17 @@ class KVRank:
             self.server = self._new_server(host)
             cfg = self.config
             if cfg.discovery == "etcd":
-                self.directory = Directory(EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
-                                           cfg.etcd_prefix, self.auth, cfg.max_message_bytes)
+                self.directory = Directory(
+                    EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
+                    cfg.etcd_prefix,
+                    self.auth,
+                    cfg.max_message_bytes,
+                )
                 self.registration = Registration(
                     EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
-                    engine_key(cfg.etcd_prefix, card.engine_id, self.rank), cfg.etcd_lease_ttl_s)
+                    engine_key(cfg.etcd_prefix, card.engine_id, self.rank),
+                    cfg.etcd_lease_ttl_s,
+                )
                 self._publish(wait_s=cfg.etcd_timeout_s)  # etcd down: the registration thread retries
         except BaseException:
             self._close_parts()
@@ -244,15 +283,23 @@ class KVRank:
         self._local: dict[tuple[str, tuple[int, int]], Prepped] = {}
         self.rejected: dict[str, str] = {}
         self.fence = Fence()
-        self.stats = {"rejected_notices": 0, "late_notices": 0, "stale_notices": 0, "impersonations": 0,
-                      "notice_send_errors": 0, "etcd_fallbacks": 0}
+        self.stats = {
+            "rejected_notices": 0,
+            "late_notices": 0,
+            "stale_notices": 0,
+            "impersonations": 0,
+            "notice_send_errors": 0,
+            "etcd_fallbacks": 0,
+        }
         self._etcd_down_until = 0.0
         cap = self.config.max_pending_notifs
         self._arrived: _Bounded = _Bounded(cap)  # token -> {writer: (kind, time)}
         self._released: _Bounded = _Bounded(cap)  # request id -> {consumer: time}
         self._attempts: _Bounded = _Bounded(cap)  # request id -> last attempt on this rank
         self._watch: dict[tuple[str, int], tuple[str, int]] = {}  # (engine, rank) -> side channel
-        self._agents: dict[tuple[str, int], str] = {}  # (engine, rank) -> agent name, from authenticated payloads
+        self._agents: dict[
+            tuple[str, int], str
+        ] = {}  # (engine, rank) -> agent name, from authenticated payloads
         self._probed: dict[tuple[str, int], float] = {}
         self._watched: dict[str, dict[int, dict[str, Any]]] = {}  # engine -> rank -> payload (etcd ``watch``)
         self._aborts: list[tuple[Transfer, Token]] = []  # our fenced WRITEs: an A notice if one ends in error
@@ -276,22 +323,40 @@ class KVRank:
         """The handshake payload (served by the side channel, published in etcd): identity, NIXL metadata,
         card, region bases, generation, and where the side channel listens."""
         port = self.server.port if self.server is not None else 0
-        return make_payload(engine_id=self.card.engine_id, rank=self.rank, agent_name=self.ep.name,
-                            agent_metadata=self.ep.metadata(), card=self.card.to_json(),
-                            regions=[(r.addr, r.nbytes, r.device_id) for r in self.regions],
-                            device_id=self.regions[0].device_id, generation=self.generation,
-                            sidechannel=[self.host, port], incarnation=self.incarnation, started=self.started)
+        return make_payload(
+            engine_id=self.card.engine_id,
+            rank=self.rank,
+            agent_name=self.ep.name,
+            agent_metadata=self.ep.metadata(),
+            card=self.card.to_json(),
+            regions=[(r.addr, r.nbytes, r.device_id) for r in self.regions],
+            device_id=self.regions[0].device_id,
+            generation=self.generation,
+            sidechannel=[self.host, port],
+            incarnation=self.incarnation,
+            started=self.started,
+        )
 
     def _new_endpoint(self) -> Endpoint:
         # a random suffix: two processes never share an agent name, so one cannot evict the other's handles
-        return Endpoint(f"{self.card.engine_id}-{self.card.engine.tp_rank}-{secrets.token_hex(4)}", self.config)
+        return Endpoint(
+            f"{self.card.engine_id}-{self.card.engine.tp_rank}-{secrets.token_hex(4)}", self.config
+        )
 
     def _new_server(self, host: str) -> SideChannelServer:
         cfg = self.config
         server = SideChannelServer(
-            host, 0, None, auth=self.auth, io_timeout_s=min(5.0, cfg.handshake_timeout_s),
-            max_connections=cfg.max_connections, max_message_bytes=cfg.max_message_bytes,
-            max_peers=cfg.max_peer_payloads, peer_ttl_s=cfg.peer_payload_ttl_s, replay_window_s=cfg.replay_window_s)
+            host,
+            0,
+            None,
+            auth=self.auth,
+            io_timeout_s=min(5.0, cfg.handshake_timeout_s),
+            max_connections=cfg.max_connections,
+            max_message_bytes=cfg.max_message_bytes,
+            max_peers=cfg.max_peer_payloads,
+            peer_ttl_s=cfg.peer_payload_ttl_s,
+            replay_window_s=cfg.replay_window_s,
+        )
         self.server = server
         server.update(self.payload())  # knows its own port now
         return server.start()
@@ -307,8 +372,14 @@ class KVRank:
         return self.registration.publish(value, wait_s)
 
     # -- handshake -------------------------------------------------------------------------------------
-    def connect(self, engine_id: str, ports: Mapping[int, Any] | None = None, mode: str = "pull",
-                compat: str = "kvgeom", timeout_s: float | None = None) -> Pairing:
+    def connect(
+        self,
+        engine_id: str,
+        ports: Mapping[int, Any] | None = None,
+        mode: str = "pull",
+        compat: str = "kvgeom",
+        timeout_s: float | None = None,
+    ) -> Pairing:
         """Handshake with every rank of a remote engine this rank talks to; validate; prepare tables.
 
         ``ports`` maps each rank of the engine to its side channel: a port on our own ``host``, or a
@@ -325,19 +396,26 @@ class KVRank:
         timeout = timeout_s if timeout_s is not None else self.config.handshake_timeout_s
         deadline = time.monotonic() + timeout
         try:
-            return self._connect(engine_id, None if ports is None else dict(ports), mode, compat, deadline,
-                                 timeout)
+            return self._connect(
+                engine_id, None if ports is None else dict(ports), mode, compat, deadline, timeout
+            )
         except (AdapterError, KvgeomError):
             raise
         except Exception as exc:  # anything else a hostile payload provokes is still a typed refusal
-            raise ProtocolError(f"handshake with {engine_id} refused: {type(exc).__name__}: {str(exc)[:200]}",
-                                stage="handshake", peer=engine_id) from exc
+            raise ProtocolError(
+                f"handshake with {engine_id} refused: {type(exc).__name__}: {str(exc)[:200]}",
+                stage="handshake",
+                peer=engine_id,
+            ) from exc
 
     def _left(self, deadline: float, timeout: float, what: str, engine_id: str) -> float:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise HandshakeTimeout(f"handshake with {engine_id} did not finish within {timeout:.3g}s ({what})",
-                                   stage="handshake", peer=engine_id)
+            raise HandshakeTimeout(
+                f"handshake with {engine_id} did not finish within {timeout:.3g}s ({what})",
+                stage="handshake",
+                peer=engine_id,
+            )
         return left
 
     def _addr(self, value: Any) -> tuple[str, int]:
@@ -346,13 +424,22 @@ class KVRank:
         host, port = value
         return str(host), int(port)
 
-    def _connect(self, engine_id: str, ports: dict[int, Any] | None, mode: str, compat: str, deadline: float,
-                 timeout: float) -> Pairing:
+    def _connect(
+        self,
+        engine_id: str,
+        ports: dict[int, Any] | None,
+        mode: str,
+        compat: str,
+        deadline: float,
+        timeout: float,
+    ) -> Pairing:
         payloads: dict[int, dict[str, Any]] = {}
         if ports is None:
             if self.directory is None:
-                raise ValueError(f"connect({engine_id!r}): no side-channel ports given and discovery is "
-                                 f"{self.config.discovery!r}, not 'etcd'")
+                raise ValueError(
+                    f"connect({engine_id!r}): no side-channel ports given and discovery is "
+                    f"{self.config.discovery!r}, not 'etcd'"
+                )
             self._left(deadline, timeout, "reading etcd", engine_id)
             payloads = self.directory.engine(engine_id, deadline)
             addrs = {r: (p["sidechannel"][0], p["sidechannel"][1]) for r, p in payloads.items()}
@@ -361,28 +448,46 @@ class KVRank:
             addrs = {int(r): self._addr(v) for r, v in ports.items()}
             for r, (host, port) in addrs.items():
                 left = self._left(deadline, timeout, f"fetching rank {r}", engine_id)
-                payloads[r] = fetch(host, port, self.payload(), timeout_s=left, auth=self.auth,
-                                    max_bytes=self.config.max_message_bytes)
+                payloads[r] = fetch(
+                    host,
+                    port,
+                    self.payload(),
+                    timeout_s=left,
+                    auth=self.auth,
+                    max_bytes=self.config.max_message_bytes,
+                )
             via = "sidechannel"
         cards = {}
         for r, p in payloads.items():
             where = f"{engine_id} rank {r} ({addrs[r][0]}:{addrs[r][1]})"
             if p["engine_id"] != engine_id or p["rank"] != r:
-                raise ProtocolError(f"{where} answered as engine {p['engine_id']!r} rank {p['rank']}",
-                                    stage="handshake", peer=where)
+                raise ProtocolError(
+                    f"{where} answered as engine {p['engine_id']!r} rank {p['rank']}",
+                    stage="handshake",
+                    peer=where,
+                )
             try:
                 card = GeometryCard.from_json(p["card"], self.card_limits)
             except KvgeomError as exc:
                 self.rejected[engine_id] = str(exc)
                 raise
             if card.engine_id != engine_id or card.engine.tp_rank != r:
-                raise ProtocolError(f"{where} sent the card of engine {card.engine_id!r} rank "
-                                    f"{card.engine.tp_rank}", stage="handshake", peer=where)
+                raise ProtocolError(
+                    f"{where} sent the card of engine {card.engine_id!r} rank {card.engine.tp_rank}",
+                    stage="handshake",
+                    peer=where,
+                )
             self._check_regions(card, p["regions"], where)
-            owner = next((k for k, a in self._agents.items() if a == p["agent_name"] and k != (engine_id, r)), None)
+            owner = next(
+                (k for k, a in self._agents.items() if a == p["agent_name"] and k != (engine_id, r)), None
+            )
             if owner is not None:
-                raise ProtocolError(f"{where} uses agent name {p['agent_name']!r}, which belongs to engine "
-                                    f"{owner[0]!r} rank {owner[1]}", stage="handshake", peer=where)
+                raise ProtocolError(
+                    f"{where} uses agent name {p['agent_name']!r}, which belongs to engine "
+                    f"{owner[0]!r} rank {owner[1]}",
+                    stage="handshake",
+                    peer=where,
+                )
             cards[r] = card
             self._left(deadline, timeout, "checking cards", engine_id)
         try:
@@ -400,11 +505,21 @@ class KVRank:
                 if agent not in self.ep.peers:
                     added.append(agent)
                 self.ep.add_peer(agent, p["agent_metadata"])
-                link = PeerLink(r, addrs[r][0], addrs[r][1], agent, p["generation"], cards[r],
-                                tuple(x[0] for x in p["regions"]), p["device_id"], via=via)
+                link = PeerLink(
+                    r,
+                    addrs[r][0],
+                    addrs[r][1],
+                    agent,
+                    p["generation"],
+                    cards[r],
+                    tuple(x[0] for x in p["regions"]),
+                    p["device_id"],
+                    via=via,
+                )
                 self._check_registered(link, p["regions"], f"{engine_id} rank {r}")
-                link.prepped = self.ep.prep_remote(agent, pairing.remote_table(r).bind_strided(link.bases, link.device),
-                                                   self.mem_type)
+                link.prepped = self.ep.prep_remote(
+                    agent, pairing.remote_table(r).bind_strided(link.bases, link.device), self.mem_type
+                )
                 links[r] = link
                 self._left(deadline, timeout, "preparing tables", engine_id)
         except BaseException:
@@ -428,17 +543,26 @@ class KVRank:
         """The card's regions (count, sizes) are the advertised ones, and no two overlap."""
         want = [r.nbytes for r in card.geometry.regions]
         if len(regions) != len(want):
-            raise ProtocolError(f"{where} advertises {len(regions)} regions, its card has {len(want)}",
-                                stage="handshake", peer=where)
+            raise ProtocolError(
+                f"{where} advertises {len(regions)} regions, its card has {len(want)}",
+                stage="handshake",
+                peer=where,
+            )
         for i, (n_card, (_, n_adv, _)) in enumerate(zip(want, regions)):
             if n_adv != n_card:
-                raise ProtocolError(f"{where} region {i}: advertised {n_adv} bytes, its card implies {n_card}",
-                                    stage="handshake", peer=where)
+                raise ProtocolError(
+                    f"{where} region {i}: advertised {n_adv} bytes, its card implies {n_card}",
+                    stage="handshake",
+                    peer=where,
+                )
         spans = sorted((a, a + n, i) for i, (a, n, _) in enumerate(regions))
         for (a0, e0, i0), (a1, _, i1) in zip(spans, spans[1:]):
             if a1 < e0:
-                raise ProtocolError(f"{where} regions {i0} and {i1} overlap ([{a0:#x}, {e0:#x}) and {a1:#x})",
-                                    stage="handshake", peer=where)
+                raise ProtocolError(
+                    f"{where} regions {i0} and {i1} overlap ([{a0:#x}, {e0:#x}) and {a1:#x})",
+                    stage="handshake",
+                    peer=where,
+                )
 
     def _check_registered(self, link: PeerLink, regions: list[list[int]], where: str) -> None:
         """Every advertised region lies inside what the peer's NIXL metadata registers (prep checks it)."""
@@ -446,8 +570,11 @@ class KVRank:
         try:
             probe = self.ep.prep_remote(link.agent, descs, self.mem_type)
         except TransferError as exc:
-            raise ProtocolError(f"{where}: its card's regions are not all registered in its NIXL metadata "
-                                f"({exc.status})", stage="handshake", peer=where) from exc
+            raise ProtocolError(
+                f"{where}: its card's regions are not all registered in its NIXL metadata ({exc.status})",
+                stage="handshake",
+                peer=where,
+            ) from exc
         probe.release()
 
     def _drop_engine(self, engine_id: str) -> None:
@@ -480,7 +607,9 @@ class KVRank:
         self.rejected.update(out)
         return out
 
-    def watch(self, engine_id: str, ports: Mapping[int, Any] | None = None, timeout_s: float | None = None) -> None:
+    def watch(
+        self, engine_id: str, ports: Mapping[int, Any] | None = None, timeout_s: float | None = None
+    ) -> None:
         """Remember the side channels of an engine that talks to us without our connecting to it (the
         producers that write to us in push; with etcd, also the consumers that read from us in pull), so
         that the fence can learn when one of its ranks is gone. Without ``ports`` (etcd) its ranks'
@@ -502,14 +631,19 @@ class KVRank:
         if (engine_id, key) not in self._local:
             rows = self.pairings[engine_id].local_table(key)
             bases = [r.addr for r in self.regions]
-            self._local[(engine_id, key)] = self.ep.prep_local(rows.bind_strided(bases, self.regions[0].device_id),
-                                                               self.mem_type)
+            self._local[(engine_id, key)] = self.ep.prep_local(
+                rows.bind_strided(bases, self.regions[0].device_id), self.mem_type
+            )
         return self._local[(engine_id, key)]
 
     # -- notices ---------------------------------------------------------------------------------------
     def _notice(self, kind: str, request_id: str, attempt: int, count: int, receiver: str) -> bytes:
-        return encode_notice(self.auth, Notice(kind, self.card.engine_id, self.rank, request_id, attempt, count),
-                             self.ep.name, receiver)
+        return encode_notice(
+            self.auth,
+            Notice(kind, self.card.engine_id, self.rank, request_id, attempt, count),
+            self.ep.name,
+            receiver,
+        )
 
     def _send(self, agent: str, msg: bytes) -> None:
         try:
@@ -548,8 +682,11 @@ class KVRank:
         self._swept = now
         old = now - self.config.notif_ttl_s
         for store in (self._arrived, self._released):
-            for key in [k for k, v in store.items() if all((t[1] if isinstance(t, tuple) else t) < old
-                                                              for t in v.values())]:
+            for key in [
+                k
+                for k, v in store.items()
+                if all((t[1] if isinstance(t, tuple) else t) < old for t in v.values())
+            ]:
                 del store[key]
 
     def _exchanged(self, who: tuple[str, int]) -> str | None:
@@ -561,26 +698,46 @@ class KVRank:
         return watched["agent_name"] if watched is not None else None
 
     # -- transfers -------------------------------------------------------------------------------------
-    def plan(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
-             num_tokens: int | None = None) -> RequestPlan:
-        return plan_request(self.pairings[engine_id], local_ids, remote_ids, request_id, remote_request_id,
-                            num_tokens)
+    def plan(
+        self,
+        engine_id: str,
+        local_ids,
+        remote_ids,
+        request_id: str,
+        remote_request_id: str,
+        num_tokens: int | None = None,
+    ) -> RequestPlan:
+        return plan_request(
+            self.pairings[engine_id], local_ids, remote_ids, request_id, remote_request_id, num_tokens
+        )
 
     def _attempt(self, request_id: str, attempt: int | None) -> int:
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
-            raise ValueError(f"request_id: a string of 1..{MAX_REQUEST_ID} characters, got {str(request_id)[:80]!r}")
+            raise ValueError(
+                f"request_id: a string of 1..{MAX_REQUEST_ID} characters, got {str(request_id)[:80]!r}"
+            )
         last = self._attempts.get(request_id, 0)
         if attempt is None:
             attempt = last + 1
         if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt <= last:
-            raise ValueError(f"attempt: request {request_id!r} already had attempt {last} on this rank; a new "
-                             f"attempt needs a larger number, got {attempt!r}")
+            raise ValueError(
+                f"attempt: request {request_id!r} already had attempt {last} on this rank; a new "
+                f"attempt needs a larger number, got {attempt!r}"
+            )
         self._attempts.touch(request_id, attempt)
         self._attempts[request_id] = attempt
         return attempt
 
-    def _execute(self, engine_id: str, plan: RequestPlan, dst_ids, timeout_s: float | None, attempt: int,
-                 posted: list[Transfer], rid: str) -> RequestResult:
+    def _execute(
+        self,
+        engine_id: str,
+        plan: RequestPlan,
+        dst_ids,
+        timeout_s: float | None,
+        attempt: int,
+        posted: list[Transfer],
+        rid: str,
+    ) -> RequestResult:
         pairing, links = self.pairings[engine_id], self.links[engine_id]
         check_writes(plan, pairing, dst_ids)  # untrusted remote geometry never writes outside the request
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.transfer_timeout_s)
@@ -592,18 +749,39 @@ class KVRank:
         for t in plan.transfers:  # a push WRITE carries its W notice (sent by NIXL once every byte landed)
             link = links[t.remote_rank]
             notif = self._notice("W", rid, attempt, plan.expected_notifications, link.agent) if push else b""
-            posted.append(self.ep.post(plan.op, self._local_handle(engine_id, t.local_table), t.local_ids,
-                                       link.prepped, t.remote_ids, notif))
+            posted.append(
+                self.ep.post(
+                    plan.op,
+                    self._local_handle(engine_id, t.local_table),
+                    t.local_ids,
+                    link.prepped,
+                    t.remote_ids,
+                    notif,
+                )
+            )
         if push:
             for r in plan.notify_only:
-                self._send(links[r].agent, self._notice("W", rid, attempt, plan.expected_notifications,
-                                                        links[r].agent))
+                self._send(
+                    links[r].agent,
+                    self._notice("W", rid, attempt, plan.expected_notifications, links[r].agent),
+                )
         tels = [x.wait(deadline) for x in posted]
         t_done = time.monotonic()
         moves = plan.moves(pairing)
-        return RequestResult(plan.request_id, True, plan.num_descriptors, int(moves[:, 6].sum()) if len(moves) else 0,
-                             0, sum(t.desc_count or 0 for t in tels), contiguous_runs(moves), time.monotonic() - t0,
-                             t_done - t_post, None, tels, attempt)
+        return RequestResult(
+            plan.request_id,
+            True,
+            plan.num_descriptors,
+            int(moves[:, 6].sum()) if len(moves) else 0,
+            0,
+            sum(t.desc_count or 0 for t in tels),
+            contiguous_runs(moves),
+            time.monotonic() - t0,
+            t_done - t_post,
+            None,
+            tels,
+            attempt,
+        )
 
     def _check_fresh(self, engine_id: str, link: PeerLink, deadline: float) -> None:
         """Stale metadata is never used: the peer must still publish the generation we loaded. A link found
@@ -612,24 +790,43 @@ class KVRank:
         now = time.monotonic()
         if link.via == "etcd" and self.directory is not None and now >= self._etcd_down_until:
             try:
-                self.directory.check(engine_id, link.rank, link.generation, link.agent,
-                                     min(deadline, now + self.config.etcd_timeout_s))
+                self.directory.check(
+                    engine_id,
+                    link.rank,
+                    link.generation,
+                    link.agent,
+                    min(deadline, now + self.config.etcd_timeout_s),
+                )
                 return
             except DiscoveryError:  # for a while, ask peers directly instead of waiting for etcd each time
                 self._etcd_down_until = time.monotonic() + _ETCD_RETRY_S
                 self.stats["etcd_fallbacks"] += 1
         elif link.via == "etcd":
             self.stats["etcd_fallbacks"] += 1
-        check_generation(link.host, link.port, link.generation, timeout_s=max(0.1, deadline - time.monotonic()),
-                         auth=self.auth)
+        check_generation(
+            link.host,
+            link.port,
+            link.generation,
+            timeout_s=max(0.1, deadline - time.monotonic()),
+            auth=self.auth,
+        )
 
-    def _fail(self, exc: BaseException, token: Token, ids, posted: Sequence[Transfer] = (),
-              writers: Sequence[tuple[str, int]] = (), zero: bool = True) -> None:
+    def _fail(
+        self,
+        exc: BaseException,
+        token: Token,
+        ids,
+        posted: Sequence[Transfer] = (),
+        writers: Sequence[tuple[str, int]] = (),
+        zero: bool = True,
+    ) -> None:
         """A failed attempt: zero its blocks now and quarantine them until nothing can write them."""
         try:
             if zero:
                 self.invalidate(ids)
-            self.fence.hold(token, ids, [x for x in posted if x.live], writers, f"{type(exc).__name__}: {exc}")
+            self.fence.hold(
+                token, ids, [x for x in posted if x.live], writers, f"{type(exc).__name__}: {exc}"
+            )
         except KvgeomError:
             pass  # ids that are not this rank's blocks: nothing was posted towards them
         try:
@@ -637,9 +834,17 @@ class KVRank:
         except AttributeError:
             pass
 
-    def pull(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
-             timeout_s: float | None = None, num_tokens: int | None = None,
-             attempt: int | None = None) -> RequestResult:
+    def pull(
+        self,
+        engine_id: str,
+        local_ids,
+        remote_ids,
+        request_id: str,
+        remote_request_id: str,
+        timeout_s: float | None = None,
+        num_tokens: int | None = None,
+        attempt: int | None = None,
+    ) -> RequestResult:
         """Read a request's blocks from the remote engine into ours, then regroup and zero, then tell
         every producer rank that we are done (``D`` notice). On any failure (whatever the exception)
         the blocks are zeroed and quarantined, and the error is raised (bounded by ``timeout_s``)."""
@@ -654,13 +859,24 @@ class KVRank:
             raise
         links = self.links[engine_id]
         for r in [t.remote_rank for t in plan.transfers] + list(plan.notify_only):
-            self._send(links[r].agent, self._notice("D", remote_request_id, attempt, plan.expected_notifications,
-                                                    links[r].agent))
+            self._send(
+                links[r].agent,
+                self._notice("D", remote_request_id, attempt, plan.expected_notifications, links[r].agent),
+            )
         return result
 
-    def push(self, engine_id: str, local_ids, remote_ids, request_id: str, remote_request_id: str,
-             timeout_s: float | None = None, num_tokens: int | None = None, attempt: int = 1,
-             not_after: float | None = None) -> RequestResult:
+    def push(
+        self,
+        engine_id: str,
+        local_ids,
+        remote_ids,
+        request_id: str,
+        remote_request_id: str,
+        timeout_s: float | None = None,
+        num_tokens: int | None = None,
+        attempt: int = 1,
+        not_after: float | None = None,
+    ) -> RequestResult:
         """Write a request's blocks into the remote (D) engine's blocks ``remote_ids``, as attempt
         ``attempt`` (given by whoever asked for it; D waits for exactly that one). ``not_after`` (seconds
         since the epoch): past it, nothing is posted and every target gets an ``A`` notice. A WRITE that
@@ -672,9 +888,12 @@ class KVRank:
         try:
             plan = self.plan(engine_id, local_ids, remote_ids, request_id, remote_request_id, num_tokens)
             if not_after is not None and time.time() > not_after:
-                raise TransferError(f"attempt {attempt} of {remote_request_id!r} expired "
-                                    f"{time.time() - not_after:.3f}s before it could be posted", stage="post",
-                                    status="EXPIRED")
+                raise TransferError(
+                    f"attempt {attempt} of {remote_request_id!r} expired "
+                    f"{time.time() - not_after:.3f}s before it could be posted",
+                    stage="post",
+                    status="EXPIRED",
+                )
             return self._execute(engine_id, plan, remote_ids, timeout_s, attempt, posted, remote_request_id)
         except BaseException as exc:
             done = {x.peer for x in posted if x.state == "DONE"}  # NIXL sent their W notices
@@ -689,12 +908,23 @@ class KVRank:
     def _writers(self, producer: GeometryCard) -> set[tuple[str, int]]:
         """The producer ranks that write to this rank in push (their handshake targets include us)."""
         p_tp = producer.engine.tp_size
-        return {(producer.engine_id, p) for p in range(p_tp)
-                if self.rank in handshake_targets(p, p_tp, self.card.engine.tp_size)}
+        return {
+            (producer.engine_id, p)
+            for p in range(p_tp)
+            if self.rank in handshake_targets(p, p_tp, self.card.engine.tp_size)
+        }
 
-    def wait_received(self, producer: GeometryCard, local_ids, producer_ids, request_id: str,
-                      expected: int | None = None, timeout_s: float | None = None, num_tokens: int | None = None,
-                      attempt: int = 1) -> RequestResult:
+    def wait_received(
+        self,
+        producer: GeometryCard,
+        local_ids,
+        producer_ids,
+        request_id: str,
+        expected: int | None = None,
+        timeout_s: float | None = None,
+        num_tokens: int | None = None,
+        attempt: int = 1,
+    ) -> RequestResult:
         """D in push: wait for the ``W`` notice of exactly attempt ``attempt`` of ``request_id`` from
         every producer rank that writes to this rank, then apply kvgeom's post-receive step (vLLM never
         zeroes in push). An ``A`` notice, the deadline or any other failure zeroes the blocks and
@@ -705,7 +935,9 @@ class KVRank:
         token = (request_id, attempt)
         writers = self._writers(producer)
         if expected is not None and expected != len(writers):
-            raise ValueError(f"expected: {len(writers)} producer ranks write to rank {self.rank}, not {expected}")
+            raise ValueError(
+                f"expected: {len(writers)} producer ranks write to rank {self.rank}, not {expected}"
+            )
         end = t0 + (timeout_s if timeout_s is not None else self.config.notif_timeout_s)
         got: dict = {}
         try:
@@ -714,25 +946,34 @@ class KVRank:
                 got = self._arrived.get(token, {})
                 aborted = sorted(w for w, (kind, _) in got.items() if kind == "A" and w in writers)
                 if aborted:
-                    raise TransferError(f"producer rank(s) {aborted} abandoned attempt {attempt} of {request_id!r}",
-                                        stage="notif", status="ABORTED")
+                    raise TransferError(
+                        f"producer rank(s) {aborted} abandoned attempt {attempt} of {request_id!r}",
+                        stage="notif",
+                        status="ABORTED",
+                    )
                 if all(w in got for w in writers):
                     break
                 now = time.monotonic()
                 if now >= end:
-                    raise NotifTimeout(f"{sum(w in got for w in writers)} of {len(writers)} producer rank(s) "
-                                       f"completed attempt {attempt} of {request_id!r} before the deadline",
-                                       stage="notif", status="TIMEOUT")
+                    raise NotifTimeout(
+                        f"{sum(w in got for w in writers)} of {len(writers)} producer rank(s) "
+                        f"completed attempt {attempt} of {request_id!r} before the deadline",
+                        stage="notif",
+                        status="TIMEOUT",
+                    )
                 time.sleep(self.config.poll_interval_s)
-            regroups, zero = receive_step(self.card.geometry, producer.geometry, local_ids, producer_ids,
-                                          num_tokens)
+            regroups, zero = receive_step(
+                self.card.geometry, producer.geometry, local_ids, producer_ids, num_tokens
+            )
             zeroed = apply_post_receive(self.tensors, self.card, regroups, zero)
         except BaseException as exc:
             self._fail(exc, token, local_ids, writers=[w for w in writers if w not in got])
             raise
         finally:
             self._arrived.pop(token, None)
-        return RequestResult(request_id, True, bytes_zeroed=zeroed, seconds=time.monotonic() - t0, attempt=attempt)
+        return RequestResult(
+            request_id, True, bytes_zeroed=zeroed, seconds=time.monotonic() - t0, attempt=attempt
+        )
 
     def invalidate(self, ids) -> int:
         """Zero every block of a request on this rank (a failed receive must leave no partial or stale
@@ -768,8 +1009,16 @@ class KVRank:
         out = []
         for held in self.fence.ready():
             self.invalidate(held.ids)
-            out.append(Settled(held.token[0], held.token[1], held.ids, time.monotonic() - held.since,
-                               tuple(held.cleared_by), held.reason))
+            out.append(
+                Settled(
+                    held.token[0],
+                    held.token[1],
+                    held.ids,
+                    time.monotonic() - held.since,
+                    tuple(held.cleared_by),
+                    held.reason,
+                )
+            )
         return out
 
     def quarantined(self) -> list[Held]:
@@ -792,8 +1041,11 @@ class KVRank:
                 self._released.pop(request_id, None)
                 return n
             if time.monotonic() >= end:
-                raise NotifTimeout(f"{n} of {expected} consumer rank(s) released {request_id!r} before the deadline",
-                                   stage="notif", status="TIMEOUT")
+                raise NotifTimeout(
+                    f"{n} of {expected} consumer rank(s) released {request_id!r} before the deadline",
+                    stage="notif",
+                    status="TIMEOUT",
+                )
             time.sleep(self.config.poll_interval_s)
 
     def forget_released(self, request_id: str) -> None:
@@ -819,8 +1071,11 @@ class KVRank:
         are live: their bytes could still land."""
         live = self.ep.live_transfers()
         if live:
-            raise TransferError(f"{len(live)} transfer(s) still live; settle() until they end before rebinding",
-                                stage="rebind", status="BUSY")
+            raise TransferError(
+                f"{len(live)} transfer(s) still live; settle() until they end before rebinding",
+                stage="rebind",
+                status="BUSY",
+            )
         old_ep, old_server = self.ep, self.server
         for h in self._local.values():
             h.release()

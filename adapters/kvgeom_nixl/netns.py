@@ -41,8 +41,20 @@ from typing import Any
 
 from .errors import AdapterError
 
-__all__ = ["Host", "VirtualNet", "EtcdServer", "enter_netns", "call_in", "leftovers", "remove_leftovers",
-           "install_cleanup", "measure_capacity", "PREFIX", "DEVICE", "missing_tools"]
+__all__ = [
+    "Host",
+    "VirtualNet",
+    "EtcdServer",
+    "enter_netns",
+    "call_in",
+    "leftovers",
+    "remove_leftovers",
+    "install_cleanup",
+    "measure_capacity",
+    "PREFIX",
+    "DEVICE",
+    "missing_tools",
+]
 
 PREFIX = "kvgh"
 DEVICE = "kvh0"  # the interface of every host, inside its namespace
@@ -84,7 +96,9 @@ def enter_netns(name: str) -> None:
         raise NetError(f"making / a slave mount failed: {os.strerror(ctypes.get_errno())}", stage="netns")
     libc.umount2(b"/sys", _MNT_DETACH)
     if libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
-        raise NetError(f"mounting sysfs for {name!r} failed: {os.strerror(ctypes.get_errno())}", stage="netns")
+        raise NetError(
+            f"mounting sysfs for {name!r} failed: {os.strerror(ctypes.get_errno())}", stage="netns"
+        )
 
 
 def call_in(netns: str, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> Any:
@@ -125,7 +139,9 @@ _NETEM: dict[str, bool] = {}
 def _has_netem(netns: str) -> bool:
     """Whether the kernel has ``sch_netem`` (tried once on ``netns``'s loopback)."""
     if "v" not in _NETEM:
-        res = _run(["tc", "-n", netns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"], check=False)
+        res = _run(
+            ["tc", "-n", netns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"], check=False
+        )
         _NETEM["v"] = res.returncode == 0
         if _NETEM["v"]:
             _run(["tc", "-n", netns, "qdisc", "del", "dev", "lo", "root"], check=False)
@@ -138,9 +154,13 @@ def _run(argv: Sequence[str], timeout_s: float = 10.0, check: bool = True) -> su
     except subprocess.TimeoutExpired:
         raise NetError(f"{' '.join(argv)} did not finish within {timeout_s:.3g}s", stage="netns") from None
     except FileNotFoundError:
-        raise NetError(f"{argv[0]} is not installed (Debian: apt-get install iproute2)", stage="netns") from None
+        raise NetError(
+            f"{argv[0]} is not installed (Debian: apt-get install iproute2)", stage="netns"
+        ) from None
     if check and res.returncode != 0:
-        raise NetError(f"{' '.join(argv)} failed ({res.returncode}): {res.stderr.strip()[:300]}", stage="netns")
+        raise NetError(
+            f"{' '.join(argv)} failed ({res.returncode}): {res.stderr.strip()[:300]}", stage="netns"
+        )
     return res
 
 
@@ -272,12 +292,17 @@ class VirtualNet:
     ...     net.netem("d", delay_ms=100, loss_pct=5)
     """
 
-    def __init__(self, hosts: Sequence[str], *, subnet: str = "10.77.0", mtu: int = 1500,
-                 impairable: bool = True) -> None:
-        missing = [t for t in missing_tools() if t in ("ip", "tc", "root") + (("ethtool",) if impairable else ())]
+    def __init__(
+        self, hosts: Sequence[str], *, subnet: str = "10.77.0", mtu: int = 1500, impairable: bool = True
+    ) -> None:
+        missing = [
+            t for t in missing_tools() if t in ("ip", "tc", "root") + (("ethtool",) if impairable else ())
+        ]
         if missing:
-            raise NetError(f"a virtual network needs {missing} (Debian: apt-get install iproute2; run as root)",
-                           stage="netns")
+            raise NetError(
+                f"a virtual network needs {missing} (Debian: apt-get install iproute2; run as root)",
+                stage="netns",
+            )
         if len(set(hosts)) != len(hosts) or not hosts:
             raise ValueError(f"hosts: need distinct names, got {list(hosts)!r}")
         for h in hosts:
@@ -313,8 +338,27 @@ class VirtualNet:
             host = Host(name, ns, f"{self.subnet}.{i}", f"p{i}", i)
             _run(["ip", "netns", "add", ns])
             self.hosts[name] = host
-            _run(["ip", "link", "add", DEVICE, "netns", ns, "mtu", str(mtu), "type", "veth", "peer", "name",
-                  host.port, "netns", self.switch, "mtu", str(mtu)])
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    DEVICE,
+                    "netns",
+                    ns,
+                    "mtu",
+                    str(mtu),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    host.port,
+                    "netns",
+                    self.switch,
+                    "mtu",
+                    str(mtu),
+                ]
+            )
             _run(["ip", "-n", self.switch, "link", "set", host.port, "master", "br0", "up"])
             if self.impairable:  # checksummed frames of at most the MTU on the wire (see kvgeom_nixl.impair)
                 _run(["ip", "netns", "exec", ns, "ethtool", "-K", DEVICE, "tx", "off"])
@@ -346,8 +390,17 @@ class VirtualNet:
     def link_up(self, host: str) -> None:
         _run(["ip", "-n", self.switch, "link", "set", self.hosts[host].port, "up"])
 
-    def netem(self, host: str, *, delay_ms: float = 0.0, jitter_ms: float = 0.0, loss_pct: float = 0.0,
-              rate_mbit: float | None = None, both: bool = False, seed: int = 0) -> str:
+    def netem(
+        self,
+        host: str,
+        *,
+        delay_ms: float = 0.0,
+        jitter_ms: float = 0.0,
+        loss_pct: float = 0.0,
+        rate_mbit: float | None = None,
+        both: bool = False,
+        seed: int = 0,
+    ) -> str:
         """Impair what ``host`` sends, as ``tc qdisc replace dev kvh0 root netem delay <d>ms loss <l>%``
         on the host would (``both``: what it receives too; ``rate_mbit`` caps the rate). Uses ``tc netem``
         when the kernel has it, else the userspace impairer (:mod:`kvgeom_nixl.impair`, which needs the
@@ -368,7 +421,9 @@ class VirtualNet:
             self._impaired[host] = "tc-netem"
             return "tc-netem"
         if not self.impairable:
-            raise NetError("this kernel has no sch_netem and the network was not created impairable", stage="netns")
+            raise NetError(
+                "this kernel has no sch_netem and the network was not created impairable", stage="netns"
+            )
         q, r = f"q{h.index}", f"r{h.index}"
         if q not in self._bridged:
             _run(["ip", "-n", self.switch, "link", "add", q, "type", "veth", "peer", "name", r])
@@ -378,20 +433,45 @@ class VirtualNet:
         _run(["ip", "-n", self.switch, "link", "set", q, "up"])
         _run(["ip", "-n", self.switch, "link", "set", h.port, "up"])
         pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        argv = [sys.executable, "-m", "kvgeom_nixl.impair", "--netns", self.switch, "--host-port", h.port,
-                "--bridge-port", q, "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--loss-pct",
-                str(loss_pct), "--seed", str(seed)] + (["--rate-mbit", str(rate_mbit)] if rate_mbit else []) + \
-               (["--both"] if both else [])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        argv = (
+            [
+                sys.executable,
+                "-m",
+                "kvgeom_nixl.impair",
+                "--netns",
+                self.switch,
+                "--host-port",
+                h.port,
+                "--bridge-port",
+                q,
+                "--delay-ms",
+                str(delay_ms),
+                "--jitter-ms",
+                str(jitter_ms),
+                "--loss-pct",
+                str(loss_pct),
+                "--seed",
+                str(seed),
+            ]
+            + (["--rate-mbit", str(rate_mbit)] if rate_mbit else [])
+            + (["--both"] if both else [])
+        )
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([pkg] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        )
         log = os.path.join(self._tmp, f"impair-{host}-{len(self._procs)}.log")
         with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
         proc.log_path = log  # type: ignore[attr-defined]
         self._procs.append(proc)
         self._impaired[host] = proc
         time.sleep(0.2)  # its sockets are open before frames are sent its way
         if proc.poll() is not None:
-            raise NetError(f"the impairer exited with {proc.returncode}: {open(log).read()[-400:]}", stage="netns")
+            raise NetError(
+                f"the impairer exited with {proc.returncode}: {open(log).read()[-400:]}", stage="netns"
+            )
         return "impair"
 
     def clear_netem(self, host: str) -> None:
@@ -418,15 +498,22 @@ class VirtualNet:
         return new
 
     # -- processes
-    def popen(self, host: str, argv: Sequence[str], *, log: str | None = None, **kwargs: Any) -> subprocess.Popen:
+    def popen(
+        self, host: str, argv: Sequence[str], *, log: str | None = None, **kwargs: Any
+    ) -> subprocess.Popen:
         """Start ``argv`` inside ``host`` (``ip netns exec``: the pid is the program's own). Output goes to
         ``log`` (a file under :attr:`workdir` by default). Ended by :meth:`stop` or :meth:`close`."""
         if self._closed:
             raise NetError("the virtual network is closed", stage="netns")
         path = log or os.path.join(self._tmp, f"{host}-{os.path.basename(argv[0])}-{len(self._procs)}.log")
         with open(path, "ab") as out:
-            p = subprocess.Popen(["ip", "netns", "exec", self.hosts[host].netns, *argv], stdout=out,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **kwargs)
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", self.hosts[host].netns, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                **kwargs,
+            )
         p.log_path = path  # type: ignore[attr-defined]
         self._procs.append(p)
         return p
@@ -450,7 +537,9 @@ class VirtualNet:
                     pass
         return proc.poll()
 
-    def call(self, host: str, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+    def call(
+        self, host: str, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0, **kwargs: Any
+    ) -> Any:
         """:func:`call_in` ``host``'s namespace."""
         return call_in(self.hosts[host].netns, fn, *args, timeout_s=timeout_s, **kwargs)
 
@@ -519,11 +608,31 @@ class EtcdServer:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         peer = f"http://127.0.0.1:{self.port + 1}"
         self.starts += 1
-        self.proc = self.net.popen(self.host, [
-            "etcd", "--name", "kvgeom", "--data-dir", self.data_dir, "--listen-client-urls", self.endpoint,
-            "--advertise-client-urls", self.endpoint, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
-            peer, "--initial-cluster", f"kvgeom={peer}", "--logger", "zap", "--log-level", "error"],
-            log=os.path.join(self.net.workdir, f"etcd-{self.host}-{self.starts}.log"))
+        self.proc = self.net.popen(
+            self.host,
+            [
+                "etcd",
+                "--name",
+                "kvgeom",
+                "--data-dir",
+                self.data_dir,
+                "--listen-client-urls",
+                self.endpoint,
+                "--advertise-client-urls",
+                self.endpoint,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"kvgeom={peer}",
+                "--logger",
+                "zap",
+                "--log-level",
+                "error",
+            ],
+            log=os.path.join(self.net.workdir, f"etcd-{self.host}-{self.starts}.log"),
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -564,8 +673,9 @@ def _health(endpoint: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- capacity
-def measure_capacity(net: VirtualNet, server: str, client: str, seconds: float = 2.0, reverse: bool = False,
-                     port: int = 5201) -> float:
+def measure_capacity(
+    net: VirtualNet, server: str, client: str, seconds: float = 2.0, reverse: bool = False, port: int = 5201
+) -> float:
     """The link's capacity from ``client`` to ``server`` (or back, ``reverse``) in bytes per second: one
     TCP stream of ``iperf3`` for ``seconds`` (what a single UCX TCP connection can hope for)."""
     if shutil.which("iperf3") is None:
@@ -574,9 +684,26 @@ def measure_capacity(net: VirtualNet, server: str, client: str, seconds: float =
     try:
         deadline = time.monotonic() + 10.0
         while True:
-            res = subprocess.run(["ip", "netns", "exec", net[client].netns, "iperf3", "-c", net[server].addr, "-p",
-                                  str(port), "-t", f"{seconds:g}", "-J"] + (["-R"] if reverse else []),
-                                 capture_output=True, text=True, timeout=seconds + 20)
+            res = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    net[client].netns,
+                    "iperf3",
+                    "-c",
+                    net[server].addr,
+                    "-p",
+                    str(port),
+                    "-t",
+                    f"{seconds:g}",
+                    "-J",
+                ]
+                + (["-R"] if reverse else []),
+                capture_output=True,
+                text=True,
+                timeout=seconds + 20,
+            )
             try:
                 data = json.loads(res.stdout)
                 return float(data["end"]["sum_received"]["bits_per_second"]) / 8.0

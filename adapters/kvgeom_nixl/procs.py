@@ -53,8 +53,9 @@ class Result:
         raise ChildFailed(f"child {self.name!r} failed: {self.error}{detail}", stage="child", peer=self.name)
 
 
-def _child_main(target: Callable[..., Any], args: tuple, kwargs: dict, name: str, results: Any,
-                netns: str | None = None) -> None:
+def _child_main(
+    target: Callable[..., Any], args: tuple, kwargs: dict, name: str, results: Any, netns: str | None = None
+) -> None:
     t0 = time.monotonic()
 
     def failure(err: str, exc: BaseException) -> tuple:

@@ -95,11 +95,17 @@ def _b64_hook(obj: dict[str, Any]) -> Any:
 def _dumps(obj: Any) -> bytes:
     """Canonical JSON (sorted keys, no spaces, no NaN): what tags and seals are computed over. The walk is
     json's own (C) encoder; only bytes, mappings and numpy values reach :func:`_default`."""
-    return json.dumps(obj, default=_default, separators=(",", ":"), allow_nan=False, sort_keys=True).encode("utf-8")
+    return json.dumps(obj, default=_default, separators=(",", ":"), allow_nan=False, sort_keys=True).encode(
+        "utf-8"
+    )
 
 
-def encode(message: Mapping[str, Any], auth: Auth | None = None, bind: bytes = b"req",
-           max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+def encode(
+    message: Mapping[str, Any],
+    auth: Auth | None = None,
+    bind: bytes = b"req",
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> bytes:
     """One framed message: length prefix + tag + JSON (``bytes`` values as base64)."""
     body = _dumps(message)
     return _frame(body, auth, bind, max_bytes)
@@ -155,8 +161,9 @@ def _recv_frame(sock: socket.socket, deadline: float, max_bytes: int) -> tuple[b
     """``(tag, body)`` of one message; the whole message must arrive before ``deadline``."""
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if n > max_bytes:
-        raise ProtocolError(f"announced message of {n} bytes exceeds the limit of {max_bytes}",
-                            stage="sidechannel")
+        raise ProtocolError(
+            f"announced message of {n} bytes exceeds the limit of {max_bytes}", stage="sidechannel"
+        )
     if n < TAG_BYTES:
         raise ProtocolError(f"message of {n} bytes is shorter than its tag", stage="sidechannel")
     data = _recv_exact(sock, n, deadline)
@@ -212,62 +219,133 @@ def open_payload(payload: Any, auth: Auth, where: str | None = None) -> dict[str
     """Check a received payload's ``seal``; returns the payload without it. :class:`AuthenticationError`
     if the seal is missing or wrong, :class:`ProtocolError` if it is not an object."""
     if not isinstance(payload, dict):
-        raise ProtocolError(f"payload is a {type(payload).__name__}, expected an object", stage="handshake",
-                            peer=where)
+        raise ProtocolError(
+            f"payload is a {type(payload).__name__}, expected an object", stage="handshake", peer=where
+        )
     seal = payload.get("seal")
     body = {k: v for k, v in payload.items() if k != "seal"}
     if not isinstance(seal, bytes) or not auth.check("payload", seal, _dumps(body)):
-        raise AuthenticationError("handshake payload is not sealed with this deployment's secret",
-                                  stage="handshake", peer=where)
+        raise AuthenticationError(
+            "handshake payload is not sealed with this deployment's secret", stage="handshake", peer=where
+        )
     return body
 
 
 def _need(cond: bool, field: str, value: Any, what: str, where: str | None) -> None:
     if not cond:
         text = repr(value)
-        raise ProtocolError(f"payload field {field!r}: {what}, got {text[:120]}", stage="handshake", peer=where)
+        raise ProtocolError(
+            f"payload field {field!r}: {what}, got {text[:120]}", stage="handshake", peer=where
+        )
 
 
 def _is_int(v: Any, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
 
 
-def validate_payload(payload: Any, where: str | None = None, *, max_regions: int = MAX_REGIONS,
-                     max_metadata_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+def validate_payload(
+    payload: Any,
+    where: str | None = None,
+    *,
+    max_regions: int = MAX_REGIONS,
+    max_metadata_bytes: int = MAX_MESSAGE_BYTES,
+) -> dict[str, Any]:
     """Check every field's type and range before anything uses it; :class:`ProtocolError` names the
     field and the value. Returns the payload."""
     _need(isinstance(payload, dict), "payload", type(payload).__name__, "expected an object", where)
     for key in ("engine_id", "agent_name"):
         v = payload.get(key)
-        _need(isinstance(v, str) and 0 < len(v) <= MAX_NAME, key, v, f"expected a string of 1..{MAX_NAME} chars",
-              where)
-    _need(_is_int(payload.get("rank"), 0, 1 << 16), "rank", payload.get("rank"), "expected an int in [0, 65536)",
-          where)
+        _need(
+            isinstance(v, str) and 0 < len(v) <= MAX_NAME,
+            key,
+            v,
+            f"expected a string of 1..{MAX_NAME} chars",
+            where,
+        )
+    _need(
+        _is_int(payload.get("rank"), 0, 1 << 16),
+        "rank",
+        payload.get("rank"),
+        "expected an int in [0, 65536)",
+        where,
+    )
     md = payload.get("agent_metadata")
-    _need(isinstance(md, bytes) and 0 < len(md) <= max_metadata_bytes, "agent_metadata",
-          type(md).__name__ if not isinstance(md, bytes) else f"{len(md)} bytes", "expected non-empty bytes", where)
-    _need(isinstance(payload.get("card"), dict), "card", type(payload.get("card")).__name__,
-          "expected an object", where)
+    _need(
+        isinstance(md, bytes) and 0 < len(md) <= max_metadata_bytes,
+        "agent_metadata",
+        type(md).__name__ if not isinstance(md, bytes) else f"{len(md)} bytes",
+        "expected non-empty bytes",
+        where,
+    )
+    _need(
+        isinstance(payload.get("card"), dict),
+        "card",
+        type(payload.get("card")).__name__,
+        "expected an object",
+        where,
+    )
     regions = payload.get("regions")
-    _need(isinstance(regions, list) and 0 < len(regions) <= max_regions, "regions",
-          len(regions) if isinstance(regions, list) else regions, f"expected a list of 1..{max_regions} regions",
-          where)
+    _need(
+        isinstance(regions, list) and 0 < len(regions) <= max_regions,
+        "regions",
+        len(regions) if isinstance(regions, list) else regions,
+        f"expected a list of 1..{max_regions} regions",
+        where,
+    )
     for i, r in enumerate(regions):
-        _need(isinstance(r, list) and len(r) == 3 and _is_int(r[0], 1, 1 << 64) and _is_int(r[1], 1, 1 << 48)
-              and _is_int(r[2], 0, 1 << 16) and r[0] + r[1] <= 1 << 64, f"regions[{i}]", r,
-              "expected [addr, nbytes, device_id] with 0 < addr, 0 < nbytes < 2**48, addr + nbytes <= 2**64", where)
-    _need(_is_int(payload.get("device_id"), 0, 1 << 16), "device_id", payload.get("device_id"),
-          "expected an int in [0, 65536)", where)
-    _need(_is_int(payload.get("generation"), 0, 1 << 63), "generation", payload.get("generation"),
-          "expected an int >= 0", where)
+        _need(
+            isinstance(r, list)
+            and len(r) == 3
+            and _is_int(r[0], 1, 1 << 64)
+            and _is_int(r[1], 1, 1 << 48)
+            and _is_int(r[2], 0, 1 << 16)
+            and r[0] + r[1] <= 1 << 64,
+            f"regions[{i}]",
+            r,
+            "expected [addr, nbytes, device_id] with 0 < addr, 0 < nbytes < 2**48, addr + nbytes <= 2**64",
+            where,
+        )
+    _need(
+        _is_int(payload.get("device_id"), 0, 1 << 16),
+        "device_id",
+        payload.get("device_id"),
+        "expected an int in [0, 65536)",
+        where,
+    )
+    _need(
+        _is_int(payload.get("generation"), 0, 1 << 63),
+        "generation",
+        payload.get("generation"),
+        "expected an int >= 0",
+        where,
+    )
     sc = payload.get("sidechannel", "missing")
-    _need(sc is None or (isinstance(sc, list) and len(sc) == 2 and isinstance(sc[0], str) and 0 < len(sc[0]) <= MAX_NAME
-                         and _is_int(sc[1], 0, 1 << 16)), "sidechannel", sc, "expected null or [host, port]", where)
+    _need(
+        sc is None
+        or (
+            isinstance(sc, list)
+            and len(sc) == 2
+            and isinstance(sc[0], str)
+            and 0 < len(sc[0]) <= MAX_NAME
+            and _is_int(sc[1], 0, 1 << 16)
+        ),
+        "sidechannel",
+        sc,
+        "expected null or [host, port]",
+        where,
+    )
     inc = payload.get("incarnation")
-    _need(isinstance(inc, str) and len(inc) <= 64, "incarnation", inc, "expected a string of 0..64 chars", where)
+    _need(
+        isinstance(inc, str) and len(inc) <= 64, "incarnation", inc, "expected a string of 0..64 chars", where
+    )
     started = payload.get("started")
-    _need(isinstance(started, float) and started >= 0 and started == started and started != float("inf"),
-          "started", started, "expected a finite number >= 0", where)
+    _need(
+        isinstance(started, float) and started >= 0 and started == started and started != float("inf"),
+        "started",
+        started,
+        "expected a finite number >= 0",
+        where,
+    )
     return payload
 
 
@@ -435,8 +513,13 @@ class SideChannelServer:
                     tag, body = _recv_frame(conn, deadline, self._max_bytes)
                     if not self._auth.check("sidechannel", tag, b"req", body):
                         self._count("refused_auth")
-                        reply = _frame(b'{"auth":false,"error":"authentication failed: this side channel needs '
-                                       b'the deployment\'s secret","ok":false}', None, b"", self._max_bytes)
+                        reply = _frame(
+                            b'{"auth":false,"error":"authentication failed: this side channel needs '
+                            b'the deployment\'s secret","ok":false}',
+                            None,
+                            b"",
+                            self._max_bytes,
+                        )
                     else:
                         reply = self._answer(decode(body))
                     _send_all(conn, reply, deadline)
@@ -474,10 +557,13 @@ class SideChannelServer:
     def _answer(self, msg: dict[str, Any]) -> bytes:
         nonce = msg.get("nonce")
         if not isinstance(nonce, str) or not 16 <= len(nonce) <= 64:
-            return _frame(_dumps({"ok": False, "error": "request without a nonce"}), None, b"", self._max_bytes)
+            return _frame(
+                _dumps({"ok": False, "error": "request without a nonce"}), None, b"", self._max_bytes
+            )
         if msg.get("v") != PROTOCOL_VERSION:
-            return self._error(nonce, f"unsupported protocol version {msg.get('v')!r} (this side speaks "
-                                      f"{PROTOCOL_VERSION})")
+            return self._error(
+                nonce, f"unsupported protocol version {msg.get('v')!r} (this side speaks {PROTOCOL_VERSION})"
+            )
         stale = self._fresh(nonce, msg.get("ts"))
         if stale:
             self._count("refused_replay")
@@ -489,8 +575,9 @@ class SideChannelServer:
             return self._reply(nonce, _dumps({"ok": True, "generation": gen, "nonce": nonce}))
         if op == "exchange":
             try:
-                peer = validate_payload(open_payload(msg.get("payload"), self._auth),
-                                        max_metadata_bytes=self._max_bytes)
+                peer = validate_payload(
+                    open_payload(msg.get("payload"), self._auth), max_metadata_bytes=self._max_bytes
+                )
             except ProtocolError as e:
                 return self._error(nonce, f"exchange refused: {e}")
             with self._lock:
@@ -517,8 +604,14 @@ class _DeadlinePassed(TimeoutError):
     """The deadline passed before an attempt could start (keeps the previous attempt's error)."""
 
 
-def _request(host: str, port: int, msg: Mapping[str, Any], deadline: float, auth: Auth,
-             max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+def _request(
+    host: str,
+    port: int,
+    msg: Mapping[str, Any],
+    deadline: float,
+    auth: Auth,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> dict[str, Any]:
     """One connection, one request, one reply, all before the absolute ``deadline``; the reply must be
     tagged for this request's nonce."""
     where = f"{host}:{port}"
@@ -537,16 +630,25 @@ def _request(host: str, port: int, msg: Mapping[str, Any], deadline: float, auth
             said = None
         raise AuthenticationError(
             f"{where} {'refused us: ' + repr(said) if said else 'sent a reply without a valid tag'} (do both sides "
-            "have the same secret?)", stage="sidechannel", peer=where)
+            "have the same secret?)",
+            stage="sidechannel",
+            peer=where,
+        )
     reply = decode(body)
     if reply.get("auth") is False:
-        raise AuthenticationError(f"{where} refused us: {reply.get('error')!r} (do both sides have the same secret?)",
-                                  stage="sidechannel", peer=where)
+        raise AuthenticationError(
+            f"{where} refused us: {reply.get('error')!r} (do both sides have the same secret?)",
+            stage="sidechannel",
+            peer=where,
+        )
     if reply.get("nonce") != nonce:
-        raise AuthenticationError(f"{where} answered another request (nonce mismatch)", stage="sidechannel",
-                                  peer=where)
+        raise AuthenticationError(
+            f"{where} answered another request (nonce mismatch)", stage="sidechannel", peer=where
+        )
     if reply.get("ok") is not True:
-        raise ProtocolError(f"{where} refused the request: {reply.get('error')!r}", stage="sidechannel", peer=where)
+        raise ProtocolError(
+            f"{where} refused the request: {reply.get('error')!r}", stage="sidechannel", peer=where
+        )
     return reply
 
 

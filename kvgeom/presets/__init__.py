@@ -41,8 +41,13 @@ def _get(f: dict[str, Any], *keys: str, default: Any = None) -> Any:
 def _attention(f: dict[str, Any], card: dict[str, Any], dtype: str) -> AttentionSpec:
     heads = _get(f, "num_attention_heads")
     kv = _get(f, "num_key_value_heads", default=heads)
-    head_dim = _get(f, "head_dim", "attention_head_dim", "attention_head_size",
-                    default=(card.get("derived") or {}).get("head_dim") or f["hidden_size"] // heads)
+    head_dim = _get(
+        f,
+        "head_dim",
+        "attention_head_dim",
+        "attention_head_size",
+        default=(card.get("derived") or {}).get("head_dim") or f["hidden_size"] // heads,
+    )
     return AttentionSpec(int(kv), int(head_dim), dtype, sliding_window=_get(f, "sliding_window"))
 
 
@@ -52,13 +57,24 @@ def _mla(f: dict[str, Any], dtype: str) -> MLASpec:
 
 def _mamba2(f: dict[str, Any], card: dict[str, Any], conv: str, ssm: str) -> MambaSpec:
     heads = int(_get(f, "mamba_num_heads", "mamba_n_heads", "n_mamba_heads"))
-    head_dim = _get(f, "mamba_head_dim", "mamba_d_head", "mamba_headdim",
-                    default=(card.get("derived") or {}).get("mamba_d_head"))
+    head_dim = _get(
+        f,
+        "mamba_head_dim",
+        "mamba_d_head",
+        "mamba_headdim",
+        default=(card.get("derived") or {}).get("mamba_d_head"),
+    )
     if head_dim is None:  # granite-4.0-h-small: d_inner = 2 * hidden, split over the heads
         head_dim = 2 * int(f["hidden_size"]) // heads
-    return MambaSpec.mamba2(heads, int(head_dim), int(_get(f, "n_groups", "mamba_n_groups", "mamba_ngroups")),
-                            int(_get(f, "ssm_state_size", "mamba_d_state")),
-                            int(_get(f, "conv_kernel", "mamba_d_conv", default=4)), conv, ssm)
+    return MambaSpec.mamba2(
+        heads,
+        int(head_dim),
+        int(_get(f, "n_groups", "mamba_n_groups", "mamba_ngroups")),
+        int(_get(f, "ssm_state_size", "mamba_d_state")),
+        int(_get(f, "conv_kernel", "mamba_d_conv", default=4)),
+        conv,
+        ssm,
+    )
 
 
 def _mamba1(f: dict[str, Any], conv: str, ssm: str) -> MambaSpec:
@@ -67,14 +83,22 @@ def _mamba1(f: dict[str, Any], conv: str, ssm: str) -> MambaSpec:
 
 
 def _gdn(f: dict[str, Any], conv: str, ssm: str) -> MambaSpec:
-    return MambaSpec.gdn(int(f["linear_num_key_heads"]), int(f["linear_key_head_dim"]),
-                         int(f["linear_num_value_heads"]), int(f["linear_value_head_dim"]),
-                         int(f["linear_conv_kernel_dim"]), conv, ssm)
+    return MambaSpec.gdn(
+        int(f["linear_num_key_heads"]),
+        int(f["linear_key_head_dim"]),
+        int(f["linear_num_value_heads"]),
+        int(f["linear_value_head_dim"]),
+        int(f["linear_conv_kernel_dim"]),
+        conv,
+        ssm,
+    )
 
 
 def _kda(f: dict[str, Any], conv: str) -> MambaSpec:
     c = f["linear_attn_config"]
-    return MambaSpec.kda(int(c["num_heads"]), int(c["head_dim"]), int(c["short_conv_kernel_size"]), conv, "float32")
+    return MambaSpec.kda(
+        int(c["num_heads"]), int(c["head_dim"]), int(c["short_conv_kernel_size"]), conv, "float32"
+    )
 
 
 def from_card(card: dict[str, Any]) -> ModelSpec:
@@ -105,7 +129,11 @@ def from_card(card: dict[str, Any]) -> ModelSpec:
             elif part in ("mlp", "moe"):
                 continue
             else:
-                raise SpecError(f"layers[{i}]", f"layer kind {part!r} of {card['name']} has no kvgeom spec "
-                                "(e.g. MiniMax lightning attention keeps no conv state)", value=part)
+                raise SpecError(
+                    f"layers[{i}]",
+                    f"layer kind {part!r} of {card['name']} has no kvgeom spec "
+                    "(e.g. MiniMax lightning attention keeps no conv state)",
+                    value=part,
+                )
         layers.extend(Layer(f"layers.{i}.{suffix}", i, spec) for suffix, spec in specs)
     return ModelSpec(card["name"], tuple(layers))

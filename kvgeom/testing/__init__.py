@@ -32,9 +32,30 @@ from .oracle import (
 )
 
 __all__ = [
-    "INVARIANTS", "POISON", "ZERO", "CoordSpace", "LayoutError", "NixlFabric", "Oracle", "RankPlan",
-    "RecordingAgent", "Report", "Request", "RequestError", "Violation", "check_moves", "describe_tag",
-    "engine_geometries", "fake_bases", "pull_plans", "push_plans", "run", "run_plans", "run_pull", "run_push", "strategies",
+    "INVARIANTS",
+    "POISON",
+    "ZERO",
+    "CoordSpace",
+    "LayoutError",
+    "NixlFabric",
+    "Oracle",
+    "RankPlan",
+    "RecordingAgent",
+    "Report",
+    "Request",
+    "RequestError",
+    "Violation",
+    "check_moves",
+    "describe_tag",
+    "engine_geometries",
+    "fake_bases",
+    "pull_plans",
+    "push_plans",
+    "run",
+    "run_plans",
+    "run_pull",
+    "run_push",
+    "strategies",
 ]
 
 

@@ -77,19 +77,31 @@ class CoordSpace:
             if isinstance(spec, AttentionSpec):
                 e = dtype_size(spec.dtype)
                 width = max(spec.head_size, spec.v_size) * e
-                self._add(layer.name, "kv", (("token", max_tokens), ("head", spec.num_kv_heads),
-                                             ("kv", 2), ("byte", width)))
+                self._add(
+                    layer.name,
+                    "kv",
+                    (("token", max_tokens), ("head", spec.num_kv_heads), ("kv", 2), ("byte", width)),
+                )
             elif isinstance(spec, MLASpec):
-                self._add(layer.name, "latent", (("token", max_tokens),
-                                                 ("byte", spec.latent_size * dtype_size(spec.dtype))))
+                self._add(
+                    layer.name,
+                    "latent",
+                    (("token", max_tokens), ("byte", spec.latent_size * dtype_size(spec.dtype))),
+                )
             elif isinstance(spec, MambaSpec):
                 e = dtype_size(spec.conv_dtype)
                 for name, piece in zip(spec.piece_names, spec.conv_pieces):
-                    self._add(layer.name, name, (("channel", piece.units * piece.unit_elems),
-                                                 ("row", spec.conv_rows), ("byte", e)))
+                    self._add(
+                        layer.name,
+                        name,
+                        (("channel", piece.units * piece.unit_elems), ("row", spec.conv_rows), ("byte", e)),
+                    )
                 t = spec.temporal
-                self._add(layer.name, "temporal", (("element", t.units * t.unit_elems),
-                                                   ("byte", dtype_size(spec.ssm_dtype))))
+                self._add(
+                    layer.name,
+                    "temporal",
+                    (("element", t.units * t.unit_elems), ("byte", dtype_size(spec.ssm_dtype))),
+                )
         self._bases = [f.base for f in self._fields]
 
     def _add(self, layer: str, part: str, dims: tuple[tuple[str, int], ...]) -> None:

@@ -60,21 +60,26 @@ class RankImage:
     @classmethod
     def empty(cls, geom: RankGeometry) -> RankImage:
         sizes = [r.nbytes for r in geom.regions]
-        return cls(geom.global_rank, [np.full(n, -1, dtype=np.int64) for n in sizes],
-                   [np.zeros(n, dtype=np.int8) for n in sizes])
+        return cls(
+            geom.global_rank,
+            [np.full(n, -1, dtype=np.int64) for n in sizes],
+            [np.zeros(n, dtype=np.int8) for n in sizes],
+        )
 
     def put(self, region: int, offsets: np.ndarray, tags: np.ndarray, role: np.ndarray | int) -> None:
         offsets, tags = np.broadcast_arrays(offsets, tags)
         role = np.broadcast_to(role, offsets.shape)
         if offsets.size and int(offsets.max()) >= self.tags[region].size:
-            raise LayoutError(f"rank {self.rank} region {region}: content at byte {int(offsets.max())} "
-                              f"past the region's {self.tags[region].size} bytes")
+            raise LayoutError(
+                f"rank {self.rank} region {region}: content at byte {int(offsets.max())} "
+                f"past the region's {self.tags[region].size} bytes"
+            )
         self.tags[region][offsets] = tags
         self.role[region][offsets] = role
 
     def claim(self, region: int, start: int, length: int) -> None:
         """Mark ``[start, start + length)`` as the request's (padding until content is put there)."""
-        view = self.role[region][start:start + length]
+        view = self.role[region][start : start + length]
         view[view == OUTSIDE] = PADDING
 
 
@@ -85,8 +90,9 @@ def _regions_of(geom: RankGeometry, layer: str) -> list[Region]:
     return found
 
 
-def rank_image(geom: RankGeometry, space: CoordSpace, ids: Sequence[Sequence[int]], first_token: int,
-               num_tokens: int) -> RankImage:
+def rank_image(
+    geom: RankGeometry, space: CoordSpace, ids: Sequence[Sequence[int]], first_token: int, num_tokens: int
+) -> RankImage:
     """Expected bytes of rank ``geom`` holding a request whose attention blocks ``ids[g]`` start at token
     ``first_token`` (a multiple of the logical block) and whose SSM groups hold one slot ``ids[g][0]``."""
     img = RankImage.empty(geom)
@@ -109,8 +115,17 @@ def rank_image(geom: RankGeometry, space: CoordSpace, ids: Sequence[Sequence[int
     return img
 
 
-def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLASpec, layer: str, region: Region,
-                  blocks: np.ndarray, first_token: int, num_tokens: int, space: CoordSpace) -> None:
+def _place_tokens(
+    img: RankImage,
+    geom: RankGeometry,
+    spec: AttentionSpec | MLASpec,
+    layer: str,
+    region: Region,
+    blocks: np.ndarray,
+    first_token: int,
+    num_tokens: int,
+    space: CoordSpace,
+) -> None:
     eng = geom.engine
     bs, kb, ppl = eng.block_size, eng.kernel, eng.ppl
     pos = np.arange(blocks.size * bs, dtype=np.int64)  # position within the request's blocks
@@ -126,8 +141,12 @@ def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLAS
         width = spec.latent_size * dtype_size(spec.dtype)
         _check_fits(region, kb * width, page)
         b = np.arange(width)
-        img.put(region.index, (block_start + n * width)[:, None] + b[None, :],
-                space.tag(layer, "latent", tokens[:, None], b[None, :]), role)
+        img.put(
+            region.index,
+            (block_start + n * width)[:, None] + b[None, :],
+            space.tag(layer, "latent", tokens[:, None], b[None, :]),
+            role,
+        )
         return
     e = dtype_size(spec.dtype)
     k_bytes, v_bytes = spec.head_size * e, spec.v_size * e
@@ -144,18 +163,31 @@ def _place_tokens(img: RankImage, geom: RankGeometry, spec: AttentionSpec | MLAS
             within = n * heads * c + j * c
         for kv, inner, size in pieces:
             b = np.arange(size)
-            img.put(region.index, (block_start + within + inner)[:, None] + b[None, :],
-                    space.tag(layer, "kv", tokens[:, None], first_head + j, kv, b[None, :]), role)
+            img.put(
+                region.index,
+                (block_start + within + inner)[:, None] + b[None, :],
+                space.tag(layer, "kv", tokens[:, None], first_head + j, kv, b[None, :]),
+                role,
+            )
 
 
 def _check_fits(region: Region, content: int, page: int) -> None:
     if content > page:
-        raise LayoutError(f"region {region.index} ({region.name}): {content} content bytes per kernel block "
-                          f"exceed the page of {page} bytes")
+        raise LayoutError(
+            f"region {region.index} ({region.name}): {content} content bytes per kernel block "
+            f"exceed the page of {page} bytes"
+        )
 
 
-def _place_state(img: RankImage, geom: RankGeometry, spec: MambaSpec, layer: str, region: Region, slot: int,
-                 space: CoordSpace) -> None:
+def _place_state(
+    img: RankImage,
+    geom: RankGeometry,
+    spec: MambaSpec,
+    layer: str,
+    region: Region,
+    slot: int,
+    space: CoordSpace,
+) -> None:
     tp, rank = geom.tp_size, geom.tp_rank
     page = region.block_stride * geom.ppl
     base = slot * page
@@ -179,8 +211,12 @@ def _place_state(img: RankImage, geom: RankGeometry, spec: MambaSpec, layer: str
     es = dtype_size(spec.ssm_dtype)
     count = spec.temporal.elems_per_rank(tp)
     if conv_bytes + count * es > page:
-        raise LayoutError(f"{layer}: a {conv_bytes + count * es}-byte state does not fit its {page}-byte page")
+        raise LayoutError(
+            f"{layer}: a {conv_bytes + count * es}-byte state does not fit its {page}-byte page"
+        )
     i = np.arange(count)[:, None]
     b2 = np.arange(es)[None, :]
     global_elem = spec.temporal.first_unit(rank, tp) * spec.temporal.unit_elems + i
-    img.put(region.index, base + conv_bytes + i * es + b2, space.tag(layer, "temporal", global_elem, b2), NEEDED)
+    img.put(
+        region.index, base + conv_bytes + i * es + b2, space.tag(layer, "temporal", global_elem, b2), NEEDED
+    )

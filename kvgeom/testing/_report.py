@@ -10,7 +10,7 @@ __all__ = ["INVARIANTS", "Violation", "Report"]
 INVARIANTS = {
     "I1": "neighbour safety: a byte outside the request's destination blocks changed",
     "I2": "pairing: a byte holds another coordinate than the destination layout expects there "
-          "(or a descriptor pair of unequal lengths)",
+    "(or a descriptor pair of unequal lengths)",
     "I3": "coverage: a coordinate the destination needs was not delivered",
     "I4": "no stale bytes: a byte of the request's destination blocks was neither written nor zeroed",
     "I5": "single writer: a destination byte was written twice with different contents",
@@ -77,9 +77,11 @@ class Report:
         return [v for v in self.violations if v.invariant == invariant]
 
     def __str__(self) -> str:
-        head = (f"{'OK' if self.ok else 'VIOLATED ' + ', '.join(sorted(self.invariants))}: "
-                f"{self.descriptors} descriptor pair(s), {self.bytes_moved} B moved, {self.bytes_zeroed} B zeroed, "
-                f"{self.regrouped_blocks} block(s) regrouped")
+        head = (
+            f"{'OK' if self.ok else 'VIOLATED ' + ', '.join(sorted(self.invariants))}: "
+            f"{self.descriptors} descriptor pair(s), {self.bytes_moved} B moved, {self.bytes_zeroed} B zeroed, "
+            f"{self.regrouped_blocks} block(s) regrouped"
+        )
         lines = [head, *self.notes]
         for inv in sorted(self.invariants):
             lines.append(f"  {inv} ({INVARIANTS[inv]}): {self.violated_bytes[inv]} byte(s)")

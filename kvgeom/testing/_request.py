@@ -45,11 +45,13 @@ class Request:
         object.__setattr__(self, "p_ids", _ids(self.p_ids))
         object.__setattr__(self, "d_ids", _ids(self.d_ids))
         if self.num_tokens < 1 or self.prefix_blocks < 0:
-            raise RequestError(f"num_tokens must be >= 1 and prefix_blocks >= 0, got {self.num_tokens}, "
-                               f"{self.prefix_blocks}")
+            raise RequestError(
+                f"num_tokens must be >= 1 and prefix_blocks >= 0, got {self.num_tokens}, {self.prefix_blocks}"
+            )
         if self.prefill_tokens is not None and not 1 <= self.prefill_tokens <= self.num_tokens:
-            raise RequestError(f"prefill_tokens must lie in [1, num_tokens={self.num_tokens}], got "
-                               f"{self.prefill_tokens}")
+            raise RequestError(
+                f"prefill_tokens must lie in [1, num_tokens={self.num_tokens}], got {self.prefill_tokens}"
+            )
 
     @property
     def p_tokens(self) -> int:
@@ -57,8 +59,16 @@ class Request:
         return self.num_tokens if self.prefill_tokens is None else self.prefill_tokens
 
     @classmethod
-    def simple(cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, num_tokens: int,
-               prefix_blocks: int = 0, first_id: int = 1, prefill_tokens: int | None = None) -> Request:
+    def simple(
+        cls,
+        model: ModelSpec,
+        p_engine: EngineConfig,
+        d_engine: EngineConfig,
+        num_tokens: int,
+        prefix_blocks: int = 0,
+        first_id: int = 1,
+        prefill_tokens: int | None = None,
+    ) -> Request:
         """Consecutive ids from ``first_id`` on both sides (block 0 stays free as a neighbour)."""
         sides = []
         computed = num_tokens if prefill_tokens is None else prefill_tokens
@@ -97,4 +107,6 @@ def _geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
 def engine_geometries(model: ModelSpec, engine: EngineConfig) -> list[RankGeometry]:
     """Every rank of the engine ``engine`` (its ``tp_rank`` and ``pp_rank`` are ignored), stage by stage:
     rank ``pp_rank * tp_size + tp_rank`` at that index."""
-    return [_geometry(model, engine.with_rank(r, s)) for s in range(engine.pp_size) for r in range(engine.tp_size)]
+    return [
+        _geometry(model, engine.with_rank(r, s)) for s in range(engine.pp_size) for r in range(engine.tp_size)
+    ]

@@ -29,12 +29,24 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "NixlFabric", "RecordingAgent", "ExecutedTransfer", "XferDList", "fake_bases", "nixlNotFoundError",
+    "NixlFabric",
+    "RecordingAgent",
+    "ExecutedTransfer",
+    "XferDList",
+    "fake_bases",
+    "nixlNotFoundError",
     "nixlInvalidParamError",
 ]
 
-MEM_TYPES = {"DRAM": "DRAM", "VRAM": "VRAM", "FILE": "FILE", "BLOCK": "BLOCK", "OBJ": "OBJ", "cpu": "DRAM",
-             "cuda": "VRAM"}
+MEM_TYPES = {
+    "DRAM": "DRAM",
+    "VRAM": "VRAM",
+    "FILE": "FILE",
+    "BLOCK": "BLOCK",
+    "OBJ": "OBJ",
+    "cpu": "DRAM",
+    "cuda": "VRAM",
+}
 OPS = ("READ", "WRITE")
 INIT_AGENT = "NIXL_INIT_AGENT"
 
@@ -150,7 +162,11 @@ def _tensor_desc(t: Any) -> tuple[tuple[int, int, int], str]:
     if hasattr(t, "is_contiguous") and not t.is_contiguous():
         raise ValueError("Please use a list of contiguous Tensors")
     dev = t.get_device() if hasattr(t, "get_device") else -1
-    return (int(t.data_ptr()), int(t.numel() * t.element_size()), max(int(dev), 0)), "VRAM" if dev >= 0 else "DRAM"
+    return (
+        int(t.data_ptr()),
+        int(t.numel() * t.element_size()),
+        max(int(dev), 0),
+    ), "VRAM" if dev >= 0 else "DRAM"
 
 
 def _descs(descs: Any, mem_type: str | None) -> XferDList:
@@ -165,7 +181,9 @@ def _descs(descs: Any, mem_type: str | None) -> XferDList:
         return XferDList(np.asarray([r for r, _ in rows], dtype=np.uint64).reshape(-1, 3), rows[0][1])
     arr = np.asarray([d[:3] for d in descs] if isinstance(descs, (list, tuple)) else descs)
     if arr.ndim != 2 or arr.shape[1] not in (3, 5) or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"descriptors must be N x 3 (addr, len, dev) or N x 5 strided, got shape {arr.shape}")
+        raise ValueError(
+            f"descriptors must be N x 3 (addr, len, dev) or N x 5 strided, got shape {arr.shape}"
+        )
     if arr.size and int(arr.min()) < 0:
         raise ValueError("descriptor fields must be >= 0")
     arr = arr.astype(np.uint64)
@@ -185,15 +203,21 @@ class _Registration:
     mem_type: str
 
     def covers(self, addr: int, length: int, dev: int, mem_type: str) -> bool:
-        return (mem_type == self.mem_type and dev == self.dev and addr >= self.addr
-                and addr + length <= self.addr + self.length)
+        return (
+            mem_type == self.mem_type
+            and dev == self.dev
+            and addr >= self.addr
+            and addr + length <= self.addr + self.length
+        )
 
 
 def _check_covered(dlist: XferDList, regs: Sequence[_Registration], whose: str) -> None:
     for i, (addr, length, dev) in enumerate(dlist.descs.tolist()):
         if not any(r.covers(addr, length, dev, dlist.mem_type) for r in regs):
-            raise nixlNotFoundError(f"descriptor {i} ({addr:#x}, {length}, dev {dev}, {dlist.mem_type}) is not "
-                                    f"inside one memory region registered by {whose}")
+            raise nixlNotFoundError(
+                f"descriptor {i} ({addr:#x}, {length}, dev {dev}, {dlist.mem_type}) is not "
+                f"inside one memory region registered by {whose}"
+            )
 
 
 class NixlFabric:
@@ -232,8 +256,10 @@ class NixlFabric:
         for x in self.executed:
             src, dst = (x.remote, x.initiator) if x.op == "READ" else (x.initiator, x.remote)
             if (self.agents[src].engine, self.agents[dst].engine) != (src_engine, dst_engine):
-                raise ValueError(f"{x.op} by {x.initiator} moves bytes from {src} (engine "
-                                 f"{self.agents[src].engine!r}) to {dst} (engine {self.agents[dst].engine!r})")
+                raise ValueError(
+                    f"{x.op} by {x.initiator} moves bytes from {src} (engine "
+                    f"{self.agents[src].engine!r}) to {dst} (engine {self.agents[dst].engine!r})"
+                )
             sd, dd = (x.remote_descs, x.local_descs) if x.op == "READ" else (x.local_descs, x.remote_descs)
             rows = np.empty((sd.shape[0], 7), dtype=np.int64)
             for i, ((sa, n, _), (da, _, _)) in enumerate(zip(sd.tolist(), dd.tolist())):
@@ -247,8 +273,16 @@ class NixlFabric:
 class RecordingAgent:
     """A ``nixl_agent`` look-alike that records instead of moving bytes (see the module docstring)."""
 
-    def __init__(self, name: str, nixl_conf: Any = None, instantiate_all: bool = False, *,
-                 fabric: NixlFabric | None = None, engine: str = "", rank: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        nixl_conf: Any = None,
+        instantiate_all: bool = False,
+        *,
+        fabric: NixlFabric | None = None,
+        engine: str = "",
+        rank: int = 0,
+    ) -> None:
         if not name:
             raise ValueError("agent name must not be empty")
         self.name, self.engine, self.rank = name, engine, rank
@@ -271,7 +305,9 @@ class RecordingAgent:
             raise ValueError("4-tuple list (addr, len, dev, meta) needed for registration")
         return _descs(descs, mem_type)
 
-    def register_memory(self, reg_list: Any, mem_type: str | None = None, backends: Sequence[str] = ()) -> XferDList:
+    def register_memory(
+        self, reg_list: Any, mem_type: str | None = None, backends: Sequence[str] = ()
+    ) -> XferDList:
         """Register ``reg_list`` (N x 3 array, list of 4-tuples, tensor(s)); each entry is one region."""
         regs = self.get_reg_descs(reg_list, mem_type)
         self.registrations += [_Registration(a, n, d, regs.mem_type) for a, n, d in regs.descs.tolist()]
@@ -292,7 +328,7 @@ class RecordingAgent:
     def add_remote_agent(self, metadata: bytes) -> bytes:
         """Load a peer's metadata (NIXL *adds* to registrations already loaded for it); returns its name."""
         md = json.loads(bytes(metadata))
-        name = md["nixl_double_agent"]
+        name = str(md["nixl_double_agent"])
         known = self._remote.setdefault(name, [])
         known += [_Registration(*r) for r in md["registrations"] if _Registration(*r) not in known]
         return name.encode()
@@ -308,8 +344,9 @@ class RecordingAgent:
             raise nixlNotFoundError(f"metadata for remote agent {agent!r} not found")
         return self._remote[agent]
 
-    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: str | None = None,
-                        backends: Sequence[str] = ()) -> PreppedDList:
+    def prep_xfer_dlist(
+        self, agent_name: str, xfer_list: Any, mem_type: str | None = None, backends: Sequence[str] = ()
+    ) -> PreppedDList:
         """Prepare descriptors of this agent (``""`` or ``"NIXL_INIT_AGENT"``) or of ``agent_name``."""
         is_strided = isinstance(xfer_list, np.ndarray) and xfer_list.ndim == 2 and xfer_list.shape[1] == 5
         if is_strided and mem_type is None:
@@ -326,17 +363,29 @@ class RecordingAgent:
         if h.owner != self.name:
             raise nixlInvalidParamError(f"{what} belongs to agent {h.owner!r}")
 
-    def make_prepped_xfer(self, operation: str, local_xfer_side: PreppedDList, local_indices: Any,
-                          remote_xfer_side: PreppedDList, remote_indices: Any, notif_msg: bytes | str = b"",
-                          backends: Sequence[str] = (), skip_desc_merge: bool = False) -> XferHandle:
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: PreppedDList,
+        local_indices: Any,
+        remote_xfer_side: PreppedDList,
+        remote_indices: Any,
+        notif_msg: bytes | str = b"",
+        backends: Sequence[str] = (),
+        skip_desc_merge: bool = False,
+    ) -> XferHandle:
         op = _op(operation)
         self._live(local_xfer_side, "local dlist handle")
         self._live(remote_xfer_side, "remote dlist handle")
         if local_xfer_side.agent is not None or remote_xfer_side.agent is None:
-            raise nixlInvalidParamError("local side must be prepared for the initiator, remote side for a peer")
+            raise nixlInvalidParamError(
+                "local side must be prepared for the initiator, remote side for a peer"
+            )
         li, ri = np.asarray(local_indices).reshape(-1), np.asarray(remote_indices).reshape(-1)
         if li.size != ri.size or li.size == 0:
-            raise nixlInvalidParamError(f"different number of indices for local ({li.size}), remote ({ri.size})")
+            raise nixlInvalidParamError(
+                f"different number of indices for local ({li.size}), remote ({ri.size})"
+            )
         ld, rd = local_xfer_side.dlist, remote_xfer_side.dlist
         assert ld is not None and rd is not None
         for side, idx, n in (("local", li, len(ld)), ("remote", ri, len(rd))):
@@ -344,36 +393,57 @@ class RecordingAgent:
                 raise nixlInvalidParamError(f"{side} indices must be integers")
             bad = np.flatnonzero((idx < 0) | (idx >= n))
             if bad.size:
-                raise nixlInvalidParamError(f"{side} index out of range at index {int(bad[0])} with value "
-                                            f"{int(idx[bad[0]])}")
+                raise nixlInvalidParamError(
+                    f"{side} index out of range at index {int(bad[0])} with value {int(idx[bad[0]])}"
+                )
         return self._pair(op, remote_xfer_side.agent, ld.descs[li], rd.descs[ri], notif_msg)
 
-    def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str,
-                        notif_msg: bytes | str = b"", backends: Sequence[str] = ()) -> XferHandle:
+    def initialize_xfer(
+        self,
+        operation: str,
+        local_descs: Any,
+        remote_descs: Any,
+        remote_agent: str,
+        notif_msg: bytes | str = b"",
+        backends: Sequence[str] = (),
+    ) -> XferHandle:
         op = _op(operation)
         ld, rd = _descs(local_descs, None), _descs(remote_descs, None)
         _check_covered(ld, self.registrations, self.name)
         _check_covered(rd, self._registrations_of(remote_agent), remote_agent)
         if len(ld) != len(rd) or not len(ld):
-            raise nixlInvalidParamError(f"different number of descriptors for local ({len(ld)}), remote ({len(rd)})")
+            raise nixlInvalidParamError(
+                f"different number of descriptors for local ({len(ld)}), remote ({len(rd)})"
+            )
         return self._pair(op, remote_agent, ld.descs, rd.descs, notif_msg)
 
-    def _pair(self, op: str, remote: str, local: np.ndarray, remote_descs: np.ndarray,
-              notif: bytes | str) -> XferHandle:
+    def _pair(
+        self, op: str, remote: str, local: np.ndarray, remote_descs: np.ndarray, notif: bytes | str
+    ) -> XferHandle:
         bad = np.flatnonzero(local[:, 1] != remote_descs[:, 1])
         if bad.size:
             i = int(bad[0])
-            raise nixlInvalidParamError(f"length mismatch at index {i}: local {int(local[i, 1])}, remote "
-                                        f"{int(remote_descs[i, 1])}")
-        return XferHandle(self.name, op=op, remote=remote, local_descs=local.copy(), remote_descs=remote_descs.copy(),
-                          notif=_as_bytes(notif))
+            raise nixlInvalidParamError(
+                f"length mismatch at index {i}: local {int(local[i, 1])}, remote {int(remote_descs[i, 1])}"
+            )
+        return XferHandle(
+            self.name,
+            op=op,
+            remote=remote,
+            local_descs=local.copy(),
+            remote_descs=remote_descs.copy(),
+            notif=_as_bytes(notif),
+        )
 
     def transfer(self, handle: XferHandle, notif_msg: bytes | str = b"") -> str:
         """Record the transfer as executed (synchronously) and deliver its notification: ``"DONE"``."""
         self._live(handle, "transfer handle")
         notif = _as_bytes(notif_msg) or handle.notif
-        self.fabric.executed.append(ExecutedTransfer(handle.op, self.name, handle.remote, handle.local_descs,
-                                                     handle.remote_descs, notif))
+        self.fabric.executed.append(
+            ExecutedTransfer(
+                handle.op, self.name, handle.remote, handle.local_descs, handle.remote_descs, notif
+            )
+        )
         handle.posts += 1
         if notif:
             self._deliver(handle.remote, notif)
@@ -416,8 +486,13 @@ class RecordingAgent:
             self.notifs.setdefault(peer, []).extend(msgs)
         return self.notifs
 
-    def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes, backends: Sequence[str] = (),
-                               tag_is_prefix: bool = True) -> bool:
+    def check_remote_xfer_done(
+        self,
+        remote_agent_name: str,
+        lookup_tag: bytes,
+        backends: Sequence[str] = (),
+        tag_is_prefix: bool = True,
+    ) -> bool:
         self.update_notifs()
         for msg in self.notifs.get(remote_agent_name, []):
             if msg.startswith(lookup_tag) if tag_is_prefix else lookup_tag in msg:

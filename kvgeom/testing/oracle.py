@@ -46,8 +46,20 @@ from ._report import Report, Violation
 from ._request import Request, RequestError, check_side, engine_geometries
 
 __all__ = [
-    "Request", "RequestError", "Oracle", "RankPlan", "engine_geometries", "pull_plans", "push_plans",
-    "run", "run_plans", "run_pull", "run_push", "check_moves", "POISON", "ZERO",
+    "Request",
+    "RequestError",
+    "Oracle",
+    "RankPlan",
+    "engine_geometries",
+    "pull_plans",
+    "push_plans",
+    "run",
+    "run_plans",
+    "run_pull",
+    "run_push",
+    "check_moves",
+    "POISON",
+    "ZERO",
 ]
 
 _UNWRITTEN = np.iinfo(np.int64).min
@@ -66,31 +78,55 @@ class RankPlan:
 class Oracle:
     """Tagged byte arrays of every P and D rank for one request, and the checks I1-I6."""
 
-    def __init__(self, model: ModelSpec, p_geoms: Sequence[RankGeometry], d_geoms: Sequence[RankGeometry],
-                 request: Request, limit: int = 20) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        p_geoms: Sequence[RankGeometry],
+        d_geoms: Sequence[RankGeometry],
+        request: Request,
+        limit: int = 20,
+    ) -> None:
         self.model, self.request = model, request
         self.p, self.d = list(p_geoms), list(d_geoms)
         for side, geoms in (("P", self.p), ("D", self.d)):
             if [g.global_rank for g in geoms] != list(range(len(geoms))):
-                raise RequestError(f"{side} geometries must be ranks 0..{len(geoms) - 1} in order (every TP rank "
-                                   "of every pipeline stage)")
+                raise RequestError(
+                    f"{side} geometries must be ranks 0..{len(geoms) - 1} in order (every TP rank "
+                    "of every pipeline stage)"
+                )
         n, computed = request.num_tokens, request.p_tokens
         pb, db = self.p[0].scheduler_block, self.d[0].scheduler_block  # tokens per list entry (x DCP pages)
         check_side("p_ids", request.p_ids, self.p[0], math.ceil(computed / pb))
         check_side("d_ids", request.d_ids, self.d[0], math.ceil(n / db) - request.prefix_blocks)
         self.prefix_tokens = request.prefix_blocks * db
         attn = [g for g in self.p[0].groups if not g.is_ssm]
-        max_tokens = max([n, *(len(request.p_ids[g.index]) * pb for g in attn),
-                          *(self.prefix_tokens + len(request.d_ids[g.index]) * db for g in attn)])
+        max_tokens = max(
+            [
+                n,
+                *(len(request.p_ids[g.index]) * pb for g in attn),
+                *(self.prefix_tokens + len(request.d_ids[g.index]) * db for g in attn),
+            ]
+        )
         self.space = CoordSpace(model, max_tokens)
         # tokens past P's computed ones are D's to compute: needed on D are [prefix, computed)
         p_images = [rank_image(g, self.space, request.p_ids, 0, computed) for g in self.p]
-        self.d_images: list[RankImage] = [rank_image(g, self.space, request.d_ids, self.prefix_tokens, computed)
-                                          for g in self.d]
-        self.src = [[np.where(t >= 0, t, location_tags(P_SIDE, img.rank, r, np.arange(t.size)))
-                     for r, t in enumerate(img.tags)] for img in p_images]
-        self.dst = [[np.where(role == OUTSIDE, location_tags(D_SIDE, img.rank, r, np.arange(role.size)), POISON)
-                     for r, role in enumerate(img.role)] for img in self.d_images]
+        self.d_images: list[RankImage] = [
+            rank_image(g, self.space, request.d_ids, self.prefix_tokens, computed) for g in self.d
+        ]
+        self.src = [
+            [
+                np.where(t >= 0, t, location_tags(P_SIDE, img.rank, r, np.arange(t.size)))
+                for r, t in enumerate(img.tags)
+            ]
+            for img in p_images
+        ]
+        self.dst = [
+            [
+                np.where(role == OUTSIDE, location_tags(D_SIDE, img.rank, r, np.arange(role.size)), POISON)
+                for r, role in enumerate(img.role)
+            ]
+            for img in self.d_images
+        ]
         for geom in self.d:
             self._zero_own_blocks(geom, request, computed)
         self.writer = [[np.full(a.size, _UNWRITTEN, dtype=np.int64) for a in regions] for regions in self.dst]
@@ -103,16 +139,22 @@ class Oracle:
         ``KVCacheConfig.needs_kv_cache_zeroing``), not ``POISON``: a transfer may leave them alone, and one
         that writes another coordinate there is still caught (I2)."""
         page, dcp, first = geom.logical_block_size, geom.dcp_size, request.prefix_blocks
-        own = [b for g, ids in zip(geom.groups, request.d_ids) if not g.is_ssm
-               for i, b in enumerate(ids) if ((first + i) * dcp + geom.dcp_rank) * page >= computed]
+        own = [
+            b
+            for g, ids in zip(geom.groups, request.d_ids)
+            if not g.is_ssm
+            for i, b in enumerate(ids)
+            if ((first + i) * dcp + geom.dcp_rank) * page >= computed
+        ]
         for block in own:
             for region in geom.regions:
                 span = geom.ppl * region.block_stride
-                self.dst[geom.global_rank][region.index][block * span:(block + 1) * span] = ZERO
+                self.dst[geom.global_rank][region.index][block * span : (block + 1) * span] = ZERO
 
     @classmethod
-    def for_engines(cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig,
-                    request: Request) -> Oracle:
+    def for_engines(
+        cls, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request
+    ) -> Oracle:
         return cls(model, engine_geometries(model, p_engine), engine_geometries(model, d_engine), request)
 
     # -- executing ----------------------------------------------------------------------------------
@@ -128,9 +170,20 @@ class Oracle:
         if size is not None and start >= 0 and length >= 0 and start + length <= size:
             return True
         where = "no such rank/region" if size is None else f"a {size}-byte region"
-        self.result.add(Violation("I6", "PD"[side], rank, region, start, start + max(length, 0),
-                                  f"a range inside {where}", f"[{start}, {start + length})", what),
-                        count=max(length, 1))
+        self.result.add(
+            Violation(
+                "I6",
+                "PD"[side],
+                rank,
+                region,
+                start,
+                start + max(length, 0),
+                f"a range inside {where}",
+                f"[{start}, {start + length})",
+                what,
+            ),
+            count=max(length, 1),
+        )
         return False
 
     def execute(self, moves: np.ndarray, label: str = "move") -> None:
@@ -147,29 +200,55 @@ class Oracle:
             what = f"{label} #{i}"
             self.result.descriptors += 1
             if slen != dlen:
-                self.result.add(Violation("I2", "D", dr, dreg, doff, doff + dlen, f"{dlen} bytes from the source",
-                                          f"a {slen}-byte source descriptor", f"{what}: unequal lengths"),
-                                count=max(abs(slen - dlen), 1))
+                self.result.add(
+                    Violation(
+                        "I2",
+                        "D",
+                        dr,
+                        dreg,
+                        doff,
+                        doff + dlen,
+                        f"{dlen} bytes from the source",
+                        f"a {slen}-byte source descriptor",
+                        f"{what}: unequal lengths",
+                    ),
+                    count=max(abs(slen - dlen), 1),
+                )
             n = min(slen, dlen)
-            if not (self._bounds(P_SIDE, sr, sreg, soff, slen, f"{what} source")
-                    & self._bounds(D_SIDE, dr, dreg, doff, dlen, f"{what} destination")):
+            if not (
+                self._bounds(P_SIDE, sr, sreg, soff, slen, f"{what} source")
+                & self._bounds(D_SIDE, dr, dreg, doff, dlen, f"{what} destination")
+            ):
                 continue
-            data = self.src[sr][sreg][soff:soff + n]
-            seen = self.writer[dr][dreg][doff:doff + n]
-            padding = self.d_images[dr].role[dreg][doff:doff + n] == PADDING  # no coordinate: any bytes do
+            data = self.src[sr][sreg][soff : soff + n]
+            seen = self.writer[dr][dreg][doff : doff + n]
+            padding = self.d_images[dr].role[dreg][doff : doff + n] == PADDING  # no coordinate: any bytes do
             clash = (seen != _UNWRITTEN) & (seen != data) & ~padding
             for a, b in _runs(clash):
-                self.result.add(Violation("I5", "D", dr, dreg, doff + a, doff + b, self._name(seen[a]),
-                                          self._name(data[a]), f"{what} overwrites an earlier write"))
+                self.result.add(
+                    Violation(
+                        "I5",
+                        "D",
+                        dr,
+                        dreg,
+                        doff + a,
+                        doff + b,
+                        self._name(seen[a]),
+                        self._name(data[a]),
+                        f"{what} overwrites an earlier write",
+                    )
+                )
             seen[:] = data
-            self.dst[dr][dreg][doff:doff + n] = data
+            self.dst[dr][dreg][doff : doff + n] = data
             self.result.bytes_moved += n
 
     def zero(self, rank: int, rows: np.ndarray, label: str = "zero") -> None:
         """Apply zero ranges ``(region, offset, length)`` on D rank ``rank``."""
-        for i, (region, offset, length) in enumerate(np.asarray(rows, dtype=np.int64).reshape(-1, 3).tolist()):
+        for i, (region, offset, length) in enumerate(
+            np.asarray(rows, dtype=np.int64).reshape(-1, 3).tolist()
+        ):
             if self._bounds(D_SIDE, rank, region, offset, length, f"{label} #{i}"):
-                self.dst[rank][region][offset:offset + length] = ZERO
+                self.dst[rank][region][offset : offset + length] = ZERO
                 self.result.bytes_zeroed += length
 
     def regroup(self, rank: int, step: Regroup, label: str = "regroup") -> None:
@@ -177,8 +256,19 @@ class Oracle:
         meaning: a block viewed as ``[bsr, heads, tokens // bsr, head_bytes]`` is stored as
         ``[heads, tokens, head_bytes]``."""
         if step.bsr < 1 or step.tokens % step.bsr:
-            self.result.add(Violation("I6", "D", rank, -1, 0, 0, "tokens divisible by bsr",
-                                      f"tokens {step.tokens}, bsr {step.bsr}", label))
+            self.result.add(
+                Violation(
+                    "I6",
+                    "D",
+                    rank,
+                    -1,
+                    0,
+                    0,
+                    "tokens divisible by bsr",
+                    f"tokens {step.tokens}, bsr {step.bsr}",
+                    label,
+                )
+            )
             return
         n = step.tokens // step.bsr
         h = np.arange(step.heads)[:, None, None]
@@ -195,8 +285,19 @@ class Oracle:
             for block in np.asarray(step.blocks, dtype=np.int64).tolist():
                 start = block * stride
                 if length > stride:
-                    self.result.add(Violation("I6", "D", rank, region, start, start + length,
-                                              f"at most one {stride}-byte block", f"{length} bytes", label))
+                    self.result.add(
+                        Violation(
+                            "I6",
+                            "D",
+                            rank,
+                            region,
+                            start,
+                            start + length,
+                            f"at most one {stride}-byte block",
+                            f"{length} bytes",
+                            label,
+                        )
+                    )
                     continue
                 if self._bounds(D_SIDE, rank, region, start, length, label):
                     arr = self.dst[rank][region]
@@ -216,7 +317,9 @@ class Oracle:
         mode = rank_plan.plan.mode
         return f"{mode} plan of {'D' if mode == 'pull' else 'P'} rank {rank_plan.rank}"
 
-    def receive(self, rank: int, regroups: Sequence[Regroup], zero: np.ndarray, label: str = "receive") -> None:
+    def receive(
+        self, rank: int, regroups: Sequence[Regroup], zero: np.ndarray, label: str = "receive"
+    ) -> None:
         """D rank ``rank``'s post-receive step: every regroup, then the zero ranges."""
         for step in regroups:
             self.regroup(rank, step, f"{label} regroup")
@@ -234,16 +337,38 @@ class Oracle:
             ids = (np.asarray(t.local_ids, dtype=np.int64), np.asarray(t.remote_ids, dtype=np.int64))
             ok = np.ones(ids[0].size, dtype=bool) if ids[0].size == ids[1].size else None
             if ok is None:
-                self.result.add(Violation("I2", "D", -1, -1, 0, 0, "as many local as remote ids",
-                                          f"{ids[0].size} local, {ids[1].size} remote", f"{label} transfer {k}"),
-                                count=1)
+                self.result.add(
+                    Violation(
+                        "I2",
+                        "D",
+                        -1,
+                        -1,
+                        0,
+                        0,
+                        "as many local as remote ids",
+                        f"{ids[0].size} local, {ids[1].size} remote",
+                        f"{label} transfer {k}",
+                    ),
+                    count=1,
+                )
                 continue
             for side, table, x in zip(("local", "remote"), tables, ids):
                 bad = (x < 0) | (x >= len(table))
                 for i in np.flatnonzero(bad)[:3].tolist():
-                    self.result.add(Violation("I6", "table", -1, -1, int(x[i]), int(x[i]) + 1,
-                                              f"an id below {len(table)}", str(int(x[i])),
-                                              f"{label} transfer {k}: {side} id #{i}"), count=1)
+                    self.result.add(
+                        Violation(
+                            "I6",
+                            "table",
+                            -1,
+                            -1,
+                            int(x[i]),
+                            int(x[i]) + 1,
+                            f"an id below {len(table)}",
+                            str(int(x[i])),
+                            f"{label} transfer {k}: {side} id #{i}",
+                        ),
+                        count=1,
+                    )
                 ok &= ~bad
             local, remote = tables[0][ids[0][ok]], tables[1][ids[1][ok]]
             src, dst = (remote, local) if plan.mode == "pull" else (local, remote)
@@ -277,8 +402,19 @@ class Oracle:
                 for inv, mask, expected in checks:
                     for a, b in _runs(mask):
                         detail = "or ZERO (token past num_tokens)" if inv == "I4" else ""
-                        res.add(Violation(inv, "D", img.rank, region, a, b, self._name(expected[a]),
-                                          self._name(got[a]), detail))
+                        res.add(
+                            Violation(
+                                inv,
+                                "D",
+                                img.rank,
+                                region,
+                                a,
+                                b,
+                                self._name(expected[a]),
+                                self._name(got[a]),
+                                detail,
+                            )
+                        )
         return res
 
 
@@ -295,23 +431,35 @@ def _prefix_caching(request: Request, prefix_caching: bool | None) -> bool:
     return request.prefix_blocks > 0 if prefix_caching is None else prefix_caching
 
 
-def _told(request: Request, tell_num_tokens: bool, tell_prefill_tokens: bool | None) -> tuple[int | None, int | None]:
+def _told(
+    request: Request, tell_num_tokens: bool, tell_prefill_tokens: bool | None
+) -> tuple[int | None, int | None]:
     """The token counts a planner is told: ``num_tokens`` and ``prefill_tokens`` (the latter, by default,
     when the former is)."""
     tell_p = tell_num_tokens if tell_prefill_tokens is None else tell_prefill_tokens
     return (request.num_tokens if tell_num_tokens else None), (request.p_tokens if tell_p else None)
 
 
-def _plans(mode: str, model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-           compat: str, prefix_caching: bool | None, tell_num_tokens: bool,
-           tell_prefill_tokens: bool | None = None) -> list[RankPlan]:
+def _plans(
+    mode: str,
+    model: ModelSpec,
+    p_engine: EngineConfig,
+    d_engine: EngineConfig,
+    request: Request,
+    compat: str,
+    prefix_caching: bool | None,
+    tell_num_tokens: bool,
+    tell_prefill_tokens: bool | None = None,
+) -> list[RankPlan]:
     """Every local rank (D in pull, P in push) paired with each pipeline stage of the other engine (one
     pairing per stage), and its plan."""
     p_geoms, d_geoms = engine_geometries(model, p_engine), engine_geometries(model, d_engine)
     local, remote = (d_geoms, p_geoms) if mode == "pull" else (p_geoms, d_geoms)
     remote_tp = (p_engine if mode == "pull" else d_engine).tp_size
-    stages = [remote[s:s + remote_tp] for s in range(0, len(remote), remote_tp)]
-    local_ids, remote_ids = (request.d_ids, request.p_ids) if mode == "pull" else (request.p_ids, request.d_ids)
+    stages = [remote[s : s + remote_tp] for s in range(0, len(remote), remote_tp)]
+    local_ids, remote_ids = (
+        (request.d_ids, request.p_ids) if mode == "pull" else (request.p_ids, request.d_ids)
+    )
     n, computed = _told(request, tell_num_tokens, tell_prefill_tokens)
     out = []
     for geom in local:
@@ -322,29 +470,71 @@ def _plans(mode: str, model: ModelSpec, p_engine: EngineConfig, d_engine: Engine
     return out
 
 
-def pull_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-               compat: str = "kvgeom", prefix_caching: bool | None = None, *,
-               tell_num_tokens: bool = True, tell_prefill_tokens: bool | None = None) -> list[RankPlan]:
+def pull_plans(
+    model: ModelSpec,
+    p_engine: EngineConfig,
+    d_engine: EngineConfig,
+    request: Request,
+    compat: str = "kvgeom",
+    prefix_caching: bool | None = None,
+    *,
+    tell_num_tokens: bool = True,
+    tell_prefill_tokens: bool | None = None,
+) -> list[RankPlan]:
     """Every D rank paired with the P ranks (pull) and its plan for ``request``. The pairs are made with
     ``prefix_caching`` (default: whether the request has a prefix hit); the planner is told the request's
     ``num_tokens`` unless ``tell_num_tokens`` is false, and its ``prefill_tokens`` unless
     ``tell_prefill_tokens`` (default: ``tell_num_tokens``) is false."""
-    return _plans("pull", model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens,
-                  tell_prefill_tokens)
+    return _plans(
+        "pull",
+        model,
+        p_engine,
+        d_engine,
+        request,
+        compat,
+        prefix_caching,
+        tell_num_tokens,
+        tell_prefill_tokens,
+    )
 
 
-def push_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-               compat: str = "kvgeom", prefix_caching: bool | None = None, *,
-               tell_num_tokens: bool = True, tell_prefill_tokens: bool | None = None) -> list[RankPlan]:
+def push_plans(
+    model: ModelSpec,
+    p_engine: EngineConfig,
+    d_engine: EngineConfig,
+    request: Request,
+    compat: str = "kvgeom",
+    prefix_caching: bool | None = None,
+    *,
+    tell_num_tokens: bool = True,
+    tell_prefill_tokens: bool | None = None,
+) -> list[RankPlan]:
     """Every P rank paired with the D ranks (push) and its plan for ``request`` (options as in
     :func:`pull_plans`)."""
-    return _plans("push", model, p_engine, d_engine, request, compat, prefix_caching, tell_num_tokens,
-                  tell_prefill_tokens)
+    return _plans(
+        "push",
+        model,
+        p_engine,
+        d_engine,
+        request,
+        compat,
+        prefix_caching,
+        tell_num_tokens,
+        tell_prefill_tokens,
+    )
 
 
-def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-              plans: Sequence[RankPlan], oracle: Oracle | None = None, *, tell_num_tokens: bool = True,
-              tell_prefill_tokens: bool | None = None) -> Report:
+def run_plans(
+    model: ModelSpec,
+    p_engine: EngineConfig,
+    d_engine: EngineConfig,
+    request: Request,
+    plans: Sequence[RankPlan],
+    oracle: Oracle | None = None,
+    *,
+    tell_num_tokens: bool = True,
+    tell_prefill_tokens: bool | None = None,
+) -> Report:
     """Execute ``plans`` (from :func:`pull_plans` or :func:`push_plans`, possibly altered) and check them.
     After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.receive_step` (told the token counts
     as in :func:`pull_plans`, and the pairs' ``prefix_caching``)."""
@@ -360,9 +550,18 @@ def run_plans(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, 
     return oracle.report()
 
 
-def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request, mode: str = "pull",
-        compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True,
-        tell_prefill_tokens: bool | None = None) -> Report:
+def run(
+    model: ModelSpec,
+    p_engine: EngineConfig,
+    d_engine: EngineConfig,
+    request: Request,
+    mode: str = "pull",
+    compat: str = "kvgeom",
+    prefix_caching: bool | None = None,
+    *,
+    tell_num_tokens: bool = True,
+    tell_prefill_tokens: bool | None = None,
+) -> Report:
     """Plan ``request`` with kvgeom on every local rank (D in pull, P in push), execute the plans and the
     D ranks' post-receive steps, and check I1-I6. A pair or request kvgeom refuses raises its
     :class:`~kvgeom.errors.KvgeomError`. Options as in :func:`pull_plans`."""
@@ -370,35 +569,96 @@ def run(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, reques
         raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}")
     oracle = Oracle.for_engines(model, p_engine, d_engine, request)  # checks the request first
     make = pull_plans if mode == "pull" else push_plans
-    told = dict(tell_num_tokens=tell_num_tokens, tell_prefill_tokens=tell_prefill_tokens)
-    plans = make(model, p_engine, d_engine, request, compat, prefix_caching, **told)
-    return run_plans(model, p_engine, d_engine, request, plans, oracle, **told)
+    plans = make(
+        model,
+        p_engine,
+        d_engine,
+        request,
+        compat,
+        prefix_caching,
+        tell_num_tokens=tell_num_tokens,
+        tell_prefill_tokens=tell_prefill_tokens,
+    )
+    return run_plans(
+        model,
+        p_engine,
+        d_engine,
+        request,
+        plans,
+        oracle,
+        tell_num_tokens=tell_num_tokens,
+        tell_prefill_tokens=tell_prefill_tokens,
+    )
 
 
-def run_pull(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-             compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True,
-             tell_prefill_tokens: bool | None = None) -> Report:
+def run_pull(
+    model: ModelSpec,
+    p_engine: EngineConfig,
+    d_engine: EngineConfig,
+    request: Request,
+    compat: str = "kvgeom",
+    prefix_caching: bool | None = None,
+    *,
+    tell_num_tokens: bool = True,
+    tell_prefill_tokens: bool | None = None,
+) -> Report:
     """:func:`run` in pull mode: every D rank plans its reads, executes them, regroups and zeroes."""
-    return run(model, p_engine, d_engine, request, "pull", compat, prefix_caching, tell_num_tokens=tell_num_tokens,
-               tell_prefill_tokens=tell_prefill_tokens)
+    return run(
+        model,
+        p_engine,
+        d_engine,
+        request,
+        "pull",
+        compat,
+        prefix_caching,
+        tell_num_tokens=tell_num_tokens,
+        tell_prefill_tokens=tell_prefill_tokens,
+    )
 
 
-def run_push(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-             compat: str = "kvgeom", prefix_caching: bool | None = None, *, tell_num_tokens: bool = True,
-             tell_prefill_tokens: bool | None = None) -> Report:
+def run_push(
+    model: ModelSpec,
+    p_engine: EngineConfig,
+    d_engine: EngineConfig,
+    request: Request,
+    compat: str = "kvgeom",
+    prefix_caching: bool | None = None,
+    *,
+    tell_num_tokens: bool = True,
+    tell_prefill_tokens: bool | None = None,
+) -> Report:
     """:func:`run` in push mode: every P rank plans its writes; then every D rank's receive step."""
-    return run(model, p_engine, d_engine, request, "push", compat, prefix_caching, tell_num_tokens=tell_num_tokens,
-               tell_prefill_tokens=tell_prefill_tokens)
+    return run(
+        model,
+        p_engine,
+        d_engine,
+        request,
+        "push",
+        compat,
+        prefix_caching,
+        tell_num_tokens=tell_num_tokens,
+        tell_prefill_tokens=tell_prefill_tokens,
+    )
 
 
-def check_moves(model: ModelSpec, p_engine: EngineConfig, d_engine: EngineConfig, request: Request,
-                moves: np.ndarray, zero: Mapping[int, np.ndarray] | None = None,
-                regroup: Mapping[int, Sequence[Regroup]] | None = None) -> Report:
+def check_moves(
+    model: ModelSpec,
+    p_engine: EngineConfig,
+    d_engine: EngineConfig,
+    request: Request,
+    moves: np.ndarray,
+    zero: Mapping[int, np.ndarray] | None = None,
+    regroup: Mapping[int, Sequence[Regroup]] | None = None,
+) -> Report:
     """Check arbitrary moves (e.g. a connector's, recorded with the NIXL double) for ``request``:
     execute ``moves``, then per D rank its ``regroup`` steps and ``zero`` ranges, and check I1-I6."""
     oracle = Oracle.for_engines(model, p_engine, d_engine, request)
     oracle.execute(moves, "move")
     for rank in range(len(oracle.d)):
-        oracle.receive(rank, (regroup or {}).get(rank, ()), (zero or {}).get(rank, np.zeros((0, 3), np.int64)),
-                       f"D rank {rank}")
+        oracle.receive(
+            rank,
+            (regroup or {}).get(rank, ()),
+            (zero or {}).get(rank, np.zeros((0, 3), np.int64)),
+            f"D rank {rank}",
+        )
     return oracle.report()

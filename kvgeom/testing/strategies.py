@@ -45,8 +45,19 @@ from ._report import Report
 from .oracle import Request, engine_geometries, run
 
 __all__ = [
-    "TP_SIZES", "PDPair", "Case", "attention_specs", "mla_specs", "ssm_specs", "model_specs", "valid_tp_sizes",
-    "engine_configs", "pd_pairs", "plannable_class", "requests", "cases",
+    "TP_SIZES",
+    "PDPair",
+    "Case",
+    "attention_specs",
+    "mla_specs",
+    "ssm_specs",
+    "model_specs",
+    "valid_tp_sizes",
+    "engine_configs",
+    "pd_pairs",
+    "plannable_class",
+    "requests",
+    "cases",
 ]
 
 TP_SIZES = (1, 2, 4, 8)
@@ -82,8 +93,9 @@ def ssm_specs(draw: st.DrawFn) -> MambaSpec:
     if family == "mamba1":
         return MambaSpec.mamba1(draw(st.sampled_from((2, 4, 8))), draw(small), kernel, conv, ssm)
     if family == "mamba2":
-        return MambaSpec.mamba2(draw(heads), draw(small), draw(st.sampled_from((2, 1, 4))), draw(small), kernel,
-                                conv, ssm)
+        return MambaSpec.mamba2(
+            draw(heads), draw(small), draw(st.sampled_from((2, 1, 4))), draw(small), kernel, conv, ssm
+        )
     if family == "gdn":
         return MambaSpec.gdn(draw(heads), draw(small), draw(heads), draw(small), kernel, conv, ssm)
     return MambaSpec.kda(draw(heads), draw(small), kernel, conv, ssm)
@@ -106,10 +118,16 @@ def model_specs(draw: st.DrawFn, families: tuple[str, ...] | None = None) -> Mod
         target = [draw(mla_specs())] * draw(st.integers(1, 2))
         return ModelSpec.from_layers(family, target + [draw(attention_specs())] * draw(st.integers(1, 2)))
     if family != "ssm":
-        base: AttentionSpec | MLASpec = draw(attention_specs() if family in ("dense", "attn+ssm") else mla_specs())
+        base: AttentionSpec | MLASpec
+        if family in ("dense", "attn+ssm"):
+            base = draw(attention_specs())
+        else:
+            base = draw(mla_specs())
         n = draw(st.integers(1, 3))
         plain = [False] * n
-        windowed = draw(st.lists(st.booleans(), min_size=n, max_size=n)) if family in ("dense", "mla") else plain
+        windowed = (
+            draw(st.lists(st.booleans(), min_size=n, max_size=n)) if family in ("dense", "mla") else plain
+        )
         layers += [_windowed(base, 8) if w else base for w in windowed]
     if family in ("attn+ssm", "mla+ssm", "ssm"):
         ssm = draw(ssm_specs())
@@ -147,16 +165,37 @@ def _divisors(n: int, most: int = 8) -> list[int]:
 @st.composite
 def _block_size(draw: st.DrawFn, model: ModelSpec, tp: int) -> int:
     if _is_hybrid(model):
-        return align_hybrid_block_size(model, tp, draw(st.sampled_from((4, 1, 2, 8))),
-                                       draw(st.sampled_from((4, 1, 2, 8, 16))))
+        return align_hybrid_block_size(
+            model, tp, draw(st.sampled_from((4, 1, 2, 8))), draw(st.sampled_from((4, 1, 2, 8, 16)))
+        )
     return draw(st.sampled_from((4, 2, 1, 8, 16)))
 
 
-def _engine(model: ModelSpec, tp: int, block: int, kernel: int, num_blocks: int, layout: KVLayout,
-            kv_split: bool, conv: ConvLayout, dcp: int = 1, pp: int = 1, packed: bool = False) -> EngineConfig:
-    return EngineConfig(tp_size=tp, block_size=block, num_blocks=num_blocks, kernel_block_size=kernel,
-                        kv_layout=layout, kv_split=kv_split, conv_layout=conv, dcp_size=dcp, pp_size=pp,
-                        packed_rows=packed)
+def _engine(
+    model: ModelSpec,
+    tp: int,
+    block: int,
+    kernel: int,
+    num_blocks: int,
+    layout: KVLayout,
+    kv_split: bool,
+    conv: ConvLayout,
+    dcp: int = 1,
+    pp: int = 1,
+    packed: bool = False,
+) -> EngineConfig:
+    return EngineConfig(
+        tp_size=tp,
+        block_size=block,
+        num_blocks=num_blocks,
+        kernel_block_size=kernel,
+        kv_layout=layout,
+        kv_split=kv_split,
+        conv_layout=conv,
+        dcp_size=dcp,
+        pp_size=pp,
+        packed_rows=packed,
+    )
 
 
 def _group_count(model: ModelSpec) -> int:
@@ -184,7 +223,9 @@ def engine_configs(draw: st.DrawFn, model: ModelSpec, tp: int | None = None) -> 
     kernel = draw(st.sampled_from(_divisors(block)))
     groups = _group_count(model)
     layout, kv_split, conv = draw(_layouts(model))
-    return _engine(model, tp, block, kernel, draw(st.integers(groups + 1, 3 * groups + 6)), layout, kv_split, conv)
+    return _engine(
+        model, tp, block, kernel, draw(st.integers(groups + 1, 3 * groups + 6)), layout, kv_split, conv
+    )
 
 
 # -- P/D pairs --------------------------------------------------------------------------------------
@@ -200,8 +241,16 @@ class PDPair:
     prefix_caching: bool = False
 
     def run(self, request: Request, tell_num_tokens: bool = True) -> Report:
-        return run(self.model, self.p_engine, self.d_engine, request, self.mode, self.compat, self.prefix_caching,
-                   tell_num_tokens=tell_num_tokens)
+        return run(
+            self.model,
+            self.p_engine,
+            self.d_engine,
+            request,
+            self.mode,
+            self.compat,
+            self.prefix_caching,
+            tell_num_tokens=tell_num_tokens,
+        )
 
     def check(self) -> None:
         """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair (with
@@ -212,25 +261,33 @@ class PDPair:
         tp = remote[0].tp_size
         for g in local:
             for s in range(0, len(remote), tp):
-                Pairing.create(g, remote[s:s + tp], self.mode, self.compat, self.prefix_caching)
+                Pairing.create(g, remote[s : s + tp], self.mode, self.compat, self.prefix_caching)
 
     def __str__(self) -> str:
         def eng(e: EngineConfig) -> str:
-            return (f"TP{e.tp_size}{f' DCP{e.dcp_size}' if e.dcp_size > 1 else ''}"
-                    f"{f' PP{e.pp_size}' if e.pp_size > 1 else ''}{' packed' if e.packed_rows else ''} "
-                    f"block {e.block_size}/kernel "
-                    f"{e.kernel} x{e.num_blocks}"
-                    f"{' ' + e.kv_layout.value if e.kv_layout is not KVLayout.HEAD_MAJOR else ''}"
-                    f"{' kv_split' if e.kv_split else ''}{' SD' if e.conv_layout is ConvLayout.SD else ''}")
+            return (
+                f"TP{e.tp_size}{f' DCP{e.dcp_size}' if e.dcp_size > 1 else ''}"
+                f"{f' PP{e.pp_size}' if e.pp_size > 1 else ''}{' packed' if e.packed_rows else ''} "
+                f"block {e.block_size}/kernel "
+                f"{e.kernel} x{e.num_blocks}"
+                f"{' ' + e.kv_layout.value if e.kv_layout is not KVLayout.HEAD_MAJOR else ''}"
+                f"{' kv_split' if e.kv_split else ''}{' SD' if e.conv_layout is ConvLayout.SD else ''}"
+            )
+
         kinds = ",".join(la.kind.value for la in self.model.layers)
         pc = " prefix-caching" if self.prefix_caching else ""
         return f"{self.mode}/{self.compat}{pc} {kinds}: P {eng(self.p_engine)} -> D {eng(self.d_engine)}"
 
 
 @st.composite
-def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
-             models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False,
-             pipeline: bool = True) -> PDPair:
+def pd_pairs(
+    draw: st.DrawFn,
+    mode: str | None = None,
+    compat: str | None = None,
+    models: st.SearchStrategy[ModelSpec] | None = None,
+    equal_blocks: bool = False,
+    pipeline: bool = True,
+) -> PDPair:
     """A P/D pair kvgeom accepts. Choices are steered towards pairs kvgeom can plan (the local kernel
     block, D's in pull and P's in push, a multiple of the remote one; head-major layouts when TP splits
     heads in vllm mode; DS conv layouts across TP sizes; no prefix caching for Mamba hybrids whose kernel blocks per
@@ -255,11 +312,18 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
     attn = model.attention_spec
     head_split = attn is not None and attn.heads_per_rank(p_tp) != attn.heads_per_rank(d_tp)
     # vllm mode needs head-major pages when TP splits heads; kvgeom mode cuts token-major pages per token
-    layout = KVLayout.HEAD_MAJOR if head_split and compat == "vllm" else \
-        draw(st.sampled_from((KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR)))
+    layout = (
+        KVLayout.HEAD_MAJOR
+        if head_split and compat == "vllm"
+        else draw(st.sampled_from((KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR)))
+    )
     single_attention = not model.has_ssm and not model.is_mla and _group_count(model) == 1
     kv_split = draw(st.booleans()) if single_attention else False
-    conv = draw(st.sampled_from((ConvLayout.DS, ConvLayout.SD))) if model.has_ssm and p_tp == d_tp else ConvLayout.DS
+    conv = (
+        draw(st.sampled_from((ConvLayout.DS, ConvLayout.SD)))
+        if model.has_ssm and p_tp == d_tp
+        else ConvLayout.DS
+    )
     groups = _group_count(model)
     p_nb, d_nb = (draw(st.integers(groups + 1, 3 * groups + 6)) for _ in range(2))
     p_dcp = d_dcp = 1
@@ -279,17 +343,31 @@ def pd_pairs(draw: st.DrawFn, mode: str | None = None, compat: str | None = None
         remote_pp = draw(st.sampled_from((1, 1, 2))) if compat == "kvgeom" else 1
         p_pp, d_pp = (remote_pp, local_pp) if mode == "pull" else (local_pp, remote_pp)
     p_packed = d_packed = False
-    if model.is_mla and not model.has_ssm and all(isinstance(la.spec, MLASpec) for la in model.layers) \
-            and not kv_split and draw(st.integers(0, 2)) == 0:  # block-outermost rows, mostly on both sides
+    if (
+        model.is_mla
+        and not model.has_ssm
+        and all(isinstance(la.spec, MLASpec) for la in model.layers)
+        and not kv_split
+        and draw(st.integers(0, 2)) == 0
+    ):  # block-outermost rows, mostly on both sides
         p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
     p_conv = d_conv = conv
     if model.has_ssm and draw(st.integers(0, 7)) == 0:  # mixed conv layouts (equal or unequal TP): refused
-        p_conv, d_conv = draw(st.sampled_from(((ConvLayout.DS, ConvLayout.SD), (ConvLayout.SD, ConvLayout.DS))))
+        p_conv, d_conv = draw(
+            st.sampled_from(((ConvLayout.DS, ConvLayout.SD), (ConvLayout.SD, ConvLayout.DS)))
+        )
     p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, p_conv, p_dcp, p_pp, p_packed)
     d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, d_conv, d_dcp, d_pp, d_packed)
-    if mode == "pull" and _group_count(model) == 1 and not model.has_ssm and len(model.layers) > 1 \
-            and p_dcp == d_dcp == 1 and p_pp == d_pp == 1 and not (p_packed or d_packed) \
-            and draw(st.integers(0, 4)) == 0:
+    if (
+        mode == "pull"
+        and _group_count(model) == 1
+        and not model.has_ssm
+        and len(model.layers) > 1
+        and p_dcp == d_dcp == 1
+        and p_pp == d_pp == 1
+        and not (p_packed or d_packed)
+        and draw(st.integers(0, 4)) == 0
+    ):
         # D keeps some layers in a group of their own (a HiSparse decoder): regions paired region by region
         names = [la.name for la in model.layers]
         own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
@@ -317,8 +395,15 @@ def plannable_class(pair: PDPair) -> str | None:
     packed rows or separate groups; vllm mode pushes only at equal TP. The property tests treat a refusal
     of such a pair as a failure, not a discard."""
     model, p, d = pair.model, pair.p_engine, pair.d_engine
-    engines_plain = all(e.kv_layout is KVLayout.HEAD_MAJOR and not e.kv_split and e.dcp_size == 1
-                        and e.pp_size == 1 and not e.packed_rows and not e.separate_group for e in (p, d))
+    engines_plain = all(
+        e.kv_layout is KVLayout.HEAD_MAJOR
+        and not e.kv_split
+        and e.dcp_size == 1
+        and e.pp_size == 1
+        and not e.packed_rows
+        and not e.separate_group
+        for e in (p, d)
+    )
     if not engines_plain or p.block_size != d.block_size or p.kernel != d.kernel:
         return None
     if pair.compat == "vllm" and pair.mode == "push" and p.tp_size != d.tp_size:
@@ -332,8 +417,12 @@ def plannable_class(pair: PDPair) -> str | None:
         return "ssm hybrid, equal TP"
     if attn and all(isinstance(a, MLASpec) and not a.sliding_window for a in attn):
         return "MLA"
-    if len(set(attn)) == 1 and isinstance(attn[0], AttentionSpec) and not attn[0].sliding_window \
-            and attn[0].num_kv_heads % max(p.tp_size, d.tp_size) == 0:
+    if (
+        len(set(attn)) == 1
+        and isinstance(attn[0], AttentionSpec)
+        and not attn[0].sliding_window
+        and attn[0].num_kv_heads % max(p.tp_size, d.tp_size) == 0
+    ):
         return "dense attention"
     return None
 
@@ -351,7 +440,10 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     n_attn, n_ssm = max(ssm.count(False), len(d_geom.groups) - ssm.count(True)), ssm.count(True)
     pb, db = p_geom.scheduler_block, d_geom.scheduler_block  # tokens per list entry (DCP: a page per rank)
     if n_attn:
-        most = min((p_geom.logical_num_blocks - n_ssm) // n_attn * pb, (d_geom.logical_num_blocks - n_ssm) // n_attn * db)
+        most = min(
+            (p_geom.logical_num_blocks - n_ssm) // n_attn * pb,
+            (d_geom.logical_num_blocks - n_ssm) // n_attn * db,
+        )
         least = db + 1 if pair.prefix_caching and most > db else 1  # room for a prefix hit
         num_tokens = draw(st.integers(least, most))
     else:
@@ -366,7 +458,7 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
         ids, used = [], 0
         for is_ssm in geom.group_is_ssm:
             n = 1 if is_ssm else count
-            ids.append(tuple(pool[used:used + n]))
+            ids.append(tuple(pool[used : used + n]))
             used += n
         sides.append(tuple(ids))
     return Request(num_tokens, sides[0], sides[1], hit, computed if computed < num_tokens else None)
@@ -385,14 +477,21 @@ class Case:
     def __str__(self) -> str:
         r = self.request
         computed = f" (P computed {r.prefill_tokens})" if r.prefill_tokens is not None else ""
-        return (f"{self.pair}; {r.num_tokens} tokens{computed}, prefix {r.prefix_blocks}, P ids {r.p_ids}, "
-                f"D ids {r.d_ids}")
+        return (
+            f"{self.pair}; {r.num_tokens} tokens{computed}, prefix {r.prefix_blocks}, P ids {r.p_ids}, "
+            f"D ids {r.d_ids}"
+        )
 
 
 @st.composite
-def cases(draw: st.DrawFn, mode: str | None = None, compat: str | None = None,
-          models: st.SearchStrategy[ModelSpec] | None = None, equal_blocks: bool = False,
-          pipeline: bool = True) -> Case:
+def cases(
+    draw: st.DrawFn,
+    mode: str | None = None,
+    compat: str | None = None,
+    models: st.SearchStrategy[ModelSpec] | None = None,
+    equal_blocks: bool = False,
+    pipeline: bool = True,
+) -> Case:
     """A :class:`Case`: a pair from :func:`pd_pairs` (same arguments) and a request from :func:`requests`."""
     pair = draw(pd_pairs(mode, compat, models, equal_blocks, pipeline))
     return Case(pair, draw(requests(pair)))

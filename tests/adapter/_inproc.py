@@ -20,13 +20,15 @@ HOST = "127.0.0.1"
 SECRET = b"attack-tests-shared-secret-0123456789"
 AUTH = Auth(SECRET)
 MODEL = ModelSpec.from_layers("dense-4l", [AttentionSpec(4, 32, "bfloat16")] * 4)
-CONFIG = TransportConfig(secret=SECRET, handshake_timeout_s=3.0, transfer_timeout_s=3.0, notif_timeout_s=3.0,
-                         close_drain_s=0.05)
+CONFIG = TransportConfig(
+    secret=SECRET, handshake_timeout_s=3.0, transfer_timeout_s=3.0, notif_timeout_s=3.0, close_drain_s=0.05
+)
 
 
 def card(engine_id: str, num_blocks: int = 64, block_size: int = 16, mode: str = "pull") -> GeometryCard:
-    return GeometryCard(engine_id, MODEL, EngineConfig(tp_size=1, block_size=block_size, num_blocks=num_blocks),
-                        mode)
+    return GeometryCard(
+        engine_id, MODEL, EngineConfig(tp_size=1, block_size=block_size, num_blocks=num_blocks), mode
+    )
 
 
 class Pump:

@@ -86,5 +86,9 @@ def nixl_etcd_exchange(endpoint: str, namespace: str, forged_key_writer: Any = N
     EtcdClient([endpoint]).put(f"{namespace}/agent-a/metadata", m.get_agent_metadata())
     b.fetch_remote_metadata("agent-a")
     forged_s = wait(lambda: b.check_remote_metadata("agent-m"), 5.0)
-    return {"loaded_a": loaded_a, "fetch_s": fetch_s, "loaded_m_when_asking_for_a": b.check_remote_metadata("agent-m"),
-            "forged_s": forged_s}
+    return {
+        "loaded_a": loaded_a,
+        "fetch_s": fetch_s,
+        "loaded_m_when_asking_for_a": b.check_remote_metadata("agent-m"),
+        "forged_s": forged_s,
+    }

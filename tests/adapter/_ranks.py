@@ -94,7 +94,9 @@ def prefill_rank(spec: dict, to_parent: Any, inbox: Any) -> dict:
         out["agent_s"] = time.monotonic() - t0
         src = torch.from_numpy(pattern(nbytes, 0))
         regions = ep.register_tensors(src)
-        server = SideChannelServer(HOST, 0, _payload(ep, "prefill", regions, ep.generation), auth=AUTH).start()
+        server = SideChannelServer(
+            HOST, 0, _payload(ep, "prefill", regions, ep.generation), auth=AUTH
+        ).start()
         try:
             to_parent.put(("P", "ready", {"port": server.port, "generation": ep.generation}))
             if spec["mode"] == "push":

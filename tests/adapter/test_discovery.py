@@ -35,13 +35,29 @@ PREFIX = "/kvgeom-test"
 MODEL = ModelSpec.from_layers("dense-2l", [AttentionSpec(2, 16, "bfloat16")] * 2)
 
 
-def _payload(rank: int, generation: int, *, engine: str = "prefill", agent: str | None = None, tp: int = 2,
-             incarnation: str = "inc-1", started: float = 1000.0) -> dict:
+def _payload(
+    rank: int,
+    generation: int,
+    *,
+    engine: str = "prefill",
+    agent: str | None = None,
+    tp: int = 2,
+    incarnation: str = "inc-1",
+    started: float = 1000.0,
+) -> dict:
     card = GeometryCard(engine, MODEL, EngineConfig(tp_size=tp, tp_rank=rank, block_size=16, num_blocks=32))
-    return make_payload(engine_id=engine, rank=rank, agent_name=agent or f"{engine}-{rank}-abcd",
-                        agent_metadata=b"NIXL-METADATA-" + bytes(range(200)), card=card.to_json(),
-                        regions=[(1 << 20, 4096, 0)], generation=generation, sidechannel=["10.77.0.1", 4000 + rank],
-                        incarnation=incarnation, started=started)
+    return make_payload(
+        engine_id=engine,
+        rank=rank,
+        agent_name=agent or f"{engine}-{rank}-abcd",
+        agent_metadata=b"NIXL-METADATA-" + bytes(range(200)),
+        card=card.to_json(),
+        regions=[(1 << 20, 4096, 0)],
+        generation=generation,
+        sidechannel=["10.77.0.1", 4000 + rank],
+        incarnation=incarnation,
+        started=started,
+    )
 
 
 class Counting(EtcdClient):
@@ -87,8 +103,13 @@ def test_a_record_is_encrypted_sealed_and_bound_to_its_key(etcd):
         box[len(box) // 2] ^= 1
         tampered = __import__("json").dumps(dict(rec, box=base64.b64encode(bytes(box)).decode())).encode()
         liar = seal_record(_payload(0, 1), AUTH, key1)  # a secret holder storing rank 0's record as rank 1
-        cases = {"tampered": (key0, tampered), "moved to rank 1": (key1, raw), "not json": (key0, b"{]"),
-                 "wrong version": (key0, b'{"v": 9}'), "rank 0 at rank 1's key": (key1, liar)}
+        cases = {
+            "tampered": (key0, tampered),
+            "moved to rank 1": (key1, raw),
+            "not json": (key0, b"{]"),
+            "wrong version": (key0, b'{"v": 9}'),
+            "rank 0 at rank 1's key": (key1, liar),
+        }
         for name, (key, value) in cases.items():
             c.put(key, value)
             try:
@@ -106,8 +127,13 @@ def test_a_record_is_encrypted_sealed_and_bound_to_its_key(etcd):
 
     out = _in(net, body)
     raw = out["raw"]
-    for secret_part in (p["agent_metadata"], base64.b64encode(p["agent_metadata"]), b"prefill-0-abcd", b"dense-2l",
-                        b"10.77.0.1"):
+    for secret_part in (
+        p["agent_metadata"],
+        base64.b64encode(p["agent_metadata"]),
+        b"prefill-0-abcd",
+        b"dense-2l",
+        b"10.77.0.1",
+    ):
         assert secret_part not in raw, secret_part  # etcd holds ciphertext only
     assert {k: v for k, v in out["read"].items()} == p
     assert out["tampered"] == out["moved to rank 1"] == out["other secret"] == "AuthenticationError", out
@@ -135,21 +161,30 @@ def test_a_stale_or_replayed_record_is_never_used(etcd):
         d.check("prefill", 0, p["generation"], p["agent_name"], time.monotonic() + 2)
         out["fast path calls"] = dict(c.calls)
         c.put(key, seal_record(_payload(0, 2), AUTH, key))
-        for name, fn in (("re-registered", lambda: d.check("prefill", 0, 1, p["agent_name"], time.monotonic() + 2)),):
+        for name, fn in (
+            ("re-registered", lambda: d.check("prefill", 0, 1, p["agent_name"], time.monotonic() + 2)),
+        ):
             try:
                 fn()
                 out[name] = "used"
             except StaleMetadata as e:
                 out[name] = (type(e).__name__, e.expected, e.seen)
         c.put(key, gen1)  # the old record, replayed
-        for name, fn in (("replay, check", lambda: d.check("prefill", 0, 2, p["agent_name"], time.monotonic() + 2)),
-                         ("replay, read", lambda: d.rank("prefill", 0, time.monotonic() + 2))):
+        for name, fn in (
+            ("replay, check", lambda: d.check("prefill", 0, 2, p["agent_name"], time.monotonic() + 2)),
+            ("replay, read", lambda: d.rank("prefill", 0, time.monotonic() + 2)),
+        ):
             try:
                 fn()
                 out[name] = "used"
             except StaleMetadata as e:
                 out[name] = type(e).__name__
-        c.put(key, seal_record(_payload(0, 1, agent="prefill-0-new", incarnation="inc-2", started=2000.0), AUTH, key))
+        c.put(
+            key,
+            seal_record(
+                _payload(0, 1, agent="prefill-0-new", incarnation="inc-2", started=2000.0), AUTH, key
+            ),
+        )
         out["restart"] = d.rank("prefill", 0, time.monotonic() + 2)["agent_name"]
         c.delete(key)
         try:
@@ -174,7 +209,10 @@ def test_an_engine_is_found_when_all_its_ranks_are_registered(etcd):
 
     def body():
         d = Directory(c, PREFIX, AUTH)
-        c.put(engine_key(PREFIX, "prefill", 0), seal_record(_payload(0, 1), AUTH, engine_key(PREFIX, "prefill", 0)))
+        c.put(
+            engine_key(PREFIX, "prefill", 0),
+            seal_record(_payload(0, 1), AUTH, engine_key(PREFIX, "prefill", 0)),
+        )
         t0 = time.monotonic()
         try:
             d.engine("prefill", time.monotonic() + 0.5)
@@ -188,7 +226,9 @@ def test_an_engine_is_found_when_all_its_ranks_are_registered(etcd):
         return missing, sorted(found), time.monotonic() - t0
 
     missing, found, waited = _in(net, body)
-    assert missing[0] == "HandshakeTimeout" and "ranks [0] of 2" in missing[1] and 0.4 < missing[2] < 1.5, missing
+    assert missing[0] == "HandshakeTimeout" and "ranks [0] of 2" in missing[1] and 0.4 < missing[2] < 1.5, (
+        missing
+    )
     assert found == [0, 1] and 0.25 < waited < 3.0, (found, waited)
 
 
@@ -272,14 +312,28 @@ def test_an_unreachable_etcd_is_a_typed_error_within_its_bound(etcd):
 
 
 def test_discovery_settings_are_checked_and_read_from_the_environment():
-    c = TransportConfig.from_env({"KVGEOM_NIXL_DISCOVERY": "etcd", "KVGEOM_NIXL_ETCD_ENDPOINTS":
-                                  "http://10.0.0.5:2379, http://10.0.0.6:2379", "KVGEOM_NIXL_ETCD_PREFIX": "/prod",
-                                  "KVGEOM_NIXL_ETCD_LEASE_TTL_S": "5", "KVGEOM_NIXL_SECRET": "s" * 16})
+    c = TransportConfig.from_env(
+        {
+            "KVGEOM_NIXL_DISCOVERY": "etcd",
+            "KVGEOM_NIXL_ETCD_ENDPOINTS": "http://10.0.0.5:2379, http://10.0.0.6:2379",
+            "KVGEOM_NIXL_ETCD_PREFIX": "/prod",
+            "KVGEOM_NIXL_ETCD_LEASE_TTL_S": "5",
+            "KVGEOM_NIXL_SECRET": "s" * 16,
+        }
+    )
     assert (c.discovery, c.etcd_endpoints, c.etcd_prefix, c.etcd_lease_ttl_s) == (
-        "etcd", ("http://10.0.0.5:2379", "http://10.0.0.6:2379"), "/prod", 5.0)
-    for bad, field in (({"discovery": "dns"}, "discovery"), ({"discovery": "etcd"}, "etcd_endpoints"),
-                       ({"etcd_prefix": "kvgeom"}, "etcd_prefix"), ({"etcd_lease_ttl_s": 0.5}, "etcd_lease_ttl_s"),
-                       ({"etcd_timeout_s": 0}, "etcd_timeout_s")):
+        "etcd",
+        ("http://10.0.0.5:2379", "http://10.0.0.6:2379"),
+        "/prod",
+        5.0,
+    )
+    for bad, field in (
+        ({"discovery": "dns"}, "discovery"),
+        ({"discovery": "etcd"}, "etcd_endpoints"),
+        ({"etcd_prefix": "kvgeom"}, "etcd_prefix"),
+        ({"etcd_lease_ttl_s": 0.5}, "etcd_lease_ttl_s"),
+        ({"etcd_timeout_s": 0}, "etcd_timeout_s"),
+    ):
         with pytest.raises(ValueError, match=field):
             TransportConfig(**bad)
 

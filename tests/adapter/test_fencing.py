@@ -24,14 +24,26 @@ from kvgeom_nixl.demo import DEFAULT_SCENARIO  # noqa: E402
 pytestmark = pytest.mark.nixl
 
 T = 2.5  # transfer / notification timeout of every attempt
-CONFIG = {"handshake_timeout_s": 3.0, "transfer_timeout_s": T, "notif_timeout_s": T,
-          "secret": "fencing-tests-secret-0123456789"}
+CONFIG = {
+    "handshake_timeout_s": 3.0,
+    "transfer_timeout_s": T,
+    "notif_timeout_s": T,
+    "secret": "fencing-tests-secret-0123456789",
+}
 ENGINES = ["prefill", "backup"]
 
 
 def _run(mode: str, requests: list[dict], faults: dict, **extra) -> dict:
-    spec = {"scenario": dict(DEFAULT_SCENARIO, mode=mode), "requests": requests, "prefill_engines": ENGINES,
-            "config": CONFIG, "drain_s": 10.0, "push_deadline": False, "faults": faults, **extra}
+    spec = {
+        "scenario": dict(DEFAULT_SCENARIO, mode=mode),
+        "requests": requests,
+        "prefill_engines": ENGINES,
+        "config": CONFIG,
+        "drain_s": 10.0,
+        "push_deadline": False,
+        "faults": faults,
+        **extra,
+    }
     out = run_cluster(spec, timeout_s=150)
     for name, v in out["results"].items():
         assert "traceback" not in v, f"{name}: {v['error']}\n{v['traceback']}"
@@ -58,12 +70,19 @@ def test_push_late_writes_land_only_in_quarantine_and_never_complete_a_retry():
     must not complete it (old code: a leftover notification completed a retry whose blocks were never
     written). The third attempt succeeds. The rogue (no secret, but the ranks' NIXL metadata leaked to
     it) is refused by every side channel."""
-    reqs = [{"id": "r0", "tokens": 300, "engine": "prefill"}, {"id": "r1", "tokens": 900, "engine": "prefill"},
-            {"id": "r2", "tokens": 900, "engine": "backup"}, {"id": "r1", "tokens": 900, "engine": "backup"},
-            {"id": "r1", "tokens": 900, "engine": "backup"}, {"id": "r3", "tokens": 600, "engine": "backup"}]
-    faults = {"stop": {"engine": "prefill", "at": "r1", "seconds": T + 1.5},
-              "busy": {"engine": "backup", "at": "r1", "attempt": 2, "seconds": T + 1.0},
-              "rogue": {"at": "r1", "attempt": 2}}
+    reqs = [
+        {"id": "r0", "tokens": 300, "engine": "prefill"},
+        {"id": "r1", "tokens": 900, "engine": "prefill"},
+        {"id": "r2", "tokens": 900, "engine": "backup"},
+        {"id": "r1", "tokens": 900, "engine": "backup"},
+        {"id": "r1", "tokens": 900, "engine": "backup"},
+        {"id": "r3", "tokens": 600, "engine": "backup"},
+    ]
+    faults = {
+        "stop": {"engine": "prefill", "at": "r1", "seconds": T + 1.5},
+        "busy": {"engine": "backup", "at": "r1", "attempt": 2, "seconds": T + 1.0},
+        "rogue": {"at": "r1", "attempt": 2},
+    }
     out = _run("push", reqs, faults)
     a = _by_attempt(out)
     assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r2", 1), ("r1", 3), ("r3", 1)], a
@@ -93,9 +112,13 @@ def test_pull_over_tcp_a_partial_timeout_fences_the_late_read():
     bytes), r1's blocks stay quarantined until it ends, and r2 (served by ``backup`` meanwhile) never
     gets them (old code: 4-5 of 5 late READs landed in reused blocks; 95 transfers were left posted
     after 100 timeouts)."""
-    reqs = [{"id": "r0", "tokens": 300, "engine": "prefill"}, {"id": "r1", "tokens": 900, "engine": "prefill"},
-            {"id": "r2", "tokens": 900, "engine": "backup"}, {"id": "r1", "tokens": 900, "engine": "backup"},
-            {"id": "r3", "tokens": 600, "engine": "backup"}]
+    reqs = [
+        {"id": "r0", "tokens": 300, "engine": "prefill"},
+        {"id": "r1", "tokens": 900, "engine": "prefill"},
+        {"id": "r2", "tokens": 900, "engine": "backup"},
+        {"id": "r1", "tokens": 900, "engine": "backup"},
+        {"id": "r3", "tokens": 600, "engine": "backup"},
+    ]
     faults = {"busy": {"engine": "prefill", "rank": 1, "at": "r1", "seconds": T + 1.5}}
     t0 = time.monotonic()
     out = _run("pull", reqs, faults, env={"UCX_TLS": "tcp"}, linger_s=T + 2.0)

@@ -77,7 +77,7 @@ class _Drip:
                         for i in range(len(data)):
                             if self.stop.is_set():
                                 return
-                            conn.sendall(data[i:i + 1])
+                            conn.sendall(data[i : i + 1])
                             time.sleep(pause_s)
                     except OSError:
                         pass
@@ -115,11 +115,15 @@ def test_byte_drip_cannot_stretch_a_deadline(ranks):
         closed_after = None
         for i in range(len(frame)):
             try:
-                s.sendall(frame[i:i + 1])
+                s.sendall(frame[i : i + 1])
             except OSError:
                 closed_after = time.monotonic() - t0
                 break
-            assert query_generation(HOST, p.port, timeout_s=1.0, auth=AUTH) == p.ep.generation if i == 3 else True
+            assert (
+                query_generation(HOST, p.port, timeout_s=1.0, auth=AUTH) == p.ep.generation
+                if i == 3
+                else True
+            )
             time.sleep(0.05)
             if time.monotonic() - t0 > 6:
                 break
@@ -139,10 +143,20 @@ def test_server_bounds_connections_bytes_and_payloads():
     from _inproc import MODEL  # noqa: F401  (same process as the other tests)
     from kvgeom_nixl import make_payload
 
-    payload = make_payload(engine_id="e", rank=0, agent_name="srv", agent_metadata=b"m", card={},
-                           regions=[(4096, 4096, 0)])
-    with SideChannelServer(HOST, 0, payload, auth=AUTH, io_timeout_s=1.0, max_connections=4,
-                           max_message_bytes=1 << 16, max_peers=8, peer_ttl_s=1.0) as server:
+    payload = make_payload(
+        engine_id="e", rank=0, agent_name="srv", agent_metadata=b"m", card={}, regions=[(4096, 4096, 0)]
+    )
+    with SideChannelServer(
+        HOST,
+        0,
+        payload,
+        auth=AUTH,
+        io_timeout_s=1.0,
+        max_connections=4,
+        max_message_bytes=1 << 16,
+        max_peers=8,
+        peer_ttl_s=1.0,
+    ) as server:
         idle = [socket.create_connection((HOST, server.port), timeout=2) for _ in range(12)]
         try:
             time.sleep(0.3)
@@ -152,7 +166,9 @@ def test_server_bounds_connections_bytes_and_payloads():
                 c.close()
         time.sleep(1.2)  # the 4 slots come back after the io deadline
         assert query_generation(HOST, server.port, timeout_s=2, auth=AUTH) == 0
-        with socket.create_connection((HOST, server.port), timeout=2) as s:  # announce 64 MiB: refused at once
+        with socket.create_connection(
+            (HOST, server.port), timeout=2
+        ) as s:  # announce 64 MiB: refused at once
             s.sendall((64 << 20).to_bytes(4, "big"))
             s.settimeout(2)
             assert s.recv(1) == b""
@@ -164,8 +180,14 @@ def test_server_bounds_connections_bytes_and_payloads():
         assert server.peers() == {}  # expired
         broken = server.stats["broken"]
         with pytest.raises(HandshakeTimeout):  # a message over the server's limit is never served
-            fetch(HOST, server.port, dict(payload, agent_metadata=b"x" * (1 << 17)), timeout_s=1, auth=AUTH,
-                  max_bytes=1 << 20)
+            fetch(
+                HOST,
+                server.port,
+                dict(payload, agent_metadata=b"x" * (1 << 17)),
+                timeout_s=1,
+                auth=AUTH,
+                max_bytes=1 << 20,
+            )
         assert server.stats["broken"] > broken
 
 
@@ -176,13 +198,17 @@ def test_side_channel_refuses_anyone_without_the_secret(ranks):
     nothing but a refusal is sent; a replayed request is refused too."""
     p, _ = ranks
     for auth in (Auth.none(), Auth(os.urandom(32))):
-        for call in (lambda a: fetch(HOST, p.port, timeout_s=2, auth=a),
-                     lambda a: query_generation(HOST, p.port, timeout_s=2, auth=a)):
+        for call in (
+            lambda a: fetch(HOST, p.port, timeout_s=2, auth=a),
+            lambda a: query_generation(HOST, p.port, timeout_s=2, auth=a),
+        ):
             with pytest.raises(AuthenticationError, match="secret"):
                 call(auth)
     # what an unauthenticated client receives: a short refusal, no metadata
     with socket.create_connection((HOST, p.port), timeout=2) as s:
-        s.sendall(encode({"v": 2, "op": "get", "nonce": os.urandom(16).hex(), "ts": time.time()}, Auth.none()))
+        s.sendall(
+            encode({"v": 2, "op": "get", "nonce": os.urandom(16).hex(), "ts": time.time()}, Auth.none())
+        )
         s.settimeout(2)
         data = b""
         while chunk := s.recv(65536):
@@ -209,9 +235,26 @@ def _hostile_payloads(good: dict) -> dict[str, object]:
         bad = dict(good)
         del bad[key]
         cases[f"missing {key}"] = bad
-    for key in ("engine_id", "rank", "agent_name", "agent_metadata", "card", "regions", "device_id", "generation"):
-        for label, value in (("none", None), ("str", "x"), ("float", 1.5), ("list", [1]), ("dict", {"a": 1}),
-                             ("bool", True), ("neg", -1), ("huge", 2**70)):
+    for key in (
+        "engine_id",
+        "rank",
+        "agent_name",
+        "agent_metadata",
+        "card",
+        "regions",
+        "device_id",
+        "generation",
+    ):
+        for label, value in (
+            ("none", None),
+            ("str", "x"),
+            ("float", 1.5),
+            ("list", [1]),
+            ("dict", {"a": 1}),
+            ("bool", True),
+            ("neg", -1),
+            ("huge", 2**70),
+        ):
             if value == good[key] or (key == "engine_id" and value == "x"):
                 continue
             cases[f"{key}={label}"] = dict(good, **{key: value})
@@ -223,7 +266,7 @@ def _hostile_payloads(good: dict) -> dict[str, object]:
         cases[name] = bad
 
     card_case("card version 2", lambda c: c.update(kvgeom_card=2))
-    card_case("card empty", lambda c: (c.clear()))
+    card_case("card empty", lambda c: c.clear())
     card_case("layers not a list", lambda c: c["model"].update(layers="x"))
     card_case("layers of ints", lambda c: c["model"].update(layers=[1, 2]))
     card_case("layer spec garbage", lambda c: c["model"]["layers"][0].update(spec={"kind": "??"}))
@@ -239,19 +282,25 @@ def _hostile_payloads(good: dict) -> dict[str, object]:
     card_case("mode", lambda c: c.update(mode="sideways"))
     card_case("dtype", lambda c: c["model"]["layers"][0]["spec"].update(dtype="float128"))
     regions = good["regions"]
-    for name, value in (("regions empty", []), ("region short", [regions[0][:2]] + regions[1:]),
-                        ("region zero size", [[regions[0][0], 0, 0]] + regions[1:]),
-                        ("region past 2**64", [[2**64 - 8, regions[0][1], 0]] + regions[1:]),
-                        ("region addr str", [["0x10", regions[0][1], 0]] + regions[1:]),
-                        ("70000 regions", regions * 17500),
-                        ("sizes halved", [[a, n // 2, d] for a, n, d in regions]),
-                        ("one region missing", regions[:-1]),
-                        ("overlapping", [[regions[0][0], n, d] for _, n, d in regions]),
-                        ("unregistered", [[a + (1 << 40), n, d] for a, n, d in regions])):
+    for name, value in (
+        ("regions empty", []),
+        ("region short", [regions[0][:2]] + regions[1:]),
+        ("region zero size", [[regions[0][0], 0, 0]] + regions[1:]),
+        ("region past 2**64", [[2**64 - 8, regions[0][1], 0]] + regions[1:]),
+        ("region addr str", [["0x10", regions[0][1], 0]] + regions[1:]),
+        ("70000 regions", regions * 17500),
+        ("sizes halved", [[a, n // 2, d] for a, n, d in regions]),
+        ("one region missing", regions[:-1]),
+        ("overlapping", [[regions[0][0], n, d] for _, n, d in regions]),
+        ("unregistered", [[a + (1 << 40), n, d] for a, n, d in regions]),
+    ):
         cases[name] = dict(good, regions=value)
     md = good["agent_metadata"]
-    for name, value in (("metadata garbage", b"\x00" * 64), ("metadata truncated", md[: len(md) // 2]),
-                        ("metadata text", b"nixlSerDes|hello")):
+    for name, value in (
+        ("metadata garbage", b"\x00" * 64),
+        ("metadata truncated", md[: len(md) // 2]),
+        ("metadata text", b"nixlSerDes|hello"),
+    ):
         cases[name] = dict(good, agent_metadata=value)
     cases["engine impersonation"] = dict(good, engine_id="prefill-b", card=dict(c, engine_id="prefill-b"))
     cases["card of another engine"] = dict(good, card=dict(c, engine_id="prefill-b"))
@@ -395,10 +444,13 @@ def test_forged_replayed_and_foreign_notices_never_complete_an_attempt(ranks):
         with pytest.raises(AdapterError):
             d2.wait_received(producer, [[1]], [[1]], "req", timeout_s=0.2, attempt=1)
         assert [h.token for h in d2.quarantined()] == [("req", 1)]
-        forged = (b"req:1", b"req:2", encode_notice(Auth.none(), Notice("W", "prefill", 0, "req", 2), "rogue",
-                                                      d2.ep.name),
-                  encode_notice(Auth(os.urandom(32)), Notice("W", "prefill", 0, "req", 2), "rogue", d2.ep.name),
-                  genuine(2))  # the last: a genuine tag for P's name, sent under the rogue's name
+        forged = (
+            b"req:1",
+            b"req:2",
+            encode_notice(Auth.none(), Notice("W", "prefill", 0, "req", 2), "rogue", d2.ep.name),
+            encode_notice(Auth(os.urandom(32)), Notice("W", "prefill", 0, "req", 2), "rogue", d2.ep.name),
+            genuine(2),
+        )  # the last: a genuine tag for P's name, sent under the rogue's name
         with Pump(p, rogue):  # senders must drive their NIXL progress for a notification to leave
             for msg in forged:
                 rogue.send_notif(d2.ep.name, msg)
@@ -433,14 +485,29 @@ def test_duplicate_and_aliasing_block_ids_are_refused(ranks):
     p, d = ranks
     with Pump(p):
         d.connect("prefill", {0: p.port})
-        for local, remote, where in (([[3, 3]], [[1, 2]], "local_ids[0]"), ([[3, 4]], [[1, 1]], "remote_ids[0]")):
+        for local, remote, where in (
+            ([[3, 3]], [[1, 2]], "local_ids[0]"),
+            ([[3, 4]], [[1, 1]], "remote_ids[0]"),
+        ):
             with pytest.raises(BlockIdError, match="appears twice in group 0") as ei:
                 d.pull("prefill", local, remote, "dup", "dup", num_tokens=20)
             assert ei.value.field == where
     assert d.ep.live_transfers() == []
-    hybrid = ModelSpec.from_layers("h", [AttentionSpec(4, 32, "bfloat16"),
-                                         MambaSpec.mamba2(num_heads=8, head_dim=16, n_groups=2, state_size=16,
-                                                          conv_kernel=4, conv_dtype="bfloat16", ssm_dtype="float32")])
+    hybrid = ModelSpec.from_layers(
+        "h",
+        [
+            AttentionSpec(4, 32, "bfloat16"),
+            MambaSpec.mamba2(
+                num_heads=8,
+                head_dim=16,
+                n_groups=2,
+                state_size=16,
+                conv_kernel=4,
+                conv_dtype="bfloat16",
+                ssm_dtype="float32",
+            ),
+        ],
+    )
     eng = EngineConfig(tp_size=1, block_size=32, num_blocks=64)
     pairing = Pairing.create(GeometryCard("d", hybrid, eng), [GeometryCard("p", hybrid, eng)])
     kinds = pairing.local.group_is_ssm
@@ -466,13 +533,23 @@ def test_a_push_past_its_deadline_is_never_posted_and_the_consumer_learns_at_onc
         with Pump(d2):
             p2.connect("decode", {0: d2.port}, mode="push")
             with pytest.raises(AdapterError, match="expired"):
-                p2.push("decode", [[1, 2]], [[3, 4]], "late", "late", num_tokens=20, attempt=1,
-                        not_after=time.time() - 1.0)
+                p2.push(
+                    "decode",
+                    [[1, 2]],
+                    [[3, 4]],
+                    "late",
+                    "late",
+                    num_tokens=20,
+                    attempt=1,
+                    not_after=time.time() - 1.0,
+                )
         assert p2.ep.live_transfers() == []
         with Pump(p2):
             t0 = time.monotonic()
             with pytest.raises(AdapterError, match="abandoned attempt 1"):
-                d2.wait_received(card("prefill", mode="push"), [[3, 4]], [[1, 2]], "late", timeout_s=3.0, attempt=1)
+                d2.wait_received(
+                    card("prefill", mode="push"), [[3, 4]], [[1, 2]], "late", timeout_s=3.0, attempt=1
+                )
             assert time.monotonic() - t0 < 1.0
         settled = d2.settle()
         assert [(s.request_id, s.attempt) for s in settled] == [("late", 1)]

@@ -26,8 +26,12 @@ from kvgeom_nixl.ucxinfo import read_logs, transports  # noqa: E402
 pytestmark = pytest.mark.nixl
 
 D_CACHE_BYTES = 256 * 64 * 1536  # the demo D rank's cache: 256 blocks of 64 tokens, 1,536 bytes per token
-REQUESTS = [{"id": "r0", "tokens": 97, "engine": "prefill"}, {"id": "r1", "tokens": 1000, "engine": "prefill"},
-            {"id": "r2", "tokens": 2500, "engine": "backup"}, {"id": "r3", "tokens": 640, "engine": "prefill"}]
+REQUESTS = [
+    {"id": "r0", "tokens": 97, "engine": "prefill"},
+    {"id": "r1", "tokens": 1000, "engine": "prefill"},
+    {"id": "r2", "tokens": 2500, "engine": "backup"},
+    {"id": "r3", "tokens": 640, "engine": "prefill"},
+]
 
 
 @pytest.mark.parametrize("discovery", ["sidechannel", "etcd"])
@@ -44,8 +48,11 @@ def test_cross_host_hybrid_tp2_to_tp1_every_byte_verified(request, mode, discove
     assert [a["ok"] for a in s["attempts"]] == [True] * 4, s["attempts"]
     assert s["mismatches"] == [] and s["bad_bytes"] == 0 and s["bad_at_completion"] == 0
     assert s["checked_bytes"] == D_CACHE_BYTES
-    op, engines = ("remote memory read", ["decode"]) if mode == "pull" else ("remote memory write",
-                                                                            ["prefill", "backup"])
+    op, engines = (
+        ("remote memory read", ["decode"])
+        if mode == "pull"
+        else ("remote memory write", ["prefill", "backup"])
+    )
     for engine in engines:  # ``self`` tables are each worker's loopback endpoint, printed at start
         seen = transports(read_logs(the_lab.log_pattern(engine)), op)
         assert {k: v for k, v in seen.items() if k != "self"} == {"inter-node": {"tcp/kvh0"}}, (engine, seen)
@@ -84,8 +91,9 @@ def test_namespaces_alone_do_not_make_ucx_use_the_network(no_leftovers, watchdog
                 res = g.collect(60)
             assert res["d"].ok and res["d"].value["ok"], res["d"]
             assert res["p"].ok and res["p"].value["served"], res["p"]
-            seen[label] = transports(read_logs(os.path.join(net.workdir, f"ucx-{label}-*.log")),
-                                     "remote memory read")
+            seen[label] = transports(
+                read_logs(os.path.join(net.workdir, f"ucx-{label}-*.log")), "remote memory read"
+            )
     assert seen["unpinned"] == {"intra-node": {"cma/memory"}}, seen
     assert seen["pinned"] == {"inter-node": {"tcp/kvh0"}}, seen
 
@@ -105,8 +113,13 @@ time.sleep(60)
 
 def _child(how: str) -> tuple[subprocess.Popen, list[str], list[int]]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     line = p.stdout.readline().split()
     assert line, p.stderr.read()
     pids = [int(x) for x in line if x.isdigit()]
@@ -117,8 +130,11 @@ def _gone(names: list[str], pids: list[int], bound_s: float = 10.0) -> bool:
     end = time.monotonic() + bound_s
     while time.monotonic() < end:
         present = set(os.listdir("/var/run/netns")) & set(names)
-        alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
-                 open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        alive = [
+            pid
+            for pid in pids
+            if os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        ]
         if not present and not alive:
             return True
         time.sleep(0.1)

@@ -16,18 +16,37 @@ from kvgeom import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 
 pytestmark = pytest.mark.nixl
 
-FAST = {"handshake_timeout_s": 3.0, "transfer_timeout_s": 10.0, "notif_timeout_s": 10.0,
-        "secret": "kvgeom-e2e-test-secret-0123456789"}
+FAST = {
+    "handshake_timeout_s": 3.0,
+    "transfer_timeout_s": 10.0,
+    "notif_timeout_s": 10.0,
+    "secret": "kvgeom-e2e-test-secret-0123456789",
+}
 
 
-def _run(scenario: dict, tokens: list[int], engines: list[str] | None = None, faults: dict | None = None,
-         request_engines: list[str] | None = None) -> dict:
+def _run(
+    scenario: dict,
+    tokens: list[int],
+    engines: list[str] | None = None,
+    faults: dict | None = None,
+    request_engines: list[str] | None = None,
+) -> dict:
     engines = engines or ["prefill"]
-    reqs = [{"id": f"r{i}", "tokens": n, "engine": (request_engines or [engines[0]] * len(tokens))[i]}
-            for i, n in enumerate(tokens)]
+    reqs = [
+        {"id": f"r{i}", "tokens": n, "engine": (request_engines or [engines[0]] * len(tokens))[i]}
+        for i, n in enumerate(tokens)
+    ]
     t0 = time.monotonic()
-    out = run_cluster({"scenario": scenario, "requests": reqs, "prefill_engines": engines, "config": FAST,
-                       "faults": faults or {}}, timeout_s=120)
+    out = run_cluster(
+        {
+            "scenario": scenario,
+            "requests": reqs,
+            "prefill_engines": engines,
+            "config": FAST,
+            "faults": faults or {},
+        },
+        timeout_s=120,
+    )
     out["elapsed"] = time.monotonic() - t0
     return out
 
@@ -66,27 +85,41 @@ def test_mamba2_hybrid_p_tp2_to_d_tp1_push() -> None:
     assert sum(r["bytes_zeroed"] for r in _decode_reports(out)[0]["results"]) > 0
 
 
-DENSE = {"model": ModelSpec.from_layers("dense-gqa", [AttentionSpec(4, 32, "bfloat16")] * 4).to_json(),
-         "mode": "pull", "compat": "kvgeom",
-         "prefill": {"tp_size": 1, "block_size": 16, "num_blocks": 256},
-         "decode": {"tp_size": 2, "block_size": 16, "num_blocks": 256}}
+DENSE = {
+    "model": ModelSpec.from_layers("dense-gqa", [AttentionSpec(4, 32, "bfloat16")] * 4).to_json(),
+    "mode": "pull",
+    "compat": "kvgeom",
+    "prefill": {"tp_size": 1, "block_size": 16, "num_blocks": 256},
+    "decode": {"tp_size": 2, "block_size": 16, "num_blocks": 256},
+}
 
 
 def test_dense_gqa_p_tp1_to_d_tp2() -> None:
     out = _run(DENSE, [50, 300, 16])
     _assert_all_ok(out, 3)
     assert len(_decode_reports(out)) == 2
-    assert sorted(next(v for k, v in out["results"].items() if k.startswith("prefill"))["released"]) == \
-        ["r0", "r1", "r2"]  # P frees after both D ranks read
+    assert sorted(next(v for k, v in out["results"].items() if k.startswith("prefill"))["released"]) == [
+        "r0",
+        "r1",
+        "r2",
+    ]  # P frees after both D ranks read
 
 
-MLA_KDA = {"model": ModelSpec.from_layers("mla-kda", [
-    MambaSpec.kda(num_heads=4, head_dim=8, conv_kernel=4, conv_dtype="bfloat16"),
-    MambaSpec.kda(num_heads=4, head_dim=8, conv_kernel=4, conv_dtype="bfloat16"),
-    MLASpec(64, "bfloat16"), MLASpec(64, "bfloat16")]).to_json(),
-    "mode": "pull", "compat": "kvgeom",
+MLA_KDA = {
+    "model": ModelSpec.from_layers(
+        "mla-kda",
+        [
+            MambaSpec.kda(num_heads=4, head_dim=8, conv_kernel=4, conv_dtype="bfloat16"),
+            MambaSpec.kda(num_heads=4, head_dim=8, conv_kernel=4, conv_dtype="bfloat16"),
+            MLASpec(64, "bfloat16"),
+            MLASpec(64, "bfloat16"),
+        ],
+    ).to_json(),
+    "mode": "pull",
+    "compat": "kvgeom",
     "prefill": {"tp_size": 2, "block_size": 16, "num_blocks": 256},
-    "decode": {"tp_size": 1, "block_size": 32, "kernel_block_size": 16, "num_blocks": 128}}
+    "decode": {"tp_size": 1, "block_size": 32, "kernel_block_size": 16, "num_blocks": 128},
+}
 
 
 def test_mla_kda_hybrid_p_tp2_to_d_tp1() -> None:
@@ -114,29 +147,49 @@ def _assert_failed_then_recovered(out: dict, failed: list[str], bound_s: float) 
 
 
 def test_killed_prefill_fails_the_request_and_a_healthy_peer_serves_the_next() -> None:
-    out = _run(DEFAULT_SCENARIO, [300, 300, 300], engines=TWO, request_engines=["prefill", "prefill", "healthy"],
-               faults={"kill": {"engine": "prefill", "after": "r0"}})
+    out = _run(
+        DEFAULT_SCENARIO,
+        [300, 300, 300],
+        engines=TWO,
+        request_engines=["prefill", "prefill", "healthy"],
+        faults={"kill": {"engine": "prefill", "after": "r0"}},
+    )
     (r1,) = _assert_failed_then_recovered(out, ["r1"], bound_s=12.0)
     assert "PeerGone" in r1["error"] or "TransferError" in r1["error"] or "HandshakeTimeout" in r1["error"]
 
 
 def test_metadata_that_never_arrives_times_out_and_the_next_request_is_served() -> None:
-    out = _run(DEFAULT_SCENARIO, [300, 300], engines=["silent", "healthy"], request_engines=["silent", "healthy"],
-               faults={"silent": "silent"})
+    out = _run(
+        DEFAULT_SCENARIO,
+        [300, 300],
+        engines=["silent", "healthy"],
+        request_engines=["silent", "healthy"],
+        faults={"silent": "silent"},
+    )
     (r0,) = _assert_failed_then_recovered(out, ["r0"], bound_s=FAST["handshake_timeout_s"] + 3)
     assert "HandshakeTimeout" in r0["error"]
 
 
 def test_transfer_ending_in_error_fails_cleanly() -> None:
-    out = _run(DEFAULT_SCENARIO, [300, 300], engines=["liar", "healthy"], request_engines=["liar", "healthy"],
-               faults={"bad_regions": "liar"})
+    out = _run(
+        DEFAULT_SCENARIO,
+        [300, 300],
+        engines=["liar", "healthy"],
+        request_engines=["liar", "healthy"],
+        faults={"bad_regions": "liar"},
+    )
     (r0,) = _assert_failed_then_recovered(out, ["r0"], bound_s=10.0)
     assert "NIXL_ERR_NOT_FOUND" in r0["error"]
 
 
 def test_reregistered_prefill_is_detected_as_stale_then_reconnected() -> None:
-    out = _run(DEFAULT_SCENARIO, [300, 300, 300], engines=TWO, request_engines=["prefill", "prefill", "prefill"],
-               faults={"reregister": {"engine": "prefill", "after": "r0"}})
+    out = _run(
+        DEFAULT_SCENARIO,
+        [300, 300, 300],
+        engines=TWO,
+        request_engines=["prefill", "prefill", "prefill"],
+        faults={"reregister": {"engine": "prefill", "after": "r0"}},
+    )
     (r1,) = _assert_failed_then_recovered(out, ["r1"], bound_s=5.0)
     assert "StaleMetadata" in r1["error"]  # r2 re-handshakes with the new registration and succeeds
 

@@ -42,7 +42,9 @@ def test_a_link_cut_mid_transfer_fails_in_time_and_its_late_bytes_land_only_in_q
     assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r2", 1), ("r1", 2), ("r3", 1)], s["attempts"]
     r1 = a[("r1", 1)]
     if mode == "pull":
-        assert r1["error"] == "TransferError" and "TIMEOUT" in r1["message"] and "stays live" in r1["message"], r1
+        assert (
+            r1["error"] == "TransferError" and "TIMEOUT" in r1["message"] and "stays live" in r1["message"]
+        ), r1
         assert s["handles"]["transfers"] == 0, s["handles"]  # the late READ ended: nothing left posted
     else:
         assert r1["error"] == "NotifTimeout", r1
@@ -66,7 +68,9 @@ def test_delay_and_loss_slow_requests_and_one_past_its_deadline_is_fenced(lab):
     a = _attempts(s)
     assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r1", 1), ("r3", 1), ("r4", 1)], s["attempts"]
     r2 = a[("r2", 1)]
-    assert r2["error"] == "TransferError" and "TIMEOUT" in r2["message"] and T - 0.1 < r2["seconds"] < T + 1.5, r2
+    assert (
+        r2["error"] == "TransferError" and "TIMEOUT" in r2["message"] and T - 0.1 < r2["seconds"] < T + 1.5
+    ), r2
     assert s["settled"][("r2", 1)]["held_s"] > 0.5 and not set(r2["ids"]) & set(a[("r3", 1)]["ids"])
     assert a[("r1", 1)]["seconds"] > a[("r0", 1)]["seconds"]  # the same engine, slower through the impairment
     assert [x[0] for x in s["actions"]] == ["impair_p", "clear_p"]
@@ -105,8 +109,9 @@ def test_etcd_stopped_mid_run_and_back_without_its_data(etcd_lab):
     s = summarize(out)
     _check_bytes(s)
     a = _attempts(s)
-    assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r1", 1), ("r3", 1), ("r2", 2), ("r4", 1)], \
-        s["attempts"]
+    assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r1", 1), ("r3", 1), ("r2", 2), ("r4", 1)], s[
+        "attempts"
+    ]
     r2 = a[("r2", 1)]
     assert r2["error"] in ("DiscoveryError", "HandshakeTimeout") and r2["seconds"] < 3.0 + 0.5, r2
     assert ("r2", 1) in s["settled"]  # nothing was posted: free again at once
@@ -117,8 +122,12 @@ def test_etcd_stopped_mid_run_and_back_without_its_data(etcd_lab):
 def test_a_reregistered_engine_is_picked_up_from_etcd(etcd_lab):
     """``prefill`` re-registers its memory after r0: through etcd D's next freshness check sees the new
     generation (StaleMetadata, before anything is posted), re-reads the records and the retry succeeds."""
-    reqs = [{"id": "r0", "tokens": 900, "engine": "prefill"}, {"id": "r1", "tokens": 900, "engine": "prefill"},
-            {"id": "r1", "tokens": 900, "engine": "prefill"}, {"id": "r2", "tokens": 600, "engine": "prefill"}]
+    reqs = [
+        {"id": "r0", "tokens": 900, "engine": "prefill"},
+        {"id": "r1", "tokens": 900, "engine": "prefill"},
+        {"id": "r1", "tokens": 900, "engine": "prefill"},
+        {"id": "r2", "tokens": 600, "engine": "prefill"},
+    ]
     spec = etcd_lab.spec("pull", reqs, T, faults={"reregister": {"engine": "prefill", "after": "r0"}})
     s = summarize(etcd_lab.run(spec))
     _check_bytes(s)

@@ -52,7 +52,7 @@ def test_encode_decode_roundtrip_bytes_nested_and_numpy():
     msg = {"a": b"\x00\x01", "b": [b"x", {"c": b""}], "n": np.int64(5), "arr": np.arange(3, dtype=np.uint64)}
     frame = encode(msg, AUTH)
     assert int.from_bytes(frame[:4], "big") == len(frame) - 4
-    assert decode(frame[4 + 32:]) == {"a": b"\x00\x01", "b": [b"x", {"c": b""}], "n": 5, "arr": [0, 1, 2]}
+    assert decode(frame[4 + 32 :]) == {"a": b"\x00\x01", "b": [b"x", {"c": b""}], "n": 5, "arr": [0, 1, 2]}
 
 
 def test_decode_rejects_garbage():
@@ -212,8 +212,12 @@ def _raw(port: int, msg: dict, auth: Auth = AUTH) -> dict:
 
 def test_server_refuses_unknown_ops_and_versions():
     with SideChannelServer(HOST, 0, _payload(), auth=AUTH) as server:
-        for msg in ({"op": "nope"}, {"v": 99, "op": "get"}, {"op": "exchange", "payload": 3},
-                    {"op": "get", "ts": time.time() - 3600}):
+        for msg in (
+            {"op": "nope"},
+            {"v": 99, "op": "get"},
+            {"op": "exchange", "payload": 3},
+            {"op": "get", "ts": time.time() - 3600},
+        ):
             reply = _raw(server.port, msg)
             assert reply["ok"] is False and reply["error"], msg
         # a client that sends garbage and hangs up does not disturb the server

@@ -11,7 +11,7 @@ from kvgeom_nixl.kvrank import _zero_rows
 def _reference(sizes: list[int], rows: np.ndarray) -> list[np.ndarray]:
     out = [np.full(n, 7, dtype=np.uint8) for n in sizes]
     for region, offset, length in rows.tolist():
-        out[region][offset:offset + length] = 0
+        out[region][offset : offset + length] = 0
     return out
 
 
@@ -56,8 +56,13 @@ def test_bench_zero_smoke() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "bench" / "bench_zero.py"), "--tokens", "16", "--reps", "1",
-                          "--json"], capture_output=True, text=True, timeout=120, cwd=root)
+    out = subprocess.run(
+        [sys.executable, str(root / "bench" / "bench_zero.py"), "--tokens", "16", "--reps", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
     assert out.returncode == 0, out.stderr
     cases = json.loads(out.stdout.strip().splitlines()[-1])["cases"]
     assert [c["case"] for c in cases] == ["failure (invalidate)", "post-receive"]

@@ -31,8 +31,14 @@ def _model(inp: dict) -> ModelSpec:
     v = int(np.prod(inp["kda_temporal_shape"][:2]))  # v_heads_local * v_dim (vLLM's GDN decomposition)
     kd = (conv_dim - v) // 2
     temporal = int(np.prod(inp["kda_temporal_shape"]))
-    kda = MambaSpec(LayerKind.KDA, (Shard(kd * tp, 1), Shard(kd * tp, 1), Shard(v * tp, 1)),
-                    Shard(temporal * tp, 1), rows + 1, inp["kda_conv_dtype"], inp["kda_temporal_dtype"])
+    kda = MambaSpec(
+        LayerKind.KDA,
+        (Shard(kd * tp, 1), Shard(kd * tp, 1), Shard(v * tp, 1)),
+        Shard(temporal * tp, 1),
+        rows + 1,
+        inp["kda_conv_dtype"],
+        inp["kda_temporal_dtype"],
+    )
     mla = MLASpec(inp["mla_head_size"], "float16")
     n = inp["num_layers"]
     return ModelSpec.from_layers("mla-kda", [mla] * n + [kda] * (2 * n))
@@ -40,14 +46,29 @@ def _model(inp: dict) -> ModelSpec:
 
 def _pairing(inp: dict) -> Pairing:
     model = _model(inp)
-    local = rank_geometry(model, EngineConfig(
-        tp_size=inp["local_tp"], tp_rank=inp["local_rank"], block_size=inp["local_block_size"],
-        kernel_block_size=inp["kernel_block_size"], num_blocks=inp["num_logical_blocks"]))
+    local = rank_geometry(
+        model,
+        EngineConfig(
+            tp_size=inp["local_tp"],
+            tp_rank=inp["local_rank"],
+            block_size=inp["local_block_size"],
+            kernel_block_size=inp["kernel_block_size"],
+            num_blocks=inp["num_logical_blocks"],
+        ),
+    )
     remotes = []
     for r in range(inp["remote_tp"]):
-        card = card_of("prefill", model, EngineConfig(
-            tp_size=inp["remote_tp"], tp_rank=r, block_size=inp["remote_block_size"],
-            kernel_block_size=inp["remote_kernel_block_size"], num_blocks=inp["remote_num_logical"])).to_json()
+        card = card_of(
+            "prefill",
+            model,
+            EngineConfig(
+                tp_size=inp["remote_tp"],
+                tp_rank=r,
+                block_size=inp["remote_block_size"],
+                kernel_block_size=inp["remote_kernel_block_size"],
+                num_blocks=inp["remote_num_logical"],
+            ),
+        ).to_json()
         if inp["remote_block_lens"] is not None:  # what vLLM was told, through the card's advertised numbers
             for region, length in zip(card["derived"]["regions"], inp["remote_block_lens"]):
                 region["block_len"] = region["block_stride"] = length
@@ -70,7 +91,9 @@ def _unshardable(inp: dict) -> bool:
 
 
 def _ok_cases() -> list[dict]:
-    return [c for c in CASES if "error" not in c and not _overflows(c["input"]) and not _unshardable(c["input"])]
+    return [
+        c for c in CASES if "error" not in c and not _overflows(c["input"]) and not _unshardable(c["input"])
+    ]
 
 
 OVERFLOW = [c for c in CASES if "error" not in c and _overflows(c["input"])]
@@ -116,8 +139,15 @@ def _variant(**changes: object) -> dict:
 
 def test_rejected_block_split_is_refused() -> None:
     """vLLM's ``rejected_block_split`` sweep: local 257 vs remote 256 tokens is not divisible."""
-    inp = _variant(local_block_size=257, kernel_block_size=257, remote_block_size=256,
-                   remote_kernel_block_size=256, num_logical_blocks=8, remote_num_logical=8, remote_tp=1)
+    inp = _variant(
+        local_block_size=257,
+        kernel_block_size=257,
+        remote_block_size=256,
+        remote_kernel_block_size=256,
+        num_logical_blocks=8,
+        remote_num_logical=8,
+        remote_tp=1,
+    )
     with pytest.raises(KvgeomError, match="not divisible"):
         _pairing(inp)
 
@@ -154,26 +184,38 @@ def _compare(inp: dict, out: dict) -> None:
     for got, want in zip(plan.transfers, want_transfers):
         assert got.notif == want["notif"], (got.notif, want["notif"])
         assert handles[want["remote_handle"]]["remote_rank"] == got.remote_rank
-        assert got.local_ids.tolist() == want["local_ids"], ("local ids", got.local_ids.tolist(), want["local_ids"])
-        assert got.remote_ids.tolist() == want["remote_ids"], ("remote ids", got.remote_ids.tolist(),
-                                                               want["remote_ids"])
+        assert got.local_ids.tolist() == want["local_ids"], (
+            "local ids",
+            got.local_ids.tolist(),
+            want["local_ids"],
+        )
+        assert got.remote_ids.tolist() == want["remote_ids"], (
+            "remote ids",
+            got.remote_ids.tolist(),
+            want["remote_ids"],
+        )
         lrows = pairing.local_table(got.local_table).rows
         assert lrows[:, :3].tolist() == [r[:3] for r in handles[want["local_handle"]]["rows"]], "local table"
         rrows = pairing.remote_table(got.remote_rank).rows
-        assert rrows[:, :3].tolist() == [r[:3] for r in handles[want["remote_handle"]]["rows"]], "remote table"
+        assert rrows[:, :3].tolist() == [r[:3] for r in handles[want["remote_handle"]]["rows"]], (
+            "remote table"
+        )
     moves = plan.moves(pairing)
     got_moves = Counter(tuple(int(x) for x in (m[4], m[5], m[6], m[1], m[2])) for m in moves)
     want_moves = Counter((m[3], m[4], m[5], m[6], m[7]) for m in out["moves"])
     assert got_moves == want_moves, "moves"
-    assert sorted(map(tuple, plan.zero.tolist())) == sorted(map(tuple, out["zeroed"])) or \
-        _same_bytes(plan.zero, out["zeroed"]), ("zeroed", plan.zero.tolist(), out["zeroed"])
+    assert sorted(map(tuple, plan.zero.tolist())) == sorted(map(tuple, out["zeroed"])) or _same_bytes(
+        plan.zero, out["zeroed"]
+    ), ("zeroed", plan.zero.tolist(), out["zeroed"])
 
 
 def _same_bytes(rows: np.ndarray, want: list[list[int]]) -> bool:
     """Zero ranges compared as byte sets (vLLM reports maximal runs; kvgeom may split a run)."""
+
     def bytes_of(rs):
         s = set()
         for r, o, n in rs:
             s.update((r, o + i) for i in range(n))
         return s
+
     return bytes_of(rows.tolist()) == bytes_of(want)

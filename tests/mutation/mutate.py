@@ -45,13 +45,26 @@ MUTMUT = [sys.executable, "-m", "mutmut"]
 CI_MODULES = ("plan", "tp", "descids", "blocks", "handshake", "route", "align", "testing.oracle")
 CI_PER_MODULE = 3
 #: the CI sample's tests: the ones that exercise planning end to end (bounded stats collection)
-CI_TESTS = ["tests/golden", "tests/property", "tests/testing/test_oracle_catches_bugs.py",
-            "tests/unit/test_core_values.py", "tests/unit/test_worked_examples.py",
-            "tests/unit/test_vllm_functions.py", "tests/unit/test_vllm_refusals.py",
-            "tests/unit/test_mutation_survivors.py", "tests/unit/test_card_lies.py"]
+CI_TESTS = [
+    "tests/golden",
+    "tests/property",
+    "tests/testing/test_oracle_catches_bugs.py",
+    "tests/unit/test_core_values.py",
+    "tests/unit/test_worked_examples.py",
+    "tests/unit/test_vllm_functions.py",
+    "tests/unit/test_vllm_refusals.py",
+    "tests/unit/test_mutation_survivors.py",
+    "tests/unit/test_card_lies.py",
+]
 #: modules of each area (strategies generate the tests' inputs: their mutants weaken tests, not kvgeom)
-ORACLE = ("testing.oracle", "testing._coords", "testing._layout", "testing._report", "testing._request",
-          "testing.nixl_double")
+ORACLE = (
+    "testing.oracle",
+    "testing._coords",
+    "testing._layout",
+    "testing._report",
+    "testing._request",
+    "testing.nixl_double",
+)
 NOT_SCORED = ("testing.strategies", "testing.__init__", "__init__")
 
 #: mutmut exit codes: 1/3 a test failed; 36, +-24, 152, 255 timed out (the mutant made the tests hang: a
@@ -87,7 +100,14 @@ def _changed(diff: str) -> tuple[str, str]:
 
 def _tokens(code: str) -> list[tuple[int, str]]:
     """The tokens of a few source lines (possibly an unclosed bracket: tokens up to the end)."""
-    skip = (tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT)
+    skip = (
+        tokenize.NEWLINE,
+        tokenize.NL,
+        tokenize.ENDMARKER,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.COMMENT,
+    )
     out = []
     try:
         for t in tokenize.generate_tokens(io.StringIO(code).readline):
@@ -99,8 +119,14 @@ def _tokens(code: str) -> list[tuple[int, str]]:
 
 
 def _is_prose(tok: tuple[int, str]) -> bool:
-    strings = {tokenize.STRING, *(getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END")
-                                  if hasattr(tokenize, n))}
+    strings = {
+        tokenize.STRING,
+        *(
+            getattr(tokenize, n)
+            for n in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END")
+            if hasattr(tokenize, n)
+        ),
+    }
     return tok[0] in strings and " " in tok[1]
 
 
@@ -152,7 +178,7 @@ def load_mutants() -> list[Mutant]:
 
         def text(fn: str, spans: MutantLineSpans = spans, lines: list[str] = lines) -> str:
             span = spans.span_by_function_name[fn]
-            return "\n".join(lines[span.start - 1:span.end])
+            return "\n".join(lines[span.start - 1 : span.end])
 
         for name in keys:
             module, function = _module_of(name)
@@ -172,15 +198,24 @@ def load_equivalents() -> list[dict[str, str]]:
 
 def is_equivalent(m: Mutant, equivalents: list[dict[str, str]]) -> dict[str, str] | None:
     for e in equivalents:
-        if e["module"] == m.module and e["function"] == m.function and e["before"] == m.before \
-                and e["after"] == m.after:
+        if (
+            e["module"] == m.module
+            and e["function"] == m.function
+            and e["before"] == m.before
+            and e["after"] == m.after
+        ):
             return e
     return None
 
 
 def eligible(mutants: list[Mutant], equivalents: list[dict[str, str]]) -> list[Mutant]:
-    return [m for m in mutants if m.module not in NOT_SCORED and not prose_only(m.before, m.after)
-            and is_equivalent(m, equivalents) is None]
+    return [
+        m
+        for m in mutants
+        if m.module not in NOT_SCORED
+        and not prose_only(m.before, m.after)
+        and is_equivalent(m, equivalents) is None
+    ]
 
 
 def _stable_key(m: Mutant) -> str:
@@ -203,22 +238,29 @@ def _mutmut(args: list[str], ci: bool) -> list[str]:
     if not ci:
         return [*MUTMUT, *args]
     only = [f"kvgeom/{m.replace('.', '/')}.py" for m in CI_MODULES]
-    code = ("import sys\nfrom mutmut.configuration import config\ncfg = config()\n"
-            f"cfg.only_mutate = {only!r}\ncfg.pytest_add_cli_args_test_selection = {CI_TESTS!r}\n"
-            "from mutmut.__main__ import cli\n"
-            f"sys.argv = ['mutmut', *{args!r}]\ncli()\n")
+    code = (
+        "import sys\nfrom mutmut.configuration import config\ncfg = config()\n"
+        f"cfg.only_mutate = {only!r}\ncfg.pytest_add_cli_args_test_selection = {CI_TESTS!r}\n"
+        "from mutmut.__main__ import cli\n"
+        f"sys.argv = ['mutmut', *{args!r}]\ncli()\n"
+    )
     return [sys.executable, "-c", code]
 
 
 def generate(ci: bool) -> None:
     """Write the mutants (mutmut's own generation step; cached while the sources are unchanged)."""
-    code = ("from mutmut.configuration import config\n"
-            + (f"config().only_mutate = {[f'kvgeom/{m.replace(chr(46), chr(47))}.py' for m in CI_MODULES]!r}\n"
-               if ci else "")
-            + "from mutmut.__main__ import copy_src_dir, copy_also_copy_files, setup_source_paths, "
-            "create_mutants, set_mutant_under_test\n"
-            "set_mutant_under_test('mutant_generation')\n"
-            "copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(2)\n")
+    code = (
+        "from mutmut.configuration import config\n"
+        + (
+            f"config().only_mutate = {[f'kvgeom/{m.replace(chr(46), chr(47))}.py' for m in CI_MODULES]!r}\n"
+            if ci
+            else ""
+        )
+        + "from mutmut.__main__ import copy_src_dir, copy_also_copy_files, setup_source_paths, "
+        "create_mutants, set_mutant_under_test\n"
+        "set_mutant_under_test('mutant_generation')\n"
+        "copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(2)\n"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -233,9 +275,14 @@ def run(names: list[str], max_children: int, ci: bool = False) -> dict[str, int 
     """Run mutmut on ``names``; return each one's exit code (see ``KILLED`` / ``SURVIVED``)."""
     env = dict(os.environ, KVGEOM_HYPOTHESIS_PROFILE="mutate")
     for start in range(0, len(names), 400):  # bounded command lines
-        batch = names[start:start + 400]
-        subprocess.run(_mutmut(["run", "--max-children", str(max_children), *batch], ci), cwd=ROOT, env=env,
-                       check=False, stdout=subprocess.DEVNULL)
+        batch = names[start : start + 400]
+        subprocess.run(
+            _mutmut(["run", "--max-children", str(max_children), *batch], ci),
+            cwd=ROOT,
+            env=env,
+            check=False,
+            stdout=subprocess.DEVNULL,
+        )
     codes = results()
     return {n: codes.get(n) for n in names}
 
@@ -250,8 +297,10 @@ def wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def table(mutants: list[Mutant], codes: dict[str, int | None], populations: dict[str, int]) -> str:
-    rows = ["| area | eligible mutants | run | killed | survived | not run / timeout | score | 95% interval |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| area | eligible mutants | run | killed | survived | not run / timeout | score | 95% interval |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for area in ("core", "oracle"):
         mine = [m for m in mutants if m.area == area]
         killed = sum(codes.get(m.name) in KILLED for m in mine)
@@ -259,8 +308,10 @@ def table(mutants: list[Mutant], codes: dict[str, int | None], populations: dict
         other = len(mine) - killed - survived
         lo, hi = wilson(killed, killed + survived)
         score = killed / (killed + survived) if killed + survived else 0.0
-        rows.append(f"| {area} | {populations.get(area, 0)} | {len(mine)} | {killed} | {survived} | {other} | "
-                    f"{score:.0%} | {lo:.0%}-{hi:.0%} |")
+        rows.append(
+            f"| {area} | {populations.get(area, 0)} | {len(mine)} | {killed} | {survived} | {other} | "
+            f"{score:.0%} | {lo:.0%}-{hi:.0%} |"
+        )
     return "\n".join(rows)
 
 
@@ -269,12 +320,14 @@ def write_docs(text: str) -> None:
     start, end = "<!-- mutation-score:start -->", "<!-- mutation-score:end -->"
     if start not in doc:
         raise SystemExit(f"mutate: {DOC} has no {start} marker")
-    DOC.write_text(re.sub(re.escape(start) + r".*?" + re.escape(end), f"{start}\n{text}\n{end}", doc,
-                          flags=re.S))
+    DOC.write_text(
+        re.sub(re.escape(start) + r".*?" + re.escape(end), f"{start}\n{text}\n{end}", doc, flags=re.S)
+    )
 
 
-def rerun_survivors(mutants: list[Mutant], equivalents: list[dict[str, str]], max_children: int,
-                    write: bool) -> int:
+def rerun_survivors(
+    mutants: list[Mutant], equivalents: list[dict[str, str]], max_children: int, write: bool
+) -> int:
     """Run the survivors of the last sample again, found by module, function and mutated code (a source
     edit renumbers mutmut's mutants), and record their new results in ``mutants/last-run.json``."""
     path = ROOT / "mutants" / "last-run.json"
@@ -298,7 +351,9 @@ def rerun_survivors(mutants: list[Mutant], equivalents: list[dict[str, str]], ma
 
 def rescore(equivalents: list[dict[str, str]], write: bool) -> int:
     last = json.loads((ROOT / "mutants" / "last-run.json").read_text())
-    chosen = [Mutant(n, d["module"], d["function"], d["before"], d["after"]) for n, d in last["mutants"].items()]
+    chosen = [
+        Mutant(n, d["module"], d["function"], d["before"], d["after"]) for n, d in last["mutants"].items()
+    ]
     chosen = [m for m in chosen if is_equivalent(m, equivalents) is None]
     codes = {n: d["exit"] for n, d in last["mutants"].items()}
     text = table(chosen, codes, last["populations"])
@@ -321,10 +376,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--list", action="store_true", help="print the chosen mutants and stop")
-    ap.add_argument("--rerun-survivors", action="store_true",
-                    help="run the last run's survivors again (after adding tests), matched by their mutated code")
-    ap.add_argument("--rescore", action="store_true",
-                    help="score the last run again (after recording equivalents), running nothing")
+    ap.add_argument(
+        "--rerun-survivors",
+        action="store_true",
+        help="run the last run's survivors again (after adding tests), matched by their mutated code",
+    )
+    ap.add_argument(
+        "--rescore",
+        action="store_true",
+        help="score the last run again (after recording equivalents), running nothing",
+    )
     args = ap.parse_args(argv)
 
     equivalents = load_equivalents()
@@ -348,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         for area in ("core", "oracle"):
             mine = sorted((m for m in pool if m.area == area), key=lambda m: m.name)
             chosen += rng.sample(mine, min(args.sample or 100, len(mine)))
-    print(f"mutate: {len(mutants)} mutants, {len(pool)} eligible "
-          f"({populations['core']} core, {populations['oracle']} oracle); running {len(chosen)}")
+    print(
+        f"mutate: {len(mutants)} mutants, {len(pool)} eligible "
+        f"({populations['core']} core, {populations['oracle']} oracle); running {len(chosen)}"
+    )
     if args.list:
         for m in chosen:
             print(f"{m.name}\n    - {m.before}\n    + {m.after}")
@@ -363,10 +426,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SURVIVED {m.name}\n    - {m.before}\n    + {m.after}")
     for m in unknown:
         print(f"NOT KILLED (exit {codes.get(m.name)}) {m.name}\n    - {m.before}\n    + {m.after}")
-    (ROOT / "mutants" / ("last-ci.json" if args.ci else "last-run.json")).write_text(json.dumps(
-        {"populations": populations,
-         "mutants": {m.name: {"module": m.module, "function": m.function, "exit": codes.get(m.name),
-                              "before": m.before, "after": m.after} for m in chosen}}, indent=1))
+    (ROOT / "mutants" / ("last-ci.json" if args.ci else "last-run.json")).write_text(
+        json.dumps(
+            {
+                "populations": populations,
+                "mutants": {
+                    m.name: {
+                        "module": m.module,
+                        "function": m.function,
+                        "exit": codes.get(m.name),
+                        "before": m.before,
+                        "after": m.after,
+                    }
+                    for m in chosen
+                },
+            },
+            indent=1,
+        )
+    )
     if args.write_docs:
         write_docs(text)
     if args.ci and (survivors or unknown):

@@ -13,8 +13,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-               print_blob=True)
+_COMMON = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much], print_blob=True
+)
 
 settings.register_profile("ci", max_examples=1500, derandomize=True, database=None, **_COMMON)
 settings.register_profile("long", max_examples=5000, **_COMMON)

@@ -40,8 +40,13 @@ def test_clipped_ssm_lists_plan_to_correct_bytes(drawn: tuple) -> None:
     case, raw, spec_slots = drawn
     clipped = exchange_clipped_blocks(raw, [0] * len(raw), spec_slots)
     assert [c.tolist() for c in clipped] == [list(g) for g in case.request.d_ids]
-    request = Request(case.request.num_tokens, case.request.p_ids, [c.tolist() for c in clipped],
-                      case.request.prefix_blocks, case.request.prefill_tokens)
+    request = Request(
+        case.request.num_tokens,
+        case.request.p_ids,
+        [c.tolist() for c in clipped],
+        case.request.prefix_blocks,
+        case.request.prefill_tokens,
+    )
     try:
         report = case.pair.run(request)
     except KvgeomError:

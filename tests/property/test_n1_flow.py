@@ -16,8 +16,15 @@ from kvgeom.geometry import align_hybrid_block_size, rank_geometry
 from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
 from kvgeom.testing import Request, run
 
-TINY = ModelSpec.from_layers("tiny-hybrid", [AttentionSpec(1, 8, "bfloat16"), MambaSpec.mamba2(2, 2, 1, 4),
-                                             AttentionSpec(1, 8, "bfloat16"), MambaSpec.mamba2(2, 2, 1, 4)])
+TINY = ModelSpec.from_layers(
+    "tiny-hybrid",
+    [
+        AttentionSpec(1, 8, "bfloat16"),
+        MambaSpec.mamba2(2, 2, 1, 4),
+        AttentionSpec(1, 8, "bfloat16"),
+        MambaSpec.mamba2(2, 2, 1, 4),
+    ],
+)
 
 
 def test_tiny_hybrid_blocks_are_16_tokens() -> None:
@@ -60,9 +67,17 @@ def test_nemotron_readme_pair_n2081() -> None:
     tokens in each of the 4 regions from each P rank, the 6 SSM groups' states, and D's second block
     (kernel blocks 65..129) zeroed."""
     model = presets.load("nemotron-h-8b")
-    d = card_of("decode", model, EngineConfig(tp_size=1, block_size=2080, kernel_block_size=32, num_blocks=64))
-    p = [card_of("prefill", model, EngineConfig(tp_size=2, tp_rank=r, block_size=1040, kernel_block_size=16,
-                                                num_blocks=64)) for r in range(2)]
+    d = card_of(
+        "decode", model, EngineConfig(tp_size=1, block_size=2080, kernel_block_size=32, num_blocks=64)
+    )
+    p = [
+        card_of(
+            "prefill",
+            model,
+            EngineConfig(tp_size=2, tp_rank=r, block_size=1040, kernel_block_size=16, num_blocks=64),
+        )
+        for r in range(2)
+    ]
     pairing = Pairing.create(d, p, mode="pull")
     groups = d.geometry.groups
     d_ids = [[0, 1] if not g.is_ssm else [2 + g.index] for g in groups]
@@ -82,7 +97,9 @@ def test_nemotron_shaped_pair_passes_the_oracle() -> None:
     """The same shape on a small model: D TP1 block 16/kernel 8 <- P TP2 block 8/kernel 4, N = 17 (P
     computed 16 tokens in 2 blocks, D holds 2 blocks). vLLM refuses this pair itself (head-sharded reads
     with P_TP > D_TP and different kernel blocks); kvgeom mode plans it."""
-    model = ModelSpec.from_layers("small-h", [AttentionSpec(2, 4, "bfloat16"), MambaSpec.mamba2(4, 2, 2, 2)] * 2)
+    model = ModelSpec.from_layers(
+        "small-h", [AttentionSpec(2, 4, "bfloat16"), MambaSpec.mamba2(4, 2, 2, 2)] * 2
+    )
     assert align_hybrid_block_size(model, 1, 8, 8) == align_hybrid_block_size(model, 2, 8, 8) == 8
     d = EngineConfig(tp_size=1, block_size=16, kernel_block_size=8, num_blocks=6)
     p = EngineConfig(tp_size=2, block_size=8, kernel_block_size=4, num_blocks=8)

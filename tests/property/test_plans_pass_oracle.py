@@ -86,7 +86,9 @@ def _engine(tp: int, block: int, kernel: int | None = None, blocks: int = 12) ->
     return EngineConfig(tp_size=tp, block_size=block, kernel_block_size=kernel, num_blocks=blocks)
 
 
-def _ok(model: ModelSpec, p: EngineConfig, d: EngineConfig, request: Request, mode: str, compat: str) -> Report:
+def _ok(
+    model: ModelSpec, p: EngineConfig, d: EngineConfig, request: Request, mode: str, compat: str
+) -> Report:
     report = run(model, p, d, request, mode, compat)
     assert report.ok, str(report)
     assert report.bytes_moved > 0
@@ -121,8 +123,9 @@ def test_mla_p_tp8_to_d_tp2_push_with_larger_p_blocks() -> None:
 
 
 MAMBA2 = MambaSpec.mamba2(num_heads=4, head_dim=2, n_groups=4, state_size=4)
-MAMBA2_HYBRID = ModelSpec.from_layers("mamba2-hybrid", [AttentionSpec(2, 4, "bfloat16"), MAMBA2, MAMBA2,
-                                                         AttentionSpec(2, 4, "bfloat16")])
+MAMBA2_HYBRID = ModelSpec.from_layers(
+    "mamba2-hybrid", [AttentionSpec(2, 4, "bfloat16"), MAMBA2, MAMBA2, AttentionSpec(2, 4, "bfloat16")]
+)
 
 
 def test_mamba2_hybrid_p_tp4_to_d_tp1_block_ratio_2() -> None:
@@ -154,12 +157,16 @@ def test_gdn_hybrid_kernel_blocks_smaller_than_logical_on_one_side(mode: str, co
     p, d = _engine(2, block, kernel=block // 4), _engine(2, block)  # P: 4 kernel blocks per logical block
     if mode == "push":
         p, d = _engine(2, block), _engine(2, block, kernel=block // 4)
-    request = Request(block + 3, [[5, 2], [8], [0], [10]], [[1, 6], [3], [9], [11]])  # 1 attention, 3 GDN groups
+    request = Request(
+        block + 3, [[5, 2], [8], [0], [10]], [[1, 6], [3], [9], [11]]
+    )  # 1 attention, 3 GDN groups
     _ok(GDN_HYBRID, p, d, request, mode, compat)
 
 
 KDA = MambaSpec.kda(num_heads=4, head_dim=4)
-MLA_KDA = ModelSpec.from_layers("mla-kda", [MLASpec(32, "bfloat16"), KDA, KDA, MLASpec(32, "bfloat16"), KDA, KDA])
+MLA_KDA = ModelSpec.from_layers(
+    "mla-kda", [MLASpec(32, "bfloat16"), KDA, KDA, MLASpec(32, "bfloat16"), KDA, KDA]
+)
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (2, 4), (1, 4), (4, 1)])

@@ -23,7 +23,9 @@ def _where(img, space: CoordSpace, tag: int) -> list[tuple[int, int]]:
     return [(r, int(i)) for r, t in enumerate(img.tags) for i in np.flatnonzero(t == tag)]
 
 
-@pytest.mark.parametrize(("layout", "h0_t7_v", "h1_t6_k"), [("head_major", 108, 112), ("token_major", 116, 104)])
+@pytest.mark.parametrize(
+    ("layout", "h0_t7_v", "h1_t6_k"), [("head_major", 108, 112), ("token_major", 116, 104)]
+)
 def test_attention_byte_positions(layout: str, h0_t7_v: int, h1_t6_k: int) -> None:
     """2 KV heads x (K 4 B + V 4 B), 2-token blocks: 32 B per block. The request's blocks are 0 and 3 from
     token 4, so tokens 6, 7 are positions 0, 1 of block 3 (bytes 96..127). Head-major ``[H, kb, C]``: head
@@ -41,7 +43,9 @@ def test_attention_byte_positions(layout: str, h0_t7_v: int, h1_t6_k: int) -> No
 def test_head_replication_and_split_kv() -> None:
     """TP4 over 2 KV heads: ranks 0, 1 hold head 0, ranks 2, 3 head 1; split K/V regions hold 4 B per token."""
     for rank in range(4):
-        geom = rank_geometry(ATTN, EngineConfig(tp_size=4, tp_rank=rank, block_size=2, num_blocks=2, kv_split=True))
+        geom = rank_geometry(
+            ATTN, EngineConfig(tp_size=4, tp_rank=rank, block_size=2, num_blocks=2, kv_split=True)
+        )
         space = CoordSpace(ATTN, 2)
         img = rank_image(geom, space, [[1]], 0, 2)
         v_tag = int(space.tag("layers.0.attn", "kv", 1, rank // 2, 1, 3))
@@ -50,7 +54,9 @@ def test_head_replication_and_split_kv() -> None:
 
 def test_mla_and_padding() -> None:
     model = ModelSpec.from_layers("mla", [MLASpec(3, "float16")])
-    geom = rank_geometry(model, EngineConfig(tp_size=2, tp_rank=1, block_size=4, kernel_block_size=2, num_blocks=3))
+    geom = rank_geometry(
+        model, EngineConfig(tp_size=2, tp_rank=1, block_size=4, kernel_block_size=2, num_blocks=3)
+    )
     space = CoordSpace(model, 8)
     img = rank_image(geom, space, [[2]], 0, 3)
     assert _where(img, space, int(space.tag("layers.0.attn", "latent", 3, 5))) == [(0, 4 * 12 + 12 + 6 + 5)]
@@ -60,7 +66,9 @@ def test_mla_and_padding() -> None:
 def test_mamba2_state_in_its_slot() -> None:
     """Mamba2 (4 heads x 2, 2 groups x 2 states, conv kernel 3, fp16) at TP2, rank 1: x channels 4..7,
     B and C channels 2..3 (2 per rank), each channel 2 rows x 2 B; temporal elements 8..15 after the conv."""
-    m2 = MambaSpec.mamba2(num_heads=4, head_dim=2, n_groups=2, state_size=2, conv_kernel=3, conv_dtype="float16")
+    m2 = MambaSpec.mamba2(
+        num_heads=4, head_dim=2, n_groups=2, state_size=2, conv_kernel=3, conv_dtype="float16"
+    )
     model = ModelSpec.from_layers("m", [AttentionSpec(2, 8, "float16"), m2])
     geom = rank_geometry(model, EngineConfig(tp_size=2, tp_rank=1, block_size=8, num_blocks=4))
     page = geom.regions[0].block_stride * geom.ppl
@@ -76,7 +84,10 @@ def test_mamba2_state_in_its_slot() -> None:
 
 def test_tags_decode_to_readable_names() -> None:
     space = CoordSpace(ATTN, 16)
-    assert space.describe(int(space.tag("layers.0.attn", "kv", 9, 1, 1, 3))) == "layers.0.attn token 9 head 1 V byte 3"
+    assert (
+        space.describe(int(space.tag("layers.0.attn", "kv", 9, 1, 1, 3)))
+        == "layers.0.attn token 9 head 1 V byte 3"
+    )
     assert describe_tag(POISON).startswith("POISON") and describe_tag(ZERO).startswith("ZERO")
     loc = int(location_tags(1, 3, 2, np.array([4096]))[0])
     assert describe_tag(loc) == "no coordinate (D rank 3 region 2 byte 4096)"

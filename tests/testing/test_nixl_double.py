@@ -45,8 +45,13 @@ def test_bad_indices_and_unequal_lengths_are_invalid_params() -> None:
     _, d = _pair()
     local = d.prep_xfer_dlist("", np.array([[0x90000, 16, 0], [0x90010, 32, 0]], dtype=np.uint64), "DRAM")
     remote = d.prep_xfer_dlist("P0", np.array([[0x10000, 16, 0], [0x10010, 16, 0]], dtype=np.uint64), "DRAM")
-    for li, ri, what in (([2], [0], "out of range"), ([-1], [0], "out of range"), ([0, 1], [0], "different number"),
-                         ([], [], "different number"), ([1], [1], "length mismatch")):
+    for li, ri, what in (
+        ([2], [0], "out of range"),
+        ([-1], [0], "out of range"),
+        ([0, 1], [0], "different number"),
+        ([], [], "different number"),
+        ([1], [1], "length mismatch"),
+    ):
         with pytest.raises(nixlInvalidParamError, match=what):
             d.make_prepped_xfer("READ", local, li, remote, ri)
     with pytest.raises(nixlInvalidParamError, match="local side"):
@@ -99,7 +104,9 @@ def test_initialize_xfer_write_and_merge_count() -> None:
         p.fabric.moves("D", "P")
     bad = p.get_xfer_descs(np.array([[0x90000 + MB, 8, 0]], dtype=np.uint64), "DRAM")
     with pytest.raises(nixlNotFoundError):
-        p.initialize_xfer("WRITE", p.get_xfer_descs(np.array([[0x10000, 8, 0]], dtype=np.uint64), "DRAM"), bad, "D0")
+        p.initialize_xfer(
+            "WRITE", p.get_xfer_descs(np.array([[0x10000, 8, 0]], dtype=np.uint64), "DRAM"), bad, "D0"
+        )
 
 
 def test_named_regions_split_one_registration() -> None:
@@ -114,18 +121,23 @@ def test_named_regions_split_one_registration() -> None:
 GQA = ModelSpec.from_layers("gqa", [AttentionSpec(4, 8, "bfloat16")] * 2)
 
 
-def _register(fabric: NixlFabric, side: str, geoms, slot0: int) -> dict[int, tuple[RecordingAgent, list[int]]]:
+def _register(
+    fabric: NixlFabric, side: str, geoms, slot0: int
+) -> dict[int, tuple[RecordingAgent, list[int]]]:
     out = {}
     for g in geoms:
         agent = fabric.agent(f"{side}{g.tp_rank}", side, g.tp_rank)
         bases = fake_bases([r.nbytes for r in g.regions], slot0 + g.tp_rank)
-        agent.register_memory(np.array([[b, r.nbytes, 0] for b, r in zip(bases, g.regions)], dtype=np.uint64),
-                              "DRAM")
+        agent.register_memory(
+            np.array([[b, r.nbytes, 0] for b, r in zip(bases, g.regions)], dtype=np.uint64), "DRAM"
+        )
         out[g.tp_rank] = (agent, bases)
     return out
 
 
-def _connector_pull(p_engine: EngineConfig, d_engine: EngineConfig, request: Request, wrong_split: bool = False):
+def _connector_pull(
+    p_engine: EngineConfig, d_engine: EngineConfig, request: Request, wrong_split: bool = False
+):
     fabric = NixlFabric()
     p_geoms, d_geoms = engine_geometries(GQA, p_engine), engine_geometries(GQA, d_engine)
     p_side, d_side = _register(fabric, "P", p_geoms, 0), _register(fabric, "D", d_geoms, 16)
@@ -139,8 +151,11 @@ def _connector_pull(p_engine: EngineConfig, d_engine: EngineConfig, request: Req
         for t in plan.transfers:
             key = (t.local_table[0], 0) if wrong_split and t.local_table[1] >= 0 else t.local_table
             local = agent.prep_xfer_dlist("", pairing.local_table(key).bind(bases), "DRAM")
-            remote = agent.prep_xfer_dlist(f"P{t.remote_rank}",
-                                           pairing.remote_table(t.remote_rank).bind(p_side[t.remote_rank][1]), "DRAM")
+            remote = agent.prep_xfer_dlist(
+                f"P{t.remote_rank}",
+                pairing.remote_table(t.remote_rank).bind(p_side[t.remote_rank][1]),
+                "DRAM",
+            )
             agent.transfer(agent.make_prepped_xfer("READ", local, t.local_ids, remote, t.remote_ids, t.notif))
         zero[d.tp_rank] = plan.zero
     notified = {name: a.get_new_notifs() for name, (a, _) in ((f"P{r}", v) for r, v in p_side.items())}
@@ -159,7 +174,10 @@ def test_connector_pull_through_the_double_passes_the_oracle(p_tp: int, d_tp: in
 
 
 def test_connector_using_the_wrong_split_table_is_caught() -> None:
-    p, d = EngineConfig(tp_size=2, block_size=8, num_blocks=6), EngineConfig(tp_size=1, block_size=8, num_blocks=6)
+    p, d = (
+        EngineConfig(tp_size=2, block_size=8, num_blocks=6),
+        EngineConfig(tp_size=1, block_size=8, num_blocks=6),
+    )
     request = Request(13, [[4, 1]], [[2, 5]])
     report, _ = _connector_pull(p, d, request, wrong_split=True)
     assert {"I2", "I5"} <= report.invariants  # P rank 1's heads land on rank 0's slot; rank 1's slot: poison
@@ -181,7 +199,9 @@ def test_connector_push_with_receive_step_through_the_double() -> None:
             d_agent, d_bases = d_side[t.remote_rank]
             agent.add_remote_agent(d_agent.get_agent_metadata())
             local = agent.get_xfer_descs(pairing.local_table(t.local_table).bind(bases)[t.local_ids], "DRAM")
-            remote = agent.get_xfer_descs(pairing.remote_table(t.remote_rank).bind(d_bases)[t.remote_ids], "DRAM")
+            remote = agent.get_xfer_descs(
+                pairing.remote_table(t.remote_rank).bind(d_bases)[t.remote_ids], "DRAM"
+            )
             agent.transfer(agent.initialize_xfer("WRITE", local, remote, f"D{t.remote_rank}", t.notif))
     zero, regroup = {}, {}
     for d in d_geoms:

@@ -15,8 +15,16 @@ from kvgeom.testing import Oracle, RankPlan, Report, Request, engine_geometries,
 SRC_OFF, DST_RANK, DST_REGION, DST_OFF, LENGTH = 2, 3, 4, 5, 6
 
 
-def _run(model: ModelSpec, p: EngineConfig, d: EngineConfig, request: Request, plans: list[RankPlan],
-         mutate=None, keep_zero: bool = True, keep_regroup: bool = True) -> Report:
+def _run(
+    model: ModelSpec,
+    p: EngineConfig,
+    d: EngineConfig,
+    request: Request,
+    plans: list[RankPlan],
+    mutate=None,
+    keep_zero: bool = True,
+    keep_regroup: bool = True,
+) -> Report:
     """Execute ``plans`` (moves altered by ``mutate(rank, moves)``), then each D rank's receive step."""
     oracle = Oracle.for_engines(model, p, d, request)
     for rp in plans:
@@ -29,7 +37,10 @@ def _run(model: ModelSpec, p: EngineConfig, d: EngineConfig, request: Request, p
 
 
 GQA = ModelSpec.from_layers("gqa", [AttentionSpec(8, 4, "float16")] * 2)
-P1, D4 = EngineConfig(tp_size=1, block_size=4, num_blocks=8), EngineConfig(tp_size=4, block_size=4, num_blocks=8)
+P1, D4 = (
+    EngineConfig(tp_size=1, block_size=4, num_blocks=8),
+    EngineConfig(tp_size=4, block_size=4, num_blocks=8),
+)
 REQ = Request(10, [[5, 1, 6]], [[2, 7, 3]])
 
 
@@ -53,7 +64,9 @@ def test_remote_descriptor_id_off_by_one_reads_a_neighbour_block() -> None:
     assert report.invariants == {"I2"}
     wrong = report.of("I2")
     assert {v.rank for v in wrong} == {2}
-    assert "token 0 head 4" in wrong[0].expected and "token 8 head 4" in wrong[0].found  # P block 6: tokens 8..
+    assert (
+        "token 0 head 4" in wrong[0].expected and "token 8 head 4" in wrong[0].found
+    )  # P block 6: tokens 8..
     assert any("no coordinate (P rank 0" in v.found for v in wrong)  # P block 2 is not the request's
 
 
@@ -100,7 +113,10 @@ def test_k_v_swap() -> None:
 
 
 def test_missing_zero_range_leaves_stale_bytes() -> None:
-    p, d = EngineConfig(tp_size=1, block_size=4, num_blocks=6), EngineConfig(tp_size=1, block_size=8, num_blocks=6)
+    p, d = (
+        EngineConfig(tp_size=1, block_size=4, num_blocks=6),
+        EngineConfig(tp_size=1, block_size=8, num_blocks=6),
+    )
     request = Request(3, [[3]], [[2]])  # D's block covers 8 tokens, P sends one 4-token block
     plans = pull_plans(GQA, p, d, request)
     good = _run(GQA, p, d, request, plans)
@@ -112,7 +128,10 @@ def test_missing_zero_range_leaves_stale_bytes() -> None:
 
 def test_missing_regroup_scrambles_heads_and_tokens() -> None:
     model = ModelSpec.from_layers("gqa", [AttentionSpec(4, 4, "float16")])
-    p, d = EngineConfig(tp_size=1, block_size=4, num_blocks=6), EngineConfig(tp_size=1, block_size=8, num_blocks=6)
+    p, d = (
+        EngineConfig(tp_size=1, block_size=4, num_blocks=6),
+        EngineConfig(tp_size=1, block_size=8, num_blocks=6),
+    )
     request = Request(6, [[3, 1]], [[2]])
     plans = pull_plans(model, p, d, request)
     assert _run(model, p, d, request, plans).regrouped_blocks == 1
@@ -122,7 +141,10 @@ def test_missing_regroup_scrambles_heads_and_tokens() -> None:
 def test_conv_sub_projection_read_at_the_wrong_offset() -> None:
     mamba2 = MambaSpec.mamba2(num_heads=4, head_dim=2, n_groups=2, state_size=2)
     model = ModelSpec.from_layers("mamba2-hybrid", [AttentionSpec(2, 4, "bfloat16"), mamba2])
-    p, d = EngineConfig(tp_size=2, block_size=8, num_blocks=6), EngineConfig(tp_size=1, block_size=16, num_blocks=6)
+    p, d = (
+        EngineConfig(tp_size=2, block_size=8, num_blocks=6),
+        EngineConfig(tp_size=1, block_size=16, num_blocks=6),
+    )
     request = Request(12, [[4, 1], [3]], [[5], [0]])
     plans = pull_plans(model, p, d, request)
     assert _run(model, p, d, request, plans).ok

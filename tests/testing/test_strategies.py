@@ -12,10 +12,16 @@ from kvgeom.geometry import align_hybrid_block_size, rank_geometry
 from kvgeom.testing import Oracle, pull_plans, push_plans
 from kvgeom.testing import strategies as kst
 
-FAST = settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-FIND = settings(max_examples=2000, deadline=None, database=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))
+FAST = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+FIND = settings(
+    max_examples=2000, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
 
 
 @FAST
@@ -37,7 +43,9 @@ def test_engine_configs_build(engine) -> None:
 @given(kst.cases())
 def test_cases_are_accepted_and_requests_fit(case) -> None:
     case.pair.check()  # every local rank pairs
-    Oracle.for_engines(case.pair.model, case.pair.p_engine, case.pair.d_engine, case.request)  # RequestError if not
+    Oracle.for_engines(
+        case.pair.model, case.pair.p_engine, case.pair.d_engine, case.request
+    )  # RequestError if not
     if case.request.prefix_blocks:
         assert case.pair.prefix_caching
         assert case.request.prefix_blocks < math.ceil(case.request.num_tokens / case.pair.d_engine.block_size)
@@ -62,7 +70,10 @@ def test_a_hybrid_with_heterogeneous_tp_shrinks_small() -> None:
         return c.pair.model.has_ssm and c.pair.p_engine.tp_size != c.pair.d_engine.tp_size
 
     case = find(kst.cases(models=kst.model_specs(families=("attn+ssm",))), wanted, settings=FIND)
-    assert len(case.pair.model.layers) == 2 and {case.pair.p_engine.tp_size, case.pair.d_engine.tp_size} == {1, 2}
+    assert len(case.pair.model.layers) == 2 and {case.pair.p_engine.tp_size, case.pair.d_engine.tp_size} == {
+        1,
+        2,
+    }
     assert case.request.num_tokens == 1
 
 
@@ -72,8 +83,14 @@ def test_the_oracle_resolves_plans_like_the_core(case) -> None:
     """``Oracle.moves_of`` (which reports bad ids instead of raising) agrees with ``RequestPlan.moves``."""
     make = pull_plans if case.pair.mode == "pull" else push_plans
     try:
-        plans = make(case.pair.model, case.pair.p_engine, case.pair.d_engine, case.request, case.pair.compat,
-                     case.pair.prefix_caching)
+        plans = make(
+            case.pair.model,
+            case.pair.p_engine,
+            case.pair.d_engine,
+            case.request,
+            case.pair.compat,
+            case.pair.prefix_caching,
+        )
     except KvgeomError:
         reject()
     oracle = Oracle.for_engines(case.pair.model, case.pair.p_engine, case.pair.d_engine, case.request)

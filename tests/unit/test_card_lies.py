@@ -21,12 +21,16 @@ from kvgeom import CardError, EngineConfig, KvgeomError, Pairing, card_of
 from kvgeom.card import GeometryCard
 from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
 
-MODEL = ModelSpec.from_layers("attn+mamba2", [AttentionSpec(2, 4, "float16"), MambaSpec.mamba2(4, 2, 2, 2, 4, "float16")])
+MODEL = ModelSpec.from_layers(
+    "attn+mamba2", [AttentionSpec(2, 4, "float16"), MambaSpec.mamba2(4, 2, 2, 2, 4, "float16")]
+)
 BLOCK = 28  # a block whose attention page holds the Mamba2 state at TP1 and TP2 (checked below)
 
 
 def _card(tp: int = 2, rank: int = 0, **engine: Any) -> GeometryCard:
-    return card_of("prefill", MODEL, EngineConfig(tp_size=tp, tp_rank=rank, block_size=BLOCK, num_blocks=8, **engine))
+    return card_of(
+        "prefill", MODEL, EngineConfig(tp_size=tp, tp_rank=rank, block_size=BLOCK, num_blocks=8, **engine)
+    )
 
 
 def _leaves(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -105,8 +109,12 @@ def test_the_digest_covers_every_part_of_the_card() -> None:
     others = [
         card_of("decode", base.model, base.engine, base.mode),  # engine id
         card_of(base.engine_id, base.model, base.engine, "push"),  # mode
-        card_of(base.engine_id, ModelSpec.from_layers("other", list(la.spec for la in MODEL.layers)),
-                base.engine, base.mode),  # model
+        card_of(
+            base.engine_id,
+            ModelSpec.from_layers("other", list(la.spec for la in MODEL.layers)),
+            base.engine,
+            base.mode,
+        ),  # model
         _card(rank=1),  # engine
         _card(conv_layout="SD"),  # engine option
     ]
@@ -120,8 +128,11 @@ def test_the_digest_covers_every_part_of_the_card() -> None:
     assert hashlib.sha256(text.encode()).hexdigest()[:16] != base.digest
 
 
-@pytest.mark.parametrize("change", [dict(num_blocks=9), dict(block_size=2 * BLOCK), dict(conv_layout="SD")],
-                         ids=["num_blocks", "block_size", "conv_layout"])
+@pytest.mark.parametrize(
+    "change",
+    [dict(num_blocks=9), dict(block_size=2 * BLOCK), dict(conv_layout="SD")],
+    ids=["num_blocks", "block_size", "conv_layout"],
+)
 def test_remote_ranks_that_disagree_are_refused(change: dict[str, Any]) -> None:
     d = card_of("decode", MODEL, EngineConfig(tp_size=1, block_size=BLOCK, num_blocks=8))
     p0 = _card(rank=0)
@@ -134,8 +145,9 @@ def test_remote_ranks_that_disagree_are_refused(change: dict[str, Any]) -> None:
 
 def test_remote_ranks_of_another_model_are_refused() -> None:
     d = card_of("decode", MODEL, EngineConfig(tp_size=1, block_size=BLOCK, num_blocks=8))
-    other = ModelSpec.from_layers("attn+mamba2", [AttentionSpec(2, 4, "float16"),
-                                                  MambaSpec.mamba2(4, 2, 2, 2, 4, "bfloat16")])
+    other = ModelSpec.from_layers(
+        "attn+mamba2", [AttentionSpec(2, 4, "float16"), MambaSpec.mamba2(4, 2, 2, 2, 4, "bfloat16")]
+    )
     p1 = card_of("prefill", other, _card(rank=1).engine)
     with pytest.raises(KvgeomError) as err:
         Pairing.create(d, [_card(rank=0), p1], mode="pull")

@@ -28,14 +28,18 @@ from kvgeom.tp import compute_tp_mapping
         (3, 4, 2, 4, 2, (1,)),  # local finer: one remote rank covers all of rank 3's pages
     ],
 )
-def test_mla_dcp_sources(rank: int, tp: int, remote_tp: int, dcp: int, remote_dcp: int, sources: tuple) -> None:
+def test_mla_dcp_sources(
+    rank: int, tp: int, remote_tp: int, dcp: int, remote_dcp: int, sources: tuple
+) -> None:
     mapping = compute_tp_mapping(rank, tp, remote_tp, 1, True, [False], dcp, remote_dcp)
     assert mapping.all_source_ranks == sources
     assert dcp_handshake_targets(rank, tp, dcp, remote_tp, remote_dcp) == sources
 
 
-@pytest.mark.parametrize(("tp", "remote_tp", "dcp", "remote_dcp"),
-                         [(4, 2, 4, 2), (4, 4, 4, 4), (4, 1, 4, 1), (4, 4, 1, 4), (2, 4, 2, 4)])
+@pytest.mark.parametrize(
+    ("tp", "remote_tp", "dcp", "remote_dcp"),
+    [(4, 2, 4, 2), (4, 4, 4, 4), (4, 1, 4, 1), (4, 4, 1, 4), (2, 4, 2, 4)],
+)
 def test_every_reader_is_counted(tp: int, remote_tp: int, dcp: int, remote_dcp: int) -> None:
     """A producer waits for exactly the local ranks that read from it."""
     maps = [compute_tp_mapping(r, tp, remote_tp, 1, True, [False], dcp, remote_dcp) for r in range(tp)]
@@ -52,10 +56,12 @@ def test_dcp_sources_share_one_attention_slot() -> None:
     assert m.rank_to_attention_slot == ((0, 3), (1, 3), (2, 3), (3, 3))
 
 
-@pytest.mark.parametrize(("rank", "tp", "remote_tp", "draft_heads", "offset"),
-                         [(3, 8, 1, 8, 3), (5, 8, 2, 8, 1), (5, 16, 1, 8, 2)])
-def test_head_sharded_draft_under_mla_target(rank: int, tp: int, remote_tp: int, draft_heads: int,
-                                             offset: int) -> None:
+@pytest.mark.parametrize(
+    ("rank", "tp", "remote_tp", "draft_heads", "offset"), [(3, 8, 1, 8, 3), (5, 8, 2, 8, 1), (5, 16, 1, 8, 2)]
+)
+def test_head_sharded_draft_under_mla_target(
+    rank: int, tp: int, remote_tp: int, draft_heads: int, offset: int
+) -> None:
     """An MLA target reads offset 0; its GQA draft's heads are sharded: rank 5 of 16 holds draft head 2 of 8."""
     target = compute_tp_mapping(rank, tp, remote_tp, 1, True, [False])
     draft = compute_tp_mapping(rank, tp, remote_tp, 1, True, [False], head_sharded_kv_heads=draft_heads)
@@ -86,8 +92,17 @@ def test_source_ranks_validation() -> None:
         ([100, 101], [200, 201, 202, 203], 1, 2, 1, 2, 2, [100, 101], [202, 203]),
     ],
 )
-def test_pages_pair_by_global_position(local: list, remote: list, remote_rank: int, ld: int, d: int, rd: int,
-                                       cached: int, want_local: list, want_remote: list) -> None:
+def test_pages_pair_by_global_position(
+    local: list,
+    remote: list,
+    remote_rank: int,
+    ld: int,
+    d: int,
+    rd: int,
+    cached: int,
+    want_local: list,
+    want_remote: list,
+) -> None:
     a, b = apply_dcp_prefix_caching(local, remote, remote_rank, ld, d, rd, cached)
     assert a.tolist() == want_local and b.tolist() == want_remote
     # the pairs hold the same global pages
@@ -132,8 +147,10 @@ def test_pull_from_a_dcp8_remote_reads_every_rank() -> None:
 
     model = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)
     d = rank_geometry(model, EngineConfig(tp_size=1, block_size=4, num_blocks=32))
-    ps = [rank_geometry(model, EngineConfig(tp_size=8, tp_rank=r, block_size=4, num_blocks=8, dcp_size=8))
-          for r in range(8)]
+    ps = [
+        rank_geometry(model, EngineConfig(tp_size=8, tp_rank=r, block_size=4, num_blocks=8, dcp_size=8))
+        for r in range(8)
+    ]
     for compat in ("kvgeom", "vllm"):
         pairing = Pairing.create(d, ps, "pull", compat)
         assert pairing.targets == tuple(range(8)) and pairing.mapping.all_source_ranks == tuple(range(8))

@@ -54,8 +54,11 @@ def test_falcon_mamba2_with_one_group_replicates_b_and_c() -> None:
 
 
 def test_card_round_trip_and_digest_is_stable() -> None:
-    card = card_of("decode", presets.load("qwen3.5-0.8b"), EngineConfig(tp_size=2, tp_rank=1, block_size=544,
-                                                                        num_blocks=16))
+    card = card_of(
+        "decode",
+        presets.load("qwen3.5-0.8b"),
+        EngineConfig(tp_size=2, tp_rank=1, block_size=544, num_blocks=16),
+    )
     text = card.dumps()
     again = GeometryCard.from_json(text)
     assert again.dumps() == text and again.digest == card.digest
@@ -64,15 +67,20 @@ def test_card_round_trip_and_digest_is_stable() -> None:
     assert other.digest != card.digest and other.model_digest == card.model_digest
 
 
-@pytest.mark.parametrize("path, value, field", [
-    (("derived", "regions", 0, "block_len"), 1, "derived.regions[0].block_len"),
-    (("derived", "ppl"), 2, "derived.ppl"),
-    (("kvgeom_card",), 99, "kvgeom_card"),
-    (("engine", "tp_rank"), 7, "tp_rank"),
-    (("model", "layers", 0, "spec", "kind"), "lightning", "kind"),
-])
+@pytest.mark.parametrize(
+    "path, value, field",
+    [
+        (("derived", "regions", 0, "block_len"), 1, "derived.regions[0].block_len"),
+        (("derived", "ppl"), 2, "derived.ppl"),
+        (("kvgeom_card",), 99, "kvgeom_card"),
+        (("engine", "tp_rank"), 7, "tp_rank"),
+        (("model", "layers", 0, "spec", "kind"), "lightning", "kind"),
+    ],
+)
 def test_inconsistent_or_malformed_card_names_the_field(path, value, field) -> None:
-    card = card_of("p", presets.load("qwen3.5-0.8b"), EngineConfig(tp_size=2, block_size=544, num_blocks=4)).to_json()
+    card = card_of(
+        "p", presets.load("qwen3.5-0.8b"), EngineConfig(tp_size=2, block_size=544, num_blocks=4)
+    ).to_json()
     target = card
     for key in path[:-1]:
         target = target[key]
@@ -88,20 +96,37 @@ def test_card_that_is_not_json_is_refused() -> None:
         GeometryCard.from_json("{not json")
 
 
-@pytest.mark.parametrize("build, err, field", [
-    (lambda: AttentionSpec(0, 64), SpecError, "num_kv_heads"),
-    (lambda: AttentionSpec(8, 64, dtype="float12"), SpecError, "dtype"),
-    (lambda: MambaSpec.mamba2(4, 2, 3, 2).check_tp(2), SpecError, "conv piece B"),
-    (lambda: LayerKind.parse("lightning"), SpecError, "kind"),
-    (lambda: EngineConfig(tp_size=2, tp_rank=2, block_size=16, num_blocks=4), ConfigError, "tp_rank"),
-    (lambda: EngineConfig(tp_size=1, block_size=16, kernel_block_size=6, num_blocks=4), ConfigError,
-     "kernel_block_size"),
-    (lambda: EngineConfig(tp_size=1, block_size=16, num_blocks=-1), ConfigError, "num_blocks"),
-    (lambda: rank_geometry(presets.load("nemotron-h-8b"), EngineConfig(tp_size=1, block_size=16, num_blocks=4)),
-     ConfigError, "block_size"),
-    (lambda: rank_geometry(ModelSpec.from_layers("x", [AttentionSpec(3, 8)]),
-                           EngineConfig(tp_size=2, block_size=16, num_blocks=4)), SpecError, "num_kv_heads"),
-])
+@pytest.mark.parametrize(
+    "build, err, field",
+    [
+        (lambda: AttentionSpec(0, 64), SpecError, "num_kv_heads"),
+        (lambda: AttentionSpec(8, 64, dtype="float12"), SpecError, "dtype"),
+        (lambda: MambaSpec.mamba2(4, 2, 3, 2).check_tp(2), SpecError, "conv piece B"),
+        (lambda: LayerKind.parse("lightning"), SpecError, "kind"),
+        (lambda: EngineConfig(tp_size=2, tp_rank=2, block_size=16, num_blocks=4), ConfigError, "tp_rank"),
+        (
+            lambda: EngineConfig(tp_size=1, block_size=16, kernel_block_size=6, num_blocks=4),
+            ConfigError,
+            "kernel_block_size",
+        ),
+        (lambda: EngineConfig(tp_size=1, block_size=16, num_blocks=-1), ConfigError, "num_blocks"),
+        (
+            lambda: rank_geometry(
+                presets.load("nemotron-h-8b"), EngineConfig(tp_size=1, block_size=16, num_blocks=4)
+            ),
+            ConfigError,
+            "block_size",
+        ),
+        (
+            lambda: rank_geometry(
+                ModelSpec.from_layers("x", [AttentionSpec(3, 8)]),
+                EngineConfig(tp_size=2, block_size=16, num_blocks=4),
+            ),
+            SpecError,
+            "num_kv_heads",
+        ),
+    ],
+)
 def test_bad_specs_and_configs(build, err, field) -> None:
     with pytest.raises(err) as exc:
         build()
@@ -118,9 +143,13 @@ def _geom(**kw) -> object:
 def test_pair_errors_name_both_sides() -> None:
     six = ModelSpec.from_layers("gqa6", [AttentionSpec(6, 4, "float16")])
     with pytest.raises(RatioError) as exc:  # TP sizes that do not divide
-        Pairing.create(rank_geometry(six, EngineConfig(tp_size=3, block_size=4, num_blocks=8)),
-                       [rank_geometry(six, EngineConfig(tp_size=2, tp_rank=r, block_size=4, num_blocks=8))
-                        for r in range(2)])
+        Pairing.create(
+            rank_geometry(six, EngineConfig(tp_size=3, block_size=4, num_blocks=8)),
+            [
+                rank_geometry(six, EngineConfig(tp_size=2, tp_rank=r, block_size=4, num_blocks=8))
+                for r in range(2)
+            ],
+        )
     assert "3" in str(exc.value) and "2" in str(exc.value)
     with pytest.raises(RatioError, match="not divisible"):  # block sizes that do not divide
         Pairing.create(_geom(block_size=6), [_geom(block_size=4)])
@@ -139,7 +168,9 @@ def test_request_errors() -> None:
         plan_request(pairing, [[1]], [[8]])  # past the pool of 8
     with pytest.raises(GroupMismatchError, match="remote_ids"):
         plan_request(pairing, [[1]], [[1], [2]])  # two groups for a one-group model
-    with pytest.raises(PlanError, match="prefill_tokens"):  # P's one block cannot hold the 5 tokens it computed
+    with pytest.raises(
+        PlanError, match="prefill_tokens"
+    ):  # P's one block cannot hold the 5 tokens it computed
         plan_request(pairing, [[1, 2]], [[3]], num_tokens=6, prefill_tokens=5)
     with pytest.raises(PlanError, match="prefill_tokens"):  # P computed more tokens than D holds
         plan_request(pairing, [[1, 2]], [[3]], num_tokens=6, prefill_tokens=7)
@@ -149,16 +180,22 @@ def test_request_errors() -> None:
 
 
 def test_no_assertion_error_escapes_for_garbage_cards() -> None:
-    for bad in ([], {"kvgeom_card": 1}, {"kvgeom_card": 1, "engine_id": "x", "model": {}, "engine": {},
-                                         "derived": {}}, "[]"):
+    for bad in (
+        [],
+        {"kvgeom_card": 1},
+        {"kvgeom_card": 1, "engine_id": "x", "model": {}, "engine": {}, "derived": {}},
+        "[]",
+    ):
         with pytest.raises(KvgeomError):
             GeometryCard.from_json(bad)
 
 
 def test_import_kvgeom_pulls_neither_torch_nor_nixl() -> None:
-    code = ("import sys, kvgeom, kvgeom.cli, kvgeom.scenario, kvgeom.testing; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl', 'nixl_cu12', 'nixl_cu13')]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, kvgeom, kvgeom.cli, kvgeom.scenario, kvgeom.testing; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl', 'nixl_cu12', 'nixl_cu13')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 

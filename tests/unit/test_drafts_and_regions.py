@@ -49,7 +49,9 @@ def test_vllm_mode_reads_the_drafts_head_slice_with_the_drafts_mapping() -> None
         assert run(DRAFT, p, dd, Request.simple(DRAFT, p, dd, 13), "pull", "vllm").ok
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp", "mode"), [(2, 1, "pull"), (4, 1, "pull"), (1, 2, "push"), (2, 1, "push")])
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "mode"), [(2, 1, "pull"), (4, 1, "pull"), (1, 2, "push"), (2, 1, "push")]
+)
 def test_kvgeom_mode_plans_drafts_where_vllm_refuses(p_tp: int, d_tp: int, mode: str) -> None:
     p, d = _engine(p_tp), _engine(d_tp)
     request = Request.simple(DRAFT, p, d, 13)
@@ -75,7 +77,10 @@ def test_a_separate_group_pairs_regions_by_their_own_lists() -> None:
     """D keeps layers 1 and 3 in a group of their own: its region group ids [0, 1, 0, 1] against P's [0] * 4."""
     p, d = _engine(1), _engine(1, separate_group=("layers.1.attn", "layers.3.attn"))
     dg = rank_geometry(MLA4, d)
-    assert [g.layers for g in dg.groups] == [("layers.0.attn", "layers.2.attn"), ("layers.1.attn", "layers.3.attn")]
+    assert [g.layers for g in dg.groups] == [
+        ("layers.0.attn", "layers.2.attn"),
+        ("layers.1.attn", "layers.3.attn"),
+    ]
     pairing = Pairing.create(dg, [rank_geometry(MLA4, p)], "pull", "vllm")
     assert pairing.region_mapped
     plan = plan_request(pairing, [[2, 3], [6, 7]], [[4, 5]], num_tokens=8)
@@ -85,7 +90,9 @@ def test_a_separate_group_pairs_regions_by_their_own_lists() -> None:
     assert t.remote_ids.tolist() == [4, 5, 14, 15, 24, 25, 34, 35]
     for compat in ("vllm", "kvgeom"):
         for n, prefix, computed in ((13, 0, None), (13, 1, None), (12, 1, 11)):
-            assert run(MLA4, p, d, Request.simple(MLA4, p, d, n, prefix, prefill_tokens=computed), "pull", compat).ok
+            assert run(
+                MLA4, p, d, Request.simple(MLA4, p, d, n, prefix, prefill_tokens=computed), "pull", compat
+            ).ok
 
 
 def test_separate_groups_beyond_vllms_scope() -> None:
@@ -97,6 +104,12 @@ def test_separate_groups_beyond_vllms_scope() -> None:
     assert err.value.field == "separate_group"
     assert run(dense, p, d, request, "pull", "kvgeom").ok
     with pytest.raises(KvgeomError) as err:  # vLLM's push connector refuses it; kvgeom plans it in pulls
-        run(MLA4, _engine(1), _engine(1, separate_group=("layers.0.attn",)),
-            Request.simple(MLA4, _engine(1), _engine(1, separate_group=("layers.0.attn",)), 5), "push", "kvgeom")
+        run(
+            MLA4,
+            _engine(1),
+            _engine(1, separate_group=("layers.0.attn",)),
+            Request.simple(MLA4, _engine(1), _engine(1, separate_group=("layers.0.attn",)), 5),
+            "push",
+            "kvgeom",
+        )
     assert err.value.field == "separate_group"

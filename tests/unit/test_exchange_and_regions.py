@@ -70,7 +70,9 @@ def test_regions_expand_groups() -> None:
 @pytest.mark.parametrize(("local_ppl", "remote_ppl"), [(1, 2), (2, 1), (2, 2)])
 @pytest.mark.parametrize("num_tokens", [160, 224])
 @pytest.mark.parametrize("cached", [0, 1])
-def test_region_pull_ignores_allocation_padding(local_ppl: int, remote_ppl: int, num_tokens: int, cached: int) -> None:
+def test_region_pull_ignores_allocation_padding(
+    local_ppl: int, remote_ppl: int, num_tokens: int, cached: int
+) -> None:
     """D groups a host region (cached prefix of ``cached`` logical blocks) and an indexer region apart, P
     keeps both in one group; 64-token kernel pages; D's and P's logical blocks pad past the request."""
     pages = math.ceil(num_tokens / 64)
@@ -81,13 +83,22 @@ def test_region_pull_ignores_allocation_padding(local_ppl: int, remote_ppl: int,
     remote = [b * remote_ppl + j for b in range(10, 10 + remote_count) for j in range(remote_ppl)]
     local_by_region = block_ids_by_region([host, indexer], [0, 1])
     remote_by_region = block_ids_by_region([remote], [0, 0])
-    dec, pre = apply_prefix_caching_by_region(local_by_region, remote_by_region, [cached * local_ppl, 0], pages)
+    dec, pre = apply_prefix_caching_by_region(
+        local_by_region, remote_by_region, [cached * local_ppl, 0], pages
+    )
     first = 10 * remote_ppl
-    assert lists(pre) == [list(range(first + cached * local_ppl, first + pages)), list(range(first, first + pages))]
-    assert lists(dec) == [list(range((30 + cached) * local_ppl, 30 * local_ppl + pages)),
-                          list(range(40 * local_ppl, 40 * local_ppl + pages))]
+    assert lists(pre) == [
+        list(range(first + cached * local_ppl, first + pages)),
+        list(range(first, first + pages)),
+    ]
+    assert lists(dec) == [
+        list(range((30 + cached) * local_ppl, 30 * local_ppl + pages)),
+        list(range(40 * local_ppl, 40 * local_ppl + pages)),
+    ]
     zero = region_zero_ids(local_by_region, [dec])
-    assert lists(zero) == [list(range(base * local_ppl + pages, (base + local_count) * local_ppl)) for base in (30, 40)]
+    assert lists(zero) == [
+        list(range(base * local_ppl + pages, (base + local_count) * local_ppl)) for base in (30, 40)
+    ]
 
 
 def test_region_prefix_without_counts_end_trims() -> None:
@@ -106,9 +117,16 @@ def test_natural_layer_order() -> None:
 
 def _packed_producer() -> RegionTable:
     # one packed row of 192 B per block: L2 at 0 (128 B, also viewed by L2.swa, 64 B) and L3 at 128 (64 B)
-    return RegionTable(bases=(1000,), block_lens=(192,), block_strides=(192,), num_blocks=(4,), group_ids=(-1,),
-                       names=("L2",), members=(("L2", "L2.swa", "L3"),),
-                       packed={"L2": (0, 128), "L2.swa": (0, 64), "L3": (128, 64)})
+    return RegionTable(
+        bases=(1000,),
+        block_lens=(192,),
+        block_strides=(192,),
+        num_blocks=(4,),
+        group_ids=(-1,),
+        names=("L2",),
+        members=(("L2", "L2.swa", "L3"),),
+        packed={"L2": (0, 128), "L2.swa": (0, 64), "L3": (128, 64)},
+    )
 
 
 def test_transfer_layers_and_name_alignment() -> None:
@@ -117,9 +135,16 @@ def test_transfer_layers_and_name_alignment() -> None:
     with pytest.raises(GroupMismatchError):
         transfer_layers([["L2"], ["L2"]], {"L2": 0})
     # D (PP 1) packs four layers in a 256-byte row; the P stage owns L2, L2.swa and L3.
-    d = RegionTable(bases=(5000,), block_lens=(256,), block_strides=(256,), num_blocks=(6,), group_ids=(-1,),
-                    names=("L0",), members=(("L0", "L2", "L2.swa", "L3"),),
-                    packed={"L0": (0, 128), "L2": (128, 128), "L2.swa": (0, 64), "L3": (64, 64)})
+    d = RegionTable(
+        bases=(5000,),
+        block_lens=(256,),
+        block_strides=(256,),
+        num_blocks=(6,),
+        group_ids=(-1,),
+        names=("L0",),
+        members=(("L0", "L2", "L2.swa", "L3"),),
+        packed={"L0": (0, 128), "L2": (128, 128), "L2.swa": (0, 64), "L3": (64, 64)},
+    )
     aligned = align_regions_by_layer(d, names, (0, 1, 2), (128, 64, 64))
     assert aligned.bases == (5128, 5000, 5064) and aligned.block_lens == (128, 64, 64)
     assert aligned.block_strides == (256,) * 3 and aligned.num_blocks == (6,) * 3
@@ -132,8 +157,14 @@ def test_transfer_layers_and_name_alignment() -> None:
 
 
 def test_packed_row_read_by_per_layer_regions() -> None:
-    row = RegionTable(bases=(1000,), block_lens=(192,), block_strides=(192,), group_ids=(0,), names=("L0",),
-                      packed={"L0": (64, 128)})
+    row = RegionTable(
+        bases=(1000,),
+        block_lens=(192,),
+        block_strides=(192,),
+        group_ids=(0,),
+        names=("L0",),
+        packed={"L0": (64, 128)},
+    )
     split = split_packed_rows(row, ["L0"])
     assert split.bases == (1064,) and split.block_lens == (128,) and split.block_strides == (192,)
     assert split.names == ("L0",) and not split.packed
@@ -149,12 +180,22 @@ def test_pp_window_without_routing() -> None:
         slice_regions(table, 6, 4)
 
 
-@pytest.mark.parametrize(("heads", "local_tp", "remote_tp", "ok"), [
-    (2, 1, 2, False), (2, 2, 1, False), (2, 1, 1, True), (2, 2, 4, True), (2, 4, 2, True),
-    (4, 2, 4, False), (4, 2, 2, True), (4, 4, 8, True),
-])
-def test_csa_linear_pairs_stay_on_one_side_of_the_head_boundary(heads: int, local_tp: int, remote_tp: int,
-                                                                ok: bool) -> None:
+@pytest.mark.parametrize(
+    ("heads", "local_tp", "remote_tp", "ok"),
+    [
+        (2, 1, 2, False),
+        (2, 2, 1, False),
+        (2, 1, 1, True),
+        (2, 2, 4, True),
+        (2, 4, 2, True),
+        (4, 2, 4, False),
+        (4, 2, 2, True),
+        (4, 4, 8, True),
+    ],
+)
+def test_csa_linear_pairs_stay_on_one_side_of_the_head_boundary(
+    heads: int, local_tp: int, remote_tp: int, ok: bool
+) -> None:
     """Below the KV head count a page holds several heads, at or above it one: whole-block CSA-linear pages
     only pair when both TP sizes are on the same side."""
     if ok:

@@ -31,15 +31,22 @@ HF = ROOT / "tests" / "data" / "hf"
 CARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "presets").glob("*.json"))}
 PRESETS = [n for n in CARDS if n != "minimax-text-01"]  # lightning attention: no kvgeom spec
 
-TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
-               "float": "float32", "half": "float16"}
+TORCH_NAMES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "float": "float32",
+    "half": "float16",
+}
 
 
 @pytest.mark.parametrize("name", sorted(DTYPE_BYTES))
 def test_dtype_sizes_are_torch_element_sizes(name: str) -> None:
     import torch
 
-    assert DTYPE_BYTES[name] == torch.empty(0, dtype=getattr(torch, TORCH_NAMES.get(name, name))).element_size()
+    assert (
+        DTYPE_BYTES[name] == torch.empty(0, dtype=getattr(torch, TORCH_NAMES.get(name, name))).element_size()
+    )
 
 
 @pytest.mark.parametrize("name", ["float32", "float16", "int8", "uint8"])
@@ -84,8 +91,12 @@ def _first(f: dict[str, Any], *keys: str) -> Any:
 def _attention(f: dict[str, Any], tp: int, dtype: str) -> int:
     """K and V of the KV heads a rank holds (a head replicated when TP exceeds the head count)."""
     kv = int(f["num_key_value_heads"])
-    head_dim = f.get("head_dim") or f.get("attention_head_dim") or f.get("attention_head_size") \
+    head_dim = (
+        f.get("head_dim")
+        or f.get("attention_head_dim")
+        or f.get("attention_head_size")
         or int(f.get("attention_hidden_size", f["hidden_size"])) // int(f["num_attention_heads"])
+    )
     return 2 * max(1, kv // tp) * int(head_dim) * BYTES[dtype]
 
 

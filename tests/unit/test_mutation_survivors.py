@@ -42,8 +42,10 @@ def test_a_card_for_the_other_mode_is_refused_naming_both_modes(which: str) -> N
     assert ("local card" if which == "local" else "remote rank 0 card") in str(err.value)
 
 
-@pytest.mark.parametrize(("local", "remote", "field"), [(0, 1, "local_dcp_size"), (1, 0, "remote_dcp_size"),
-                                                         (2, 3, "remote_dcp_size")])
+@pytest.mark.parametrize(
+    ("local", "remote", "field"),
+    [(0, 1, "local_dcp_size"), (1, 0, "remote_dcp_size"), (2, 3, "remote_dcp_size")],
+)
 def test_dcp_sizes_name_the_side_at_fault(local: int, remote: int, field: str) -> None:
     with pytest.raises(RatioError) as err:
         dcp_source_ranks(0, local, 4, remote)
@@ -69,9 +71,18 @@ def test_oracle_coordinates_outside_their_extent_are_refused() -> None:
 
 
 def _qwen3(**extra: object) -> dict[str, object]:
-    return {"model_type": "qwen3", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8, "max_window_layers": 2,
-            "torch_dtype": "bfloat16", **extra}
+    return {
+        "model_type": "qwen3",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "max_window_layers": 2,
+        "torch_dtype": "bfloat16",
+        **extra,
+    }
 
 
 def test_qwen_sliding_windows_only_when_the_config_asks() -> None:
@@ -98,10 +109,21 @@ def test_mamba2_inner_size_from_mamba_expand() -> None:
     """Mamba2 without a head dimension: inner = mamba_expand x hidden (here 4 x 64 = 256, 8 heads of 32)."""
     from kvgeom.hfconfig import read_config
 
-    config = {"model_type": "nemotron_h", "num_hidden_layers": 2, "hybrid_override_pattern": "M*",
-              "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "mamba_num_heads": 8, "n_groups": 2, "ssm_state_size": 4, "conv_kernel": 4, "mamba_expand": 4,
-              "torch_dtype": "bfloat16"}
+    config = {
+        "model_type": "nemotron_h",
+        "num_hidden_layers": 2,
+        "hybrid_override_pattern": "M*",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "mamba_num_heads": 8,
+        "n_groups": 2,
+        "ssm_state_size": 4,
+        "conv_kernel": 4,
+        "mamba_expand": 4,
+        "torch_dtype": "bfloat16",
+    }
     ssm = read_config(config).ssm_spec
     assert ssm is not None and ssm.temporal.units * ssm.temporal.unit_elems == 8 * 32 * 4
 
@@ -129,26 +151,36 @@ def test_plan_describe_lists_each_remote_rank() -> None:
     from kvgeom import plan_request
 
     d = card_of("d", DENSE, EngineConfig(tp_size=1, block_size=4, num_blocks=4))
-    p = [card_of("p", DENSE, EngineConfig(tp_size=2, tp_rank=r, block_size=4, num_blocks=4)) for r in range(2)]
+    p = [
+        card_of("p", DENSE, EngineConfig(tp_size=2, tp_rank=r, block_size=4, num_blocks=4)) for r in range(2)
+    ]
     pairing = Pairing.create(d, p, mode="pull")
     text = pairing and plan_request(pairing, [[1]], [[2]], num_tokens=3).describe(pairing)
     assert "rank 0:" in text and "rank 1:" in text
 
 
 # a GQA draft (one attention layer) under an MLA target
-DRAFT = ModelSpec.from_layers("mla+draft", [MLASpec(8, "float16"), MLASpec(8, "float16"), AttentionSpec(4, 4, "float16")])
+DRAFT = ModelSpec.from_layers(
+    "mla+draft", [MLASpec(8, "float16"), MLASpec(8, "float16"), AttentionSpec(4, 4, "float16")]
+)
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 4)])
 def test_vllm_mode_pulls_a_draft_with_local_tp_above_remote(p_tp: int, d_tp: int) -> None:
     """vLLM 0.33.0 maps a GQA draft under an MLA target when the local (D) TP is at least the remote's in
     a pull, not only at equal TP."""
-    p, d = EngineConfig(tp_size=p_tp, block_size=4, num_blocks=6), EngineConfig(tp_size=d_tp, block_size=4, num_blocks=6)
+    p, d = (
+        EngineConfig(tp_size=p_tp, block_size=4, num_blocks=6),
+        EngineConfig(tp_size=d_tp, block_size=4, num_blocks=6),
+    )
     assert run(DRAFT, p, d, Request.simple(DRAFT, p, d, 7), "pull", "vllm").ok
 
 
 def test_vllm_mode_refuses_a_draft_push_across_tp_sizes_naming_tp_size() -> None:
-    p, d = EngineConfig(tp_size=1, block_size=4, num_blocks=6), EngineConfig(tp_size=2, block_size=4, num_blocks=6)
+    p, d = (
+        EngineConfig(tp_size=1, block_size=4, num_blocks=6),
+        EngineConfig(tp_size=2, block_size=4, num_blocks=6),
+    )
     with pytest.raises(KvgeomError) as err:
         run(DRAFT, p, d, Request.simple(DRAFT, p, d, 7), "push", "vllm")
     assert err.value.field == "tp_size"
@@ -158,10 +190,15 @@ def test_vllm_mode_refuses_a_draft_push_across_tp_sizes_naming_tp_size() -> None
 def test_run_plans_builds_its_own_oracle() -> None:
     from kvgeom.testing import pull_plans, run_plans
 
-    p, d = EngineConfig(tp_size=2, block_size=4, num_blocks=4), EngineConfig(tp_size=1, block_size=4, num_blocks=4)
+    p, d = (
+        EngineConfig(tp_size=2, block_size=4, num_blocks=4),
+        EngineConfig(tp_size=1, block_size=4, num_blocks=4),
+    )
     request = Request.simple(DENSE, p, d, 6)
     report = run_plans(DENSE, p, d, request, pull_plans(DENSE, p, d, request))
-    assert report.ok and report.bytes_moved == 2 * 4 * 32  # 2 blocks of 4 slots, 2 heads x (K, V) x 4 x 2 B a token
+    assert (
+        report.ok and report.bytes_moved == 2 * 4 * 32
+    )  # 2 blocks of 4 slots, 2 heads x (K, V) x 4 x 2 B a token
 
 
 def test_recording_agents_default_to_no_engine_label() -> None:
@@ -183,10 +220,21 @@ def test_falcon_inner_size_that_disagrees_with_the_heads_is_refused_with_its_val
     from kvgeom.errors import SpecError
     from kvgeom.hfconfig import read_config
 
-    config = {"model_type": "falcon_h1", "num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16,
-              "mamba_n_groups": 1, "mamba_d_state": 4, "mamba_d_conv": 4, "mamba_d_ssm": 100,
-              "torch_dtype": "bfloat16"}
+    config = {
+        "model_type": "falcon_h1",
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 4,
+        "mamba_d_conv": 4,
+        "mamba_d_ssm": 100,
+        "torch_dtype": "bfloat16",
+    }
     with pytest.raises(SpecError) as err:
         read_config(config)
     assert err.value.field == "mamba_d_ssm" and err.value.values["value"] == 100

@@ -52,17 +52,27 @@ def test_links_resolve_and_nothing_outside_is_cited() -> None:
         )
 
 
-OUTSIDE = re.compile(r"primer|/work/shared|\.\./shared|shared/(?:models|golden|docs)|nixl-notes|vllm-reference-env", re.I)
+OUTSIDE = re.compile(
+    r"primer|/work/shared|\.\./shared|shared/(?:models|golden|docs)|nixl-notes|vllm-reference-env", re.I
+)
 
 
 def test_no_file_refers_to_material_outside_the_repository() -> None:
     """Code, tests, data notes and build files too: every fact they rely on is in docs/."""
     kinds = {".py", ".md", ".sh", ".toml", ".cfg", ".txt", ".yml", ".yaml"}
-    files = [p for top in ("kvgeom", "adapters", "tests", "bench", ".ci") for p in (ROOT / top).rglob("*")
-             if p.is_file() and (p.suffix in kinds or p.parent.name == ".ci") and "__pycache__" not in p.parts]
+    files = [
+        p
+        for top in ("kvgeom", "adapters", "tests", "bench", ".ci")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file() and (p.suffix in kinds or p.parent.name == ".ci") and "__pycache__" not in p.parts
+    ]
     files += [ROOT / "Makefile", ROOT / "pyproject.toml"]
     assert len(files) > 100
-    hits = [f"{p.relative_to(ROOT)}:{n}" for p in files if p != Path(__file__).resolve()
-            for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
-            if OUTSIDE.search(line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in files
+        if p != Path(__file__).resolve()
+        for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert hits == []

@@ -13,36 +13,50 @@ from kvgeom.scenario import Scenario
 PAIRS = [  # (model, mode, compat, P block, P kernel, D block, D kernel)
     ("kimi-linear-48b-a3b", "pull", "vllm", None, 16, None, 32),
     ("kimi-linear-48b-a3b", "pull", "kvgeom", None, 16, None, 32),
-    ("nemotron-h-8b", "pull", "vllm", 528, 16, 528, 16),
-    ("nemotron-h-8b", "pull", "kvgeom", 528, 16, 1056, 32),
-    ("nemotron-h-8b", "push", "kvgeom", 528, 16, 528, 16),
+    ("nemotron-h-8b", "pull", "vllm", 2080, 16, 2080, 16),
+    ("nemotron-h-8b", "pull", "kvgeom", 1040, 16, 2080, 32),
+    ("nemotron-h-8b", "push", "kvgeom", 2080, 16, 2080, 16),
     ("llama-3.1-8b-instruct", "pull", "kvgeom", 16, 16, 32, 32),
     ("qwen3-next-80b-a3b", "pull", "kvgeom", None, 16, None, 32),
     ("qwen3-8b", "pull", "vllm", 16, 16, 16, 16),
 ]
 
 
-def _scenario(model: str, mode: str, compat: str, pb: int | None, pk: int, db: int | None, dk: int) -> Scenario:
+def _scenario(
+    model: str, mode: str, compat: str, pb: int | None, pk: int, db: int | None, dk: int
+) -> Scenario:
     def side(block: int | None, kernel: int) -> dict:
         out = {"tp_size": 2 if side.first else 1, "kernel_block_size": kernel, "num_blocks": 2000}
         side.first = False
         return out if block is None else {**out, "block_size": block}
 
     side.first = True
-    return Scenario.from_json({"model": model, "mode": mode, "compat": compat, "prefill": side(pb, pk),
-                               "decode": side(db, dk)})
+    return Scenario.from_json(
+        {"model": model, "mode": mode, "compat": compat, "prefill": side(pb, pk), "decode": side(db, dk)}
+    )
 
 
 def _same(a, b) -> None:  # noqa: ANN001 - two RequestPlans
-    assert (a.request_id, a.mode, a.notify_only, a.expected_notifications, a.consumer_rank) == \
-        (b.request_id, b.mode, b.notify_only, b.expected_notifications, b.consumer_rank)
+    assert (a.request_id, a.mode, a.notify_only, a.expected_notifications, a.consumer_rank) == (
+        b.request_id,
+        b.mode,
+        b.notify_only,
+        b.expected_notifications,
+        b.consumer_rank,
+    )
     assert len(a.transfers) == len(b.transfers)
     for x, y in zip(a.transfers, b.transfers):
         assert (x.remote_rank, x.local_table, x.notif) == (y.remote_rank, y.local_table, y.notif)
         assert np.array_equal(x.local_ids, y.local_ids) and np.array_equal(x.remote_ids, y.remote_ids)
     assert len(a.regroup) == len(b.regroup)
     for x, y in zip(a.regroup, b.regroup):
-        assert (x.regions, x.bsr, x.heads, x.tokens, x.head_bytes) == (y.regions, y.bsr, y.heads, y.tokens, y.head_bytes)
+        assert (x.regions, x.bsr, x.heads, x.tokens, x.head_bytes) == (
+            y.regions,
+            y.bsr,
+            y.heads,
+            y.tokens,
+            y.head_bytes,
+        )
         assert np.array_equal(x.blocks, y.blocks)
     assert np.array_equal(a.zero, b.zero)
 

@@ -30,10 +30,24 @@ ALTERNATING = ModelSpec.from_layers("alternating", [FULL, SWA] * 3)
 MLA3 = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 3)
 
 
-def _engine(tp: int = 1, pp: int = 1, rank: int = 0, stage: int = 0, block: int = 4, blocks: int = 4,
-            packed: bool = False) -> EngineConfig:
-    return EngineConfig(tp_size=tp, block_size=block, num_blocks=blocks, tp_rank=rank, pp_size=pp, pp_rank=stage,
-                        packed_rows=packed)
+def _engine(
+    tp: int = 1,
+    pp: int = 1,
+    rank: int = 0,
+    stage: int = 0,
+    block: int = 4,
+    blocks: int = 4,
+    packed: bool = False,
+) -> EngineConfig:
+    return EngineConfig(
+        tp_size=tp,
+        block_size=block,
+        num_blocks=blocks,
+        tp_rank=rank,
+        pp_size=pp,
+        pp_rank=stage,
+        packed_rows=packed,
+    )
 
 
 def test_stage_partition_is_vllms() -> None:
@@ -49,8 +63,10 @@ def test_a_stage_holds_its_layers_and_all_groups() -> None:
     geom = rank_geometry(ALTERNATING, _engine(pp=2, stage=0))
     assert geom.layer_names == ("layers.0.attn", "layers.1.attn", "layers.2.attn")
     assert [g.layers for g in geom.groups] == [("layers.0.attn", "layers.2.attn"), ("layers.1.attn",)]
-    assert [r.members for r in geom.regions] == [((0, "layers.0.attn"), (1, "layers.1.attn")),
-                                                ((0, "layers.2.attn"),)]
+    assert [r.members for r in geom.regions] == [
+        ((0, "layers.0.attn"), (1, "layers.1.attn")),
+        ((0, "layers.2.attn"),),
+    ]
 
 
 def test_pipeline_push_routes_by_layer_name_with_vllms_descriptor_ids() -> None:
@@ -70,7 +86,9 @@ def test_pipeline_push_routes_by_layer_name_with_vllms_descriptor_ids() -> None:
     moves = plan.moves(pairing)
     assert moves[:, [4]].ravel().tolist() == [0, 0, 1]  # destination regions on D
     # the bytes: every layer of the stage lands in D's block of its own group
-    report = run(ALTERNATING, _engine(pp=2), _engine(), Request(4, ((1,), (2,)), ((3,), (1,))), "push", "vllm")
+    report = run(
+        ALTERNATING, _engine(pp=2), _engine(), Request(4, ((1,), (2,)), ((3,), (1,))), "push", "vllm"
+    )
     assert report.ok and report.bytes_moved == 6 * 4 * 2 * 8 * 2  # layers * tokens * heads * (K+V) * bytes
 
 
@@ -108,8 +126,9 @@ def test_packed_rows_move_a_block_of_every_layer_in_one_descriptor() -> None:
         plan = plan_request(pairing, [[2, 3]], [[0, 1]], num_tokens=8)
         moves = plan.moves(pairing)
         assert moves[:, 6].tolist() == [3 * page, 3 * page]
-        assert run(MLA3, _engine(packed=True), _engine(packed=True), Request(8, ((0, 1),), ((2, 3),)), "pull",
-                   compat).ok
+        assert run(
+            MLA3, _engine(packed=True), _engine(packed=True), Request(8, ((0, 1),), ((2, 3),)), "pull", compat
+        ).ok
 
 
 def test_per_layer_rank_reads_a_packed_row_by_layer() -> None:
@@ -122,11 +141,17 @@ def test_per_layer_rank_reads_a_packed_row_by_layer() -> None:
     assert moves[:, 4].tolist() == [0, 1, 2] and moves[:, 6].tolist() == [page] * 3
 
 
-@pytest.mark.parametrize(("p_packed", "d_packed", "p_block", "d_block"),
-                         [(False, True, 4, 4), (True, True, 4, 8), (False, True, 4, 8)])
-def test_rows_packed_differently_pair_layer_by_layer_in_kvgeom_mode(p_packed: bool, d_packed: bool, p_block: int,
-                                                                     d_block: int) -> None:
-    p, d = _engine(packed=p_packed, block=p_block, blocks=6), _engine(packed=d_packed, block=d_block, blocks=6)
+@pytest.mark.parametrize(
+    ("p_packed", "d_packed", "p_block", "d_block"),
+    [(False, True, 4, 4), (True, True, 4, 8), (False, True, 4, 8)],
+)
+def test_rows_packed_differently_pair_layer_by_layer_in_kvgeom_mode(
+    p_packed: bool, d_packed: bool, p_block: int, d_block: int
+) -> None:
+    p, d = (
+        _engine(packed=p_packed, block=p_block, blocks=6),
+        _engine(packed=d_packed, block=d_block, blocks=6),
+    )
     request = Request.simple(MLA3, p, d, 13)
     with pytest.raises(KvgeomError):
         run(MLA3, p, d, request, "pull", "vllm")
@@ -146,7 +171,9 @@ def test_vllm_refuses_routing_between_different_block_sizes() -> None:
     with pytest.raises(UnsupportedError) as err:
         Pairing.create(p, [d], "push", "vllm")
     assert err.value.field == "block_size"
-    with pytest.raises(KvgeomError):  # P's larger kernel blocks interleave heads in D's: refused in kvgeom mode too
+    with pytest.raises(
+        KvgeomError
+    ):  # P's larger kernel blocks interleave heads in D's: refused in kvgeom mode too
         Pairing.create(p, [d], "push", "kvgeom")
 
 
@@ -158,8 +185,9 @@ def test_packed_rows_differing_between_p_and_d_are_vllms_refusal() -> None:
 
 
 def test_push_stage_notifies_every_d_rank_it_writes() -> None:
-    plans = push_plans(MLA3, _engine(pp=3), _engine(tp=2), Request.simple(MLA3, _engine(pp=3), _engine(tp=2), 5),
-                       "vllm")
+    plans = push_plans(
+        MLA3, _engine(pp=3), _engine(tp=2), Request.simple(MLA3, _engine(pp=3), _engine(tp=2), 5), "vllm"
+    )
     assert len(plans) == 3
     for rp in plans:  # each stage writes its layer's latent to both D ranks (replicated)
         assert sorted(t.remote_rank for t in rp.plan.transfers) == [0, 1]

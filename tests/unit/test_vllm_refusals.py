@@ -38,7 +38,9 @@ def test_token_major_layouts_across_tp_sizes(p_tp: int, d_tp: int, vllm_refuses:
             run(DENSE2, p, d, request, "pull", "vllm")
         assert info.value.field == "kv_layout"
     else:
-        with pytest.raises(IncompatiblePairError, match="replicate"):  # vLLM's other rule: P_TP > KV heads > D_TP
+        with pytest.raises(
+            IncompatiblePairError, match="replicate"
+        ):  # vLLM's other rule: P_TP > KV heads > D_TP
             run(DENSE2, p, d, request, "pull", "vllm")
     assert run(DENSE2, p, d, request, "pull", "kvgeom").ok
 
@@ -55,7 +57,9 @@ def test_dcp_with_pages_of_other_sizes_or_in_push_pairs_by_token() -> None:
         run(MLA, p, d, request, "pull", "vllm")
     assert info.value.field == "block_ids[0]"
     report = run(MLA, p, d, request, "pull", "kvgeom")
-    assert report.ok and report.bytes_moved == 2 * 3 * 4 * 8 * 2  # 2 layers x 3 four-token units of fp16 latents
+    assert (
+        report.ok and report.bytes_moved == 2 * 3 * 4 * 8 * 2
+    )  # 2 layers x 3 four-token units of fp16 latents
     alike = EngineConfig(tp_size=2, block_size=4, num_blocks=8, dcp_size=2)
     for compat in ("vllm", "kvgeom"):
         assert run(MLA, p, alike, Request.simple(MLA, p, alike, 9), "push", compat).ok
@@ -63,12 +67,20 @@ def test_dcp_with_pages_of_other_sizes_or_in_push_pairs_by_token() -> None:
     request = Request.simple(MLA, EngineConfig(tp_size=1, block_size=4, num_blocks=8), replicated, 9)
     with pytest.raises(UnsupportedError):
         run(MLA, EngineConfig(tp_size=1, block_size=4, num_blocks=8), replicated, request, "push", "vllm")
-    assert run(MLA, EngineConfig(tp_size=1, block_size=4, num_blocks=8), replicated, request, "push", "kvgeom").ok
+    assert run(
+        MLA, EngineConfig(tp_size=1, block_size=4, num_blocks=8), replicated, request, "push", "kvgeom"
+    ).ok
 
 
-ONE_GROUP = ModelSpec.from_layers("mamba2-1g", [AttentionSpec(2, 2, "float16"),
-                                                MambaSpec.mamba2(num_heads=2, head_dim=2, n_groups=1, state_size=2,
-                                                                 conv_kernel=2, conv_dtype="float16")])
+ONE_GROUP = ModelSpec.from_layers(
+    "mamba2-1g",
+    [
+        AttentionSpec(2, 2, "float16"),
+        MambaSpec.mamba2(
+            num_heads=2, head_dim=2, n_groups=1, state_size=2, conv_kernel=2, conv_dtype="float16"
+        ),
+    ],
+)
 
 
 def test_replicated_b_and_c_across_tp_sizes() -> None:

@@ -12,11 +12,20 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-for key, value in (("VLLM_TARGET_DEVICE", "cpu"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
-                   ("VLLM_SSM_CONV_STATE_LAYOUT", "DS")):
+for key, value in (
+    ("VLLM_TARGET_DEVICE", "cpu"),
+    ("HF_HUB_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("VLLM_SSM_CONV_STATE_LAYOUT", "DS"),
+):
     os.environ.setdefault(key, value)
 
-settings.register_profile("vllm-differential", deadline=None, derandomize=True, database=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                                 HealthCheck.data_too_large])
+settings.register_profile(
+    "vllm-differential",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
 settings.load_profile("vllm-differential")

@@ -39,12 +39,28 @@ from kvgeom.splits import build_local_splits
 from kvgeom.strided import fa_local_rows, fa_remote_rows, mamba_local_rows, mamba_remote_rows
 from kvgeom.tp import compute_tp_mapping
 
-EXAMPLES = {"tp_mapping": 1500, "desc_ids": 1200, "splits": 400, "strided": 500, "block_ids": 800, "dcp": 500,
-            "regions": 300, "routing": 300}
+EXAMPLES = {
+    "tp_mapping": 1500,
+    "desc_ids": 1200,
+    "splits": 400,
+    "strided": 500,
+    "block_ids": 800,
+    "dcp": 500,
+    "regions": 300,
+    "routing": 300,
+}
 
 TP = (1, 2, 4, 8, 16, 32, 64)
-KINDS = (("fa",), ("fa", "ssm"), ("mla", "ssm", "ssm"), ("fa", "swa"), ("mla",), ("fa", "swa", "ssm"),
-         ("mla", "mla"), ("swa", "fa", "fa"))
+KINDS = (
+    ("fa",),
+    ("fa", "ssm"),
+    ("mla", "ssm", "ssm"),
+    ("fa", "swa"),
+    ("mla",),
+    ("fa", "swa", "ssm"),
+    ("mla", "mla"),
+    ("swa", "fa", "fa"),
+)
 
 
 def kv(result: Any) -> Any:
@@ -89,30 +105,68 @@ def mapping_inputs(draw: st.DrawFn) -> dict[str, Any]:
         assume(dcp % remote_dcp == 0 or remote_dcp % dcp == 0)
     elif is_mla and draw(st.integers(0, 3)) == 0:
         draft = draw(st.sampled_from((1, 2, 4, 8, 16)))
-    return dict(rank=draw(st.integers(0, tp - 1)), tp=tp, remote_tp=remote_tp, heads=heads, is_mla=is_mla,
-                kinds=kinds, dcp=dcp, remote_dcp=remote_dcp, draft=draft)
+    return dict(
+        rank=draw(st.integers(0, tp - 1)),
+        tp=tp,
+        remote_tp=remote_tp,
+        heads=heads,
+        is_mla=is_mla,
+        kinds=kinds,
+        dcp=dcp,
+        remote_dcp=remote_dcp,
+        draft=draft,
+    )
 
 
 @settings(max_examples=EXAMPLES["tp_mapping"])
 @given(mapping_inputs())
 def test_tp_mapping(i: dict[str, Any]) -> None:
-    vllm = V.tp_mapping(i["rank"], i["tp"], i["remote_tp"], i["heads"], i["is_mla"], i["kinds"], i["dcp"],
-                        i["remote_dcp"], i["draft"])
-    ours = kv(lambda: compute_tp_mapping(i["rank"], i["tp"], i["remote_tp"], i["heads"], i["is_mla"],
-                                         [k == "ssm" for k in i["kinds"]], i["dcp"], i["remote_dcp"],
-                                         i["draft"]).to_json())
+    vllm = V.tp_mapping(
+        i["rank"],
+        i["tp"],
+        i["remote_tp"],
+        i["heads"],
+        i["is_mla"],
+        i["kinds"],
+        i["dcp"],
+        i["remote_dcp"],
+        i["draft"],
+    )
+    ours = kv(
+        lambda: compute_tp_mapping(
+            i["rank"],
+            i["tp"],
+            i["remote_tp"],
+            i["heads"],
+            i["is_mla"],
+            [k == "ssm" for k in i["kinds"]],
+            i["dcp"],
+            i["remote_dcp"],
+            i["draft"],
+        ).to_json()
+    )
     if isinstance(ours, V.Raised) and not isinstance(vllm, V.Raised):
         # vLLM's mapping of a DCP remote never computes the TP ratio; its handshake does, and refuses the pair
-        assert isinstance(V.call(lambda: V.topology(0, i["tp"], 1, True).tp_ratio(i["remote_tp"])), V.Raised), ours
+        assert isinstance(
+            V.call(lambda: V.topology(0, i["tp"], 1, True).tp_ratio(i["remote_tp"])), V.Raised
+        ), ours
         return
     same(vllm, ours)
     if isinstance(vllm, V.Raised):
         return
     if i["is_mla"]:
-        same(V.handshake_targets(i["rank"], i["tp"], i["remote_tp"], i["dcp"], i["remote_dcp"]),
-             kv(lambda: list(dcp_handshake_targets(i["rank"], i["tp"], i["dcp"], i["remote_tp"], i["remote_dcp"]))))
-    same(V.consumer_count(i["tp"], i["dcp"], i["remote_tp"], i["remote_dcp"]),
-         kv(lambda: dcp_consumer_count(i["tp"], i["dcp"], i["remote_tp"], i["remote_dcp"])))
+        same(
+            V.handshake_targets(i["rank"], i["tp"], i["remote_tp"], i["dcp"], i["remote_dcp"]),
+            kv(
+                lambda: list(
+                    dcp_handshake_targets(i["rank"], i["tp"], i["dcp"], i["remote_tp"], i["remote_dcp"])
+                )
+            ),
+        )
+    same(
+        V.consumer_count(i["tp"], i["dcp"], i["remote_tp"], i["remote_dcp"]),
+        kv(lambda: dcp_consumer_count(i["tp"], i["dcp"], i["remote_tp"], i["remote_dcp"])),
+    )
 
 
 # -- descriptor ids -------------------------------------------------------------------------------------
@@ -136,18 +190,33 @@ def desc_inputs(draw: st.DrawFn) -> dict[str, Any]:
     bsr = draw(st.sampled_from((None, 2, 4, 3)))
     ratio = bsr or 1
     regions = draw(st.integers(1, 64))
-    out: dict[str, Any] = dict(dst_num_blocks=nb, bsr=bsr, ppl=ppl, num_regions=regions, ssm_regions=[], pieces=3,
-                               routing=(), scratch_regions=(), ple_group=None, region_group_ids=None)
+    out: dict[str, Any] = dict(
+        dst_num_blocks=nb,
+        bsr=bsr,
+        ppl=ppl,
+        num_regions=regions,
+        ssm_regions=[],
+        pieces=3,
+        routing=(),
+        scratch_regions=(),
+        ple_group=None,
+        region_group_ids=None,
+    )
     if path == "hybrid":
         n_attn = draw(st.integers(1, 2))
         n_ssm = draw(st.integers(1, 3))
         ring = draw(st.booleans())
-        kinds = ["mla" if draw(st.booleans()) else "fa"] * n_attn + (["ring"] if ring else []) + ["ssm"] * n_ssm
-        out["ssm_regions"] = sorted(draw(st.sets(st.integers(0, regions - 1), min_size=1, max_size=min(regions, 8))))
+        kinds = (
+            ["mla" if draw(st.booleans()) else "fa"] * n_attn + (["ring"] if ring else []) + ["ssm"] * n_ssm
+        )
+        out["ssm_regions"] = sorted(
+            draw(st.sets(st.integers(0, regions - 1), min_size=1, max_size=min(regions, 8)))
+        )
         out["pieces"] = draw(st.sampled_from((1, 3)))
         if ring:
-            out["scratch_regions"] = sorted(draw(st.sets(st.integers(0, regions - 1), min_size=1,
-                                                         max_size=min(regions, 4))))
+            out["scratch_regions"] = sorted(
+                draw(st.sets(st.integers(0, regions - 1), min_size=1, max_size=min(regions, 4)))
+            )
         if n_ssm > 1 and draw(st.booleans()):
             out["ple_group"] = len(kinds) - 1
         caps = draw(st.sampled_from((None, [nb] * regions)))
@@ -160,13 +229,24 @@ def desc_inputs(draw: st.DrawFn) -> dict[str, Any]:
         caps = draw(st.sampled_from((None, "varied")))
         caps = None if caps is None else [draw(st.integers(1, nb)) for _ in range(count)]
         if path == "routing":
-            out["routing"] = tuple(draw(st.lists(st.integers(0, n_groups - 1), min_size=count, max_size=count)))
+            out["routing"] = tuple(
+                draw(st.lists(st.integers(0, n_groups - 1), min_size=count, max_size=count))
+            )
             own = [0] * regions
-            per_group = {g: min([(caps[k] if caps else nb) for k, gg in enumerate(out["routing"]) if gg == g],
-                                default=0) * ratio for g in range(n_groups)}
+            per_group = {
+                g: min(
+                    [(caps[k] if caps else nb) for k, gg in enumerate(out["routing"]) if gg == g], default=0
+                )
+                * ratio
+                for g in range(n_groups)
+            }
         else:
             own = draw(st.sampled_from(("one", "mapped")))
-            own = [0] * regions if own == "one" else [draw(st.integers(-1, n_groups - 1)) for _ in range(regions)]
+            own = (
+                [0] * regions
+                if own == "one"
+                else [draw(st.integers(-1, n_groups - 1)) for _ in range(regions)]
+            )
             out["region_group_ids"] = draw(st.sampled_from((None, own)))
             gids = own
             mapped = len(set(gids)) > 1
@@ -174,8 +254,10 @@ def desc_inputs(draw: st.DrawFn) -> dict[str, Any]:
             def cap(r: int) -> int:
                 return (caps[r] if caps else nb) * ratio
 
-            per_group = {g: min([cap(r) for r in range(regions) if not mapped or gids[r] in (g, -1)], default=0)
-                         for g in range(n_groups)}
+            per_group = {
+                g: min([cap(r) for r in range(regions) if not mapped or gids[r] in (g, -1)], default=0)
+                for g in range(n_groups)
+            }
         block_ids = [_ids(draw, per_group[g], 6) for g in range(len(kinds))]
     out.update(kinds=kinds, block_ids=block_ids, region_num_blocks=caps, own_group_ids=own)
     return out
@@ -184,31 +266,58 @@ def desc_inputs(draw: st.DrawFn) -> dict[str, Any]:
 @settings(max_examples=EXAMPLES["desc_ids"])
 @given(desc_inputs())
 def test_desc_ids(i: dict[str, Any]) -> None:
-    vllm = V.desc_ids(i["block_ids"], i["dst_num_blocks"], i["bsr"], i["ppl"], kinds=i["kinds"],
-                      num_regions=i["num_regions"], ssm_regions=i["ssm_regions"], pieces=i["pieces"],
-                      region_num_blocks=i["region_num_blocks"], region_group_ids=i["region_group_ids"],
-                      own_group_ids=i["own_group_ids"], routing=i["routing"], scratch_regions=i["scratch_regions"],
-                      ple_group=i["ple_group"])
+    vllm = V.desc_ids(
+        i["block_ids"],
+        i["dst_num_blocks"],
+        i["bsr"],
+        i["ppl"],
+        kinds=i["kinds"],
+        num_regions=i["num_regions"],
+        ssm_regions=i["ssm_regions"],
+        pieces=i["pieces"],
+        region_num_blocks=i["region_num_blocks"],
+        region_group_ids=i["region_group_ids"],
+        own_group_ids=i["own_group_ids"],
+        routing=i["routing"],
+        scratch_regions=i["scratch_regions"],
+        ple_group=i["ple_group"],
+    )
     kinds = i["kinds"]
     gids = i["region_group_ids"] if i["region_group_ids"] is not None else i["own_group_ids"]
-    ours = kv(lambda: compute_desc_ids(
-        i["block_ids"], i["dst_num_blocks"], i["num_regions"], i["bsr"], i["ppl"], [k == "ssm" for k in kinds],
-        i["ssm_regions"] if "ssm" in kinds else None, i["pieces"], i["region_num_blocks"], gids,
-        transfer_layer_group_ids=i["routing"], scratch_groups=[g for g, k in enumerate(kinds) if k == "ring"],
-        scratch_region_indices=i["scratch_regions"], ple_group=i["ple_group"]))
+    ours = kv(
+        lambda: compute_desc_ids(
+            i["block_ids"],
+            i["dst_num_blocks"],
+            i["num_regions"],
+            i["bsr"],
+            i["ppl"],
+            [k == "ssm" for k in kinds],
+            i["ssm_regions"] if "ssm" in kinds else None,
+            i["pieces"],
+            i["region_num_blocks"],
+            gids,
+            transfer_layer_group_ids=i["routing"],
+            scratch_groups=[g for g, k in enumerate(kinds) if k == "ring"],
+            scratch_region_indices=i["scratch_regions"],
+            ple_group=i["ple_group"],
+        )
+    )
     same(vllm, ours, arrays)
 
 
 # -- split handles and strided rows ---------------------------------------------------------------------
 @st.composite
 def split_inputs(draw: st.DrawFn) -> dict[str, Any]:
-    kinds = draw(st.sampled_from((("fa", "ssm"), ("mla", "ssm", "ssm"), ("fa",), ("mla", "ssm", "ssm", "ssm"))))
+    kinds = draw(
+        st.sampled_from((("fa", "ssm"), ("mla", "ssm", "ssm"), ("fa",), ("mla", "ssm", "ssm", "ssm")))
+    )
     is_mla = kinds[0] == "mla"
     tp = draw(st.sampled_from((1, 2, 4)))
     remote_tp = tp * draw(st.sampled_from((2, 4, 8)))
     heads = 1 if is_mla else draw(st.sampled_from((1, 2, 4, 8, 16, 32)))
-    mapping = compute_tp_mapping(draw(st.integers(0, tp - 1)), tp, remote_tp, heads, is_mla,
-                                 [k == "ssm" for k in kinds])
+    mapping = compute_tp_mapping(
+        draw(st.integers(0, tp - 1)), tp, remote_tp, heads, is_mla, [k == "ssm" for k in kinds]
+    )
     regions = draw(st.integers(1, 24))
     bsr = draw(st.sampled_from((1, 1, 2, 4)))
     nbl = draw(st.integers(1, 12))
@@ -227,21 +336,61 @@ def split_inputs(draw: st.DrawFn) -> dict[str, Any]:
         ssm_regions = sorted(draw(st.sets(st.integers(0, regions - 1), min_size=1, max_size=regions)))
         piece = remote_tp * 2
         conv = [(0, piece), (piece, piece), (2 * piece, 2 * piece)]
-        rows = np.concatenate([rows, mamba_local_rows(bases, strides, ssm_regions, conv, (4 * piece, 4 * piece), ppl,
-                                                      nbl, ple_region=0 if ple else None, ple_block_len=lens[0])])
-    return dict(kinds=kinds, mapping=mapping, rows=rows, num_fa=num_fa, bsr=bsr, region_is_mla=region_is_mla,
-                caps=caps, ple=ple, nbl=nbl)
+        rows = np.concatenate(
+            [
+                rows,
+                mamba_local_rows(
+                    bases,
+                    strides,
+                    ssm_regions,
+                    conv,
+                    (4 * piece, 4 * piece),
+                    ppl,
+                    nbl,
+                    ple_region=0 if ple else None,
+                    ple_block_len=lens[0],
+                ),
+            ]
+        )
+    return dict(
+        kinds=kinds,
+        mapping=mapping,
+        rows=rows,
+        num_fa=num_fa,
+        bsr=bsr,
+        region_is_mla=region_is_mla,
+        caps=caps,
+        ple=ple,
+        nbl=nbl,
+    )
 
 
 @settings(max_examples=EXAMPLES["splits"])
 @given(split_inputs())
 def test_local_splits(i: dict[str, Any]) -> None:
-    vllm = V.local_splits(i["mapping"], i["rows"], i["num_fa"], i["bsr"], kinds=i["kinds"],
-                          region_is_mla=i["region_is_mla"], region_num_blocks=i["caps"], ple=i["ple"],
-                          logical_num_blocks=i["nbl"])
-    ours = kv(lambda: build_local_splits(i["rows"], i["mapping"], i["num_fa"], i["bsr"],
-                                         [k == "ssm" for k in i["kinds"]], i["region_is_mla"], i["caps"],
-                                         num_replicated_tail=i["nbl"] if i["ple"] else 0))
+    vllm = V.local_splits(
+        i["mapping"],
+        i["rows"],
+        i["num_fa"],
+        i["bsr"],
+        kinds=i["kinds"],
+        region_is_mla=i["region_is_mla"],
+        region_num_blocks=i["caps"],
+        ple=i["ple"],
+        logical_num_blocks=i["nbl"],
+    )
+    ours = kv(
+        lambda: build_local_splits(
+            i["rows"],
+            i["mapping"],
+            i["num_fa"],
+            i["bsr"],
+            [k == "ssm" for k in i["kinds"]],
+            i["region_is_mla"],
+            i["caps"],
+            num_replicated_tail=i["nbl"] if i["ple"] else 0,
+        )
+    )
     same(vllm, ours, arrays)
 
 
@@ -263,9 +412,21 @@ def strided_inputs(draw: st.DrawFn) -> dict[str, Any]:
 @settings(max_examples=EXAMPLES["strided"])
 @given(strided_inputs(), st.data())
 def test_strided_rows(i: dict[str, Any], data: st.DataObject) -> None:
-    same(V.fa_local(i["bases"], i["lens"], i["strides"], i["caps"], i["bsr"], i["routing"]),
-         kv(lambda: fa_local_rows(i["bases"], i["lens"], i["strides"], i["caps"], i["bsr"], device=0,
-                                  region_indices=i["routing"])), arrays)
+    same(
+        V.fa_local(i["bases"], i["lens"], i["strides"], i["caps"], i["bsr"], i["routing"]),
+        kv(
+            lambda: fa_local_rows(
+                i["bases"],
+                i["lens"],
+                i["strides"],
+                i["caps"],
+                i["bsr"],
+                device=0,
+                region_indices=i["routing"],
+            )
+        ),
+        arrays,
+    )
     # remote rows: this rank's share of every (routed) remote region
     draw = data.draw
     tp, remote_tp = draw(st.sampled_from(((1, 2), (2, 1), (4, 2), (1, 4), (2, 2), (8, 1), (16, 2), (1, 64))))
@@ -279,18 +440,45 @@ def test_strided_rows(i: dict[str, Any], data: st.DataObject) -> None:
     remote_strides = [i["strides"][local_of[r]] for r in range(n_remote)]
     caps = draw(st.sampled_from((None, [draw(st.integers(1, 40)) for _ in range(n_remote)])))
     region_is_mla = [is_mla and draw(st.booleans()) for _ in range(i["regions"])]
-    draft = [r for r in range(i["regions"]) if draw(st.integers(0, 5)) == 0] if is_mla and tp >= remote_tp else []
-    draft_mapping = compute_tp_mapping(rank, tp, remote_tp, 1, True, [False], head_sharded_kv_heads=heads) \
-        if draft else None
+    draft = (
+        [r for r in range(i["regions"]) if draw(st.integers(0, 5)) == 0] if is_mla and tp >= remote_tp else []
+    )
+    draft_mapping = (
+        compute_tp_mapping(rank, tp, remote_tp, 1, True, [False], head_sharded_kv_heads=heads)
+        if draft
+        else None
+    )
     reads = len(mapping.source_ranks_per_group[0])
-    vllm = V.fa_remote(mapping, remote_bases=remote_bases, remote_strides=remote_strides, remote_caps=caps,
-                       remote_num_blocks=17, local_lens=i["lens"], region_is_mla=region_is_mla, kinds=["fa"],
-                       bsr=i["bsr"], routing_regions=i["routing"], draft_mapping=draft_mapping, draft_regions=draft)
-    ours = kv(lambda: fa_remote_rows(
-        remote_bases, remote_strides, caps if caps is not None else [17] * n_remote, i["lens"], region_is_mla, i["bsr"],
-        reads, mapping.rank_offset_factor, local_region_of=i["routing"] or None, draft_regions=draft,
-        draft_reads=len(draft_mapping.source_ranks_per_group[0]) if draft_mapping else 1,
-        draft_offset_factor=draft_mapping.rank_offset_factor if draft_mapping else 0))
+    vllm = V.fa_remote(
+        mapping,
+        remote_bases=remote_bases,
+        remote_strides=remote_strides,
+        remote_caps=caps,
+        remote_num_blocks=17,
+        local_lens=i["lens"],
+        region_is_mla=region_is_mla,
+        kinds=["fa"],
+        bsr=i["bsr"],
+        routing_regions=i["routing"],
+        draft_mapping=draft_mapping,
+        draft_regions=draft,
+    )
+    ours = kv(
+        lambda: fa_remote_rows(
+            remote_bases,
+            remote_strides,
+            caps if caps is not None else [17] * n_remote,
+            i["lens"],
+            region_is_mla,
+            i["bsr"],
+            reads,
+            mapping.rank_offset_factor,
+            local_region_of=i["routing"] or None,
+            draft_regions=draft,
+            draft_reads=len(draft_mapping.source_ranks_per_group[0]) if draft_mapping else 1,
+            draft_offset_factor=draft_mapping.rank_offset_factor if draft_mapping else 0,
+        )
+    )
     same(vllm, ours, arrays)
 
 
@@ -309,21 +497,51 @@ def test_mamba_rows(data: st.DataObject) -> None:
     ssm_sizes = (sum(sizes), 4 * draw(st.integers(1, 8)))
     ple = draw(st.sampled_from((None, 0, regions - 1)))
     ple_len = draw(st.integers(1, 64)) if ple is not None else None
-    same(V.mamba_local(bases, strides, ssm_regions, conv, ssm_sizes, ppl, nbl, ple, ple_len),
-         kv(lambda: mamba_local_rows(bases, strides, ssm_regions, conv, ssm_sizes, ppl, nbl, 0, ple, ple_len)), arrays)
+    same(
+        V.mamba_local(bases, strides, ssm_regions, conv, ssm_sizes, ppl, nbl, ple, ple_len),
+        kv(lambda: mamba_local_rows(bases, strides, ssm_regions, conv, ssm_sizes, ppl, nbl, 0, ple, ple_len)),
+        arrays,
+    )
     ratio = draw(st.sampled_from((1, 2, 4, -2, -4)))
     rank = draw(st.integers(0, max(ratio, 1) * 2 - 1))
     remote_sizes = (ssm_sizes[0] * 2, ssm_sizes[1] * 2)
     reads = [(o // 2, s // 2) for o, s in conv]
     remote_ple = draw(st.sampled_from((ple_len, 2 * (ple_len or 1)))) if ple is not None else None
     rnb = rppl * draw(st.integers(1, 30))
-    vllm = V.mamba_remote(remote_bases=bases, remote_strides=strides, remote_num_blocks=rnb, remote_ppl=rppl,
-                          remote_ssm_sizes=remote_sizes, ssm_regions=ssm_regions, conv_reads=reads,
-                          local_ssm_sizes=ssm_sizes, tp_ratio=ratio, rank=rank, local_ppl=ppl, ple_region=ple,
-                          local_ple=ple_len, remote_ple=remote_ple)
-    ours = kv(lambda: mamba_remote_rows(bases, strides, rnb, rppl, remote_sizes, ssm_regions, reads, ssm_sizes[1],
-                                        ratio, rank, 0, ple, None if ple is None else ple_len * ppl,
-                                        None if ple is None else remote_ple * rppl))
+    vllm = V.mamba_remote(
+        remote_bases=bases,
+        remote_strides=strides,
+        remote_num_blocks=rnb,
+        remote_ppl=rppl,
+        remote_ssm_sizes=remote_sizes,
+        ssm_regions=ssm_regions,
+        conv_reads=reads,
+        local_ssm_sizes=ssm_sizes,
+        tp_ratio=ratio,
+        rank=rank,
+        local_ppl=ppl,
+        ple_region=ple,
+        local_ple=ple_len,
+        remote_ple=remote_ple,
+    )
+    ours = kv(
+        lambda: mamba_remote_rows(
+            bases,
+            strides,
+            rnb,
+            rppl,
+            remote_sizes,
+            ssm_regions,
+            reads,
+            ssm_sizes[1],
+            ratio,
+            rank,
+            0,
+            ple,
+            None if ple is None else ple_len * ppl,
+            None if ple is None else remote_ple * rppl,
+        )
+    )
     same(vllm, ours, arrays)
 
 
@@ -356,12 +574,27 @@ def prefix_inputs(draw: st.DrawFn) -> dict[str, Any]:
 def test_block_id_algebra(i: dict[str, Any], data: st.DataObject) -> None:
     kinds = i["kinds"]
     ssm = [k == "ssm" for k in kinds]
-    same(V.prefix_caching(i["dec"], i["pre"], i["dppl"], i["pppl"], kinds),
-         kv(lambda: tuple(arrays(x) for x in apply_prefix_caching(i["dec"], i["pre"], i["dppl"], i["pppl"], ssm))))
+    same(
+        V.prefix_caching(i["dec"], i["pre"], i["dppl"], i["pppl"], kinds),
+        kv(
+            lambda: tuple(
+                arrays(x) for x in apply_prefix_caching(i["dec"], i["pre"], i["dppl"], i["pppl"], ssm)
+            )
+        ),
+    )
     ratio = data.draw(st.integers(1, 6))
-    same(V.map_ratio(i["dec"], i["pre"], ratio, kinds),
-         kv(lambda: tuple(arrays(x) for x in map_block_ids_for_block_size_ratio(i["dec"], i["pre"], ratio, ssm))))
-    same(V.logical_to_kernel(i["pre"], ratio, kinds), kv(lambda: arrays(logical_to_kernel(i["pre"], ratio, ssm))))
+    same(
+        V.map_ratio(i["dec"], i["pre"], ratio, kinds),
+        kv(
+            lambda: tuple(
+                arrays(x) for x in map_block_ids_for_block_size_ratio(i["dec"], i["pre"], ratio, ssm)
+            )
+        ),
+    )
+    same(
+        V.logical_to_kernel(i["pre"], ratio, kinds),
+        kv(lambda: arrays(logical_to_kernel(i["pre"], ratio, ssm))),
+    )
 
 
 @settings(max_examples=EXAMPLES["dcp"])
@@ -377,9 +610,15 @@ def test_dcp_page_matching(data: st.DataObject) -> None:
     local = list(range(100, 100 + draw(st.integers(0, 24))))
     remote = list(range(500, 500 + draw(st.integers(0, 24))))
     count = draw(st.sampled_from((None, total)))
-    same(V.dcp_prefix(local, remote, remote_rank, ld, d, rd, cached, count),
-         kv(lambda: tuple(arrays(x) for x in apply_dcp_prefix_caching(local, remote, remote_rank, ld, d, rd, cached,
-                                                                     count))))
+    same(
+        V.dcp_prefix(local, remote, remote_rank, ld, d, rd, cached, count),
+        kv(
+            lambda: tuple(
+                arrays(x)
+                for x in apply_dcp_prefix_caching(local, remote, remote_rank, ld, d, rd, cached, count)
+            )
+        ),
+    )
 
 
 @settings(max_examples=EXAMPLES["regions"])
@@ -399,9 +638,15 @@ def test_region_mapping_and_clipping(data: st.DataObject) -> None:
     computed = [draw(st.integers(0, 3)) for _ in range(regions)] if counted else None
     total = draw(st.integers(0, 40)) if counted else None
     rank, d = draw(st.integers(0, rdcp - 1)), draw(st.integers(0, dcp - 1))
-    same(V.prefix_by_region(dec, pre, computed, total, rank, dcp, d, rdcp),
-         kv(lambda: tuple(arrays(x) for x in apply_prefix_caching_by_region(dec, pre, computed, total, rank, dcp, d,
-                                                                           rdcp))))
+    same(
+        V.prefix_by_region(dec, pre, computed, total, rank, dcp, d, rdcp),
+        kv(
+            lambda: tuple(
+                arrays(x)
+                for x in apply_prefix_caching_by_region(dec, pre, computed, total, rank, dcp, d, rdcp)
+            )
+        ),
+    )
     blocks = [next(pool) for _ in range(draw(st.integers(0, 6)))]
     spec = draw(st.integers(0, 4))
     same(V.clip_ssm(blocks, spec), kv(lambda: arrays(clip_ssm_state_blocks(blocks, spec))))
@@ -409,8 +654,10 @@ def test_region_mapping_and_clipping(data: st.DataObject) -> None:
     windows = [draw(st.integers(1, 4)) if k == "swa" else 0 for k in kinds]
     specs = [draw(st.integers(0, 3)) if k == "ssm" else None for k in kinds]
     clip = draw(st.booleans())
-    same(V.exchange_clipped(block_ids, windows, specs, clip),
-         kv(lambda: arrays(exchange_clipped_blocks(block_ids, windows, specs, clip))))
+    same(
+        V.exchange_clipped(block_ids, windows, specs, clip),
+        kv(lambda: arrays(exchange_clipped_blocks(block_ids, windows, specs, clip))),
+    )
 
 
 # -- layer routing, packed rows, CSA ----------------------------------------------------------------------
@@ -437,37 +684,58 @@ def packed_tables(draw: st.DrawFn) -> tuple[RegionTable, list[str], list[int], l
         lens.append(16 * draw(st.integers(1, 8)))
         names.append(n)
         gids.append(draw(st.integers(0, 2)))
-    table = RegionTable(bases=tuple((r + 1) << 20 for r in range(len(members))), block_lens=tuple(lens),
-                        block_strides=tuple(x + draw(st.sampled_from((0, 16))) for x in lens),
-                        num_blocks=tuple(draw(st.integers(1, 9)) for _ in members), group_ids=tuple(gids),
-                        names=tuple(names), members=tuple(members), packed=packed)
+    table = RegionTable(
+        bases=tuple((r + 1) << 20 for r in range(len(members))),
+        block_lens=tuple(lens),
+        block_strides=tuple(x + draw(st.sampled_from((0, 16))) for x in lens),
+        num_blocks=tuple(draw(st.integers(1, 9)) for _ in members),
+        group_ids=tuple(gids),
+        names=tuple(names),
+        members=tuple(members),
+        packed=packed,
+    )
     stage = draw(st.lists(st.sampled_from(layers + ["layers.99.attn"]), min_size=1, max_size=6, unique=True))
     local_regions = [k for k in range(len(stage))]
-    local_lens = [packed[n][1] if n in packed and draw(st.integers(0, 9)) else 16 * draw(st.integers(1, 8))
-                  for n in stage]
+    local_lens = [
+        packed[n][1] if n in packed and draw(st.integers(0, 9)) else 16 * draw(st.integers(1, 8))
+        for n in stage
+    ]
     return table, stage, local_regions, local_lens
 
 
 def _fields(t: RegionTable) -> dict[str, Any]:
-    return {"bases": list(t.bases), "block_lens": list(t.block_lens), "block_strides": list(t.block_strides),
-            "num_blocks": None if t.num_blocks is None else list(t.num_blocks),
-            "group_ids": None if t.group_ids is None else list(t.group_ids),
-            "names": None if t.names is None else list(t.names), "members": [list(m) for m in t.members]}
+    return {
+        "bases": list(t.bases),
+        "block_lens": list(t.block_lens),
+        "block_strides": list(t.block_strides),
+        "num_blocks": None if t.num_blocks is None else list(t.num_blocks),
+        "group_ids": None if t.group_ids is None else list(t.group_ids),
+        "names": None if t.names is None else list(t.names),
+        "members": [list(m) for m in t.members],
+    }
 
 
 @settings(max_examples=EXAMPLES["routing"])
 @given(packed_tables(), st.data())
 def test_layer_routing_and_packed_rows(case: tuple, data: st.DataObject) -> None:
     table, stage, regions, local_lens = case
-    same(V.align_by_layer(table, stage, regions, local_lens),
-         kv(lambda: _fields(align_regions_by_layer(table, stage, regions, local_lens))))
+    same(
+        V.align_by_layer(table, stage, regions, local_lens),
+        kv(lambda: _fields(align_regions_by_layer(table, stage, regions, local_lens))),
+    )
     if table.packed:
-        local_names = data.draw(st.lists(st.sampled_from(sorted(table.packed) + list(table.names)), min_size=1,
-                                         max_size=5, unique=True))
+        local_names = data.draw(
+            st.lists(
+                st.sampled_from(sorted(table.packed) + list(table.names)), min_size=1, max_size=5, unique=True
+            )
+        )
         same(V.split_packed(table, local_names), kv(lambda: _fields(split_packed_rows(table, local_names))))
     heads = data.draw(st.sampled_from((1, 2, 4, 8, 64)))
     local_tp, remote_tp = data.draw(st.sampled_from(TP)), data.draw(st.sampled_from(TP))
-    same(V.csa_layout(local_tp, remote_tp, heads), kv(lambda: check_csa_linear_tp_layout(local_tp, remote_tp, heads)))
+    same(
+        V.csa_layout(local_tp, remote_tp, heads),
+        kv(lambda: check_csa_linear_tp_layout(local_tp, remote_tp, heads)),
+    )
 
 
 def test_the_example_budget_is_at_least_5000() -> None:

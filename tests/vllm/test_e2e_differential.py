@@ -34,18 +34,33 @@ def _vllm(case: kst.Case) -> tuple[Oracle | None, list[np.ndarray], BaseExceptio
     push; every D rank then zeroes the bytes no write reached (:func:`_receive`), so what is judged is vLLM's
     moves."""
     pair, request = case.pair, case.request
-    p_geoms, d_geoms = engine_geometries(pair.model, pair.p_engine), engine_geometries(pair.model, pair.d_engine)
+    p_geoms, d_geoms = (
+        engine_geometries(pair.model, pair.p_engine),
+        engine_geometries(pair.model, pair.d_engine),
+    )
     oracle = Oracle(pair.model, p_geoms, d_geoms, request)
     moves = []
     pull = pair.mode == "pull"
     for geom in d_geoms if pull else p_geoms:
         try:
             if pull:
-                pulled = E.pull(geom, p_geoms, [list(x) for x in request.d_ids], [list(x) for x in request.p_ids],
-                                request.prefix_blocks, request.p_tokens, pair.prefix_caching)
+                pulled = E.pull(
+                    geom,
+                    p_geoms,
+                    [list(x) for x in request.d_ids],
+                    [list(x) for x in request.p_ids],
+                    request.prefix_blocks,
+                    request.p_tokens,
+                    pair.prefix_caching,
+                )
             else:
-                pushed = E.push(geom, d_geoms, [list(x) for x in request.p_ids], [list(x) for x in request.d_ids],
-                                pair.prefix_caching)
+                pushed = E.push(
+                    geom,
+                    d_geoms,
+                    [list(x) for x in request.p_ids],
+                    [list(x) for x in request.d_ids],
+                    pair.prefix_caching,
+                )
         except E.HARNESS_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - vLLM's refusals: asserts, ValueError, RuntimeError, ...
@@ -65,26 +80,34 @@ def _receive(oracle: Oracle, case: kst.Case) -> None:
     visible to the oracle)."""
     r = case.request
     for d in oracle.d:
-        _, zero = receive_step(d, oracle.p[0], r.d_ids, r.p_ids, r.num_tokens, case.pair.prefix_caching, r.p_tokens)
+        _, zero = receive_step(
+            d, oracle.p[0], r.d_ids, r.p_ids, r.num_tokens, case.pair.prefix_caching, r.p_tokens
+        )
         rank = d.global_rank
         for region, offset, length in zero.tolist():
-            unwritten = oracle.writer[rank][region][offset:offset + length] == np.iinfo(np.int64).min
-            oracle.dst[rank][region][offset:offset + length][unwritten] = ZERO
+            unwritten = oracle.writer[rank][region][offset : offset + length] == np.iinfo(np.int64).min
+            oracle.dst[rank][region][offset : offset + length][unwritten] = ZERO
 
 
 def _cases(mode: str):  # noqa: ANN202 - a hypothesis strategy
     return kst.cases(mode=mode, compat="kvgeom").filter(
-        lambda c: not c.pair.p_engine.kv_split and c.pair.p_engine.conv_layout is ConvLayout.DS)
+        lambda c: not c.pair.p_engine.kv_split and c.pair.p_engine.conv_layout is ConvLayout.DS
+    )
 
 
 def _shape(case: kst.Case) -> None:
     """Record what the case exercises (``--hypothesis-show-statistics``)."""
     p, d, r = case.pair.p_engine, case.pair.d_engine, case.request
-    for name, on in (("DCP", p.dcp_size > 1 or d.dcp_size > 1), ("N-1 flow", r.p_tokens < r.num_tokens),
-                     ("prefix hit", r.prefix_blocks > 0), ("TP differs", p.tp_size != d.tp_size),
-                     ("kernel blocks differ", p.kernel != d.kernel), ("SSM", case.pair.model.has_ssm),
-                     ("pipeline stages", p.pp_size > 1 or d.pp_size > 1),
-                     ("packed rows", p.packed_rows or d.packed_rows)):
+    for name, on in (
+        ("DCP", p.dcp_size > 1 or d.dcp_size > 1),
+        ("N-1 flow", r.p_tokens < r.num_tokens),
+        ("prefix hit", r.prefix_blocks > 0),
+        ("TP differs", p.tp_size != d.tp_size),
+        ("kernel blocks differ", p.kernel != d.kernel),
+        ("SSM", case.pair.model.has_ssm),
+        ("pipeline stages", p.pp_size > 1 or d.pp_size > 1),
+        ("packed rows", p.packed_rows or d.packed_rows),
+    ):
         if on:
             event(f"shape: {name}")
 
@@ -108,23 +131,28 @@ def _vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
             return
         report = vllm.report()
         assert not report.ok, f"kvgeom refused ({refused}) what vLLM moves correctly: {case}"
-        event(f"kvgeom refused ({type(refused).__name__} {refused.field}), vLLM moves wrong bytes "
-              f"({sorted({v.invariant for v in report.violations})})")
+        event(
+            f"kvgeom refused ({type(refused).__name__} {refused.field}), vLLM moves wrong bytes "
+            f"({sorted({v.invariant for v in report.violations})})"
+        )
         return
     assert vllm_refused is None, f"vLLM refused ({vllm_refused!r}) what vllm mode planned: {case}"
     ours = Oracle(case.pair.model, vllm.p, vllm.d, case.request)
     for rp, theirs in zip(plans, vllm_moves, strict=True):
         mine = ours.moves_of(rp)
-        assert np.array_equal(mine, theirs), (f"rank {rp.rank}: kvgeom's descriptor pairs differ from vLLM's: "
-                                              f"{case}")
+        assert np.array_equal(mine, theirs), (
+            f"rank {rp.rank}: kvgeom's descriptor pairs differ from vLLM's: {case}"
+        )
         ours.run_plan(rp)
     if case.pair.mode == "push":
         _receive(ours, case)
     for rank, (a, b) in enumerate(zip(ours.dst, vllm.dst)):
         for region, (x, y) in enumerate(zip(a, b)):
             diff = np.flatnonzero(x != y)
-            assert not diff.size, (f"D rank {rank} region {region}: bytes from byte {int(diff[0])} differ after the "
-                                   f"receive step: {case}")
+            assert not diff.size, (
+                f"D rank {rank} region {region}: bytes from byte {int(diff[0])} differ after the "
+                f"receive step: {case}"
+            )
     report = vllm.report()
     assert report.ok, f"vllm mode reproduced vLLM's wrong bytes instead of refusing: {case}\n{report}"
     event("equal")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 from hypothesis import assume, event
 from hypothesis import strategies as st
@@ -55,6 +56,7 @@ __all__ = [
     "valid_tp_sizes",
     "engine_configs",
     "pd_pairs",
+    "one_sided_windows",
     "plannable_class",
     "requests",
     "cases",
@@ -428,6 +430,23 @@ def plannable_class(pair: PDPair) -> str | None:
 
 
 # -- requests ---------------------------------------------------------------------------------------
+@st.composite
+def one_sided_windows(draw: st.DrawFn, /, **pair_options: Any) -> tuple[PDPair, ModelSpec, ModelSpec]:
+    """A pair kvgeom accepts (:func:`pd_pairs`, ``pair_options`` passed on) and the models its two sides
+    would run if one attention or MLA layer had a sliding window on one side only (or windows of different
+    sizes): ``(pair, p_model, d_model)``, one of the two models being ``pair.model``. Such a pair must be
+    refused at the handshake (the sides would read different tokens of that layer)."""
+    pair = draw(pd_pairs(models=model_specs(("dense", "mla", "attn+ssm", "mla+ssm")), **pair_options))
+    spans = [i for i, la in enumerate(pair.model.layers) if isinstance(la.spec, (AttentionSpec, MLASpec))]
+    i = draw(st.sampled_from(spans))
+    spec = cast("AttentionSpec | MLASpec", pair.model.layers[i].spec)  # spans holds such layers only
+    window = draw(st.sampled_from([w for w in (None, 4, 8, 64) if w != spec.sliding_window]))
+    specs = [la.spec for la in pair.model.layers]
+    specs[i] = replace(spec, sliding_window=window)
+    other = ModelSpec.from_layers(pair.model.name, specs)
+    return (pair, pair.model, other) if draw(st.booleans()) else (pair, other, pair.model)
+
+
 @st.composite
 def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     """A request fitting both pools: token count, P and D ids drawn as shuffled, sparse pool slices

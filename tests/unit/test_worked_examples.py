@@ -272,6 +272,27 @@ def test_check_writes_accepts_plans_and_refuses_a_lying_remote() -> None:
         check_writes(plan, pairing, [[2], [1]])  # block 3 is not this request's
 
 
+def test_check_writes_names_the_first_move_outside_the_request() -> None:
+    """Every P rank's attention move lands in D's block 3; with block 3 not the request's, the error
+    names the first of them in the plan's move order (region, offset, length)."""
+    from kvgeom.plan import check_writes
+
+    pairing = _pair(
+        MAMBA2, dict(tp_size=4, block_size=4, num_blocks=8), dict(tp_size=1, block_size=8, num_blocks=4)
+    )
+    plan = plan_request(pairing, [[3], [1]], [[5, 2], [7]])
+    regions = pairing.local.regions
+    outside = [
+        (int(m[4]), int(m[5]), int(m[6]))
+        for m in plan.moves(pairing)
+        if int(m[5]) // regions[int(m[4])].block_stride == 3
+    ]
+    assert len(outside) >= 2
+    with pytest.raises(KvgeomError) as info:
+        check_writes(plan, pairing, [[2], [1]])
+    assert info.value.values["value"] == outside[0]
+
+
 def test_pull_with_p_blocks_larger_than_d_blocks_reads_p_blocks_in_halves() -> None:
     # MLA latent 2 fp16 = 4 B/token. P kernel block 32 tokens (128 B), D 16 (64 B): kvgeom mode reads each
     # P block as two 16-token halves (vLLM refuses: the ratio must be >= 1). 40 tokens: P blocks [3, 1]

@@ -238,3 +238,77 @@ def test_falcon_inner_size_that_disagrees_with_the_heads_is_refused_with_its_val
     with pytest.raises(SpecError) as err:
         read_config(config)
     assert err.value.field == "mamba_d_ssm" and err.value.values["value"] == 100
+
+
+# ---------------------------------------------------------------------- survivors of the CI sample (reformatted code)
+def test_desc_segments_with_the_wrong_number_of_group_kinds_names_both_counts() -> None:
+    from kvgeom import GroupMismatchError
+    from kvgeom.descids import desc_segments
+
+    with pytest.raises(GroupMismatchError) as err:
+        desc_segments(2, 8, 2, None, 1, [False])
+    assert err.value.field == "group_is_ssm" and err.value.values == {"value": 1, "expected": 2}
+
+
+def test_csa_linear_pairs_across_the_kv_head_count_name_tp_size() -> None:
+    from kvgeom.handshake import check_csa_linear_tp_layout
+
+    with pytest.raises(IncompatiblePairError) as err:  # 2 KV heads: TP1 shards them, TP4 replicates
+        check_csa_linear_tp_layout(1, 4, 2)
+    assert err.value.field == "tp_size"
+
+
+def test_vllm_mode_refuses_a_two_head_draft_read_as_finer_remote_blocks() -> None:
+    """A draft with 2 KV heads per rank (head-major pages) under MLA targets, P blocks of 2 tokens read into
+    D blocks of 4: vLLM never regroups such pages, so vllm mode refuses; kvgeom mode regroups them."""
+    draft = ModelSpec.from_layers(
+        "mla+draft", [MLASpec(8, "float16")] * 2 + [AttentionSpec(2, 4, "float16")] * 2
+    )
+    p = EngineConfig(tp_size=1, block_size=2, num_blocks=10)
+    d = EngineConfig(tp_size=1, block_size=4, num_blocks=10)
+    request = Request.simple(draft, p, d, 13)
+    with pytest.raises(KvgeomError) as err:
+        run(draft, p, d, request, "pull", "vllm")
+    assert err.value.field == "block_size"
+    assert run(draft, p, d, request, "pull", "kvgeom").ok
+
+
+def test_route_refuses_rows_of_different_lengths_naming_the_region() -> None:
+    from kvgeom import UnsupportedError, rank_geometry
+    from kvgeom.route import route
+
+    geom = rank_geometry(DENSE, EngineConfig(tp_size=1, block_size=4, num_blocks=4))
+    rows = tuple(r.block_len for r in geom.regions)
+    route(geom, geom, 0, "pull", 1, rows)  # equal rows pair whole
+    with pytest.raises(UnsupportedError) as err:
+        route(geom, geom, 0, "pull", 1, tuple(n // 2 for n in rows))
+    assert err.value.field == "regions[0].block_len"
+
+
+def test_a_negative_block_id_is_named_with_its_value_even_after_a_zero() -> None:
+    from kvgeom import BlockIdError
+    from kvgeom.blocks import as_ids
+
+    with pytest.raises(BlockIdError) as err:
+        as_ids([0, 5, -3], "ids")
+    assert err.value.values == {"value": -3} and "at position 2" in str(err.value)
+
+
+def test_route_refuses_a_replicated_latent_that_draft_sources_cannot_split_evenly() -> None:
+    """A GQA draft under MLA targets, D TP1 reading P TP2: D's latent page is gathered in equal chunks
+    from both draft sources; a remote latent row of another length is refused naming the region."""
+    from kvgeom import UnsupportedError, rank_geometry
+    from kvgeom.route import route
+
+    draft = ModelSpec.from_layers(
+        "mla+draft", [MLASpec(8, "float16")] * 2 + [AttentionSpec(4, 4, "float16")] * 2
+    )
+    local = rank_geometry(draft, EngineConfig(tp_size=1, block_size=4, num_blocks=4))
+    remote = rank_geometry(draft, EngineConfig(tp_size=2, block_size=4, num_blocks=4))
+    rows = [r.block_len for r in remote.regions]
+    route(local, remote, 0, "pull", 1, tuple(rows))
+    mla = next(i for i, r in enumerate(local.regions) if r.is_mla)
+    rows[mla] //= 2
+    with pytest.raises(UnsupportedError) as err:
+        route(local, remote, 0, "pull", 1, tuple(rows))
+    assert err.value.field == f"regions[{mla}].block_len"

@@ -29,6 +29,7 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tokenize
@@ -248,7 +249,13 @@ def _mutmut(args: list[str], ci: bool) -> list[str]:
 
 
 def generate(ci: bool) -> None:
-    """Write the mutants (mutmut's own generation step; cached while the sources are unchanged)."""
+    """Write the mutants (mutmut's own generation step; cached while the sources are unchanged). The CI
+    sample mutates only its modules: a ``mutants/`` left by the other kind of run is removed first, or
+    mutmut would keep the other set (and report the sample's mutants as never run)."""
+    kind = "ci" if ci else "all"
+    marker = ROOT / "mutants" / ".kvgeom-kind"
+    if (ROOT / "mutants").exists() and (not marker.exists() or marker.read_text() != kind):
+        shutil.rmtree(ROOT / "mutants")
     code = (
         "from mutmut.configuration import config\n"
         + (
@@ -262,6 +269,7 @@ def generate(ci: bool) -> None:
         "copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(2)\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    marker.write_text(kind)
 
 
 def results() -> dict[str, int | None]:

@@ -66,7 +66,7 @@ def test_no_file_refers_to_material_outside_the_repository() -> None:
         for p in (ROOT / top).rglob("*")
         if p.is_file() and (p.suffix in kinds or p.parent.name == ".ci") and "__pycache__" not in p.parts
     ]
-    files += [ROOT / "Makefile", ROOT / "pyproject.toml"]
+    files += [p for p in (ROOT / "Makefile", ROOT / "pyproject.toml") if p.exists()]  # mutmut copies neither
     assert len(files) > 100
     hits = [
         f"{p.relative_to(ROOT)}:{n}"

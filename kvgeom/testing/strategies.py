@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -39,7 +40,7 @@ from hypothesis import strategies as st
 from ..engine import ConvLayout, EngineConfig, KVLayout
 from ..errors import KvgeomError
 from ..exchange import prefill_tokens
-from ..geometry import align_hybrid_block_size
+from ..geometry import RankGeometry, align_hybrid_block_size
 from ..pairing import Pairing
 from ..spec import AttentionSpec, LayerSpec, MambaSpec, MLASpec, ModelSpec, Shard
 from ._report import Report
@@ -56,6 +57,7 @@ __all__ = [
     "valid_tp_sizes",
     "engine_configs",
     "pd_pairs",
+    "check_geometries",
     "one_sided_windows",
     "plannable_class",
     "requests",
@@ -231,6 +233,23 @@ def engine_configs(draw: st.DrawFn, model: ModelSpec, tp: int | None = None) -> 
 
 
 # -- P/D pairs --------------------------------------------------------------------------------------
+def check_geometries(
+    p_geoms: Sequence[RankGeometry],
+    d_geoms: Sequence[RankGeometry],
+    mode: str,
+    compat: str,
+    prefix_caching: bool = False,
+) -> None:
+    """Pair every local rank (D's in pull, P's in push) with every pipeline stage of the other engine's
+    ranks (:func:`~kvgeom.testing.engine_geometries`); raise the first refusal. The two sides may run
+    different models: what a misconfigured or lying peer looks like."""
+    local, remote = (d_geoms, p_geoms) if mode == "pull" else (p_geoms, d_geoms)
+    tp = remote[0].tp_size
+    for g in local:
+        for s in range(0, len(remote), tp):
+            Pairing.create(g, list(remote[s : s + tp]), mode, compat, prefix_caching)
+
+
 @dataclass(frozen=True)
 class PDPair:
     """A model with a P and a D engine that kvgeom pairs in ``mode`` under ``compat``."""
@@ -257,13 +276,13 @@ class PDPair:
     def check(self) -> None:
         """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair (with
         any pipeline stage of the other engine)."""
-        p_geoms = engine_geometries(self.model, self.p_engine)
-        d_geoms = engine_geometries(self.model, self.d_engine)
-        local, remote = (d_geoms, p_geoms) if self.mode == "pull" else (p_geoms, d_geoms)
-        tp = remote[0].tp_size
-        for g in local:
-            for s in range(0, len(remote), tp):
-                Pairing.create(g, remote[s : s + tp], self.mode, self.compat, self.prefix_caching)
+        check_geometries(
+            engine_geometries(self.model, self.p_engine),
+            engine_geometries(self.model, self.d_engine),
+            self.mode,
+            self.compat,
+            self.prefix_caching,
+        )
 
     def __str__(self) -> str:
         def eng(e: EngineConfig) -> str:

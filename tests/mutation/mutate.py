@@ -13,9 +13,9 @@ failure. This script chooses which mutants to run and scores them:
   hash of their mutated code (stable while the code is); fails if one survives.
 
 Eligible: not a change of prose only (a string literal with a space in it: error messages, docstrings,
-whose wording no test pins on purpose), and not listed in ``equivalents.json`` (mutants that cannot
-change behaviour, each with a one-line reason; matched by function and mutated line, so they survive
-renumbering). ``--write-docs`` puts the score table into ``docs/testing.md`` between its markers.
+whose wording no test pins on purpose), and not listed in ``equivalents.json`` or ``equivalents/*.json``
+(mutants that cannot change behaviour, each with a one-line reason; matched by function and mutated line,
+so they survive renumbering). ``--write-docs`` puts the score table into ``docs/testing.md`` between its markers.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 EQUIVALENTS = HERE / "equivalents.json"
+#: more equivalents, one file per area of the code (same format), so parallel work does not collide
+EQUIVALENTS_DIR = HERE / "equivalents"
 DOC = ROOT / "docs" / "testing.md"
 MUTMUT = [sys.executable, "-m", "mutmut"]
 
@@ -194,7 +196,10 @@ def load_mutants() -> list[Mutant]:
 
 
 def load_equivalents() -> list[dict[str, str]]:
-    return json.loads(EQUIVALENTS.read_text())["equivalents"]
+    out = list(json.loads(EQUIVALENTS.read_text())["equivalents"])
+    for path in sorted(EQUIVALENTS_DIR.glob("*.json")):
+        out += json.loads(path.read_text())["equivalents"]
+    return out
 
 
 def is_equivalent(m: Mutant, equivalents: list[dict[str, str]]) -> dict[str, str] | None:

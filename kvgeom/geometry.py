@@ -391,6 +391,13 @@ class RankGeometry:
                 f"  ssm: conv {self.ssm.conv_bytes} B in pieces {list(self.ssm.conv_offsets)}, "
                 f"temporal {self.ssm.ssm_bytes} B, in regions {list(self.ssm.region_indices)}"
             )
+        if self.scratch_region_indices:
+            lines.append(f"  ring (scratch) regions: {list(self.scratch_region_indices)}")
+        if self.ple:
+            lines.append(
+                f"  replicated state page: {self.ple.length} B at the start of each slot of region "
+                f"{self.ple.region} (group {self.ple.group})"
+            )
         return "\n".join(lines)
 
 

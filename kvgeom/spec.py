@@ -597,6 +597,7 @@ def _check_overlays(layers: tuple[Layer, ...]) -> None:
                 "a circular buffer overlays the pages of an MLA layer (its scratch region)",
                 value=la.shares,
             )
+    for la in layers:
         if has_ring and la.kind.is_ssm and la.shares is None:
             raise SpecError(
                 f"{la.name}.shares",

@@ -31,7 +31,7 @@ from .hfconfig import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, apply_cache_dtypes
 from .models import ModelRef, resolve
 from .pairing import Pairing
 from .plan import RequestPlan, plan_request
-from .spec import MambaSpec, ModelSpec
+from .spec import AttentionSpec, MLASpec, ModelSpec
 
 __all__ = ["Scenario", "RequestIds", "SCENARIO_KEYS", "ENGINE_KEYS", "MAX_TP", "MAX_BLOCK_SIZE"]
 
@@ -343,7 +343,7 @@ def check_ranks(sc: Scenario) -> None:
         except KvgeomError as exc:
             message = str(exc).split(": ", 1)[-1]
             ssm = sc.model.ssm_spec
-            attn = [la.spec for la in sc.model.layers if not isinstance(la.spec, MambaSpec)]
+            attn = [la.spec for la in sc.model.layers if isinstance(la.spec, (AttentionSpec, MLASpec))]
             if exc.field == "block_size" and ssm is not None and attn:
                 per_token = max(s.token_bytes(eng.tp_size) for s in attn)
                 least = math.ceil(ssm.state_bytes(eng.tp_size) / per_token)

@@ -240,6 +240,7 @@ def _place_replicated(
     """A page every rank holds whole: a ring (entries x entry bytes) or a replicated state (channels x rows x
     bytes), from the start of slot ``slot``'s page."""
     page = region.block_stride * geom.ppl
+    dims: tuple[int, ...]
     if isinstance(spec, CircularBufferSpec):
         width = spec.entry_size * dtype_size(spec.dtype)
         dims = (spec.capacity, width)

@@ -30,6 +30,9 @@ from kvgeom.spec import (
     ModelSpec,
     ReplicatedStateSpec,
 )
+from kvgeom.testing import Request, run
+from kvgeom.testing._coords import CoordSpace
+from kvgeom.testing._layout import LayoutError, rank_image
 
 MODEL = csa_linear_model()
 MLA, RING = MLASpec(8), CircularBufferSpec(4, 8)
@@ -261,3 +264,36 @@ def test_replicated_pages_of_different_lengths_are_refused() -> None:
     assert np.array_equal(
         remote_dlist(view, view, 1, 1, 0, [(0, 48), (48, 48), (96, 48), (144, 64)]).runs[-1], rows[-1]
     )
+
+
+def test_explicit_sharing_without_a_ring() -> None:
+    """``Layer.shares`` is general: an MLA + GDN hybrid with each state on an MLA layer's tensor plans in both
+    modes; 3 MLA blocks x 2 regions x 256 B + 2 GDN states of 208 B = 1952 B."""
+    model = _model(
+        Layer("a", 0, MLA), Layer("g", 1, GDN, shares="a"), Layer("b", 2, MLA), Layer("h", 3, GDN, shares="b")
+    )
+    g = rank_geometry(model, eng())
+    assert [r.members for r in g.regions] == [((0, "a"), (1, "g")), ((0, "b"), (1, "h"))]
+    assert g.scratch_region_indices == () and g.ple is None and not model.is_csa_linear
+    for compat in ("vllm", "kvgeom"):
+        for p, d in ((eng(1), eng(1)), (eng(2), eng(1))):
+            report = run(model, p, d, Request.simple(model, p, d, 40), compat=compat)
+            assert report.ok and report.bytes_moved == 1952, report
+
+
+def test_a_tensor_is_owned_by_a_token_cache() -> None:
+    with pytest.raises(SpecError) as e:
+        csa_linear_model(num_csa_layers=0)
+    assert e.value.field == "num_csa_layers" and e.value.values["value"] == 0
+    model = _model(Layer("g", 0, GDN), Layer("a", 1, MLA, shares="g"))
+    with pytest.raises(ConfigError) as c:
+        rank_geometry(model, eng())
+    assert c.value.field == "g.shares" and c.value.values["value"] == "gdn"
+
+
+def test_the_oracle_refuses_a_ring_past_its_page() -> None:
+    """The oracle's layout model checks a ring against its page itself (here a geometry lying about it)."""
+    g = rank_geometry(MODEL, eng())
+    small = replace(g, regions=tuple(replace(r, block_stride=32, block_len=32) for r in g.regions))
+    with pytest.raises(LayoutError, match="64-byte page does not fit its 32-byte slot"):
+        rank_image(small, CoordSpace(MODEL, 16), [[], [4], [], []], 0, 16)  # the ring block only

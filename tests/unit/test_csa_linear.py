@@ -294,6 +294,6 @@ def test_a_tensor_is_owned_by_a_token_cache() -> None:
 def test_the_oracle_refuses_a_ring_past_its_page() -> None:
     """The oracle's layout model checks a ring against its page itself (here a geometry lying about it)."""
     g = rank_geometry(MODEL, eng())
-    small = replace(g, regions=tuple(replace(r, block_stride=32, block_len=32) for r in g.regions))
+    small = replace(g, regions=tuple(replace(r, block_stride=32) for r in g.regions))
     with pytest.raises(LayoutError, match="64-byte page does not fit its 32-byte slot"):
         rank_image(small, CoordSpace(MODEL, 16), [[], [4], [], []], 0, 16)  # the ring block only

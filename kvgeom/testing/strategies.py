@@ -485,11 +485,11 @@ def plannable_class(pair: PDPair) -> str | None:
     same_blocks = p.block_size == d.block_size and p.kernel == d.kernel
     if model.is_csa_linear:  # MLA pages: any KV layout; equal block geometry and conv layouts
         ssm = model.ssm_spec
-        replicated = ssm is not None and any(  # vllm mode refuses replicated SSM units across TP sizes
+        replicated = ssm is not None and any(  # replicated SSM units across TP sizes: vllm mode refuses them,
             any(ssm.replicated_pieces(t)) or ssm.temporal.replicated(t) for t in (p.tp_size, d.tp_size)
-        )
-        vllm_refuses = pair.compat == "vllm" and p.tp_size != d.tp_size and replicated
-        return "csa-linear" if same_blocks and p.conv_layout is d.conv_layout and not vllm_refuses else None
+        )  # kvgeom mode gathers them in equal chunks where they divide
+        plain = same_blocks and p.conv_layout is d.conv_layout
+        return "csa-linear" if plain and not (p.tp_size != d.tp_size and replicated) else None
     if not engines_plain or not same_blocks:
         return None
     if pair.compat == "vllm" and pair.mode == "push" and p.tp_size != d.tp_size:

@@ -21,10 +21,7 @@ _EXAMPLES = max(10, settings().max_examples // 5)
 def test_csa_linear_plans_pass_the_oracle(data: st.DataObject) -> None:
     case = data.draw(kst.cases(models=kst.model_specs(("csa-linear",))))
     pair, request = case.pair, case.request
-    assert (
-        kst.plannable_class(pair) == "csa-linear"
-        or pair.p_engine.conv_layout is not pair.d_engine.conv_layout
-    )
+    event(f"class: {kst.plannable_class(pair)}")
     event(f"{pair.mode}/{pair.compat} P TP{pair.p_engine.tp_size} -> D TP{pair.d_engine.tp_size}")
     if request.prefix_blocks:
         event("prefix hit")

@@ -1010,7 +1010,9 @@ def _align_groups(
 ) -> list[tuple[int, int, int]]:
     """Per group, ``(consumer position, producer position, count)`` of the fine units both hold (SSM and
     ring groups: ``(0, 0, 0)``, they are paired by slot)."""
-    full = [g.index for g in consumer.groups if not g.is_ssm and not _sliding(g) and p_logical[g.index].size]
+    full = [
+        g.index for g in consumer.groups if not g.one_block and not _sliding(g) and p_logical[g.index].size
+    ]
     hint = p_logical[full[0]].size * producer_block if full else None  # where P's computed tokens end
     out = []
     for g, group in enumerate(consumer.groups):

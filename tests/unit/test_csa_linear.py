@@ -297,3 +297,16 @@ def test_the_oracle_refuses_a_ring_past_its_page() -> None:
     small = replace(g, regions=tuple(replace(r, block_stride=32) for r in g.regions))
     with pytest.raises(LayoutError, match="64-byte page does not fit its 32-byte slot"):
         rank_image(small, CoordSpace(MODEL, 16), [[], [4], [], []], 0, 16)  # the ring block only
+
+
+def test_vllm_push_writes_every_group_to_every_written_rank() -> None:
+    """vLLM push, D TP2 > P TP1: every group goes to both D ranks (the replicated page included, whole: 48 B
+    at slot 6 of region 0 on each)."""
+    (p,) = geoms(1)
+    pairing = Pairing.create(p, geoms(2), "push", "vllm")
+    assert pairing.tp_ratio < 0 and pairing.transfer_ranks == (0, 1)
+    assert [pairing.group_mask(r) for r in (0, 1)] == [(True, True, True, True)] * 2
+    plan = plan_request(pairing, [[1, 2, 3], [4], [5], [6]], [[1, 2, 3], [4], [5], [6]], num_tokens=40)
+    m = plan.moves(pairing)
+    ple = m[(m[:, 4] == 0) & (m[:, 5] == 6 * 256)]
+    assert ple[:, [3, 6]].tolist() == [[0, 48], [1, 48]]

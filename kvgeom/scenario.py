@@ -257,15 +257,15 @@ class Scenario:
     # -- requests ------------------------------------------------------------------------------------
     def _counts(self, eng: EngineConfig, num_tokens: int) -> list[int]:
         geom = rank_geometry(self.model, eng)
-        return [1 if g.is_ssm else math.ceil(num_tokens / eng.block_size) for g in geom.groups]
+        return [1 if g.one_block else math.ceil(num_tokens / eng.block_size) for g in geom.groups]
 
     def max_tokens(self) -> int:
         """The longest request both engines' pools hold (attention groups take one block per
-        ``block_size`` tokens, SSM groups one state slot; groups share each engine's pool)."""
+        ``block_size`` tokens, SSM and ring groups one block; groups share each engine's pool)."""
         out = []
         for eng in (self.prefill, self.decode):
             geom = rank_geometry(self.model, eng)
-            ssm = sum(g.is_ssm for g in geom.groups)
+            ssm = sum(g.one_block for g in geom.groups)
             attn = len(geom.groups) - ssm
             out.append(
                 (eng.num_blocks - ssm) // attn * eng.block_size if attn else MAX_BLOCK_SIZE * eng.num_blocks

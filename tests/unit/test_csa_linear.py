@@ -7,11 +7,13 @@ MLA page 16 tokens x 8 x 2 B = 256 B; ring 4 rows x 8 x 2 B = 64 B; GDN(2, 4, 2,
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from kvgeom.cli import main
 from kvgeom.csa import csa_linear_model, ring_capacity
 from kvgeom.dlist import EngineView, local_dlist, remote_dlist
 from kvgeom.engine import EngineConfig
@@ -310,3 +312,18 @@ def test_vllm_push_writes_every_group_to_every_written_rank() -> None:
     m = plan.moves(pairing)
     ple = m[(m[:, 4] == 0) & (m[:, 5] == 6 * 256)]
     assert ple[:, [3, 6]].tolist() == [[0, 48], [1, 48]]
+
+
+def test_cli_plans_a_csa_linear_scenario(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvgeom plan`` on a scenario of the default model (P TP2 -> D TP1, 40 tokens): the ring and the
+    replicated slot are one block each, so the request moves 2512 B (see the module docstring)."""
+    scenario = {
+        "model": MODEL.to_json(),
+        "prefill": {"tp_size": 2, "block_size": 16, "num_blocks": 16},
+        "decode": {"tp_size": 1, "block_size": 16, "num_blocks": 16},
+    }
+    path = tmp_path / "csa.json"
+    path.write_text(json.dumps(scenario))
+    assert main(["plan", str(path), "--tokens", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "25 byte moves (2512 B)" in out and "rank 1: 8 descs" in out

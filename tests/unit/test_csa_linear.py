@@ -327,3 +327,17 @@ def test_cli_plans_a_csa_linear_scenario(tmp_path, capsys: pytest.CaptureFixture
     assert main(["plan", str(path), "--tokens", "40"]) == 0
     out = capsys.readouterr().out
     assert "25 byte moves (2512 B)" in out and "rank 1: 8 descs" in out
+
+
+def test_a_ring_without_ssm_state_uses_the_shared_region() -> None:
+    """No Mamba state: vLLM's path 3. Region 0 (MLA ``a`` with the ring overlaid) is shared (group -1), region 1
+    (``b``) is group 0's: MLA ids ``r*8 + b`` over both, the ring's only over region 0; 7 x 256 B move."""
+    model = _model(Layer("a", 0, MLA), Layer("r", 0, RING, shares="a"), Layer("b", 1, MLA))
+    g = rank_geometry(model, eng())
+    assert g.scratch_region_indices == (0,) and g.ssm is None and g.group_one_block == (False, True)
+    pairing = Pairing.create(g, [g], "pull", "vllm")
+    assert pairing.local_view.group_ids == (-1, 0)
+    plan = plan_request(pairing, [[1, 2, 3], [4]], [[1, 2, 3], [4]], num_tokens=40)
+    assert plan.transfers[0].local_ids.tolist() == [1, 2, 3, 9, 10, 11, 4]
+    report = run(model, eng(), eng(), Request.simple(model, eng(), eng(), 40), compat="vllm")
+    assert report.ok and report.bytes_moved == 7 * 256, report

@@ -30,11 +30,29 @@ from .errors import (
     SpecError,
     UnsupportedError,
 )
-from .geometry import Group, RankGeometry, Region, SSMLayout, align_hybrid_block_size, rank_geometry
+from .geometry import (
+    Group,
+    RankGeometry,
+    Region,
+    ReplicatedLayout,
+    SSMLayout,
+    align_hybrid_block_size,
+    rank_geometry,
+)
 from .handshake import PairShape, check_pair
 from .pairing import Pairing
 from .plan import MOVE_COLUMNS, Regroup, RequestPlan, Transfer, plan_request, post_receive, receive_step
-from .spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from .spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    Layer,
+    LayerKind,
+    MambaSpec,
+    MLASpec,
+    ModelSpec,
+    ReplicatedStateSpec,
+    Shard,
+)
 from .tp import TPMapping, compute_tp_mapping, tp_ratio
 
 __version__ = "0.1.0"
@@ -62,6 +80,7 @@ __all__ = [
     "RankGeometry",
     "Region",
     "SSMLayout",
+    "ReplicatedLayout",
     "align_hybrid_block_size",
     "rank_geometry",
     "PairShape",
@@ -79,6 +98,8 @@ __all__ = [
     "LayerKind",
     "MambaSpec",
     "MLASpec",
+    "CircularBufferSpec",
+    "ReplicatedStateSpec",
     "ModelSpec",
     "Shard",
     "TPMapping",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PlanError
+from .errors import IncompatiblePairError, PlanError
 from .splits import expand_strided
 from .strided import block_strided_rows, fa_local_rows, fa_remote_rows, mamba_local_rows
 
@@ -210,6 +210,9 @@ class EngineView:
     bases: tuple[int, ...] = ()
     group_ids: tuple[int, ...] = ()
     transfer_groups: tuple[int, ...] = ()
+    scratch_region_indices: tuple[int, ...] = ()
+    ple_region: int | None = None
+    ple_len: int = 0
 
     @classmethod
     def of(
@@ -227,6 +230,9 @@ class EngineView:
             geom.ssm_region_indices,
             geom.ssm.sizes if geom.ssm else None,
             geom.ssm.conv_offsets if geom.ssm else None,
+            scratch_region_indices=geom.scratch_region_indices,
+            ple_region=geom.ple.region if geom.ple else None,
+            ple_len=geom.ple.length // geom.ppl if geom.ple else 0,
         )
 
     @property
@@ -339,8 +345,37 @@ def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
             view.ssm_sizes,
             view.ppl,
             view.logical_num_blocks,
+            ple_region=view.ple_region,
+            ple_block_len=view.ple_len if view.ple_region is not None else None,
         )
     return _table(fa, ssm)
+
+
+def _ple_rows(local: EngineView, remote: EngineView, bases: Sequence[int]) -> np.ndarray:
+    """The replicated state page of ``remote`` (region ``local.ple_region``) as one row over its logical
+    blocks, copied whole; the two sides' pages must be equally long (vLLM's handshake rule)."""
+    if local.ple_region is None:
+        return np.zeros((0, 5), dtype=np.int64)
+    if remote.ple_region is None or local.ple_len * local.ppl != remote.ple_len * remote.ppl:
+        raise IncompatiblePairError(
+            "ple_block_len",
+            "replicated state (PLE) pages must be equally long on both sides",
+            local=local.ple_len * local.ppl,
+            remote=None if remote.ple_region is None else remote.ple_len * remote.ppl,
+        )
+    r = local.ple_region
+    return np.asarray(
+        [
+            [
+                int(bases[r]),
+                remote.ple_len * remote.ppl,
+                0,
+                int(remote.block_strides[r]) * remote.ppl,
+                remote.logical_num_blocks,
+            ]
+        ],
+        dtype=np.int64,
+    )
 
 
 def remote_dlist(
@@ -390,6 +425,7 @@ def remote_dlist(
             remote.ppl,
             remote.logical_num_blocks,
         )
+        ssm = np.concatenate([ssm, _ple_rows(local, remote, bases)])
     return _table(fa, ssm)
 
 
@@ -455,6 +491,9 @@ def routed_tables(
             rpieces = [(s[1], s[2]) for s in ssm]
         lssm = _ssm_rows(regions, lstride[regions] * local.ppl, local.logical_num_blocks, lpieces)
         rssm = _ssm_rows(regions, rstride[regions] * remote.ppl, remote.logical_num_blocks, rpieces)
+        # the replicated page, whole on both sides
+        lssm = np.concatenate([lssm, _ple_rows(local, local, _pseudo_bases(local.num_regions))])
+        rssm = np.concatenate([rssm, _ple_rows(local, remote, _pseudo_bases(remote.num_regions))])
     return (
         Dlist(np.concatenate([base, lssm]), int(base[:, 4].sum())),
         Dlist(np.concatenate([rrows, rssm]), int(rrows[:, 4].sum())),

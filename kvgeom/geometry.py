@@ -7,7 +7,10 @@ NIXL connector would allocate and register on that rank:
   per-type layer count; every group of a hybrid model views the same tensors);
 * **regions** -- one per registered tensor: for a single-group model one per layer (two with split
   K/V), for a hybrid model one per shared tensor, viewed by layer ``i`` of every group;
-* the **SSM layout** -- conv sub-projection offsets and (conv, temporal) sizes within a state page.
+* the **SSM layout** -- conv sub-projection offsets and (conv, temporal) sizes within a state page;
+* with explicit tensor sharing (``Layer.shares``, CSA-linear models) one region per owning layer, viewed
+  by the owner and every layer that overlays it: the ring's *scratch* regions and the replicated state
+  page (:class:`ReplicatedLayout`) are then data of the geometry.
 
 All sizes are bytes. Regions are kernel-granular: ``block_len`` is one kernel block's transferable
 bytes, ``block_stride`` the distance between kernel blocks, ``num_blocks`` the kernel block count.
@@ -23,10 +26,27 @@ from functools import cached_property
 from .dtypes import dtype_size
 from .engine import EngineConfig
 from .errors import ConfigError, SpecError
-from .spec import AttentionSpec, LayerKind, LayerSpec, MambaSpec, MLASpec, ModelSpec
+from .spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    LayerKind,
+    LayerSpec,
+    MambaSpec,
+    MLASpec,
+    ModelSpec,
+    ReplicatedStateSpec,
+)
 from .stages import stage_layers
 
-__all__ = ["Group", "Region", "SSMLayout", "RankGeometry", "rank_geometry", "align_hybrid_block_size"]
+__all__ = [
+    "Group",
+    "Region",
+    "SSMLayout",
+    "ReplicatedLayout",
+    "RankGeometry",
+    "rank_geometry",
+    "align_hybrid_block_size",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,19 @@ class Group:
     @property
     def is_mla(self) -> bool:
         return self.kind is LayerKind.MLA
+
+    @property
+    def one_block(self) -> bool:
+        """A request holds one block of this group, paired by slot (SSM states, rings)."""
+        return self.kind.one_block
+
+    @property
+    def is_ring(self) -> bool:
+        return self.kind is LayerKind.CIRCULAR_BUFFER
+
+    @property
+    def is_replicated_state(self) -> bool:
+        return self.kind is LayerKind.REPLICATED_STATE
 
 
 @dataclass(frozen=True)
@@ -115,10 +148,24 @@ class SSMLayout:
         return len(self.conv_offsets)
 
 
+@dataclass(frozen=True)
+class ReplicatedLayout:
+    """The TP-replicated state page (PLE): ``length`` bytes at the start of each state slot of region
+    ``region`` (slots ``block_stride * ppl`` apart), held by group ``group``; one descriptor per block,
+    copied whole."""
+
+    spec: ReplicatedStateSpec
+    group: int
+    region: int
+    length: int
+
+
 def _page_bytes(spec: LayerSpec, block_size: int, tp: int) -> int:
     """Real bytes of one logical block of ``spec`` on one rank."""
-    if isinstance(spec, MambaSpec):
+    if isinstance(spec, (MambaSpec, ReplicatedStateSpec)):
         return spec.state_bytes(tp)
+    if isinstance(spec, CircularBufferSpec):
+        return spec.page_bytes(tp)
     return block_size * spec.token_bytes(tp)
 
 
@@ -192,6 +239,8 @@ class RankGeometry:
     regions: tuple[Region, ...]
     page_bytes: int
     ssm: SSMLayout | None
+    scratch_region_indices: tuple[int, ...] = ()
+    ple: ReplicatedLayout | None = None
 
     # -- engine numbers -----------------------------------------------------------------------------
     @property
@@ -278,6 +327,20 @@ class RankGeometry:
     def group_is_ssm(self) -> tuple[bool, ...]:
         return tuple(g.is_ssm for g in self.groups)
 
+    @cached_property
+    def group_one_block(self) -> tuple[bool, ...]:
+        """Per group: a request holds one block of it, paired by slot (states and rings)."""
+        return tuple(g.one_block for g in self.groups)
+
+    @property
+    def is_csa_linear(self) -> bool:
+        return self.model.is_csa_linear
+
+    @cached_property
+    def scratch_groups(self) -> tuple[int, ...]:
+        """The circular-buffer groups (they live in :attr:`scratch_region_indices` only)."""
+        return tuple(g.index for g in self.groups if g.is_ring)
+
     @property
     def has_ssm(self) -> bool:
         return self.ssm is not None
@@ -327,6 +390,13 @@ class RankGeometry:
             lines.append(
                 f"  ssm: conv {self.ssm.conv_bytes} B in pieces {list(self.ssm.conv_offsets)}, "
                 f"temporal {self.ssm.ssm_bytes} B, in regions {list(self.ssm.region_indices)}"
+            )
+        if self.scratch_region_indices:
+            lines.append(f"  ring (scratch) regions: {list(self.scratch_region_indices)}")
+        if self.ple:
+            lines.append(
+                f"  replicated state page: {self.ple.length} B at the start of each slot of region "
+                f"{self.ple.region} (group {self.ple.group})"
             )
         return "\n".join(lines)
 
@@ -382,6 +452,8 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
             value=engine.pp_rank,
             expected=engine.pp_size,
         )
+    if model.overlays:
+        return _overlay_geometry(model, engine)
     groups = _project(_split(_make_groups(model), engine.separate_group, model), held)
     ppl = engine.ppl
     nb_kernel = engine.num_blocks * ppl
@@ -443,7 +515,9 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         for size in ssm_spec.piece_bytes(tp):
             offs.append((pos, size))
             pos += size
-        ssm_regions = tuple(r.index for r in hybrid if any(groups[g].is_ssm for g, _ in r.members))
+        ssm_regions = tuple(
+            r.index for r in hybrid if any(isinstance(groups[g].spec, MambaSpec) for g, _ in r.members)
+        )
         ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), ssm_regions)
     return RankGeometry(model, engine, groups, tuple(hybrid), page, ssm)
 
@@ -505,3 +579,113 @@ def _uniform_regions(
                 )
             )
     return tuple(regions)
+
+
+def _overlay_groups(model: ModelSpec) -> tuple[Group, ...]:
+    """Groups of a model with explicit tensor sharing: one per distinct spec, in first-appearance order within
+    each kind: token caches, then rings, then SSM states, then the replicated state page (the order of the
+    descriptor streams: attention, SSM, the replicated page last)."""
+    order: dict[LayerSpec, list[str]] = {}
+    for la in model.layers:
+        order.setdefault(la.spec, []).append(la.name)
+
+    def rank(spec: LayerSpec) -> int:
+        kind = spec.kind
+        return (
+            3
+            if kind is LayerKind.REPLICATED_STATE
+            else 2
+            if kind.is_ssm
+            else 1
+            if kind is LayerKind.CIRCULAR_BUFFER
+            else 0
+        )
+
+    specs = sorted(order, key=rank)  # stable
+    return tuple(Group(i, spec, tuple(order[spec])) for i, spec in enumerate(specs))
+
+
+def _overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
+    """Explicit tensor sharing (``Layer.shares``): one region per owning layer (model order), viewed by its
+    owner and every layer that overlays it; a block of a region is one owner page (``block_len`` bytes per
+    kernel block), and a state or ring page starts at its slot and must fit the logical page
+    (``block_len * ppl``). Two layers of one group never share a tensor (their pages of one pool id would
+    collide)."""
+    if engine.pp_size > 1 or engine.packed_rows or engine.separate_group or engine.kv_split:
+        raise ConfigError(
+            "engine",
+            "explicit tensor sharing (CSA-linear) is modelled without pipeline stages, packed rows, separate "
+            "groups or split K/V regions",
+            value=engine.to_json(),
+        )
+    tp, ppl = engine.tp_size, engine.ppl
+    groups = _overlay_groups(model)
+    group_of = {name: g.index for g in groups for name in g.layers}
+    owners = [la for la in model.layers if la.shares is None]
+    sharers: dict[str, list[str]] = {}
+    for la in model.layers:
+        if la.shares is not None:
+            sharers.setdefault(la.shares, []).append(la.name)
+    specs = {la.name: la.spec for la in model.layers}
+    regions: list[Region] = []
+    for owner in owners:
+        if not isinstance(owner.spec, (AttentionSpec, MLASpec)):
+            raise ConfigError(
+                f"{owner.name}.shares",
+                "a tensor is owned by a token cache (attention or MLA); states and rings overlay one",
+                value=owner.kind.value,
+            )
+        block_len = _parts(owner.spec, engine)[0][1]
+        page = block_len * ppl
+        names = [owner.name, *sharers.get(owner.name, [])]
+        members = tuple((group_of[n], n) for n in names)
+        if len({g for g, _ in members}) != len(members):
+            raise ConfigError(
+                "layers",
+                f"layers {names} of one group overlay the same tensor: their pages of one block would collide",
+                value=names,
+            )
+        for n in names[1:]:
+            need = _page_bytes(specs[n], engine.block_size, tp)
+            if need > page:
+                raise ConfigError(
+                    "block_size",
+                    f"{n}'s {need}-byte page does not fit the {page}-byte page of {owner.name} it overlays "
+                    f"at block size {engine.block_size}",
+                    value=engine.block_size,
+                    expected=need,
+                )
+        is_mla = any(isinstance(specs[n], MLASpec) for n in names)
+        regions.append(
+            Region(len(regions), owner.name, block_len, block_len, engine.num_blocks * ppl, is_mla, members)
+        )
+    page = regions[0].block_len * ppl
+    ssm_spec = model.ssm_spec
+    ssm = None
+    if ssm_spec is not None:
+        offs, pos = [], 0
+        for size in ssm_spec.piece_bytes(tp):
+            offs.append((pos, size))
+            pos += size
+        ssm_regions = tuple(
+            r.index for r in regions if any(isinstance(specs[n], MambaSpec) for _, n in r.members)
+        )
+        ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), ssm_regions)
+    scratch = tuple(
+        r.index for r in regions if any(isinstance(specs[n], CircularBufferSpec) for _, n in r.members)
+    )
+    ple = None
+    for r in regions:
+        for g, n in r.members:
+            spec = specs[n]
+            if isinstance(spec, ReplicatedStateSpec):
+                if spec.state_bytes(tp) % ppl:
+                    raise ConfigError(
+                        "kernel_block_size",
+                        f"the {spec.state_bytes(tp)}-byte replicated state page is not divisible into {ppl} "
+                        "kernel blocks",
+                        value=engine.kernel,
+                        expected=engine.block_size,
+                    )
+                ple = ReplicatedLayout(spec, g, r.index, spec.state_bytes(tp))
+    return RankGeometry(model, engine, groups, tuple(regions), page, ssm, scratch, ple)

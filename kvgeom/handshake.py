@@ -20,7 +20,14 @@ from .spec import AttentionSpec, MLASpec
 from .streams import pair_streams, region_group_ids, region_mapped
 from .tp import tp_ratio as _tp_ratio
 
-__all__ = ["Compat", "PairShape", "check_pair", "block_size_ratio", "check_csa_linear_tp_layout"]
+__all__ = [
+    "Compat",
+    "PairShape",
+    "check_pair",
+    "block_size_ratio",
+    "check_csa_linear_tp_layout",
+    "check_csa_linear_pair",
+]
 
 Compat = str  # "vllm" (refuse what vLLM 0.33.0 refuses) or "kvgeom" (lift refusals the oracle proves safe)
 
@@ -122,6 +129,8 @@ def check_pair(
             remote=remote.model.name,
         )
     ratio = _tp_ratio(local.tp_size, remote.tp_size)
+    if local.is_csa_linear:
+        check_csa_linear_pair(local, remote)
     if local.dcp_size > 1 or remote.dcp_size > 1:
         _check_dcp(local, remote, mode)
     bsr, split = block_size_ratio(local, remote, mode, compat)
@@ -340,6 +349,31 @@ def check_csa_linear_tp_layout(local_tp: int, remote_tp: int, total_kv_heads: in
             f"sharding boundary ({total_kv_heads} KV heads)",
             local=local_tp,
             remote=remote_tp,
+        )
+
+
+def check_csa_linear_pair(local: RankGeometry, remote: RankGeometry) -> None:
+    """A CSA-linear pair (both modes): vLLM's TP-layout rule (:func:`check_csa_linear_tp_layout`), then what
+    kvgeom models: equal logical and kernel block sizes (a ring's one block holds a state, not tokens, so it
+    cannot be cut into the other side's blocks; the replicated page must be equally long, vLLM's handshake
+    rule) and no decode context parallelism (pages by global token position do not apply to a ring)."""
+    check_csa_linear_tp_layout(local.tp_size, remote.tp_size, local.num_kv_heads)
+    here = (local.logical_block_size, local.block_size)
+    there = (remote.logical_block_size, remote.block_size)
+    if here != there:
+        raise UnsupportedError(
+            "block_size",
+            "CSA-linear pairs need the same (block, kernel block) sizes on both sides: a ring block holds "
+            "the request's latest entries, not tokens at fixed positions",
+            local=here,
+            remote=there,
+        )
+    if local.dcp_size > 1 or remote.dcp_size > 1:
+        raise UnsupportedError(
+            "dcp_size",
+            "CSA-linear pairs are modelled without decode context parallelism",
+            local=local.dcp_size,
+            remote=remote.dcp_size,
         )
 
 

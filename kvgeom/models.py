@@ -30,7 +30,15 @@ from typing import Any
 
 from . import hfconfig, presets
 from .errors import KvgeomError, SpecError, UnsupportedError
-from .spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec
+from .spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    LayerKind,
+    MambaSpec,
+    MLASpec,
+    ModelSpec,
+    ReplicatedStateSpec,
+)
 
 __all__ = ["TPRule", "Sharding", "ModelRef", "resolve", "preset_ids"]
 
@@ -91,7 +99,8 @@ class ModelRef:
             elif isinstance(s, MambaSpec):
                 for rule in _ssm_rules(s):
                     add(rule.name, rule.units, rule.sharding)
-            elif not isinstance(s, MLASpec):  # pragma: no cover - every spec kind is handled above
+            elif not isinstance(s, (MLASpec, CircularBufferSpec, ReplicatedStateSpec)):  # pragma: no cover
+                # every spec kind is handled above (MLA latents, rings and replicated pages: no TP rule)
                 raise SpecError(layer.name, f"unknown spec {s!r}", value=s)
         return tuple(rules.values())
 

@@ -323,6 +323,8 @@ class Pairing:
         if key not in self._cache:
             if self.compat == "kvgeom":
                 mask = self.route(rank).groups
+            elif self.mode == "push" and self.local.is_csa_linear and self.tp_ratio < 0:
+                mask = tuple(True for _ in self.local.groups)  # vLLM: every group to every written rank
             elif self.mode == "push" and self.local.is_mla and self.tp_ratio < 0:
                 srcs = self.mapping.source_ranks_per_group
                 mask = tuple((not ssm) or rank in s for ssm, s in zip(self.local.group_is_ssm, srcs))
@@ -356,6 +358,7 @@ class Pairing:
                     self.local.group_is_ssm,
                     view.region_is_mla,
                     [view.num_blocks] * view.num_regions,
+                    num_replicated_tail=view.logical_num_blocks if view.ple_region is not None else 0,
                 )
                 for src, rows in zip(self.mapping.all_source_ranks, splits):
                     self._cache[(bsr, src)] = Dlist.from_pseudo(rows, whole.num_fa)

@@ -655,6 +655,9 @@ def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
             pieces,
             region_group_ids=v.group_ids or None,
             transfer_layer_group_ids=v.transfer_groups,
+            scratch_groups=pairing.local.scratch_groups,
+            scratch_region_indices=v.scratch_region_indices,
+            ple_group=pairing.local.ple.group if pairing.local.ple else None,
         )
         pairing._cache[key] = seg
     out: Segments = pairing._cache[key]
@@ -1005,13 +1008,15 @@ def _align_groups(
     prefix_caching: bool,
     prefill_tokens: int | None = None,
 ) -> list[tuple[int, int, int]]:
-    """Per group, ``(consumer position, producer position, count)`` of the fine units both hold (SSM
-    groups: ``(0, 0, 0)``, they are paired by slot)."""
-    full = [g.index for g in consumer.groups if not g.is_ssm and not _sliding(g) and p_logical[g.index].size]
+    """Per group, ``(consumer position, producer position, count)`` of the fine units both hold (SSM and
+    ring groups: ``(0, 0, 0)``, they are paired by slot)."""
+    full = [
+        g.index for g in consumer.groups if not g.one_block and not _sliding(g) and p_logical[g.index].size
+    ]
     hint = p_logical[full[0]].size * producer_block if full else None  # where P's computed tokens end
     out = []
     for g, group in enumerate(consumer.groups):
-        if group.is_ssm:
+        if group.one_block:
             out.append((0, 0, 0))
             continue
         c0, p0 = list_starts(
@@ -1082,6 +1087,8 @@ def _aligned(
     for g, (ssm, (cpos, ppos, n)) in enumerate(zip(kinds, spans)):
         if ssm:
             lsel[g], rsel[g] = ssm_l[g], ssm_r[g]
+        elif local.groups[g].one_block:  # a ring: the request's one block, whole
+            lsel[g], rsel[g] = lk[g], rk[g]
         elif pull:
             lsel[g], rsel[g] = lfine[g][cpos : cpos + n], rk[g][ppos : ppos + n]
         else:
@@ -1099,7 +1106,7 @@ def _regroups(
     regions of each group's ``pages`` (default: every page of the group's layers) holding several heads."""
     out = []
     for group, L in zip(consumer.groups, kernel_ids):
-        if group.is_ssm or not L.size or bsr == 1:
+        if group.one_block or not L.size or bsr == 1:
             continue
         where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
         kinds: dict[tuple[str, int, int], list[int]] = {}
@@ -1132,7 +1139,7 @@ def _zero_rows(
     pages of each group (``pages``; default: every page of the group's layers)."""
     rows = [np.zeros((0, 3), dtype=np.int64)]
     for group, L, (cpos, _, n) in zip(consumer.groups, kernel_ids, spans):
-        if group.is_ssm or not L.size:
+        if group.one_block or not L.size:
             continue
         where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
         rows.append(consumer_zero_rows(where, L, units, cpos, n, consumer.block_size))

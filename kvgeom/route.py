@@ -136,6 +136,9 @@ def route(
     groups = tuple(
         (spread and not ssm) or p_rank in srcs for srcs, ssm in zip(cmap.source_ranks_per_group, kinds)
     )
+    if local.ple is not None:  # the replicated state page: whole, from the first of its sources only
+        g = local.ple.group
+        groups = groups[:g] + (p_rank == cmap.source_ranks_per_group[g][0],) + groups[g + 1 :]
     attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
     fa = []
     lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)

@@ -31,7 +31,7 @@ from .hfconfig import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, apply_cache_dtypes
 from .models import ModelRef, resolve
 from .pairing import Pairing
 from .plan import RequestPlan, plan_request
-from .spec import MambaSpec, ModelSpec
+from .spec import AttentionSpec, MLASpec, ModelSpec
 
 __all__ = ["Scenario", "RequestIds", "SCENARIO_KEYS", "ENGINE_KEYS", "MAX_TP", "MAX_BLOCK_SIZE"]
 
@@ -257,15 +257,15 @@ class Scenario:
     # -- requests ------------------------------------------------------------------------------------
     def _counts(self, eng: EngineConfig, num_tokens: int) -> list[int]:
         geom = rank_geometry(self.model, eng)
-        return [1 if g.is_ssm else math.ceil(num_tokens / eng.block_size) for g in geom.groups]
+        return [1 if g.one_block else math.ceil(num_tokens / eng.block_size) for g in geom.groups]
 
     def max_tokens(self) -> int:
         """The longest request both engines' pools hold (attention groups take one block per
-        ``block_size`` tokens, SSM groups one state slot; groups share each engine's pool)."""
+        ``block_size`` tokens, SSM and ring groups one block; groups share each engine's pool)."""
         out = []
         for eng in (self.prefill, self.decode):
             geom = rank_geometry(self.model, eng)
-            ssm = sum(g.is_ssm for g in geom.groups)
+            ssm = sum(g.one_block for g in geom.groups)
             attn = len(geom.groups) - ssm
             out.append(
                 (eng.num_blocks - ssm) // attn * eng.block_size if attn else MAX_BLOCK_SIZE * eng.num_blocks
@@ -343,7 +343,7 @@ def check_ranks(sc: Scenario) -> None:
         except KvgeomError as exc:
             message = str(exc).split(": ", 1)[-1]
             ssm = sc.model.ssm_spec
-            attn = [la.spec for la in sc.model.layers if not isinstance(la.spec, MambaSpec)]
+            attn = [la.spec for la in sc.model.layers if isinstance(la.spec, (AttentionSpec, MLASpec))]
             if exc.field == "block_size" and ssm is not None and attn:
                 per_token = max(s.token_bytes(eng.tp_size) for s in attn)
                 least = math.ceil(ssm.state_bytes(eng.tp_size) / per_token)

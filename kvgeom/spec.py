@@ -5,7 +5,16 @@ A model is a sequence of cache-holding layers. Each layer holds one of:
 * :class:`AttentionSpec` -- per-token K and V for ``num_kv_heads`` heads (full or sliding-window);
 * :class:`MLASpec` -- a per-token latent, identical on every TP rank;
 * :class:`MambaSpec` -- one recurrent state per request: a conv state made of sub-projections
-  (``x | B | C`` for Mamba2, ``Q | K | V`` for GDN/KDA, ``x`` for Mamba1) and a temporal state.
+  (``x | B | C`` for Mamba2, ``Q | K | V`` for GDN/KDA, ``x`` for Mamba1) and a temporal state;
+* :class:`CircularBufferSpec` -- a ring ("scratch") of a compressor's latest entries, one block per
+  request, identical on every TP rank (CSA-linear models);
+* :class:`ReplicatedStateSpec` -- a per-request state page identical on every TP rank, never divided by TP
+  (the PLE short-conv state of CSA-linear models).
+
+A layer may *share* another layer's tensor (``Layer.shares``): its pages overlay that layer's allocation,
+block for block (a CSA-linear model puts its ring on the pages of its compressed MLA layers, the PLE state
+and the SSM state on the first main-KV page). Pages of one pool id belong to one group at a time, so the
+overlaid caches never hold the same block at once.
 
 Everything that TP shards is a :class:`Shard`: ``units`` indivisible units (heads, groups, channels)
 of ``unit_elems`` elements each. A rank of a TP-``t`` engine holds ``max(1, units // t)`` units,
@@ -31,6 +40,8 @@ __all__ = [
     "AttentionSpec",
     "MLASpec",
     "MambaSpec",
+    "CircularBufferSpec",
+    "ReplicatedStateSpec",
     "LayerSpec",
     "Layer",
     "ModelSpec",
@@ -47,10 +58,24 @@ class LayerKind(str, Enum):
     MAMBA2 = "mamba2"
     GDN = "gdn"
     KDA = "kda"
+    CIRCULAR_BUFFER = "circular_buffer"
+    REPLICATED_STATE = "replicated_state"
 
     @property
     def is_ssm(self) -> bool:
-        return self in (LayerKind.MAMBA1, LayerKind.MAMBA2, LayerKind.GDN, LayerKind.KDA)
+        """A state kind (vLLM ``MambaSpec``): one slot per request, SSM descriptor streams."""
+        return self in (
+            LayerKind.MAMBA1,
+            LayerKind.MAMBA2,
+            LayerKind.GDN,
+            LayerKind.KDA,
+            LayerKind.REPLICATED_STATE,
+        )
+
+    @property
+    def one_block(self) -> bool:
+        """The request holds one block of this kind, paired by slot, not by token (states and rings)."""
+        return self.is_ssm or self is LayerKind.CIRCULAR_BUFFER
 
     @classmethod
     def parse(cls, value: str, field_name: str = "kind") -> LayerKind:
@@ -318,16 +343,71 @@ class MambaSpec:
         return tuple(p.replicated(tp) for p in self.conv_pieces)
 
 
-LayerSpec = AttentionSpec | MLASpec | MambaSpec
+@dataclass(frozen=True)
+class CircularBufferSpec:
+    """A ring of ``capacity`` entries of ``entry_size`` elements: the keys of the token group a compressor
+    is still compressing (vLLM ``CircularBufferSpec``). A request holds one block, whatever its length; the
+    ring's content is a state (the latest entries), not tokens at fixed positions, so D needs P's whole ring
+    page. Identical on every TP rank (it overlays replicated MLA pages)."""
+
+    capacity: int
+    entry_size: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _positive("capacity", self.capacity)
+        _positive("entry_size", self.entry_size)
+        dtype_size(self.dtype)
+
+    @property
+    def kind(self) -> LayerKind:
+        return LayerKind.CIRCULAR_BUFFER
+
+    def page_bytes(self, tp: int) -> int:  # noqa: ARG002 - TP-independent by definition
+        """Bytes of the ring on one rank: every rank holds all of it."""
+        return self.capacity * self.entry_size * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class ReplicatedStateSpec:
+    """A per-request short-conv state of ``channels`` x ``conv_kernel - 1`` elements (DS layout), identical on
+    every TP rank (vLLM ``MambaSpec(tp_replicated=True)``, the PLE state): copied whole, never divided by
+    TP."""
+
+    channels: int
+    conv_kernel: int = 4
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _positive("channels", self.channels)
+        if not isinstance(self.conv_kernel, int) or self.conv_kernel < 2:
+            raise SpecError("conv_kernel", f"must be >= 2, got {self.conv_kernel!r}", value=self.conv_kernel)
+        dtype_size(self.dtype)
+
+    @property
+    def kind(self) -> LayerKind:
+        return LayerKind.REPLICATED_STATE
+
+    @property
+    def conv_rows(self) -> int:
+        return self.conv_kernel - 1
+
+    def state_bytes(self, tp: int) -> int:  # noqa: ARG002 - TP-independent by definition
+        return self.channels * self.conv_rows * dtype_size(self.dtype)
+
+
+LayerSpec = AttentionSpec | MLASpec | MambaSpec | CircularBufferSpec | ReplicatedStateSpec
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One cache-holding (sub-)layer: its name, its decoder-layer index and its spec."""
+    """One cache-holding (sub-)layer: its name, its decoder-layer index and its spec. ``shares``: the layer
+    whose tensor this layer's pages overlay (``None``: its own, or the hybrid manager's sharing rule)."""
 
     name: str
     index: int
     spec: LayerSpec
+    shares: str | None = None
 
     @property
     def kind(self) -> LayerKind:
@@ -357,6 +437,10 @@ def _spec_from_json(d: dict[str, Any], where: str) -> LayerSpec:
             return AttentionSpec(**rest)
         if kind is LayerKind.MLA:
             return MLASpec(**rest)
+        if kind is LayerKind.CIRCULAR_BUFFER:
+            return CircularBufferSpec(**rest)
+        if kind is LayerKind.REPLICATED_STATE:
+            return ReplicatedStateSpec(**rest)
         rest["conv_pieces"] = tuple(Shard(*p) for p in rest["conv_pieces"])
         rest["temporal"] = Shard(*rest["temporal"])
         rest["piece_names"] = tuple(rest.get("piece_names", ()))
@@ -382,6 +466,7 @@ class ModelSpec:
         ssm = {layer.spec for layer in self.layers if isinstance(layer.spec, MambaSpec)}
         if len(ssm) > 1:
             raise SpecError("layers", "all SSM layers of a model must share one state spec", value=len(ssm))
+        _check_overlays(self.layers)
 
     @classmethod
     def from_layers(cls, name: str, specs: Sequence[LayerSpec | None]) -> ModelSpec:
@@ -411,6 +496,16 @@ class ModelSpec:
     def is_mla(self) -> bool:
         return LayerKind.MLA in self.kinds
 
+    @cached_property
+    def is_csa_linear(self) -> bool:
+        """Holds a circular-buffer cache (vLLM's CSA-linear models): layers overlay each other's tensors."""
+        return LayerKind.CIRCULAR_BUFFER in self.kinds
+
+    @property
+    def overlays(self) -> bool:
+        """Some layer shares another layer's tensor explicitly (``Layer.shares``)."""
+        return any(la.shares is not None for la in self.layers)
+
     @property
     def ssm_spec(self) -> MambaSpec | None:
         for layer in self.layers:
@@ -435,7 +530,9 @@ class ModelSpec:
         return {
             "name": self.name,
             "layers": [
-                {"name": la.name, "index": la.index, "spec": _spec_to_json(la.spec)} for la in self.layers
+                {"name": la.name, "index": la.index, "spec": _spec_to_json(la.spec)}
+                | ({"shares": la.shares} if la.shares is not None else {})
+                for la in self.layers
             ],
         }
 
@@ -446,8 +543,14 @@ class ModelSpec:
         layers = []
         for i, la in enumerate(d["layers"]):
             try:
+                shares = la.get("shares")
                 layers.append(
-                    Layer(str(la["name"]), int(la["index"]), _spec_from_json(la["spec"], f"layers[{i}]"))
+                    Layer(
+                        str(la["name"]),
+                        int(la["index"]),
+                        _spec_from_json(la["spec"], f"layers[{i}]"),
+                        None if shares is None else str(shares),
+                    )
                 )
             except (KeyError, TypeError):
                 raise SpecError(f"layers[{i}]", "needs 'name', 'index' and 'spec'", value=la) from None
@@ -455,3 +558,56 @@ class ModelSpec:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+
+def _check_overlays(layers: tuple[Layer, ...]) -> None:
+    """Explicit tensor sharing (``Layer.shares``) and the CSA-linear caches: a sharing layer names a layer
+    that owns its tensor (shares none); a ring overlays an MLA layer (its pages are read whole, as the
+    latent's); a replicated state page needs a ring and a sharded SSM state next to it (vLLM: at most one
+    such page, in CSA-linear models only); every ring and state of a model with rings shares a tensor."""
+    by_name = {la.name: la for la in layers}
+    for la in layers:
+        if la.shares is None:
+            continue
+        owner = by_name.get(la.shares)
+        if owner is None or owner.shares is not None or owner.name == la.name:
+            raise SpecError(
+                f"{la.name}.shares",
+                f"must name a layer that owns its tensor, got {la.shares!r}",
+                value=la.shares,
+                expected=sorted(n for n, x in by_name.items() if x.shares is None and n != la.name)[:8],
+            )
+    kinds = [la.kind for la in layers]
+    ple = [la for la in layers if la.kind is LayerKind.REPLICATED_STATE]
+    has_ring = LayerKind.CIRCULAR_BUFFER in kinds
+    if ple and (len(ple) > 1 or not has_ring or not any(isinstance(la.spec, MambaSpec) for la in layers)):
+        raise SpecError(
+            "layers",
+            "a replicated state (PLE) page is modelled as in vLLM 0.33.0: at most one, in a CSA-linear model "
+            "(with a circular buffer) holding a sharded SSM state",
+            value=len(ple),
+            expected=1,
+        )
+    for la in layers:
+        if la.kind is LayerKind.CIRCULAR_BUFFER and (
+            la.shares is None or by_name[la.shares].kind is not LayerKind.MLA
+        ):
+            raise SpecError(
+                f"{la.name}.shares",
+                "a circular buffer overlays the pages of an MLA layer (its scratch region)",
+                value=la.shares,
+            )
+    for la in layers:
+        if has_ring and la.kind.is_ssm and la.shares is None:
+            raise SpecError(
+                f"{la.name}.shares",
+                "in a CSA-linear model every state overlays a main-KV page",
+                value=None,
+            )
+        if has_ring and la.shares is None and la.kind is not LayerKind.MLA:
+            raise SpecError(
+                f"{la.name}.kind",
+                "a CSA-linear model's own tensors are its MLA layers' (the main KV)",
+                value=la.kind.value,
+                expected=LayerKind.MLA.value,
+            )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dtypes import dtype_size
-from ..spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from ..spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
 
 __all__ = ["POISON", "ZERO", "CoordSpace", "location_tags", "describe_tag"]
 
@@ -87,6 +87,18 @@ class CoordSpace:
                     layer.name,
                     "latent",
                     (("token", max_tokens), ("byte", spec.latent_size * dtype_size(spec.dtype))),
+                )
+            elif isinstance(spec, CircularBufferSpec):  # a ring entry's bytes, the same on every rank
+                self._add(
+                    layer.name,
+                    "ring",
+                    (("entry", spec.capacity), ("byte", spec.entry_size * dtype_size(spec.dtype))),
+                )
+            elif isinstance(spec, ReplicatedStateSpec):  # the whole state, the same on every rank
+                self._add(
+                    layer.name,
+                    "state",
+                    (("channel", spec.channels), ("row", spec.conv_rows), ("byte", dtype_size(spec.dtype))),
                 )
             elif isinstance(spec, MambaSpec):
                 e = dtype_size(spec.conv_dtype)

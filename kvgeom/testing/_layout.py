@@ -21,7 +21,10 @@ Layout facts (kernel block ``kb``, ``ppl = block_size // kb``):
   inside the kernel block; a pipeline stage's rank holds (and is checked on) its stage's layers only;
 * an SSM state sits in its slot ``s`` at byte ``s * page`` (``page = block_stride * ppl``): the conv
   pieces in order (DS: channel-major, ``conv_kernel - 1`` rows per channel; SD: row-major over all
-  channels), then the temporal state at ``conv_bytes``.
+  channels), then the temporal state at ``conv_bytes``;
+* a ring (circular buffer) fills the start of its one block's page the same way on every rank: entry-major,
+  ``entry_size * e`` bytes per entry; a replicated state (PLE) page the same on every rank: channel-major,
+  ``conv_kernel - 1`` rows per channel. Both are needed whole: D holds P's ring and state as they are.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 from ..dtypes import dtype_size
 from ..engine import ConvLayout, KVLayout
 from ..geometry import RankGeometry, Region
-from ..spec import AttentionSpec, MambaSpec, MLASpec
+from ..spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
 from ._coords import CoordSpace
 
 __all__ = ["OUTSIDE", "PADDING", "NEEDED", "OPTIONAL", "RankImage", "rank_image", "LayoutError"]
@@ -110,6 +113,9 @@ def rank_image(
                 if isinstance(spec, MambaSpec):
                     for slot in blocks:
                         _place_state(img, geom, spec, layer, region, int(slot), space)
+                elif isinstance(spec, (CircularBufferSpec, ReplicatedStateSpec)):
+                    for slot in blocks:
+                        _place_replicated(img, geom, spec, layer, region, int(slot), space)
                 else:
                     _place_tokens(img, geom, spec, layer, region, blocks, first_token, num_tokens, space)
     return img
@@ -220,3 +226,31 @@ def _place_state(
     img.put(
         region.index, base + conv_bytes + i * es + b2, space.tag(layer, "temporal", global_elem, b2), NEEDED
     )
+
+
+def _place_replicated(
+    img: RankImage,
+    geom: RankGeometry,
+    spec: CircularBufferSpec | ReplicatedStateSpec,
+    layer: str,
+    region: Region,
+    slot: int,
+    space: CoordSpace,
+) -> None:
+    """A page every rank holds whole: a ring (entries x entry bytes) or a replicated state (channels x rows x
+    bytes), from the start of slot ``slot``'s page."""
+    page = region.block_stride * geom.ppl
+    dims: tuple[int, ...]
+    if isinstance(spec, CircularBufferSpec):
+        width = spec.entry_size * dtype_size(spec.dtype)
+        dims = (spec.capacity, width)
+        part = "ring"
+    else:
+        e = dtype_size(spec.dtype)
+        dims = (spec.channels, spec.conv_rows, e)
+        part = "state"
+    size = int(np.prod(dims))
+    if size > page:
+        raise LayoutError(f"{layer}: a {size}-byte page does not fit its {page}-byte slot")
+    index = np.unravel_index(np.arange(size), dims)
+    img.put(region.index, slot * page + np.arange(size), space.tag(layer, part, *index), NEEDED)

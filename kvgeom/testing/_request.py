@@ -76,7 +76,7 @@ class Request:
             groups = engine_geometries(model, engine)[0].groups
             nxt, ids = first_id, []
             for g in groups:
-                n = 1 if g.is_ssm else math.ceil(tokens / engine.scheduler_block) - prefix
+                n = 1 if g.one_block else math.ceil(tokens / engine.scheduler_block) - prefix
                 ids.append(tuple(range(nxt, nxt + n)))
                 nxt += n
             sides.append(tuple(ids))
@@ -88,7 +88,7 @@ def check_side(name: str, ids: tuple[tuple[int, ...], ...], geom: RankGeometry, 
         raise RequestError(f"{name}: {len(ids)} groups of ids, the model has {len(geom.groups)} groups")
     seen: set[int] = set()
     for g, (group, gids) in enumerate(zip(geom.groups, ids)):
-        n = 1 if group.is_ssm else want
+        n = 1 if group.one_block else want
         if len(gids) != n:
             raise RequestError(f"{name}[{g}] ({group.kind.value}): {len(gids)} ids, expected {n}")
         bad = [i for i in gids if not 0 <= i < geom.logical_num_blocks]

@@ -99,7 +99,7 @@ class Oracle:
         check_side("p_ids", request.p_ids, self.p[0], math.ceil(computed / pb))
         check_side("d_ids", request.d_ids, self.d[0], math.ceil(n / db) - request.prefix_blocks)
         self.prefix_tokens = request.prefix_blocks * db
-        attn = [g for g in self.p[0].groups if not g.is_ssm]
+        attn = [g for g in self.p[0].groups if not g.one_block]
         max_tokens = max(
             [
                 n,
@@ -142,7 +142,7 @@ class Oracle:
         own = [
             b
             for g, ids in zip(geom.groups, request.d_ids)
-            if not g.is_ssm
+            if not g.one_block
             for i, b in enumerate(ids)
             if ((first + i) * dcp + geom.dcp_rank) * page >= computed
         ]

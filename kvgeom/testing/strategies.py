@@ -5,7 +5,9 @@ choices are ``sampled_from`` lists in order of simplicity and small integers are
 
 * :func:`model_specs` -- dense attention (optionally with sliding-window layers), MLA, and hybrids of
   attention or MLA with Mamba1 / Mamba2 / GDN / KDA layers, or SSM-only models; head counts include
-  fewer KV heads than ranks; several dtypes;
+  fewer KV heads than ranks; several dtypes; on request (``families=("csa-linear",)``,
+  :func:`csa_linear_models`) CSA-linear models: MLA layers with a ring overlaid, a sharded SSM state and
+  a TP-replicated state page on their tensors;
 * :func:`engine_configs` -- one engine for a model (TP size, logical and kernel block sizes, pool size,
   layouts); a hybrid's block size comes from :func:`~kvgeom.geometry.align_hybrid_block_size`, so the
   attention page holds the SSM state (TP-dependent, as in vLLM);
@@ -37,12 +39,22 @@ from typing import Any, cast
 from hypothesis import assume, event
 from hypothesis import strategies as st
 
+from ..csa import csa_linear_model
 from ..engine import ConvLayout, EngineConfig, KVLayout
 from ..errors import KvgeomError
 from ..exchange import prefill_tokens
 from ..geometry import RankGeometry, align_hybrid_block_size
 from ..pairing import Pairing
-from ..spec import AttentionSpec, LayerSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from ..spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    LayerSpec,
+    MambaSpec,
+    MLASpec,
+    ModelSpec,
+    ReplicatedStateSpec,
+    Shard,
+)
 from ._report import Report
 from .oracle import Request, engine_geometries, run
 
@@ -54,6 +66,7 @@ __all__ = [
     "mla_specs",
     "ssm_specs",
     "model_specs",
+    "csa_linear_models",
     "valid_tp_sizes",
     "engine_configs",
     "pd_pairs",
@@ -112,11 +125,31 @@ def _windowed(spec: AttentionSpec | MLASpec, window: int) -> AttentionSpec | MLA
 
 
 @st.composite
+def csa_linear_models(draw: st.DrawFn) -> ModelSpec:
+    """Small CSA-linear models (:func:`kvgeom.csa.csa_linear_model`): 1-2 MLA layers of 4-16 elements per
+    token, each with a ring (compression ratio 2 or 4, 0-2 speculative tokens) and an SSM layer of any
+    family overlaid, and a replicated short-conv page of 2-8 channels on the first tensor."""
+    return csa_linear_model(
+        "csa-linear",
+        num_csa_layers=draw(st.integers(1, 2)),
+        head_size=draw(st.sampled_from((8, 4, 16))),
+        compress_ratio=draw(st.sampled_from((4, 2))),
+        speculative_tokens=draw(st.integers(0, 2)),
+        gdn=draw(ssm_specs()),
+        ple_channels=draw(st.sampled_from((8, 2, 4))),
+        ple_conv_kernel=draw(st.sampled_from((4, 2, 3))),
+        dtype=draw(st.sampled_from(_SSM_DTYPES)),
+    )
+
+
+@st.composite
 def model_specs(draw: st.DrawFn, families: tuple[str, ...] | None = None) -> ModelSpec:
     """Small models of one family: ``dense`` (attention, maybe with sliding-window layers), ``mla``,
     ``attn+ssm``, ``mla+ssm``, ``ssm`` or ``mla+draft`` (MLA layers, then the head-sharded attention layers of
-    a GQA draft) (restrict with ``families``)."""
+    a GQA draft) (restrict with ``families``); ``csa-linear`` (:func:`csa_linear_models`) only when named."""
     family = draw(st.sampled_from(families or ("dense", "mla", "attn+ssm", "mla+ssm", "ssm", "mla+draft")))
+    if family == "csa-linear":
+        return draw(csa_linear_models())
     layers: list[LayerSpec] = []
     if family == "mla+draft":
         target = [draw(mla_specs())] * draw(st.integers(1, 2))
@@ -166,8 +199,25 @@ def _divisors(n: int, most: int = 8) -> list[int]:
     return [n // p for p in range(1, most + 1) if n % p == 0]
 
 
+def _overlay_need(model: ModelSpec, tp: int) -> tuple[int, int]:
+    """Bytes per token of the owners' pages and the largest page overlaid on them (a model with explicit
+    sharing: every state and ring must fit one owner page)."""
+    per_token = max(la.spec.token_bytes(tp) for la in model.layers if isinstance(la.spec, MLASpec))
+    need = 1
+    for la in model.layers:
+        spec = la.spec
+        if isinstance(spec, CircularBufferSpec):
+            need = max(need, spec.page_bytes(tp))
+        elif isinstance(spec, (MambaSpec, ReplicatedStateSpec)):
+            need = max(need, spec.state_bytes(tp))
+    return per_token, need
+
+
 @st.composite
 def _block_size(draw: st.DrawFn, model: ModelSpec, tp: int) -> int:
+    if model.overlays:  # the smallest multiple of 4 tokens whose owner page holds every overlaid page
+        per_token, need = _overlay_need(model, tp)
+        return 4 * math.ceil(need / (4 * per_token)) * draw(st.sampled_from((1, 2)))
     if _is_hybrid(model):
         return align_hybrid_block_size(
             model, tp, draw(st.sampled_from((4, 1, 2, 8))), draw(st.sampled_from((4, 1, 2, 8, 16)))
@@ -330,6 +380,13 @@ def pd_pairs(
     fitting = [k for k in _divisors(local_block) if k % remote_kernel == 0]
     local_kernel = draw(st.sampled_from(fitting or _divisors(local_block)))
     p_kernel, d_kernel = (remote_kernel, local_kernel) if mode == "pull" else (local_kernel, remote_kernel)
+    if (
+        model.is_csa_linear
+    ):  # equal page geometry (a ring is not cut by token); ppl dividing the replicated page
+        p_block = d_block = math.lcm(p_block, d_block)
+        ple = max(la.spec.state_bytes(1) for la in model.layers if isinstance(la.spec, ReplicatedStateSpec))
+        ppl = draw(st.sampled_from([q for q in (1, 2, 4) if p_block % q == 0 and ple % q == 0]))
+        p_kernel = d_kernel = p_block // ppl
     attn = model.attention_spec
     head_split = attn is not None and attn.heads_per_rank(p_tp) != attn.heads_per_rank(d_tp)
     # vllm mode needs head-major pages when TP splits heads; kvgeom mode cuts token-major pages per token
@@ -425,7 +482,15 @@ def plannable_class(pair: PDPair) -> str | None:
         and not e.separate_group
         for e in (p, d)
     )
-    if not engines_plain or p.block_size != d.block_size or p.kernel != d.kernel:
+    same_blocks = p.block_size == d.block_size and p.kernel == d.kernel
+    if model.is_csa_linear:  # MLA pages: any KV layout; equal block geometry and conv layouts
+        ssm = model.ssm_spec
+        replicated = ssm is not None and any(  # replicated SSM units across TP sizes: vllm mode refuses them,
+            any(ssm.replicated_pieces(t)) or ssm.temporal.replicated(t) for t in (p.tp_size, d.tp_size)
+        )  # kvgeom mode gathers them in equal chunks where they divide
+        plain = same_blocks and p.conv_layout is d.conv_layout
+        return "csa-linear" if plain and not (p.tp_size != d.tp_size and replicated) else None
+    if not engines_plain or not same_blocks:
         return None
     if pair.compat == "vllm" and pair.mode == "push" and p.tp_size != d.tp_size:
         return None
@@ -474,7 +539,7 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     lookahead window; sometimes 1 for others), so D may hold a block more than P sent."""
     p_geom = engine_geometries(pair.model, pair.p_engine)[0]
     d_geom = engine_geometries(pair.model, pair.d_engine)[0]
-    ssm = [g.is_ssm for g in p_geom.groups]
+    ssm = list(p_geom.group_one_block)  # one block per request: SSM states, rings
     n_attn, n_ssm = max(ssm.count(False), len(d_geom.groups) - ssm.count(True)), ssm.count(True)
     pb, db = p_geom.scheduler_block, d_geom.scheduler_block  # tokens per list entry (DCP: a page per rank)
     if n_attn:
@@ -494,8 +559,8 @@ def requests(draw: st.DrawFn, pair: PDPair) -> Request:
     for geom, count in ((p_geom, math.ceil(computed / pb)), (d_geom, d_blocks - hit)):
         pool = draw(st.permutations(range(geom.logical_num_blocks)))
         ids, used = [], 0
-        for is_ssm in geom.group_is_ssm:
-            n = 1 if is_ssm else count
+        for one in geom.group_one_block:
+            n = 1 if one else count
             ids.append(tuple(pool[used : used + n]))
             used += n
         sides.append(tuple(ids))

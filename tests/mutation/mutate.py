@@ -58,6 +58,8 @@ CI_TESTS = [
     "tests/unit/test_vllm_refusals.py",
     "tests/unit/test_mutation_survivors.py",
     "tests/unit/test_card_lies.py",
+    "tests/unit/test_csa_linear.py",
+    "tests/testing/test_oracle_csa_linear.py",
 ]
 #: modules of each area (strategies generate the tests' inputs: their mutants weaken tests, not kvgeom)
 ORACLE = (

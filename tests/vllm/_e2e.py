@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -121,6 +122,8 @@ class RecordingNixl:
 # -- vLLM's view of a kvgeom rank ------------------------------------------------------------------------
 def _spec_type(group: Any) -> type:
     spec = group.spec
+    if group.is_ring:
+        return CircularBufferSpec
     if isinstance(spec, MLASpec):
         return SlidingWindowMLASpec if spec.sliding_window else MLAAttentionSpec
     if isinstance(spec, AttentionSpec):
@@ -204,6 +207,7 @@ def agent_metadata(
         ssm_sizes=tuple(conv_split(geom).ssm_sizes) if geom.has_ssm else (0, 0),
         attn_backend_name="KVGEOM",
         physical_blocks_per_logical_kv_block=geom.ppl,
+        ple_block_len=geom.ple.length // geom.ppl if geom.ple else None,
         region_num_blocks=list(t.num_blocks),
         region_group_ids=list(t.group_ids),
         region_names=list(t.names),
@@ -240,7 +244,7 @@ def worker(geom: RankGeometry, mode: str, prefix_caching: bool, engine_id: str, 
         _physical_blocks_per_logical_kv_block=geom.ppl,
         use_mla=geom.is_mla,
         _has_mamba=geom.has_ssm,
-        _is_csa_linear=False,
+        _is_csa_linear=geom.is_csa_linear,
         dcp_size=geom.dcp_size,
         dcp_rank=geom.dcp_rank,
         pcp_size=1,
@@ -265,10 +269,10 @@ def worker(geom: RankGeometry, mode: str, prefix_caching: bool, engine_id: str, 
         region_mem_types=["VRAM"] * n,
         _region_is_mla=list(reg.is_mla),
         _ssm_region_indices=list(geom.ssm_region_indices),
-        _scratch_region_indices=[],
-        _ple_region_index=None,
-        _ple_group_index=None,
-        _ple_block_len=None,
+        _scratch_region_indices=list(geom.scratch_region_indices),
+        _ple_region_index=geom.ple.region if geom.ple else None,
+        _ple_group_index=geom.ple.group if geom.ple else None,
+        _ple_block_len=geom.ple.length // geom.ppl if geom.ple else None,
         _conv_decomp=conv,
         _mamba_ssm_size=tuple(conv.ssm_sizes) if conv is not None else (0, 0),
         _group_spec_types=tuple(_spec_type(g) for g in geom.groups),
@@ -470,7 +474,7 @@ def pull(
             w._remote_agents["P"][(stage, rank)] = w.add_remote_agent(
                 meta, remote_tp_rank=rank, remote_tp_size=remote_tp, remote_dcp_size=remote_dcp
             )
-    computed = tuple(prefix_blocks if not g.is_ssm else 0 for g in d_geom.groups)
+    computed = tuple(prefix_blocks if not g.one_block else 0 for g in d_geom.groups)  # a ring: not cached
     local = [list(x) for x in d_ids]
     meta = ReqMeta(
         local_block_ids=local,

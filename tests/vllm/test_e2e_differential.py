@@ -107,6 +107,7 @@ def _shape(case: kst.Case) -> None:
         ("SSM", case.pair.model.has_ssm),
         ("pipeline stages", p.pp_size > 1 or d.pp_size > 1),
         ("packed rows", p.packed_rows or d.packed_rows),
+        ("CSA-linear", case.pair.model.is_csa_linear),
     ):
         if on:
             event(f"shape: {name}")
@@ -171,6 +172,43 @@ def _kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
     report = run_plans(pair.model, pair.p_engine, pair.d_engine, case.request, plans)
     assert report.ok, f"{case}\n{report}"
     event("vLLM correct, kvgeom correct" if vllm_ok else "vLLM refused or wrong, kvgeom correct")
+
+
+CSA_EXAMPLES = 150
+"""Examples per CSA-linear test (four tests: pull and push, each mode)."""
+
+
+def _csa_cases(mode: str):  # noqa: ANN202 - a hypothesis strategy
+    """CSA-linear pairs (rings on MLA pages, a sharded SSM state, a replicated state page; B.6.14)."""
+    return kst.cases(mode=mode, compat="kvgeom", models=kst.model_specs(("csa-linear",))).filter(
+        lambda c: (
+            c.pair.p_engine.conv_layout is ConvLayout.DS and c.pair.d_engine.conv_layout is ConvLayout.DS
+        )
+    )
+
+
+@settings(max_examples=CSA_EXAMPLES)
+@given(_csa_cases("pull"))
+def test_csa_linear_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=CSA_EXAMPLES)
+@given(_csa_cases("pull"))
+def test_csa_linear_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
+@settings(max_examples=CSA_EXAMPLES)
+@given(_csa_cases("push"))
+def test_csa_linear_vllm_mode_posts_vllms_writes(case: kst.Case) -> None:
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=CSA_EXAMPLES)
+@given(_csa_cases("push"))
+def test_csa_linear_kvgeom_mode_plans_what_vllm_writes_right(case: kst.Case) -> None:
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
 
 
 @settings(max_examples=E2E_EXAMPLES)

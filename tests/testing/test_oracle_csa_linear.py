@@ -1,0 +1,124 @@
+"""The oracle judges CSA-linear plans byte by byte: a ring block and the replicated state page are needed
+whole (docs/vllm-behaviour.md B.6.14). Each test plants one bug in a correct plan of the default
+``csa_linear_model()`` and checks the invariant and the coordinates the oracle names.
+
+Request (``Request.simple``, 40 tokens, block 16): MLA blocks 1-3, ring block 4, GDN slot 5, PLE slot 6 on
+both sides. Pages: MLA 256 B per block and region, ring 64 B, GDN state 144 + 64 B (TP1), PLE 48 B."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvgeom.csa import csa_linear_model
+from kvgeom.engine import EngineConfig
+from kvgeom.testing import Oracle, RankPlan, Report, Request, pull_plans, push_plans
+
+SRC_REGION, SRC_OFF, DST_REGION, DST_OFF, LENGTH = 1, 2, 4, 5, 6
+MODEL = csa_linear_model()
+P1, P2, D1 = (EngineConfig(tp_size=t, block_size=16, num_blocks=8) for t in (1, 2, 1))
+REQ = Request.simple(MODEL, P1, D1, 40)
+RING, PLE = 4 * 256, 6 * 256  # byte offsets of the ring block and the PLE slot in their regions
+
+
+def _run(p: EngineConfig, plans: list[RankPlan], mutate=None) -> Report:
+    oracle = Oracle.for_engines(MODEL, p, D1, REQ)
+    for rp in plans:
+        moves = oracle.moves_of(rp)
+        oracle.execute(mutate(moves) if mutate else moves, f"rank {rp.rank}")
+        if rp.plan.mode == "pull":
+            oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    return oracle.report()
+
+
+def test_request_holds_one_ring_block_and_one_replicated_slot() -> None:
+    assert REQ.d_ids == ((1, 2, 3), (4,), (5,), (6,)) and REQ.p_ids == REQ.d_ids
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+@pytest.mark.parametrize("p", [P1, P2])
+def test_correct_plans_pass(compat: str, p: EngineConfig) -> None:
+    report = _run(p, pull_plans(MODEL, p, D1, REQ, compat))
+    assert report.ok, report
+    # 3 MLA blocks x 2 regions x 256 + ring 2 x 256 + GDN 2 x 208 + PLE 48 (vLLM at P TP2: PLE from each P rank)
+    extra = 48 if (compat, p) == ("vllm", P2) else 0
+    assert report.bytes_moved == 1536 + 512 + 416 + 48 + extra
+
+
+def test_push_plans_pass() -> None:
+    report = _run(P1, push_plans(MODEL, P1, D1, REQ, "vllm"))
+    assert report.ok and report.bytes_moved == 2512, report
+
+
+def _is_ring(moves: np.ndarray) -> np.ndarray:
+    return (moves[:, DST_OFF] == RING) & (moves[:, LENGTH] == 256)
+
+
+def _is_ple(moves: np.ndarray) -> np.ndarray:
+    return (moves[:, DST_REGION] == 0) & (moves[:, DST_OFF] == PLE)
+
+
+def test_a_ring_block_left_behind() -> None:
+    def drop(moves: np.ndarray) -> np.ndarray:
+        assert _is_ring(moves).sum() == 2
+        return moves[~(_is_ring(moves) & (moves[:, DST_REGION] == 1))]  # the second scratch region
+
+    report = _run(P1, pull_plans(MODEL, P1, D1, REQ, "vllm"), drop)
+    assert report.invariants == {"I3"}
+    v = report.of("I3")[0]
+    assert (v.region, v.start) == (1, RING) and "layers.2.ring ring entry 0" in v.expected
+
+
+def test_a_ring_read_from_a_token_block() -> None:
+    def wrong_block(moves: np.ndarray) -> np.ndarray:
+        moves[_is_ring(moves), SRC_OFF] = 256  # P's MLA block 1, not its ring block 4
+        return moves
+
+    report = _run(P1, pull_plans(MODEL, P1, D1, REQ, "kvgeom"), wrong_block)
+    assert "I2" in report.invariants
+    v = report.of("I2")[0]
+    assert "ring entry" in v.expected and "latent token" in v.found
+
+
+def test_a_replicated_page_sharded_like_a_state() -> None:
+    """Split handles that treat the replicated page as a sharded state: source ``p`` fills D's bytes
+    ``[24p, 24p + 24)`` from the start of its own page (vLLM keeps the page whole in every split)."""
+
+    def shard(moves: np.ndarray) -> np.ndarray:
+        ple = np.flatnonzero(_is_ple(moves))
+        assert ple.size == 2  # one from each P rank
+        moves[ple, LENGTH:] = 24
+        moves[ple, DST_OFF] += np.array([0, 24])
+        return moves
+
+    report = _run(P2, pull_plans(MODEL, P2, D1, REQ, "vllm"), shard)
+    assert report.invariants == {"I2"}
+    v = report.of("I2")[0]
+    assert (v.region, v.start, v.stop) == (0, PLE + 24, PLE + 48)
+    assert "ple state channel 4 row 0" in v.expected and "ple state channel 0 row 0" in v.found
+
+
+def test_a_replicated_page_cut_short() -> None:
+    def short(moves: np.ndarray) -> np.ndarray:
+        moves[_is_ple(moves), LENGTH:] = 24  # source and destination lengths
+        return moves
+
+    report = _run(P1, pull_plans(MODEL, P1, D1, REQ, "kvgeom"), short)
+    assert report.invariants == {"I3"}
+    v = report.of("I3")[0]
+    assert (v.region, v.start, v.stop) == (
+        0,
+        PLE + 24,
+        PLE + 48,
+    ) and "ple state channel 4 row 0" in v.expected
+
+
+def test_a_replicated_page_from_the_wrong_region() -> None:
+    def other_region(moves: np.ndarray) -> np.ndarray:
+        moves[_is_ple(moves), SRC_REGION] = 1  # region 1 holds no PLE page: P's bytes there are no coordinate
+        return moves
+
+    report = _run(P1, pull_plans(MODEL, P1, D1, REQ, "vllm"), other_region)
+    assert report.invariants == {"I2"}
+    v = report.of("I2")[0]
+    assert (v.region, v.start) == (0, PLE) and "ple state channel 0" in v.expected

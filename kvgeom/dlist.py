@@ -90,8 +90,6 @@ class Dlist:
     def take(self, ids: np.ndarray) -> np.ndarray:
         """``(region, offset, length)`` of descriptors ``ids`` without expanding the table."""
         ids = np.asarray(ids, dtype=np.int64)
-        if "rows" in self.__dict__:
-            return np.asarray(self.rows[ids], dtype=np.int64)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self)):
             raise PlanError(
                 "descriptor ids",
@@ -99,6 +97,8 @@ class Dlist:
                 value=int(ids.max()),
                 expected=len(self),
             )
+        if "rows" in self.__dict__:
+            return np.asarray(self.rows[ids], dtype=np.int64)
         run = np.searchsorted(self._ends, ids, side="right")
         r = self.runs[run]
         addr = r[:, 0] + (ids - (self._ends[run] - r[:, 4])) * r[:, 3]

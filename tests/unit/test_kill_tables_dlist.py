@@ -93,6 +93,15 @@ def test_dlist_take():
     assert rows.take([1, 0]).tolist() == [[1, 116, 8], [1, 100, 8]]
 
 
+def test_dlist_take_row_backed_refuses_outside_ids():
+    # regression: a table built from expanded rows answered id -1 with its last row (numpy wrap-around)
+    # and id 2 of a 2-row table with a raw IndexError; both are a PlanError like the run-backed lookup
+    rows = Dlist([[1, 100, 8], [1, 116, 8]], 2)
+    for bad, value in (([2], 2), ([-1], -1), ([0, 5], 5)):
+        err = _raises(PlanError, rows.take, bad)
+        assert err.field == "descriptor ids" and err.values == {"value": value, "expected": 2}
+
+
 def test_dlist_bind():
     d = Dlist([[8, 4, 0, 16, 2], [R + 2, 6, 0, 6, 1]], 2)
     assert d.bind([1000, 5000]).tolist() == [[1008, 4, 0], [1024, 4, 0], [5002, 6, 0]]

@@ -22,6 +22,7 @@ def _raises(cls, fn, *args, **kwargs):
 
 def test_block_size_ratio_values():
     assert block_size_ratio(8, 4) == 2
+    assert type(block_size_ratio(8, 4)) is int
     assert block_size_ratio(4, 4) == 1
     assert block_size_ratio(16, 1) == 16
 
@@ -39,6 +40,7 @@ def test_block_size_ratio_refusals():
 
 def test_kernel_blocks_per_logical_values_and_refusals():
     assert kernel_blocks_per_logical(16, 4) == 4
+    assert type(kernel_blocks_per_logical(16, 4)) is int
     assert kernel_blocks_per_logical(16, 16) == 1
     assert kernel_blocks_per_logical(1, 1) == 1
     err = _raises(ConfigError, kernel_blocks_per_logical, 16, 6)  # 16 % 6 = 4
@@ -55,6 +57,9 @@ def test_kernel_blocks_per_logical_values_and_refusals():
 def test_remote_block_split_worked_example():
     # local 36, remote 20: gcd 4, each remote block read as 20 // 4 = 5 blocks (local side 36 // 4 = 9)
     assert remote_block_split(36, 20, [100, 200], [100, 200]) == 5
+    assert type(remote_block_split(36, 20, [100, 200], [100, 200])) is int
+    # 21 % 20 == 1: gcd 1, each remote block read as 20 one-token blocks
+    assert remote_block_split(21, 20, [40], [40]) == 20
     # dividing sizes: no split
     assert remote_block_split(40, 20, [100], [100]) == 1
     assert remote_block_split(20, 20, [7], [7]) == 1
@@ -103,6 +108,7 @@ def test_derive_conv_split_mamba1():
     assert derive_conv_split("mamba1", (8, 4), (8,), 1, "float32", "float32").ssm_sizes == (128, 32)
     err = _raises(SpecError, derive_conv_split, "mamba1", (8, 4), (7, 16), 1, "bfloat16", "float32")
     assert err.field == "temporal_shape" and err.values == {"value": 7, "expected": 8}
+    assert "intermediate_size/TP" in str(err) and "(7)" in str(err)
 
 
 def test_derive_conv_split_mamba2():
@@ -113,6 +119,7 @@ def test_derive_conv_split_mamba2():
     assert s.proj_bytes == (48, 12, 12)
     assert s.local_conv_offsets == ((0, 48), (48, 12), (60, 12))
     assert s.ssm_sizes == (12 * 3 * 2, 2 * 4 * 16 * 4)
+    assert all(type(x) is int for x in s.local_proj_dims + s.proj_bytes)
     # tp 1, I = 8: C = 10 -> rem 2 -> dims (8, 1, 1)
     assert derive_conv_split("mamba2", (10, 1), (2, 4), 1, "int8", "int8").local_proj_dims == (8, 1, 1)
     for c in (8, 9):  # rem 0 (not positive), rem 1 (odd)
@@ -131,6 +138,7 @@ def test_derive_conv_split_gdn_kda(kind):
     assert s.proj_bytes == (32, 32, 64)
     assert s.local_conv_offsets == ((0, 32), (32, 32), (64, 64))
     assert s.ssm_sizes == (16 * 2 * 4, 2 * 4 * 8 * 2)
+    assert all(type(x) is int for x in s.local_proj_dims + s.proj_bytes)
     assert derive_conv_split(kind, (10, 1), (2, 4), 1, "int8", "int8").local_proj_dims == (1, 1, 8)
     for c in (8, 9):
         err = _raises(SpecError, derive_conv_split, kind, (c, 1), (2, 4), 1, "int8", "int8")
@@ -170,6 +178,7 @@ def test_remote_conv_offsets_head_split():
 def test_remote_conv_offsets_whole_page():
     # tp_ratio -2: pieces s // 2 = (8, 2, 2) at cumulative offsets; the rank offset is ignored
     assert remote_conv_offsets((4, 1, 1), 2, 2, 5, -2) == ((0, 8), (8, 2), (10, 2))
+    assert all(type(x) is int for p in remote_conv_offsets((4, 1, 1), 2, 2, 5, -2) for x in p)
     assert remote_conv_offsets((4, 1, 1), 2, 2, 0, -1) == ((0, 16), (16, 4), (20, 4))
 
 

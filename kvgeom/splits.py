@@ -80,7 +80,7 @@ def _replicated_fa_rows(
             expected=num_fa_descs,
         )
     region = np.searchsorted(ends, starts, side="right")
-    return np.asarray(region_is_mla, dtype=bool)[np.minimum(region, max(len(ends) - 1, 0))]
+    return np.asarray(region_is_mla, dtype=bool)[region]  # starts < num_fa_descs = ends[-1]: region < len(ends)
 
 
 def build_local_splits(

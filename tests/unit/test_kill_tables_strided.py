@@ -359,3 +359,10 @@ def test_build_local_splits_regions():
         region_num_blocks=[1, 2],
     )
     assert err.field == "region_num_blocks" and err.values == {"value": 3, "expected": 2}
+
+
+def test_fa_remote_rows_refuses_block_size_ratio():
+    # regression: bsr 0 divided by zero (numpy warning, garbage rows), a negative bsr gave negative lengths
+    for bad in (0, -1):
+        err = _raises(RatioError, fa_remote_rows, [0], [64], [4], [32], [False], bad, 1, 0)
+        assert err.field == "block_size_ratio" and err.values == {"value": bad}

@@ -162,3 +162,15 @@ def test_region_zero_rows_refusals():
     assert err.field == "block_ids_by_region" and err.values == {"value": 1, "expected": 2}
     err = _raises(BlockIdError, region_zero_rows, [[1], [-1]], [10, 20], [16, 32])
     assert err.field == "block_ids_by_region[1]"
+
+
+def test_regionmap_dtypes():
+    # every list is int64, also empty ones and ones from narrower or unsigned inputs
+    dec, pre = apply_prefix_caching_by_region([[]], [[1]])
+    assert dec[0].dtype == np.int64 and pre[0].dtype == np.int64
+    out = region_zero_ids([np.asarray([1, 2], dtype=np.int32)], [])
+    assert out[0].dtype == np.int64
+    u = np.uint64
+    rows = region_zero_rows([[1]], np.asarray([10], dtype=u), np.asarray([16], dtype=u))
+    assert rows.dtype == np.int64 and rows.tolist() == [[0, 16, 10]]
+    assert region_zero_rows([[1, 2]], [10], [16]).dtype == np.int64

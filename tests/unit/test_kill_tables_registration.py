@@ -298,3 +298,39 @@ def test_packed_rows_routed_by_layer():
     # routing by layer without block-outermost: plain regions, merged at one base
     reg = discover_regions([attn("a"), attn("b")], RegistrationLayout(route_by_layer=True))
     assert reg.names == ("a",)
+
+
+def test_int_lengths_and_ranges():
+    reg = discover_regions([state()], RegistrationLayout(ppl=2))
+    assert all(type(x) is int for x in reg.block_lens + reg.block_strides)
+    reg = discover_regions([attn(stride=128, first=128)], RegistrationLayout(ppl=2))
+    assert all(type(x) is int for x in reg.block_lens + reg.block_strides)
+    # the registered memory is the storage, not the view
+    t = attn(address=S + 64, storage_bytes=2048, nbytes=1024, first=None)
+    assert discover_regions([t], RegistrationLayout()).ranges == ((S, 2048, 0, "VRAM"),)
+
+
+def test_host_resident_whole_rows_start_at_the_view():
+    # a host-resident view registers from its own address, also when it registers whole rows
+    h = attn("h", address=S + 64, nbytes=1024, storage_bytes=1024, page=128, first=None, host_resident=True)
+    assert regions(discover_regions([h], RegistrationLayout())) == [(S + 64, 256, 256, 4)]
+    g = attn("g", address=S + 64, nbytes=1024, storage_bytes=1024, page=128, first=None)
+    assert regions(discover_regions([g], RegistrationLayout())) == [(S, 256, 256, 4)]
+
+
+def test_csa_linear_whole_rows_only_for_packed_mla():
+    # CSA-linear: a non-contiguous block-major row is registered whole only for MLA in a packed storage
+    csa_mla = RegistrationLayout(mla=True, csa_linear=True)
+    t = attn(page=128, first=None)
+    assert regions(discover_regions([t], csa_mla)) == [(S, 128, 256, 4)]  # packed storage, not MLA
+    m = attn(kind="mla", page=128, first=None)
+    assert regions(discover_regions([m], RegistrationLayout(csa_linear=True))) == [
+        (S, 128, 256, 4)
+    ]  # MLA, not packed
+    assert regions(discover_regions([m], csa_mla)) == [(S, 256, 256, 4)]  # both
+
+
+def test_one_byte_segments():
+    # 1 block of 1 byte: segments of 1 byte cut any view
+    t = attn(storage_bytes=100, nbytes=1, page=1, stride=1, first=None, pool_blocks=1, rows=1)
+    assert regions(discover_regions([t], RegistrationLayout())) == [(S, 1, 1, 1)]

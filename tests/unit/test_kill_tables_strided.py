@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvgeom.errors import GroupMismatchError, IncompatiblePairError, PlanError, RatioError, UnsupportedError
@@ -366,3 +367,38 @@ def test_fa_remote_rows_refuses_block_size_ratio():
     for bad in (0, -1):
         err = _raises(RatioError, fa_remote_rows, [0], [64], [4], [32], [False], bad, 1, 0)
         assert err.field == "block_size_ratio" and err.values == {"value": bad}
+
+
+def test_strided_dtypes():
+    u = np.uint64
+    assert strided_starts(np.asarray([[0, 1, 0, 1, 2], [0, 1, 0, 1, 3]], dtype=u)).dtype == np.int64
+    assert block_strided_rows(1000, 10, 48, 2, 4).dtype == np.int64
+    assert fa_remote_rows([0], [64], [4], [32], [False], 1, 1, 0).dtype == np.int64
+    empty = mamba_local_rows([], [], [], [], (0, 0), 1, 1)
+    assert empty.shape == (0, 5) and empty.dtype == np.int64
+    assert as_strided(np.asarray([[1, 2, 3]], dtype=u)).dtype == np.int64
+
+
+def test_lengths_not_divisible_by_bsr():
+    # vLLM's integer division: 10 // 4 = 2-byte sub-blocks; stride 10 != 4 * 2, so one run per block
+    assert fa_local_rows([0], [10], [10], [2], 4).tolist() == [[0, 2, 0, 2, 4], [10, 2, 0, 2, 4]]
+    # remote: rkv = 10 // 4 = 2 is the length; offset 3 * 2
+    assert fa_remote_rows([0], [64], [4], [10], [False], 4, 1, 3).tolist() == [[6, 2, 0, 64, 4]]
+
+
+def test_build_local_splits_without_attention():
+    # only SSM descriptors: nfa 0 (allowed), empty region lists are consistent with it
+    m = _mapping([(0, 1)], (0, 1), ((0, 0), (1, 1)))
+    ssm = [[1000, 20, 0, 100, 3]]
+    out = build_local_splits(ssm, m, 0, 1, [True])
+    assert out[1].tolist() == [[1010, 10, 0, 100, 3]]
+    out = build_local_splits(ssm, m, 0, 1, [True], region_is_mla=[], region_num_blocks=[])
+    assert out[1].tolist() == [[1010, 10, 0, 100, 3]]
+
+
+def test_build_local_splits_region_flags_are_truth_values():
+    # 1 / 0 flags mean MLA / not MLA
+    m = _mapping([(0, 1)], (0, 1), ((0, 0), (1, 1)))
+    fa = [[0, 40, 0, 40, 1], [100, 40, 0, 40, 1]]
+    out = build_local_splits(fa, m, 2, 1, [False], region_is_mla=[1, 0], region_num_blocks=[1, 1])
+    assert out[1].tolist() == [[0, 40, 0, 40, 1], [120, 20, 0, 40, 1]]

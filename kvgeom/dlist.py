@@ -55,6 +55,12 @@ class Dlist:
                 value=arr.shape,
             )
         if arr.shape[1] == 3:
+            if arr.size and (int(arr[:, 1].min()) < 0 or int(arr[:, 1].max()) > _OFFSET_MASK):
+                raise PlanError(
+                    "rows",
+                    f"offsets must lie in [0, 2**{_REGION_SHIFT}) (a pseudo-address's offset bits)",
+                    value=(int(arr[:, 1].min()), int(arr[:, 1].max())),
+                )
             runs = np.empty((arr.shape[0], 5), dtype=np.int64)
             runs[:, 0] = (arr[:, 0] << _REGION_SHIFT) | arr[:, 1]
             runs[:, 1] = arr[:, 2]

@@ -351,3 +351,13 @@ def test_routed_tables_ssm_whole_pieces():
     assert [len(t) for t in routed_tables(local, remote, 1, 1, FA2, None)] == [8, 16]
     local = local.__class__(**{**local.__dict__, "conv_offsets": ((0, 40),), "ssm_sizes": None})
     assert [len(t) for t in routed_tables(local, remote, 1, 1, FA2, None)] == [8, 16]
+
+
+def test_dlist_rows_refuse_offsets_outside_the_offset_bits():
+    # regression: an offset of 2**44 or a negative one ran into the region bits (a descriptor of another
+    # region, or of a negative one) while the kept rows still showed the given offset
+    assert Dlist([[0, R - 1, 4]], 1).runs.tolist() == [[R - 1, 4, 0, 4, 1]]
+    assert Dlist([[2, 0, 4]], 1).take([0]).tolist() == [[2, 0, 4]]
+    for bad, value in (([[0, R, 4]], (R, R)), ([[1, -1, 4], [1, 3, 4]], (-1, 3))):
+        err = _raises(PlanError, Dlist, bad, 1)
+        assert err.field == "rows" and err.values == {"value": value}

@@ -295,3 +295,59 @@ def test_segment_ids():
     assert err.field == "block_ids"
     err = _raises(BlockIdError, segment_ids, seg, [[0], [-1]], [False, False])
     assert err.field == "block_ids[1]"
+
+
+def test_two_dimensional_inputs_are_flattened():
+    # capacities and group ids given as columns read like flat lists
+    seg = desc_segments(1, 4, 2, None, 1, [False], region_num_blocks=np.asarray([[2], [3]]))
+    assert _table(seg) == [[0, 2], [0, 0], [2, 3]]
+    kw = dict(region_group_ids=np.asarray([[0], [1], [-1]]))
+    assert compute_desc_ids([[1], [2]], 4, 3, None, 1, [False, False], **kw).tolist() == [1, 9, 6, 10]
+    # block ids as a 2-D array: one row per group
+    assert compute_desc_ids(np.asarray([[1, 2]]), 4, 2, None, 1, [False]).tolist() == [1, 2, 5, 6]
+
+
+def test_grid_capacity_refusal_names_the_field():
+    err = _raises(GroupMismatchError, desc_segments, 1, 4, 2, None, 1, [False], region_num_blocks=[1, -1])
+    assert err.field == "region_num_blocks"
+
+
+def test_ids_are_int64():
+    assert compute_desc_ids([[1, 2], [3]], 4, 3, None, 1, [False, False]).dtype == np.int64
+    kw = dict(transfer_layer_group_ids=[0, 1])
+    empty = compute_desc_ids([[], []], 4, 1, None, 1, [False, False], **kw)
+    assert empty.dtype == np.int64 and empty.size == 0
+
+
+def test_refusal_order_and_empty_groups():
+    # group 1 has no region but also no ids: not an orphan; group 0's id 5 is past its capacity 4
+    kw = dict(region_group_ids=[0, 0, 0], uses_region_group_mapping=True)
+    err = _raises(BlockIdError, compute_desc_ids, [[5], []], 4, 3, None, 1, [False, False], **kw)
+    assert err.field == "block_ids[0]" and err.values == {"value": 5, "expected": 4}
+    # a capacity-0 segment of a group without ids is never "over capacity"
+    kw = dict(region_num_blocks=[0, 4], transfer_layer_group_ids=[1, 0])
+    err = _raises(BlockIdError, compute_desc_ids, [[5], []], 4, 1, None, 1, [False, False], **kw)
+    assert err.field == "block_ids[0]" and err.values == {"value": 5, "expected": 4}
+    # a flat array is refused before the configuration is looked at
+    err = _raises(BlockIdError, compute_desc_ids, np.asarray([1, 2]), 4, 0, None, 1, [False])
+    assert err.field == "block_ids"
+    # SSM ids without SSM regions: refused by compute_desc_ids itself (no value), not as an orphan group
+    err = _raises(GroupMismatchError, compute_desc_ids, [[1], [0]], 4, 2, None, 1, [False, True])
+    assert err.field == "block_ids[1]" and err.values == {}
+    # the wrong number of id lists
+    err = _raises(GroupMismatchError, compute_desc_ids, [[1]], 4, 2, None, 1, [False, False])
+    assert err.field == "block_ids" and err.values == {"value": 1, "expected": 2}
+
+
+def test_compute_desc_ids_passes_every_option():
+    # default 3 conv pieces: 1 SSM region x 4 streams of 4 logical blocks after nfa 16
+    got = compute_desc_ids([[1], [2]], 8, 2, None, 2, [False, True], [1])
+    assert got.tolist() == [1, 9, 18, 22, 26, 30]
+    # scratch group 0 reads only region 1
+    got = compute_desc_ids(
+        [[1], [2]], 8, 2, None, 2, [False, True], [1], 1, scratch_groups=[0], scratch_region_indices=[1]
+    )
+    assert got.tolist() == [9, 18, 22]
+    # the replicated-state group 2 reads the stream after the 2 SSM streams: 16 + 2 * 4 + 1
+    got = compute_desc_ids([[0], [1], [1]], 8, 2, None, 2, [False, True, True], [1], 1, ple_group=2)
+    assert got.tolist() == [0, 8, 17, 21, 25]

@@ -361,3 +361,57 @@ def test_dlist_rows_refuse_offsets_outside_the_offset_bits():
     for bad, value in (([[0, R, 4]], (R, R)), ([[1, -1, 4], [1, 3, 4]], (-1, 3))):
         err = _raises(PlanError, Dlist, bad, 1)
         assert err.field == "rows" and err.values == {"value": value}
+
+
+def test_dlist_unique_rows_fill_every_run_column():
+    d = Dlist([[3, 7, 11], [5, 13, 17]], 2)
+    assert d.runs.tolist() == [[3 * R + 7, 11, 0, 11, 1], [5 * R + 13, 17, 0, 17, 1]]
+
+
+def test_dlist_empty_tables_of_any_width():
+    # an empty table of any shape is an empty strided table
+    for empty in (np.zeros((0, 4)), np.zeros((0, 6)), np.zeros((0, 3, 0))):
+        d = Dlist(empty, 0)
+        assert d.runs.shape == (0, 5) and len(d) == 0
+
+
+def test_dlist_take_and_bind_dtypes_and_large_bases():
+    d = Dlist([[R + 100, 8, 0, 16, 3]], 3)
+    assert d.take([1]).dtype == np.int64
+    # bases above 2**53 stay exact (uint64 arithmetic, no float)
+    big = 2**60 + 1
+    d = Dlist([[0, 3, 4], [1, 5, 6]], 2)
+    assert d.bind([big, big + 2]).tolist() == [[big + 3, 4, 0], [big + 7, 6, 0]]
+    assert d.bind_strided([big, big + 2]).tolist() == [[big + 3, 4, 0, 4, 1], [big + 7, 6, 0, 6, 1]]
+
+
+def test_check_bounds_zero_length_and_far_negative_region():
+    Dlist([[0, 0, 0, 0, 1]], 1).check_bounds([0], "local")  # a zero-length descriptor at 0 fits
+    Dlist([[0, 100, 0]], 1).check_bounds([100], "local")  # ... also at the region's end
+    err = _raises(PlanError, Dlist([[-5, 0, 4]], 1).check_bounds, [100], "local")
+    assert err.field == "local dlist[0]" and err.values["value"][0] == -5
+
+
+def test_rescaled_numbers_are_ints():
+    r = _view(block_size=20, block_lens=(60, 30), block_strides=(80, 40)).rescaled(5)
+    assert all(type(x) is int for x in (r.block_size, r.ppl, r.num_blocks, *r.block_lens, *r.block_strides))
+
+
+def test_routed_tables_cut_lengths_like_vllm():
+    # 10-byte pages in 4 rows per block: 10 // 4 = 2-byte rows; stride 10 != 4 * 2, so one run per block
+    local = _view(num_blocks=2, block_lens=(10,), block_strides=(10,), region_is_mla=(False,))
+    lt, _ = routed_tables(local, local, 4, 1, [(0, 0, 2)], None)
+    assert lt.runs.tolist() == [[0, 2, 0, 2, 4], [10, 2, 0, 2, 4]]
+
+
+def test_routed_tables_without_regions_or_ssm_regions():
+    none = _view(num_blocks=2, block_lens=(), block_strides=(), region_is_mla=())
+    lt, rt = routed_tables(none, none, 1, 1, [], None)
+    assert lt.runs.shape == (0, 5) and rt.runs.shape == (0, 5) and lt.num_fa == 0
+    # SSM sizes but no SSM region: no state rows on either side
+    local, remote = _ssm_pair()
+    local = local.__class__(**{**local.__dict__, "ssm_region_indices": ()})
+    lt, rt = routed_tables(local, remote, 1, 1, FA2, None)
+    assert lt.runs.tolist() == [[0, 32, 0, 64, 4], [R, 32, 0, 64, 4]]
+    assert rt.runs.tolist() == [[0, 32, 0, 32, 8], [R, 32, 0, 32, 8]]
+    assert lt.runs.dtype == np.int64

@@ -351,3 +351,33 @@ def test_compute_desc_ids_passes_every_option():
     # the replicated-state group 2 reads the stream after the 2 SSM streams: 16 + 2 * 4 + 1
     got = compute_desc_ids([[0], [1], [1]], 8, 2, None, 2, [False, True, True], [1], 1, ple_group=2)
     assert got.tolist() == [0, 8, 17, 21, 25]
+
+
+def test_scratch_group_without_scratch_regions():
+    # a scratch group over no region has no segment; the table stays int64
+    seg = desc_segments(
+        2, 8, 1, None, 1, [False, True], [0], 1, scratch_groups=[0], scratch_region_indices=[]
+    )
+    assert _table(seg) == [[8, 16], [1, 1], [8, 8]]
+    assert seg.offset.dtype == np.int64 and seg.capacity.dtype == np.int64 and seg.group.dtype == np.int64
+    got = compute_desc_ids(
+        [[], [3]], 8, 1, None, 1, [False, True], [0], 1, scratch_groups=[0], scratch_region_indices=[]
+    )
+    assert got.tolist() == [11, 19] and got.dtype == np.int64
+
+
+BIG = 2**53 + 1  # not a float64: any float step on the way would round it
+
+
+def test_exact_beyond_float_precision():
+    # mapped path: capacities (BIG, 1) -> offsets (0, BIG)
+    seg = desc_segments(2, 4, 2, None, 1, [False, False], region_num_blocks=[BIG, 1], region_group_ids=[0, 1])
+    assert _table(seg) == [[0, BIG], [0, 1], [BIG, 1]]
+    # SSM path: 3 * BIG kernel blocks, ppl 3 -> BIG logical blocks per stream, after nfa = 3 * BIG
+    seg = desc_segments(2, 3 * BIG, 1, None, 3, [False, True], [0], 1)
+    assert _table(seg) == [[0, 3 * BIG, 4 * BIG], [0, 1, 1], [3 * BIG, BIG, BIG]]
+    # scratch region 1 starts at 1 * BIG
+    seg = desc_segments(
+        2, BIG, 2, None, 1, [False, True], [0], 1, scratch_groups=[0], scratch_region_indices=[1]
+    )
+    assert _table(seg)[0] == [BIG, 2 * BIG, 3 * BIG]

@@ -415,3 +415,21 @@ def test_routed_tables_without_regions_or_ssm_regions():
     assert lt.runs.tolist() == [[0, 32, 0, 64, 4], [R, 32, 0, 64, 4]]
     assert rt.runs.tolist() == [[0, 32, 0, 32, 8], [R, 32, 0, 32, 8]]
     assert lt.runs.dtype == np.int64
+
+
+def test_routed_tables_exact_for_high_regions():
+    # region 512's pseudo-address 512 << 44 = 2**53: an odd offset there is no float64, so any float
+    # step on the way would round it; 513 regions of one 64-byte block, each cut to (1, 1, 8)
+    n = 513
+    local = _view(num_blocks=1, block_lens=(64,) * n, block_strides=(64,) * n, region_is_mla=(False,) * n)
+    lt, rt = routed_tables(local, local, 1, 1, [(1, 1, 8)] * n, None)
+    assert lt.runs[-1].tolist() == [512 * R + 1, 8, 0, 64, 1]
+    assert rt.runs[-1].tolist() == [512 * R + 1, 8, 0, 64, 1]
+    # the same with state sizes but no state region
+    ssm = local.__class__(**{**local.__dict__, "ssm_sizes": (8, 8), "conv_offsets": ((0, 8),)})
+    lt, rt = routed_tables(ssm, ssm, 1, 1, [(1, 1, 8)] * n, None)
+    assert lt.runs[-1].tolist() == [512 * R + 1, 8, 0, 64, 1] and len(lt) == n
+    # slices given as unsigned numpy numbers
+    u = np.uint64
+    lt, _ = routed_tables(local, local, 1, 1, [(u(1), u(1), u(8))] * n, None)
+    assert lt.runs[-1].tolist() == [512 * R + 1, 8, 0, 64, 1]

@@ -433,3 +433,39 @@ def test_routed_tables_exact_for_high_regions():
     u = np.uint64
     lt, _ = routed_tables(local, local, 1, 1, [(u(1), u(1), u(8))] * n, None)
     assert lt.runs[-1].tolist() == [512 * R + 1, 8, 0, 64, 1]
+
+
+def _dirty_small_buffers():
+    """Leave numpy's cache of small freed buffers holding -7s, so that an array allocated next and not
+    fully written shows it (a row column left unset)."""
+    dirty = [np.full(n, -7, dtype=np.int64) for n in (10, 10, 10, 10, 15, 15, 15, 15) for _ in range(2)]
+    del dirty
+
+
+def test_dlist_from_rows_sets_the_device_column():
+    _dirty_small_buffers()
+    d = Dlist([[3, 7, 11], [5, 13, 17]], 2)
+    assert d.runs[:, 2].tolist() == [0, 0]
+
+
+def test_routed_state_rows_set_the_device_column():
+    local, remote = _ssm_pair()
+    _dirty_small_buffers()
+    lt, rt = routed_tables(local, remote, 1, 1, FA2, [(0, 0, 20), (40, 20, 40)])
+    assert lt.runs[:, 2].tolist() == [0, 0, 0, 0] and rt.runs[:, 2].tolist() == [0, 0, 0, 0]
+
+
+def test_routed_state_rows_exact_for_high_regions():
+    # state of region 512 with a conv piece at offset 1: 512 << 44 | 1 is no float64
+    n = 513
+    v = _view(
+        num_blocks=1,
+        block_lens=(64,) * n,
+        block_strides=(64,) * n,
+        region_is_mla=(False,) * n,
+        ssm_region_indices=(512,),
+        ssm_sizes=(8, 8),
+        conv_offsets=((1, 7),),
+    )
+    lt, rt = routed_tables(v, v, 1, 1, [(0, 0, 64)] * n, None)
+    assert lt.runs[-2:].tolist() == [[512 * R + 1, 7, 0, 64, 1], [512 * R + 8, 8, 0, 64, 1]]

@@ -55,6 +55,12 @@ class Dlist:
                 value=arr.shape,
             )
         if arr.shape[1] == 3:
+            if arr.size and (int(arr[:, 1].min()) < 0 or int(arr[:, 1].max()) > _OFFSET_MASK):
+                raise PlanError(
+                    "rows",
+                    f"offsets must lie in [0, 2**{_REGION_SHIFT}) (a pseudo-address's offset bits)",
+                    value=(int(arr[:, 1].min()), int(arr[:, 1].max())),
+                )
             runs = np.empty((arr.shape[0], 5), dtype=np.int64)
             runs[:, 0] = (arr[:, 0] << _REGION_SHIFT) | arr[:, 1]
             runs[:, 1] = arr[:, 2]
@@ -90,8 +96,6 @@ class Dlist:
     def take(self, ids: np.ndarray) -> np.ndarray:
         """``(region, offset, length)`` of descriptors ``ids`` without expanding the table."""
         ids = np.asarray(ids, dtype=np.int64)
-        if "rows" in self.__dict__:
-            return np.asarray(self.rows[ids], dtype=np.int64)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self)):
             raise PlanError(
                 "descriptor ids",
@@ -99,6 +103,8 @@ class Dlist:
                 value=int(ids.max()),
                 expected=len(self),
             )
+        if "rows" in self.__dict__:
+            return np.asarray(self.rows[ids], dtype=np.int64)
         run = np.searchsorted(self._ends, ids, side="right")
         r = self.runs[run]
         addr = r[:, 0] + (ids - (self._ends[run] - r[:, 4])) * r[:, 3]

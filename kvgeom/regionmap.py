@@ -108,7 +108,7 @@ def apply_prefix_caching_by_region(
                 local=int(d.size),
                 remote=int(p.size),
             )
-        out.append(p[p.size - d.size :] if d.size else p[:0])
+        out.append(p[p.size - d.size :])  # d.size == 0: p[p.size:], empty
     return dec, out
 
 

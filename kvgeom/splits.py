@@ -80,7 +80,8 @@ def _replicated_fa_rows(
             expected=num_fa_descs,
         )
     region = np.searchsorted(ends, starts, side="right")
-    return np.asarray(region_is_mla, dtype=bool)[np.minimum(region, max(len(ends) - 1, 0))]
+    # every start lies below num_fa_descs = ends[-1], so every region index is below len(ends)
+    return np.asarray(region_is_mla, dtype=bool)[region]
 
 
 def build_local_splits(

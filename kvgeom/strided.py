@@ -108,6 +108,7 @@ def fa_remote_rows(
     ``draft_offset_factor``). Row ``(base_i + offset, L // reads, dev, stride_i, capacity_i)``."""
     if not len(remote_bases):
         raise PlanError("remote_bases", "remote KV cache base addresses must not be empty", value=0)
+    bsr = check_positive_int(bsr, "block_size_ratio")
     n = len(remote_bases)
     local = (
         np.arange(n)

@@ -241,3 +241,13 @@ def test_preset_specs_by_hand() -> None:
     assert kimi.layers[3].spec == MLASpec(512 + 64)
     nemo = presets.load("nemotron-h-8b").ssm_spec  # 128 heads x 64, 8 groups x 128, conv 4, float32 state
     assert nemo == MambaSpec.mamba2(128, 64, 8, 128, 4, "bfloat16", "float32")
+
+
+def test_fallback_head_dims_floor() -> None:
+    """The fallbacks divide with floor division, seen in the value a refusal reports for a negative size."""
+    with pytest.raises(SpecError) as info:
+        from_card(_card(["attention"], num_attention_heads=2, hidden_size=-7))
+    assert info.value.field == "head_size" and info.value.values == {"value": -4}  # -7 // 2
+    with pytest.raises(SpecError) as info:
+        from_card(_card(["mamba2"], mamba_num_heads=4, n_groups=1, ssm_state_size=2, hidden_size=-3))
+    assert info.value.field == "unit_elems" and info.value.values == {"value": -2}  # 2 x -3 // 4

@@ -748,3 +748,38 @@ def test_apply_cache_dtypes() -> None:
     ):
         err = _raises(SpecError, apply_cache_dtypes, model, **kw)
         assert err.field == field and err.values == {"value": bad}
+
+
+def test_missing_field_message_lists_the_alternatives() -> None:
+    f = _Fields({}, "p.")
+    assert str(_raises(SpecError, f.num, "a")) == "p.a: missing from the config"
+    assert str(_raises(SpecError, f.num, "a", "b")) == "p.a: missing from the config (or b)"
+    assert str(_raises(SpecError, f.num, "a", "b", "c")) == "p.a: missing from the config (or b, c)"
+
+
+def test_qwen_dense_has_no_ssm_layers() -> None:
+    cfg = {**LLAMA, "model_type": "qwen3", "layer_types": ["mamba", "full_attention"]}
+    err = _raises(SpecError, read_config, cfg)
+    assert err.field == "model_type" and err.values == {"value": "none"}
+    assert layer_kinds(cfg) == ["none", "attention"]
+
+
+def test_qwen_sliding_window_off_unless_asked() -> None:
+    # max_window_layers alone does not turn sliding windows on
+    cfg = {
+        **LLAMA,
+        "model_type": "qwen2",
+        "num_hidden_layers": 4,
+        "sliding_window": 64,
+        "max_window_layers": 2,
+    }
+    assert [la.spec.sliding_window for la in read_config(cfg).layers] == [None] * 4
+    cfg["use_sliding_window"] = None  # null: off
+    assert [la.spec.sliding_window for la in read_config(cfg).layers] == [None] * 4
+
+
+def test_mamba1_ssm_dtype_flag() -> None:
+    ssm = _ssm(JAMBA, mamba_ssm_cache_dtype="float32")
+    assert (ssm.conv_dtype, ssm.ssm_dtype) == ("bfloat16", "float32")
+    ssm = _ssm({**JAMBA, "torch_dtype": "float16"}, mamba_ssm_cache_dtype="bfloat16")
+    assert (ssm.conv_dtype, ssm.ssm_dtype) == ("float16", "bfloat16")

@@ -327,3 +327,15 @@ def test_from_json_refusals() -> None:
         }
     )
     assert got.layers[1] == Layer("5", 2, AttentionSpec(1, 2))
+
+
+def test_units_per_rank_is_whole_units() -> None:
+    # 8 units over TP 3: 8 // 3 = 2 whole units per rank (the rule refuses such a TP elsewhere)
+    assert Shard(8, 3).units_per_rank(3) == 2 and type(Shard(8, 3).units_per_rank(2)) is int
+    assert Shard(8, 3).elems_per_rank(3) == 6
+
+
+def test_field_names_of_small_specs() -> None:
+    err = _raises(MLASpec, 0)
+    assert err.field == "latent_size" and err.values == {"value": 0}
+    assert ModelSpec.from_layers("named", [MLA]).name == "named"

@@ -251,3 +251,16 @@ def test_fallback_head_dims_floor() -> None:
     with pytest.raises(SpecError) as info:
         from_card(_card(["mamba2"], mamba_num_heads=4, n_groups=1, ssm_state_size=2, hidden_size=-3))
     assert info.value.field == "unit_elems" and info.value.values == {"value": -2}  # 2 x -3 // 4
+
+
+def test_ssm_layer_names_and_cacheless_parts() -> None:
+    m2 = {"mamba_num_heads": 8, "mamba_head_dim": 4, "n_groups": 2, "ssm_state_size": 16}
+    gdn = {"linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_num_value_heads": 4}
+    gdn |= {"linear_value_head_dim": 16, "linear_conv_kernel_dim": 3}
+    kda = {"linear_attn_config": {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 3}}
+    for kind, fields in (("mamba2", m2), ("gdn", gdn), ("kda", kda)):
+        model = from_card(_card(["mlp", kind], **fields))
+        assert [(la.name, la.index) for la in model.layers] == [("layers.1.mamba", 1)], kind
+    # a part without a cache is skipped alone: the layer's other parts still count
+    model = from_card(_card(["moe+attention", "mlp+attention"], **ATT))
+    assert [la.name for la in model.layers] == ["layers.0.attn", "layers.1.attn"]

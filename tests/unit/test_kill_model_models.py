@@ -12,6 +12,7 @@ import pytest
 
 from kvgeom import presets
 from kvgeom.errors import SpecError, UnsupportedError
+from kvgeom.hfconfig import read_config
 from kvgeom.models import ModelRef, Sharding, TPRule, _heads, preset_ids, resolve
 from kvgeom.spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
 
@@ -145,7 +146,7 @@ def test_resolve_objects() -> None:
     assert ref == ModelRef(spec, "inline model spec", None)
     ref = resolve(NEMO)
     assert ref.origin == "inline config" and ref.num_attention_heads == 4
-    assert ref.spec == resolve({"text_config": NEMO}).spec
+    assert ref.spec == read_config(NEMO) == resolve({"text_config": NEMO}).spec
     assert resolve({"text_config": NEMO}).num_attention_heads == 4
     bad = {k: 1 for k in "abcdefghij"}
     with pytest.raises(SpecError) as info:
@@ -184,3 +185,50 @@ def test_resolve_paths(tmp_path: Path) -> None:
         resolve("qwen3-8")  # a close match: still refused, on field model
     assert info.value.field == "model" and info.value.values == {"value": "qwen3-8"}
     assert "'qwen3-8b'" in str(info.value)
+
+
+def test_tp_problem_messages() -> None:
+    assert _ref(AttentionSpec(2, 8), heads=8).tp_problem(3) == (
+        "TP 3 does not fit num_attention_heads 8 (TP must divide it)"
+    )
+    assert _ref(AttentionSpec(4, 8)).tp_problem(6) == (
+        "TP 6 does not fit num_key_value_heads 4 (TP must divide it or be a multiple of it)"
+    )
+    assert _ref(MambaSpec.mamba2(8, 4, 2, 16)).tp_problem(4) == (
+        "TP 4 does not fit Mamba2 groups (n_groups) 2 (TP must divide it unless it is 1)"
+    )
+    # the rule keeps the first layer's KV heads (2); the spec's own check names the layer with 3
+    problem = _ref(AttentionSpec(2, 8), AttentionSpec(3, 8)).tp_problem(2)
+    assert problem is not None and problem.startswith("layers.1.attn.num_kv_heads: ")
+
+
+def test_ssm_rules_read_the_right_piece() -> None:
+    """Generic specs whose pieces differ: the rule takes B (not C) for Mamba2 groups, Q (not K) for GDN."""
+    m2 = MambaSpec(LayerKind.MAMBA2, (Shard(8, 1), Shard(2, 1), Shard(4, 1)), Shard(8, 1), 2)
+    assert ("Mamba2 groups (n_groups)", 2, U) in _rules(_ref(m2))
+    gdn = MambaSpec(LayerKind.GDN, (Shard(2, 1), Shard(4, 1), Shard(6, 1)), Shard(6, 1), 2)
+    assert _rules(_ref(gdn)) == [("GDN key heads", 2, D), ("GDN value heads", 6, D)]
+
+
+def test_unknown_names_hint(tmp_path: Path) -> None:
+    def message(ref: str) -> str:
+        with pytest.raises(SpecError) as info:
+            resolve(ref, base=tmp_path)
+        return str(info.value)
+
+    # no close name: no hint
+    assert message("zzzz").endswith("or a path to a config.json)")
+    # "llama" vs "llama-3.1-70b": 2 x 5 / 18 = 0.56, above the 0.5 cutoff; every other name is below
+    assert message("llama").endswith("; did you mean 'llama-3.1-70b'?")
+    # "qwen3": 2 x 5 / 13 = 0.77 (qwen3-8b), / 15 = 0.67 (qwen3.5-4b), / 16 = 0.63 (qwen3.5-27b),
+    # / 17 = 0.59 (qwen3.5-0.8b): the best three
+    assert message("qwen3").endswith("; did you mean 'qwen3-8b', 'qwen3.5-4b', 'qwen3.5-27b'?")
+
+
+def test_unsupported_preset_lists_the_others() -> None:
+    with pytest.raises(UnsupportedError) as info:
+        resolve("minimax-text-01")
+    text = str(info.value)
+    assert (
+        "qwen3-8b" in text and "zamba2-2.7b" in text and text.count("minimax-text-01") == 1
+    )  # not among the alternatives

@@ -338,3 +338,72 @@ def test_draft_under_mla() -> None:
         in rank_geometry(_model(L, L), EngineConfig(1, 16, 5, pp_size=2, pp_rank=1)).describe()
     )
     assert "pipeline stage" not in g.describe()
+
+
+def test_align_hybrid_block_size_edges() -> None:
+    # the kernel alignment above the block: A = max(16, 8) = 16 -> 1024 B a step; ceil(1408 / 1024) = 2 -> 32
+    assert align_hybrid_block_size(_model(M, A), 1, 8, 16) == 32
+    # one-token steps: 3 heads x 16 x 2 B = 96 B a token; ceil(1408 / 96) = 15 (odd: no rounding to 2)
+    assert align_hybrid_block_size(_model(M, AttentionSpec(3, 8)), 1, 1, 1) == 15
+    # an MLA hybrid with one-token steps: latent 32 x 2 B = 64 B; ceil(704 / 64) = 11
+    assert align_hybrid_block_size(_model(MambaSpec.kda(2, 8, 3), MLASpec(32)), 1, 1, 1) == 11
+
+
+def test_hybrid_without_ssm_and_packed_mla_groups() -> None:
+    w = AttentionSpec(2, 8, sliding_window=4)
+    g = rank_geometry(_model(A, w), EngineConfig(1, 16, 5))
+    assert g.ssm is None and not g.has_ssm and g.is_hybrid and g.ssm_region_indices == ()
+    # pages 16 x 64 = 1024 B, both groups view one region; sizes are whole bytes
+    assert g.regions == (
+        Region(0, "layers.0.attn", 1024, 1024, 5, False, ((0, "layers.0.attn"), (1, "layers.1.attn"))),
+    )
+    h = rank_geometry(_model(M, A), EngineConfig(1, 32, 5, kernel_block_size=16))
+    assert all(type(r.block_len) is int and type(r.block_stride) is int for r in h.regions)
+    # MLA layers of two window settings are two groups; packed rows then hold the shared page once per member
+    p = rank_geometry(_model(L, MLASpec(8, sliding_window=4)), EngineConfig(1, 16, 5, packed_rows=True))
+    assert len(p.groups) == 2 and p.ssm is None and p.page_bytes == 256
+    assert p.regions == (
+        Region(
+            0,
+            "layers.0.attn",
+            256,
+            256,
+            5,
+            True,
+            ((0, "layers.0.attn"), (1, "layers.1.attn")),
+            "kv",
+            ((0, 256), (0, 256)),
+        ),
+    )
+    assert p.model.name == "m" and p.engine.packed_rows and p.groups[1].layers == ("layers.1.attn",)
+
+
+def test_packed_rows_refusal_message() -> None:
+    with pytest.raises(ConfigError) as info:
+        rank_geometry(_model(A), EngineConfig(1, 16, 5, packed_rows=True))
+    assert str(info.value).startswith(
+        "packed_rows: kvgeom models packed (block-outermost) rows for MLA models"
+    )
+    assert str(info.value).endswith("a row of head-sharded pages cannot be cut by heads)")
+
+
+def test_describe() -> None:
+    h6 = _model(A, M, M, A, M, M)
+    g = rank_geometry(h6, EngineConfig(2, 32, 5, tp_rank=1, pp_size=2, pp_rank=0))
+    # TP 2: A page 32 x 32 B = 1024 B; state: conv 48 channels x 2 rows x 2 B = 192 B, temporal 512 B
+    assert g.describe().split("\n") == [
+        "m: TP2 rank 1, block 32 tokens (kernel 32, ppl 1), 5 logical blocks, layout head_major, "
+        "pipeline stage 0 of 2",
+        "  group 0: attention x1 (layers.0.attn ...)",
+        "  group 1: mamba2 x2 (layers.1.mamba ...)",
+        "  group 2: mamba2 x0 (none on this stage)",
+        "  region 0 layers.0.attn: block_len 1024 B, stride 1024 B, 5 kernel blocks, 2 member(s)",
+        "  region 1 layers.2.mamba: block_len 1024 B, stride 1024 B, 5 kernel blocks, 1 member(s)",
+        "  ssm: conv 192 B in pieces [(0, 64), (64, 64), (128, 64)], temporal 512 B, in regions [0, 1]",
+    ]
+    mla = rank_geometry(_model(L), EngineConfig(1, 16, 5, kernel_block_size=8))
+    assert mla.describe().split("\n") == [
+        "m: TP1 rank 0, block 16 tokens (kernel 8, ppl 2), 5 logical blocks, layout head_major",
+        "  group 0: mla x1 (layers.0.attn ...)",
+        "  region 0 layers.0.attn: block_len 128 B, stride 128 B, 10 kernel blocks, MLA 1 member(s)",
+    ]

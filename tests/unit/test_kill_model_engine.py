@@ -177,3 +177,15 @@ def test_from_json_refusals() -> None:
             EngineConfig.from_json(d)
         assert type(info.value) is ConfigError
         assert info.value.field == "engine" and info.value.values == {"value": d}
+
+
+def test_ranks_and_kernel_refuse_booleans_and_non_integers() -> None:
+    """Regression: a boolean kernel block or rank used to pass as 1 / 0, and a string tp_rank raised a raw
+    TypeError from the range comparison."""
+    _refused("tp_rank", True, 4, tp_rank=True)
+    _refused("tp_rank", False, 4, tp_rank=False)
+    _refused("tp_rank", "1", 4, tp_rank="1")
+    _refused("tp_rank", 1.0, 4, tp_rank=1.0)
+    _refused("kernel_block_size", True, 16, kernel_block_size=True)
+    _refused("pp_rank", True, 2, pp_size=2, pp_rank=True)
+    _refused("pp_rank", False, 2, pp_size=2, pp_rank=False)

@@ -77,7 +77,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}", value=value)
-        if not 0 <= self.tp_rank < self.tp_size:
+        if (
+            not isinstance(self.tp_rank, int)
+            or isinstance(self.tp_rank, bool)
+            or not 0 <= self.tp_rank < self.tp_size
+        ):
             raise ConfigError(
                 "tp_rank",
                 f"{self.tp_rank} is outside [0, tp_size={self.tp_size})",
@@ -85,7 +89,7 @@ class EngineConfig:
                 expected=self.tp_size,
             )
         kernel = self.kernel_block_size if self.kernel_block_size is not None else self.block_size
-        if not isinstance(kernel, int) or kernel <= 0 or self.block_size % kernel:
+        if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel <= 0 or self.block_size % kernel:
             raise ConfigError(
                 "kernel_block_size",
                 f"{kernel!r} must be a positive divisor of block_size {self.block_size}",
@@ -103,7 +107,11 @@ class EngineConfig:
             raise ConfigError(
                 "pp_size", f"must be a positive integer, got {self.pp_size!r}", value=self.pp_size
             )
-        if not isinstance(self.pp_rank, int) or not 0 <= self.pp_rank < self.pp_size:
+        if (
+            not isinstance(self.pp_rank, int)
+            or isinstance(self.pp_rank, bool)
+            or not 0 <= self.pp_rank < self.pp_size
+        ):
             raise ConfigError(
                 "pp_rank",
                 f"{self.pp_rank!r} is outside [0, pp_size={self.pp_size})",

@@ -450,10 +450,9 @@ def layer_kinds(config: Mapping[str, Any]) -> list[str]:
     """One entry per decoder layer in the vocabulary of kvgeom's model cards (``"attention"``,
     ``"mamba2"``, ``"attention+mamba2"``, ``"mla"``, ...; ``""`` for a layer without a cache)."""
     f, model_type = _text_fields(config)
-    ssm = _FAMILIES[model_type][1] or "none"
+    # a pattern already names each family's SSM (the patterns substitute it for "ssm")
     return [
-        "+".join(ssm if p == "ssm" else ("attention" if p == "sliding" else p) for p in parts)
-        for parts in _FAMILIES[model_type][0](f)
+        "+".join("attention" if p == "sliding" else p for p in parts) for parts in _FAMILIES[model_type][0](f)
     ]
 
 

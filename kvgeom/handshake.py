@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 from .dcp import check_parallel_pair
 from .dlist import EngineView
@@ -256,15 +257,8 @@ def _check_draft(
     """Head-sharded attention layers next to MLA layers (a GQA draft under an MLA target): vLLM 0.33.0 maps
     them with their own heads only when the local TP is at least the remote's, without DCP (push: equal TP),
     on the same head-major layout when the heads differ. kvgeom plans every TP pair (MLA pages gathered in
-    chunks from the draft's sources), not with DCP."""
-    if local.dcp_size > 1 or remote.dcp_size > 1:
-        raise UnsupportedError(
-            "dcp_size",
-            "decode context parallelism with head-sharded (draft) layers next to MLA "
-            "layers is not planned (vLLM 0.33.0 refuses it too)",
-            local=local.dcp_size,
-            remote=remote.dcp_size,
-        )
+    chunks from the draft's sources), not with DCP (:func:`_check_dcp` refuses it first: a draft is not MLA).
+    Equal layouts on both sides are checked before (:func:`check_pair`)."""
     if compat != "vllm":
         return
     if ratio < 0 or (mode == "push" and ratio != 1):
@@ -275,11 +269,10 @@ def _check_draft(
             local=local.tp_size,
             remote=remote.tp_size,
         )
-    spec = local.model.attention_spec
-    if spec is None:  # no head-sharded layer, so no draft to check
-        return
-    if spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size) and (
-        local.engine.kv_layout.value != "head_major" or remote.engine.kv_layout != local.engine.kv_layout
+    spec = cast("AttentionSpec", local.model.attention_spec)  # has_draft: never None
+    if (
+        spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size)
+        and local.engine.kv_layout.value != "head_major"
     ):
         raise _err(
             "kv_layout",

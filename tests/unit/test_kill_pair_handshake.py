@@ -4,6 +4,7 @@ boundary, in both compat modes (issue 12). Geometries are tiny; expected ratios 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -515,3 +516,79 @@ def test_conv_layouts() -> None:
         remote="SD",
     )
     assert ratios(check_pair(geo(MAMBA1, tp=2), geo(MAMBA1))) == (2, 1, 1)
+
+
+# ---- MLA + SSM hybrids, and region lengths -------------------------------------------------------------
+
+# MLA latent 2 fp16 = 4 B per token; a KDA state that fits one 16-token (64 B) page
+MK = ModelSpec.from_layers(
+    "mla-kda",
+    [MLASpec(2, "float16"), MambaSpec.kda(num_heads=2, head_dim=2, conv_kernel=2, conv_dtype="float16")],
+)
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_mla_ssm_hybrids_pair_non_dividing_kernel_blocks_in_pulls(compat: str) -> None:
+    def pair(lk: int, rk: int) -> tuple[int, int, int]:
+        local = geo(MK, block=max(lk, 16), kernel_block_size=lk)
+        remote = geo(MK, block=max(rk, 16), kernel_block_size=rk)
+        return ratios(check_pair(local, remote, compat=compat))
+
+    assert pair(16, 8) == (1, 2, 1)  # 16 % 8 == 0: bsr 2
+    assert pair(8, 16) == (1, 1, 2)  # gcd 8: 1 local unit, remote blocks in 2
+    assert pair(24, 16) == (1, 3, 2)  # gcd 8: 3 local units, remote blocks in 2
+    assert pair(16, 24) == (1, 2, 3)  # gcd 8: 2 local units, remote blocks in 3
+    refused(
+        RatioError,
+        "block_size",
+        lambda: check_pair(geo(MK, block=16), geo(MK, block=24), mode="push", compat=compat),
+        local=16,
+        remote=24,
+    )
+
+
+def _lie(g: RankGeometry, region: int, block_len: int) -> RankGeometry:
+    """A remote rank whose region ``region`` advertises another length than its spec gives."""
+    regions = list(g.regions)
+    regions[region] = replace(regions[region], block_len=block_len)
+    return replace(g, regions=tuple(regions))
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_region_lengths_must_follow_the_spec(compat: str) -> None:
+    # D TP 1 (4 heads, 128 B) against P TP 2: P's page should be 128 * 2 // 4 = 64 B
+    err = refused(
+        IncompatiblePairError,
+        "regions[0].block_len",
+        lambda: check_pair(geo(DENSE4), _lie(geo(DENSE4, tp=2), 0, 32), compat=compat),
+        local=128,
+        remote=32,
+    )
+    assert "should be 64 B" in str(err)
+    # a replicated latent: the same 64 B
+    refused(
+        IncompatiblePairError,
+        "regions[1].block_len",
+        lambda: check_pair(geo(MLA), _lie(geo(MLA), 1, 32), compat=compat),
+        local=64,
+        remote=32,
+    )
+    # MLA + SSM: lengths match up to the block ratio (local 64 B = remote 32 B x bsr 2)
+    err = refused(
+        IncompatiblePairError,
+        "regions[0].block_len",
+        lambda: check_pair(
+            geo(MK, block=16), _lie(geo(MK, block=16, kernel_block_size=8), 0, 16), compat=compat
+        ),
+        local=64,
+        remote=16,
+    )
+    assert "Hybrid MLA" in str(err)
+    err = refused(
+        IncompatiblePairError,
+        "regions[0].block_len",
+        lambda: check_pair(geo(MK, block=16), _lie(geo(MK, block=16), 0, 32), compat=compat),
+        local=64,
+        remote=32,
+    )
+    assert "Hybrid MLA" in str(err)

@@ -592,3 +592,51 @@ def test_region_lengths_must_follow_the_spec(compat: str) -> None:
         remote=32,
     )
     assert "Hybrid MLA" in str(err)
+
+
+def _mamba2_hybrid(n_groups: int) -> ModelSpec:
+    return ModelSpec.from_layers(
+        f"mamba2-{n_groups}g",
+        [
+            AttentionSpec(2, 2, "float16"),
+            MambaSpec.mamba2(
+                num_heads=2, head_dim=2, n_groups=n_groups, state_size=2, conv_kernel=2, conv_dtype="float16"
+            ),
+        ],
+    )
+
+
+def _hybrid_pair(model: ModelSpec, local_tp: int, remote_tp: int) -> tuple[RankGeometry, RankGeometry]:
+    from kvgeom.geometry import align_hybrid_block_size
+
+    lb, rb = align_hybrid_block_size(model, local_tp, 4), align_hybrid_block_size(model, remote_tp, 4)
+    return geo(model, tp=local_tp, block=lb), geo(model, tp=remote_tp, block=rb)
+
+
+def test_replicated_conv_pieces_across_tp_sizes() -> None:
+    # one group at TP 2: B and C are whole on both remote ranks (2 ranks > 1 group), x is split
+    one = _mamba2_hybrid(1)
+    for local_tp, remote_tp in ((1, 2), (2, 1)):
+        local, remote = _hybrid_pair(one, local_tp, remote_tp)
+        err = refused(
+            UnsupportedError,
+            "tp_size",
+            lambda local=local, remote=remote: check_pair(local, remote, compat="vllm"),
+            local=local_tp,
+            remote=remote_tp,
+        )
+        assert "conv pieces ['B', 'C']" in str(err)
+        assert check_pair(local, remote).tp_ratio in (2, -2)  # kvgeom plans it
+    # two groups at TP 2: nothing replicated, vLLM's scaling is right
+    two = _mamba2_hybrid(2)
+    local, remote = _hybrid_pair(two, 1, 2)
+    assert check_pair(local, remote, compat="vllm").tp_ratio == -2
+    # equal TP: no rule on replication
+    local, remote = _hybrid_pair(one, 2, 2)
+    assert ratios(check_pair(local, remote, compat="vllm")) == (1, 1, 1)
+
+
+def test_mamba_prefix_caching_with_equal_ppl_pairs() -> None:
+    h = geo(HYBRID, block=8)
+    assert ratios(check_pair(h, h, prefix_caching=True)) == (1, 1, 1)
+    assert ratios(check_pair(h, h, compat="vllm", prefix_caching=True)) == (1, 1, 1)

@@ -318,3 +318,15 @@ def test_dcp_units_empty_sides() -> None:
         p_ids=[4], p_page=2, p_kernel=1, p_dcp=1, limit=5,
     )  # fmt: skip
     assert none["c_pos"] == [] and none["c_kernel"] == [] and none["p_kernel"] == []
+
+
+def test_prefix_caching_refuses_a_dcp_rank_outside_its_group() -> None:
+    # DCP 2 has ranks 0 and 1: rank 2 would pair pages of no rank (it used to return pairs silently)
+    refused(
+        ConfigError,
+        "local_dcp_rank",
+        lambda: apply_dcp_prefix_caching([1, 2], [5, 6], 0, 2, 2, 2, 0),
+        value=2,
+        expected=2,
+    )
+    assert lists(apply_dcp_prefix_caching([1, 2], [5, 6], 0, 2, 1, 2, 0)) == ([1, 2], [5, 6])

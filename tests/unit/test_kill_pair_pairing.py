@@ -263,3 +263,42 @@ def test_describe_names_the_ratios_and_tables() -> None:
     assert "remote blocks read in 3 parts" in text
     assert "remote tables: rank 0:" in text
     assert "read in" not in Pairing.create(geo(MLA), [geo(MLA)]).describe()
+
+
+def _m2(n_groups: int) -> ModelSpec:
+    return ModelSpec.from_layers(
+        f"mamba2-{n_groups}g",
+        [
+            AttentionSpec(2, 2, "float16"),
+            MambaSpec.mamba2(
+                num_heads=2, head_dim=2, n_groups=n_groups, state_size=2, conv_kernel=2, conv_dtype="float16"
+            ),
+        ],
+    )
+
+
+def _hybrid(model: ModelSpec, tp: int, rank: int = 0) -> RankGeometry:
+    from kvgeom.geometry import align_hybrid_block_size
+
+    return geo(model, tp, rank, align_hybrid_block_size(model, tp, 4))
+
+
+def test_vllm_ssm_reads_scale_pieces_by_the_tp_ratio() -> None:
+    # Mamba2, 2 heads of 2, 2 groups of state 2, conv kernel 2 (1 row), fp16: at TP 2 each piece holds
+    # 2 channels = 4 B, the temporal state 1 head x 4 x 2 B = 8 B; at TP 1 twice that (conv page 24 B).
+    m = _m2(2)
+    for rank in (0, 1):
+        # D TP 2 from P TP 1 (ratio 2): piece k at sum of 2 x 4 B before it + rank x 4 B; temporal after
+        # P's 24 conv bytes, at rank x 8 B
+        p = Pairing.create(_hybrid(m, 2, rank), [_hybrid(m, 1)], compat="vllm")
+        got = p._vllm_ssm_pieces(p.remote_view(0))
+        assert got == ((4 * rank, 4), (8 + 4 * rank, 4), (16 + 4 * rank, 4), (24 + 8 * rank, 8))
+    # D TP 1 from P TP 2 (ratio -2): P's page read whole, pieces of 8 // 2 B; temporal after P's 12 B
+    p = Pairing.create(_hybrid(m, 1), [_hybrid(m, 2, r) for r in range(2)], compat="vllm")
+    assert p._vllm_ssm_pieces(p.remote_view(1)) == ((0, 4), (4, 4), (8, 4), (12, 8))
+    # equal TP 2, rank 1: no offset
+    p = Pairing.create(_hybrid(m, 2, 1), [_hybrid(m, 2, r) for r in range(2)], compat="vllm")
+    assert p._vllm_ssm_pieces(p.remote_view(1)) == ((0, 4), (4, 4), (8, 4), (12, 8))
+    # no SSM: nothing to read
+    d = Pairing.create(geo(DENSE4), [geo(DENSE4)], compat="vllm")
+    assert d._vllm_ssm_pieces(d.remote_view(0)) is None

@@ -640,3 +640,13 @@ def test_mamba_prefix_caching_with_equal_ppl_pairs() -> None:
     h = geo(HYBRID, block=8)
     assert ratios(check_pair(h, h, prefix_caching=True)) == (1, 1, 1)
     assert ratios(check_pair(h, h, compat="vllm", prefix_caching=True)) == (1, 1, 1)
+
+
+def test_a_model_difference_names_keys_of_either_spec() -> None:
+    # attention against MLA: sorted keys dtype (equal), head_size (only the attention spec has it)
+    a = ModelSpec.from_layers("m", [AttentionSpec(4, 2, "float16")])
+    b = ModelSpec.from_layers("m", [MLASpec(8, "float16")])
+    err = refused(IncompatiblePairError, "model", lambda: check_pair(geo(a), geo(b)), local="m", remote="m")
+    assert "model.layers[0].spec.head_size: 2 vs None" in str(err)
+    err = refused(IncompatiblePairError, "model", lambda: check_pair(geo(b), geo(a)), local="m", remote="m")
+    assert "model.layers[0].spec.head_size: None vs 2" in str(err)

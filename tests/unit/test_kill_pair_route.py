@@ -195,3 +195,12 @@ def test_unit_slice_refusals_and_boundaries() -> None:
     )
     # 4 units x 3 B = 12 B from 5 sources
     refused(UnsupportedError, "h", lambda: _unit_slice(heads, 3, 0, 1, 0, 1, 0, 5, "h"), value=12, expected=5)
+
+
+def test_a_replicated_consumer_reads_every_dcp_shard() -> None:
+    # P TP 2 DCP 2 holds every request's pages alternately on its 2 ranks: D TP 1 (DCP 1) reads both,
+    # though for MLA without DCP it would read rank 0 only
+    d = geo(MLA)
+    for rank in (0, 1):
+        assert route(d, geo(MLA, tp=2, dcp_size=2), rank, "pull", 1, (64, 64)).groups == (True,)
+    assert route(d, geo(MLA, tp=2), 1, "pull", 1, (64, 64)).groups == (False,)

@@ -302,3 +302,24 @@ def test_vllm_ssm_reads_scale_pieces_by_the_tp_ratio() -> None:
     # no SSM: nothing to read
     d = Pairing.create(geo(DENSE4), [geo(DENSE4)], compat="vllm")
     assert d._vllm_ssm_pieces(d.remote_view(0)) is None
+
+
+def test_a_card_for_the_other_mode_is_named() -> None:
+    push_card = card_of("d", DENSE4, eng(), "push")
+    pull_card = card_of("p", DENSE4, eng())
+    with pytest.raises(IncompatiblePairError) as info:
+        Pairing.create(push_card, [pull_card], "pull")
+    assert "local card is for push, the pair is planned for pull" in str(info.value)
+    with pytest.raises(IncompatiblePairError) as info:
+        Pairing.create(pull_card, {0: push_card}, "pull")
+    assert "remote rank 0 card is for push" in str(info.value)
+
+
+def test_remote_ranks_agree_apart_from_their_rank_and_stage() -> None:
+    # ranks of the remote engine seen from different pipeline stages: the same configuration otherwise
+    remotes = [geo(MLA, 2, 0, pp_size=2, pp_rank=0), geo(MLA, 2, 1, pp_size=2, pp_rank=1)]
+    assert Pairing.create(geo(MLA), remotes).targets == (0, 1)
+    other = geo(MLA, 2, 1, pp_size=2, pp_rank=1, kv_layout="token_major")
+    with pytest.raises(IncompatiblePairError) as info:
+        Pairing.create(geo(MLA), [remotes[0], other])
+    assert info.value.field == "remotes[1].engine"

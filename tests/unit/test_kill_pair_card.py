@@ -280,3 +280,31 @@ def test_malformed_engine_numbers_are_left_to_the_engine_config() -> None:
     with pytest.raises(CardError) as info:
         GeometryCard.from_json(d, strict)
     assert info.value.field == "card.engine"
+
+
+def test_malformed_parts_reach_their_own_checks_not_a_crash() -> None:
+    # a model that is not an object: no layers to count, the model spec refuses it
+    d = data()
+    d["model"] = "x"
+    refused("card.model", lambda: GeometryCard.from_json(d), value="str")
+    # layers that are not a list count as none (a limit of 0 layers holds), the model spec refuses them
+    d = data()
+    d["model"]["layers"] = "x"
+    del d["derived"]["regions"]
+    with pytest.raises(CardError) as info:
+        GeometryCard.from_json(d, CardLimits(max_layers=0))
+    assert info.value.field.startswith("card.layers")
+    # derived numbers without regions: no region count to limit, the comparison names what is missing
+    d = data()
+    regions = d["derived"].pop("regions")
+    refused("derived.regions", lambda: GeometryCard.from_json(d), card=None, derived=regions)
+    # a kernel block that does not divide the block: 10 x (8 // 3 = 2) = 20 kernel blocks fit a limit of 20,
+    # then the engine config refuses the kernel block
+    d = data()
+    d["engine"]["kernel_block_size"] = 3
+    refused(
+        "card.kernel_block_size",
+        lambda: GeometryCard.from_json(d, CardLimits(max_kernel_blocks=20)),
+        value=3,
+        expected=8,
+    )

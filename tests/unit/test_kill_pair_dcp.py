@@ -19,7 +19,7 @@ from kvgeom.dcp import (
     global_pages,
     transfer_rank,
 )
-from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, PlanError, RatioError
+from kvgeom.errors import BlockIdError, ConfigError, IncompatiblePairError, KvgeomError, PlanError, RatioError
 
 
 def refused(cls: type[KvgeomError], field: str, fn: Callable[[], object], **values: object) -> None:
@@ -330,3 +330,19 @@ def test_prefix_caching_refuses_a_dcp_rank_outside_its_group() -> None:
         expected=2,
     )
     assert lists(apply_dcp_prefix_caching([1, 2], [5, 6], 0, 2, 1, 2, 0)) == ([1, 2], [5, 6])
+
+
+def test_dcp_units_are_integer_arrays_and_refuse_bad_ids() -> None:
+    got = dcp_units(
+        c_ids=[3, 4], c_first=1, c_page=2, c_kernel=2, c_dcp=1, c_rank=0,
+        p_ids=[6], p_page=2, p_kernel=1, p_dcp=2, limit=100,
+    )  # fmt: skip
+    for key in ("c_pos", "c_kernel", "c_sub", "c_fine", "p_rank", "p_kernel", "p_sub", "p_fine", "token"):
+        assert got[key].dtype == np.int64, key  # ids and positions index arrays: never floats
+    assert got["ok"].dtype == bool and got["held"].dtype == bool
+    with pytest.raises(BlockIdError) as info:
+        dcp_units([-1], 0, 2, 2, 1, 0, [6], 2, 1, 2, 100)
+    assert info.value.field == "consumer_ids"
+    with pytest.raises(BlockIdError) as info:
+        dcp_units([1], 0, 2, 2, 1, 0, [-6], 2, 1, 2, 100)
+    assert info.value.field == "producer_ids"

@@ -584,3 +584,14 @@ def test_region_names_must_agree_when_both_are_known() -> None:
     assert pair(side(), replace(side(), region_names=names), facts(expected_region_names=names))[0] == 1
     assert pair(side(), side(), facts(expected_region_names=names))[0] == 1
     assert pair(side(), replace(side(), region_names=("x", "y")), facts())[0] == 1
+
+
+def test_expected_lengths_use_integer_division() -> None:
+    # vLLM compares with integer division: a replicated 1001-byte page at bsr 2 wants 1001 // 2 = 500
+    local = replace(mla_side(block=32), block_lens=(1001,), block_strides=(1001,))
+    remote = replace(mla_side(block=16), block_lens=(500,), block_strides=(500,))
+    assert pair(local, remote, mla_facts()) == (1, 2, False, False)
+    # split: 3 KV heads, local TP 3 (1 head) against remote TP 1 (3 heads), bsr 2: 101 * 3 // 1 // 2 = 151
+    local = replace(side(tp=3, hpr=1, block=32, regions=1), block_lens=(101,), block_strides=(101,))
+    remote = replace(side(tp=1, hpr=3, block=16, regions=1), block_lens=(151,), block_strides=(151,))
+    assert pair(local, remote, facts(regions=1, heads=3)) == (3, 2, False, False)

@@ -650,3 +650,18 @@ def test_a_model_difference_names_keys_of_either_spec() -> None:
     assert "model.layers[0].spec.head_size: 2 vs None" in str(err)
     err = refused(IncompatiblePairError, "model", lambda: check_pair(geo(b), geo(a)), local="m", remote="m")
     assert "model.layers[0].spec.head_size: None vs 2" in str(err)
+
+
+def test_vllm_cuts_a_block_into_at_most_128_pieces_on_either_side() -> None:
+    def shape(lk: int, rk: int, compat: str) -> tuple[int, int, int]:
+        return ratios(check_pair(geo(MK, block=lk), geo(MK, block=rk), compat=compat))
+
+    # gcd(1024, 24) = 8: 128 local units, remote blocks in 3 (at the limit)
+    assert shape(1024, 24, "vllm") == (1, 128, 3)
+    # gcd(24, 1024) = 8: 3 local units, remote blocks in 128 (at the limit)
+    assert shape(24, 1024, "vllm") == (1, 3, 128)
+    # 129 pieces on either side: vllm refuses, kvgeom splits
+    for lk, rk in ((1032, 16), (16, 1032)):
+        refused(RatioError, "block_size", lambda lk=lk, rk=rk: shape(lk, rk, "vllm"), local=lk, remote=rk)
+    assert shape(1032, 16, "kvgeom") == (1, 129, 2)
+    assert shape(16, 1032, "kvgeom") == (1, 2, 129)

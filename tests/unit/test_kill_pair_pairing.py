@@ -225,6 +225,8 @@ def test_token_rows_for_token_major_pages_whose_heads_differ() -> None:
     # kvgeom mode cuts P TP 2's 4-token pages per token: 4 rows per remote block, times bsr 1
     p = Pairing.create(geo(DENSE4, **tm), engine_ranks(DENSE4, 2, **tm))
     assert (p.token_rows, p.local_rows, p.local_key(1)) == (4, 4, (4, 1))
+    # one row per token: 2 regions x 8 kernel blocks x 4 tokens on both sides (vLLM's tables: one per block)
+    assert len(p.remote_table(0)) == len(p.local_table(p.local_key(0))) == 2 * 8 * 4
     # local block 8: bsr 2 -> 8 local rows
     p8 = Pairing.create(geo(DENSE4, block=8, **tm), engine_ranks(DENSE4, 2, **tm))
     assert (p8.token_rows, p8.local_rows) == (4, 8)

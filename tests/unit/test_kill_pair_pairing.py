@@ -325,3 +325,15 @@ def test_remote_ranks_agree_apart_from_their_rank_and_stage() -> None:
     with pytest.raises(IncompatiblePairError) as info:
         Pairing.create(geo(MLA), [remotes[0], other])
     assert info.value.field == "remotes[1].engine"
+
+
+def test_every_target_gets_the_kvgeom_table_even_when_only_notified() -> None:
+    # 2 KV heads, token-major: D TP 1 reads head 0 from P rank 0 and head 1 from P rank 2 (P TP 4 replicates
+    # each head on 2 ranks); ranks 1 and 3 are only notified. kvgeom cuts every remote table per token:
+    # 2 regions x 8 kernel blocks x 4 tokens, the notified ranks' too (vLLM's tables: one row per block)
+    d2 = ModelSpec.from_layers("d2", [AttentionSpec(2, 2, "float16")] * 2)
+    tm = {"kv_layout": "token_major"}
+    p = Pairing.create(geo(d2, **tm), engine_ranks(d2, 4, **tm))
+    assert p.targets == (0, 1, 2, 3) and p.transfer_ranks == (0, 2)
+    assert [len(p.remote_table(r)) for r in (1, 3)] == [64, 64]
+    assert "rank 1: 64, rank 2: 64, rank 3: 64" in p.describe()

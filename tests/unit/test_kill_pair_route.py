@@ -204,3 +204,15 @@ def test_a_replicated_consumer_reads_every_dcp_shard() -> None:
     for rank in (0, 1):
         assert route(d, geo(MLA, tp=2, dcp_size=2), rank, "pull", 1, (64, 64)).groups == (True,)
     assert route(d, geo(MLA, tp=2), 1, "pull", 1, (64, 64)).groups == (False,)
+
+
+def test_slices_are_whole_bytes() -> None:
+    # offsets and lengths index byte tables: Python ints, never floats that merely compare equal
+    got = [
+        _unit_slice(Shard(4, 1), 8, 1, 2, 0, 1, 0, 1, "h"),
+        *route(geo(DENSE4), geo(DENSE4, tp=2), 1, "pull", 1, (64, 64)).fa,
+        *route(geo(DRAFT), geo(DRAFT, tp=2), 1, "pull", 1, (64, 64, 128, 128)).fa,
+        *(route(geo(M2), geo(M2, tp=2), 1, "pull", 1, (geo(M2).regions[0].block_len,)).ssm or ()),
+    ]
+    assert len(got) == 1 + 2 + 4 + 4
+    assert all(type(v) is int for s in got for v in s), got

@@ -346,3 +346,8 @@ def test_dcp_units_are_integer_arrays_and_refuse_bad_ids() -> None:
     with pytest.raises(BlockIdError) as info:
         dcp_units([1], 0, 2, 2, 1, 0, [-6], 2, 1, 2, 100)
     assert info.value.field == "producer_ids"
+
+
+def test_consumer_counts_are_ints() -> None:
+    counts = [dcp_consumer_count(*a) for a in ((8, 8, 4, 2), (4, 1, 2, 1), (2, 1, 4, 1), (4, 1, 8, 8))]
+    assert counts == [4, 2, 1, 4] and all(type(c) is int for c in counts)

@@ -665,3 +665,12 @@ def test_vllm_cuts_a_block_into_at_most_128_pieces_on_either_side() -> None:
         refused(RatioError, "block_size", lambda lk=lk, rk=rk: shape(lk, rk, "vllm"), local=lk, remote=rk)
     assert shape(1032, 16, "kvgeom") == (1, 129, 2)
     assert shape(16, 1032, "kvgeom") == (1, 2, 129)
+
+
+def test_ratios_are_ints() -> None:
+    got = [
+        *block_size_ratio(geo(DENSE4, block=8), geo(DENSE4), "pull"),
+        *block_size_ratio(geo(MLA), geo(MLA, block=6), "pull", "kvgeom"),
+        *ratios(check_pair(geo(MK, block=24), geo(MK, block=16))),
+    ]
+    assert got == [2, 1, 2, 3, 1, 3, 2] and all(type(v) is int for v in got)

@@ -337,3 +337,13 @@ def test_every_target_gets_the_kvgeom_table_even_when_only_notified() -> None:
     assert p.targets == (0, 1, 2, 3) and p.transfer_ranks == (0, 2)
     assert [len(p.remote_table(r)) for r in (1, 3)] == [64, 64]
     assert "rank 1: 64, rank 2: 64, rank 3: 64" in p.describe()
+
+
+def test_whole_rows_of_a_notified_rank_are_int_lengths() -> None:
+    # D TP 1 (2 heads, 64 B token-major pages in 4 token rows of 16 B) and P TP 4 rank 1 (1 head: 32 B pages,
+    # rows of 8 B): a rank D does not read from keeps whole rows, the shorter length
+    d2 = ModelSpec.from_layers("d2", [AttentionSpec(2, 2, "float16")] * 2)
+    tm = {"kv_layout": "token_major"}
+    p = Pairing.create(geo(d2, **tm), engine_ranks(d2, 4, **tm))
+    fa = p.route(1).fa
+    assert fa == ((0, 0, 8), (0, 0, 8)) and all(type(v) is int for s in fa for v in s)

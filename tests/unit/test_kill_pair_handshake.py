@@ -674,3 +674,21 @@ def test_ratios_are_ints() -> None:
         *ratios(check_pair(geo(MK, block=24), geo(MK, block=16))),
     ]
     assert got == [2, 1, 2, 3, 1, 3, 2] and all(type(v) is int for v in got)
+
+
+def test_mla_ssm_hybrids_need_equal_dcp_sizes() -> None:
+    for (ltp, ldcp), (rtp, rdcp) in (((2, 2), (1, 1)), ((1, 1), (2, 2))):
+        refused(
+            IncompatiblePairError,
+            "dcp_size",
+            lambda ltp=ltp, ldcp=ldcp, rtp=rtp, rdcp=rdcp: check_pair(
+                geo(MK, tp=ltp, dcp_size=ldcp, block=16), geo(MK, tp=rtp, dcp_size=rdcp, block=16)
+            ),
+            local=ldcp,
+            remote=rdcp,
+        )
+    assert ratios(check_pair(geo(MK, tp=2, dcp_size=2, block=16), geo(MK, tp=2, dcp_size=2, block=16))) == (
+        1,
+        1,
+        1,
+    )

@@ -692,3 +692,18 @@ def test_mla_ssm_hybrids_need_equal_dcp_sizes() -> None:
         1,
         1,
     )
+
+
+def test_regions_grouped_differently_on_either_side() -> None:
+    # the local side keeps layers 1 and 3 apart: planned in kvgeom mode and in vllm mode (pure MLA)
+    for compat in ("vllm", "kvgeom"):
+        assert ratios(check_pair(geo(MLA4, **SEP), geo(MLA4), compat=compat)) == (1, 1, 1)
+    # a draft under MLA: vLLM pairs differently grouped regions only for pure MLA models
+    sep = {"separate_group": ("layers.2.attn", "layers.3.attn")}
+    refused(
+        UnsupportedError,
+        "separate_group",
+        lambda: check_pair(geo(DRAFT), geo(DRAFT, **sep), compat="vllm"),
+        value="mla+draft",
+    )
+    assert ratios(check_pair(geo(DRAFT), geo(DRAFT, **sep))) == (1, 1, 1)

@@ -347,3 +347,15 @@ def test_whole_rows_of_a_notified_rank_are_int_lengths() -> None:
     p = Pairing.create(geo(d2, **tm), engine_ranks(d2, 4, **tm))
     fa = p.route(1).fa
     assert fa == ((0, 0, 8), (0, 0, 8)) and all(type(v) is int for s in fa for v in s)
+
+
+def test_vllm_push_of_an_mla_ssm_hybrid_into_more_ranks() -> None:
+    # P TP 1 pushes to D TP 2: vLLM writes the replicated latent to every D rank, and each D rank needs
+    # its half of the state heads: both groups travel to both ranks
+    mk = ModelSpec.from_layers(
+        "mla-kda",
+        [MLASpec(2, "float16"), MambaSpec.kda(num_heads=2, head_dim=2, conv_kernel=2, conv_dtype="float16")],
+    )
+    p = Pairing.create(geo(mk, block=16), [geo(mk, 2, r, block=16) for r in range(2)], "push", "vllm")
+    assert p.transfer_ranks == (0, 1)
+    assert p.group_mask(0) == p.group_mask(1) == (True, True)

@@ -707,3 +707,24 @@ def test_regions_grouped_differently_on_either_side() -> None:
         value="mla+draft",
     )
     assert ratios(check_pair(geo(DRAFT), geo(DRAFT, **sep))) == (1, 1, 1)
+
+
+def test_remote_blocks_split_only_into_abutting_equal_pieces() -> None:
+    # MLA kernel 4 against 6 (gcd 2: remote blocks in 3 pieces). The remote's 96 B pages (6 tokens x 16 B)
+    # abut and cut in 3; a padded stride or a length not divisible by 3 does not split
+    local, remote = geo(MLA), geo(MLA, block=6)
+    assert block_size_ratio(local, remote, "pull", "kvgeom") == (2, 3)
+
+    def with_region0(**kw: int) -> RankGeometry:
+        regions = list(remote.regions)
+        regions[0] = replace(regions[0], **kw)
+        return replace(remote, regions=tuple(regions))
+
+    for bad in (with_region0(block_stride=112), with_region0(block_len=97, block_stride=97)):
+        refused(
+            RatioError,
+            "block_size",
+            lambda bad=bad: block_size_ratio(local, bad, "pull", "kvgeom"),
+            local=4,
+            remote=6,
+        )

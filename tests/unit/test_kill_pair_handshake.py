@@ -440,6 +440,14 @@ def test_vllm_draft_block_ratio_on_head_major_pages() -> None:
         local=8,
         remote=4,
     )
+    # 2 draft heads per rank (TP 2 both sides): still interleaved
+    refused(
+        UnsupportedError,
+        "block_size",
+        lambda: check_pair(geo(DRAFT, tp=2, block=8), geo(DRAFT, tp=2), compat="vllm"),
+        local=8,
+        remote=4,
+    )
     # one draft head per rank (4 heads at TP 4): nothing to interleave
     assert ratios(check_pair(geo(DRAFT, tp=4, block=8), geo(DRAFT, tp=4), compat="vllm")) == (1, 2, 1)
     tm = {"kv_layout": "token_major"}

@@ -374,6 +374,14 @@ def test_push_of_larger_head_major_blocks_is_refused() -> None:
             remote=4,
         )
     assert ratios(check_pair(geo(DENSE4, block=8), geo(DENSE4), mode="pull")) == (1, 2, 1)
+    # 2 heads per rank (TP 2 both sides) interleave too
+    refused(
+        UnsupportedError,
+        "block_size",
+        lambda: check_pair(geo(DENSE4, tp=2, block=8), geo(DENSE4, tp=2), mode="push"),
+        local=8,
+        remote=4,
+    )
     assert ratios(check_pair(geo(DENSE4, tp=4, block=8), geo(DENSE4, tp=4), mode="push")) == (1, 2, 1)
     tm = {"kv_layout": "token_major"}
     assert ratios(check_pair(geo(DENSE4, block=8, **tm), geo(DENSE4, **tm), mode="push")) == (1, 2, 1)

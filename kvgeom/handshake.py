@@ -126,14 +126,7 @@ def check_pair(
     if local.dcp_size > 1 or remote.dcp_size > 1:
         _check_dcp(local, remote, mode)
     bsr, split = block_size_ratio(local, remote, mode, compat)
-    streams = pair_streams(local, remote, mode, compat)
-    if streams[0].num_regions != streams[1].num_regions:
-        raise _err(
-            "num_regions",
-            "both sides must register the same regions",
-            streams[0].num_regions,
-            streams[1].num_regions,
-        )
+    streams = pair_streams(local, remote, mode, compat)  # refuses different region counts (num_regions)
     if local.engine.kv_split != remote.engine.kv_split:
         raise _err("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
     attn = local.model.attention_spec

@@ -216,3 +216,12 @@ def test_slices_are_whole_bytes() -> None:
     ]
     assert len(got) == 1 + 2 + 4 + 4
     assert all(type(v) is int for s in got for v in s), got
+
+
+def test_state_rows_of_an_attention_free_model_are_read_whole() -> None:
+    # no attention group, so no attention source: a state page row pairs as it is, at the shorter length
+    d, p = geo(M2), geo(M2, tp=2)
+    dlen, plen = d.regions[0].block_len, p.regions[0].block_len
+    assert dlen > plen
+    got = route(d, p, 1, "pull", 1, (plen,))
+    assert got.fa == ((0, 0, plen),) and got.groups == (True,)

@@ -203,6 +203,8 @@ def apply_dcp_prefix_caching(
     ro = as_ids(remote_ids, "remote_ids")
     ld, rd = _check_sizes(local_dcp_size, remote_dcp_size)
     d = check_positive_int(local_dcp_rank, "local_dcp_rank", 0, ConfigError)
+    if d >= ld:
+        raise ConfigError("local_dcp_rank", f"{d} outside [0, {ld})", value=d, expected=ld)
     c = check_positive_int(local_num_computed_blocks, "local_num_computed_blocks", 0, PlanError)
     r = check_positive_int(remote_rank, "remote_rank", 0, ConfigError)
     if num_remote_blocks is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 from .dcp import check_parallel_pair
 from .dlist import EngineView
@@ -134,14 +135,7 @@ def check_pair(
     if local.dcp_size > 1 or remote.dcp_size > 1:
         _check_dcp(local, remote, mode)
     bsr, split = block_size_ratio(local, remote, mode, compat)
-    streams = pair_streams(local, remote, mode, compat)
-    if streams[0].num_regions != streams[1].num_regions:
-        raise _err(
-            "num_regions",
-            "both sides must register the same regions",
-            streams[0].num_regions,
-            streams[1].num_regions,
-        )
+    streams = pair_streams(local, remote, mode, compat)  # refuses different region counts (num_regions)
     if local.engine.kv_split != remote.engine.kv_split:
         raise _err("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
     attn = local.model.attention_spec
@@ -265,15 +259,8 @@ def _check_draft(
     """Head-sharded attention layers next to MLA layers (a GQA draft under an MLA target): vLLM 0.33.0 maps
     them with their own heads only when the local TP is at least the remote's, without DCP (push: equal TP),
     on the same head-major layout when the heads differ. kvgeom plans every TP pair (MLA pages gathered in
-    chunks from the draft's sources), not with DCP."""
-    if local.dcp_size > 1 or remote.dcp_size > 1:
-        raise UnsupportedError(
-            "dcp_size",
-            "decode context parallelism with head-sharded (draft) layers next to MLA "
-            "layers is not planned (vLLM 0.33.0 refuses it too)",
-            local=local.dcp_size,
-            remote=remote.dcp_size,
-        )
+    chunks from the draft's sources), not with DCP (:func:`_check_dcp` refuses it first: a draft is not MLA).
+    Equal layouts on both sides are checked before (:func:`check_pair`)."""
     if compat != "vllm":
         return
     if ratio < 0 or (mode == "push" and ratio != 1):
@@ -284,11 +271,10 @@ def _check_draft(
             local=local.tp_size,
             remote=remote.tp_size,
         )
-    spec = local.model.attention_spec
-    if spec is None:  # no head-sharded layer, so no draft to check
-        return
-    if spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size) and (
-        local.engine.kv_layout.value != "head_major" or remote.engine.kv_layout != local.engine.kv_layout
+    spec = cast("AttentionSpec", local.model.attention_spec)  # has_draft: never None
+    if (
+        spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size)
+        and local.engine.kv_layout.value != "head_major"
     ):
         raise _err(
             "kv_layout",

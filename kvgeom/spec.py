@@ -552,7 +552,7 @@ class ModelSpec:
                         None if shares is None else str(shares),
                     )
                 )
-            except (KeyError, TypeError):
+            except (KeyError, TypeError, AttributeError):
                 raise SpecError(f"layers[{i}]", "needs 'name', 'index' and 'spec'", value=la) from None
         return cls(str(d.get("name", "")), tuple(layers))
 

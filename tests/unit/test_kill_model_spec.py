@@ -54,8 +54,12 @@ def test_layer_kinds() -> None:
         "mamba2",
         "gdn",
         "kda",
+        "circular_buffer",
+        "replicated_state",
     ]
-    assert [k.is_ssm for k in LayerKind] == [False, False, False, True, True, True, True]
+    # a replicated state page is a state (one slot per request); a ring is not, but is one block too
+    assert [k.is_ssm for k in LayerKind] == [False, False, False, True, True, True, True, False, True]
+    assert [k.one_block for k in LayerKind] == [False, False, False, True, True, True, True, True, True]
     assert LayerKind.parse("gdn") is LayerKind.GDN
     err = _raises(LayerKind.parse, "conv")
     assert err.field == "kind" and err.values == {"value": "conv"}

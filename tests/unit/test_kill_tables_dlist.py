@@ -166,6 +166,8 @@ def test_engine_view_of_and_numbers():
         region_is_mla=(True, False),
         ssm_region_indices=(1,),
         ssm=None,
+        scratch_region_indices=(),
+        ple=None,
     )
     v = EngineView.of(geom)
     assert (v.tp_size, v.tp_rank, v.block_size, v.ppl, v.num_blocks) == (2, 1, 16, 4, 10)

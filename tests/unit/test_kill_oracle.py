@@ -316,6 +316,8 @@ def test_zero_ranges() -> None:
         Violation("I6", "D", 0, 0, 30, 34, "a range inside a 32-byte region", "[30, 34)", "z #0")
     ]
     assert o.result.bytes_zeroed == 7 and o.dst[0][0][0] == ZERO
+    o.zero(0, np.array([[0.0, 8.0, 2.0]]))  # float rows are taken as integers
+    assert o.dst[0][0][8:10].tolist() == [ZERO, ZERO] and o.result.bytes_zeroed == 9
     o.zero(1, [[0, 0, 1]])
     assert o.result.violations[-1].detail == "zero #0" and o.result.violations[-1].found == "[0, 1)"
 

@@ -751,3 +751,21 @@ def test_check_moves_applies_each_ranks_zero_and_regroup() -> None:
     assert [v.detail for v in bad.of("I6")] == ["D rank 0 regroup"]
     rep = check_moves(M1, E1, E1, REQ, m, regroup={7: [rg]})
     assert rep.regrouped_blocks == 0
+
+
+def test_own_blocks_with_decode_context_parallelism() -> None:
+    # D: TP 2 = DCP 2, block 2: list entry j of DCP rank r holds global page 2 j + r (tokens 2 page, +1).
+    # P computed 5 of 8 tokens. Rank 0: pages 0, 2 (tokens 0..1, 4..5): both hold computed tokens.
+    # Rank 1: pages 1, 3 (tokens 2..3, 6..7): entry 1 (block 0) holds only tokens >= 5: ZERO.
+    d = EngineConfig(tp_size=2, block_size=2, num_blocks=4, dcp_size=2)
+    o = Oracle.for_engines(M2, E1, d, Request(8, [[1, 2, 3]], [[3, 0]], prefill_tokens=5))
+    assert o.dst[0][0][:8].tolist() == [POISON] * 8 and o.dst[0][0][24:].tolist() == [POISON] * 8
+    assert o.dst[1][0][:8].tolist() == [ZERO] * 8 and o.dst[1][0][24:].tolist() == [POISON] * 8
+
+
+def test_p_tokens_start_at_token_zero() -> None:
+    # P block size 1: P blocks 1, 2, 3 (4 bytes each) hold tokens 0, 1, 2: tags 0..11 at bytes 4..15
+    e0 = EngineConfig(tp_size=1, block_size=1, num_blocks=8)
+    o = Oracle.for_engines(M1, e0, E1, Request(3, [[1, 2, 3]], [[3, 0]]))
+    want = np.concatenate([_p_loc(range(4)), np.arange(12), _p_loc(range(16, 32))])
+    np.testing.assert_array_equal(o.src[0][0], want)

@@ -769,3 +769,55 @@ def test_p_tokens_start_at_token_zero() -> None:
     o = Oracle.for_engines(M1, e0, E1, Request(3, [[1, 2, 3]], [[3, 0]]))
     want = np.concatenate([_p_loc(range(4)), np.arange(12), _p_loc(range(16, 32))])
     np.testing.assert_array_equal(o.src[0][0], want)
+
+
+def test_every_local_rank_is_paired_with_each_stage() -> None:
+    # P: TP 1 x PP 2 (global ranks 0, 1: one per stage); D: TP 2. Pull: each D rank pairs with each P stage
+    # (2 x 2 plans, one remote each); push: each P rank pairs with D's one stage of 2 ranks
+    m = ModelSpec.from_layers("pp", [AttentionSpec(2, 1, "float16")] * 2)
+    p = EngineConfig(tp_size=1, block_size=2, num_blocks=4, pp_size=2)
+    pull = pull_plans(m, p, E2, REQ)
+    assert [(rp.rank, [g.global_rank for g in rp.pairing.remotes.values()]) for rp in pull] == [
+        (0, [0]),
+        (0, [1]),
+        (1, [0]),
+        (1, [1]),
+    ]
+    push = push_plans(m, p, E2, REQ)
+    assert [(rp.rank, sorted(g.global_rank for g in rp.pairing.remotes.values())) for rp in push] == [
+        (0, [0, 1]),
+        (1, [0, 1]),
+    ]
+    assert run_pull(m, p, E2, REQ).ok and run_push(m, p, E2, REQ).ok
+
+
+def test_a_one_byte_length_difference_counts_one() -> None:
+    o = Oracle.for_engines(M1, E1, E1, REQ)
+    o.execute(_move(slen=8, dlen=7))
+    assert o.result.violated_bytes["I2"] == 1 and o.result.bytes_moved == 7
+
+
+def test_moves_after_a_refused_one_still_run() -> None:
+    o = Oracle.for_engines(M1, E1, E1, REQ)
+    o.execute(np.concatenate([_move(soff=40), _move()]))
+    assert o.result.descriptors == 2 and o.result.bytes_moved == 8
+    assert o.dst[0][0][24:].tolist() == list(range(8))
+
+
+def test_float_block_ids_and_descriptor_ids_are_taken_as_integers() -> None:
+    o = _regroup_world()
+    o.regroup(0, Regroup((0,), np.array([1.0]), 2, 2, 4, 1))
+    assert o.dst[0][0][8:16].tolist() == [8, 9, 12, 13, 10, 11, 14, 15]
+    o = Oracle.for_engines(M1, E1, E1, REQ)
+    rp = _with_ids(pull_plans(M1, E1, E1, REQ)[0], local=np.array([3.0, 0.0]), remote=np.array([1.0, 2.0]))
+    assert o.moves_of(rp).tolist() == [[0, 0, 8, 0, 0, 24, 8, 8], [0, 0, 16, 0, 0, 0, 8, 8]]
+
+
+def test_check_moves_labels_its_moves() -> None:
+    rep = check_moves(M1, E1, E1, REQ, _move(doff=30))
+    assert [v.detail for v in rep.of("I6")] == ["move #0 destination"]
+
+
+def test_run_plans_tells_the_push_receive_step_by_default(told) -> None:
+    run_plans(M1, E1, E1, REQ_N1, push_plans(M1, E1, E1, REQ_N1))
+    assert [c for c in told if c[0] == "receive"] == [("receive", 4, False, 2)]

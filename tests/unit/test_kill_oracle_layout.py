@@ -272,3 +272,34 @@ def test_attention_content_past_the_page_is_refused() -> None:
             2,
             CoordSpace(m, 2),
         )
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_k_and_v_of_different_sizes(split: bool) -> None:
+    # 1 head, K 2 x fp16 = 4 B, V 1 x fp16 = 2 B; tag width max(2, 1) * 2 = 4: tag (2 t + kv) * 4 + byte.
+    # Packed: a token-head holds K|V = 6 B: token n of block 1 (12 B blocks) at 12 + 6 n, V after 4 K bytes.
+    # Split: region k holds 4 B per token (8 B blocks), region v 2 B (4 B blocks).
+    m = ModelSpec.from_layers("kv", [AttentionSpec(1, 2, "float16", head_size_v=1)])
+    geom = rank_geometry(m, EngineConfig(tp_size=1, block_size=2, num_blocks=2, kv_split=split))
+    img = rank_image(geom, CoordSpace(m, 2), [[1]], 0, 2)
+    places = {}
+    for n in range(2):
+        for b in range(4):
+            places[(0, (8 + 4 * n if split else 12 + 6 * n) + b)] = ((2 * n) * 4 + b, NEEDED)
+        for b in range(2):
+            places[(1, 4 + 2 * n + b) if split else (0, 12 + 6 * n + 4 + b)] = ((2 * n + 1) * 4 + b, NEEDED)
+    _assert_image(img, *_expect([16, 8] if split else [24], places))
+
+
+def test_ids_for_every_group_are_required() -> None:
+    geom = rank_geometry(A2, EngineConfig(tp_size=1, block_size=2, num_blocks=3))
+    with pytest.raises(ValueError):
+        rank_image(geom, CoordSpace(A2, 2), [[1], [2]], 0, 2)
+
+
+def test_ids_of_any_integer_type() -> None:
+    # numpy unsigned ids place the same bytes as Python ints
+    geom = rank_geometry(A2, EngineConfig(tp_size=1, block_size=2, num_blocks=3))
+    want = rank_image(geom, CoordSpace(A2, 2), [[1]], 0, 2)
+    got = rank_image(geom, CoordSpace(A2, 2), [np.array([1], dtype=np.uint64)], 0, 2)
+    _assert_image(got, want.tags, want.role)

@@ -253,6 +253,7 @@ def test_moves_of_reads_and_writes() -> None:
         [3, 0, 0, 5, 0, 40, 8],
         [3, 0, 10, 5, 0, 96, 4],
     ]
+    assert fab.moves().tolist() == moves.tolist()  # P to D by default
     assert NixlFabric().moves().shape == (0, 7)
     with pytest.raises(ValueError) as err:
         fab.moves("D", "P")
@@ -517,3 +518,21 @@ def test_check_remote_done_removes_one_matching_message() -> None:
     p.send_notif("D0", "a:1")
     assert d.check_remote_xfer_done("P0", b"a:")
     assert d.notifs == {"P0": [b"a:1"]}
+
+
+def test_telemetry_is_exact_for_large_addresses() -> None:
+    # 2**60 + 8 and 2**60 + 9 differ (as float64 they would not): the second pair is not contiguous
+    fab, p, d = _agents()
+    big = 1 << 60
+    h = XferHandle(
+        "D0",
+        local_descs=_arr([[big, 8, 0], [big + 9, 8, 0]]),
+        remote_descs=_arr([[big, 8, 0], [big + 8, 8, 0]]),
+    )
+    assert d.get_xfer_telemetry(h) == XferTelemetry(16, 2)
+    h = XferHandle(
+        "D0",
+        local_descs=_arr([[big, 8, 0], [big + 8, 8, 0]]),
+        remote_descs=_arr([[big, 8, 0], [big + 9, 8, 0]]),
+    )
+    assert d.get_xfer_telemetry(h) == XferTelemetry(16, 2)

@@ -214,6 +214,7 @@ def test_agents_of_a_fabric() -> None:
         RecordingAgent("A", fabric=fab)
     lone = RecordingAgent("X", None, True)
     assert lone.fabric.agents == {"X": lone} and lone.fabric is not fab
+    assert (lone.engine, lone.rank) == ("", 0)
     assert lone.backends == {"UCX": 0} and lone.get_plugin_list() == ["UCX"]
     assert lone.registrations == [] and lone.notifs == {}
     with pytest.raises(ValueError, match="must not be empty"):

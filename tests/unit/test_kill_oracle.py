@@ -821,3 +821,13 @@ def test_check_moves_labels_its_moves() -> None:
 def test_run_plans_tells_the_push_receive_step_by_default(told) -> None:
     run_plans(M1, E1, E1, REQ_N1, push_plans(M1, E1, E1, REQ_N1))
     assert [c for c in told if c[0] == "receive"] == [("receive", 4, False, 2)]
+
+
+def test_run_defaults(told) -> None:
+    assert run(M1, E1, E1, REQ_N1).ok
+    assert run(M1, E1, E1, REQ_N1, "push").ok
+    assert [c for c in told if c[0] == "plan"] == [
+        ("plan", "pull", "kvgeom", False, {"num_tokens": 4, "prefill_tokens": 2}),
+        ("plan", "push", "kvgeom", False, {"num_tokens": 4, "prefill_tokens": 2}),
+    ]
+    assert [c for c in told if c[0] == "receive"] == [("receive", 4, False, 2)]

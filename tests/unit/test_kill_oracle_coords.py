@@ -147,6 +147,7 @@ def test_decode_every_kind_of_field() -> None:
     assert s.describe(244) == "unknown tag 244"
     assert s.describe(10**9) == "unknown tag 1000000000"
     assert s.describe(-2) == "ZERO (zeroed)"
+    assert s._decode(-5) == "unknown tag -5"  # below every field
 
 
 # -- the request ------------------------------------------------------------------------------------------

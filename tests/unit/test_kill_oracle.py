@@ -831,3 +831,14 @@ def test_run_defaults(told) -> None:
         ("plan", "push", "kvgeom", False, {"num_tokens": 4, "prefill_tokens": 2}),
     ]
     assert [c for c in told if c[0] == "receive"] == [("receive", 4, False, 2)]
+
+
+def test_run_plan_labels_its_moves() -> None:
+    o = Oracle.for_engines(M1, E1, E1, REQ)
+    rp = pull_plans(M1, E1, E1, REQ)[0]
+    o.run_plan(rp)
+    o.src[0][0][8:16] += 100  # P's first block now holds other tags: running the plan again clashes
+    o.run_plan(rp)
+    assert [(v.start, v.stop, v.detail) for v in o.result.of("I5")] == [
+        (24, 32, "pull plan of D rank 0 #0 overwrites an earlier write")
+    ]

@@ -33,6 +33,9 @@ def test_location_tags_values() -> None:
     assert co.location_tags(0, 0, 1, 0).tolist() == -(3 + (1 << 36))
     assert co.location_tags(0, 1, 0, 0).tolist() == -(3 + (1 << 48))
     assert co.location_tags(0, 63, 4095, 0).dtype == np.int64
+    # offsets of any integer type give int64 tags (an unsigned array must not wrap around when negated)
+    assert co.location_tags(0, 0, 0, np.array([5], dtype=np.uint64)).tolist() == [-8]
+    assert co.location_tags(0, 0, 0, np.array([5], dtype=np.uint64)).dtype == np.int64
 
 
 @pytest.mark.parametrize(("rank", "region"), [(64, 0), (-1, 0), (0, 4096), (0, -1)])

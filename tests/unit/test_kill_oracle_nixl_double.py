@@ -355,6 +355,10 @@ def test_make_prepped_xfer_pairs_by_index() -> None:
     assert h.local_descs.tolist() == [[5008, 8, 0], [5000, 8, 0]]
     assert h.remote_descs.tolist() == [[1000, 8, 0], [2000, 8, 0]]
     assert d.check_xfer_state(h) == "ERR"
+    h3 = d.make_prepped_xfer(
+        "READ", local, (0, 1), remote, np.array([[1], [0]])
+    )  # any index shape: flattened
+    assert h3.remote_descs.tolist() == [[2000, 8, 0], [1000, 8, 0]] and h3.local_descs.shape == (2, 3)
     h2 = d.make_prepped_xfer("READ", local, [1], remote, [1])
     assert h2.notif == b"" and h2.op == "READ"
     local.dlist.descs[1, 0] = 1  # the handle holds copies

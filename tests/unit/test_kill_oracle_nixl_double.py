@@ -138,6 +138,13 @@ def test_descriptor_forms() -> None:
     assert fortran.descs.flags.c_contiguous
 
 
+def test_large_addresses_stay_exact() -> None:
+    # 2**60 + 1 is not a float64: the descriptor must keep every bit
+    big = (1 << 60) + 1
+    assert nd._descs(_arr([[big, 8, 0]]), "DRAM").descs.tolist() == [[big, 8, 0]]
+    assert nd._descs(_arr([[big, 8, 0, 16, 2]]), "DRAM").descs.tolist() == [[big, 8, 0], [big + 16, 8, 0]]
+
+
 def test_strided_descriptors_expand() -> None:
     # (addr, len, dev, stride, count): row 0 -> 100, 110; row 1 -> 500, 507, 514
     d = nd._descs(_arr([[100, 4, 1, 10, 2], [500, 3, 0, 7, 3]]), "DRAM")

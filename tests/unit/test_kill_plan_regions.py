@@ -1,0 +1,105 @@
+"""Exact plans of pulls between sides that group the same regions differently (:mod:`kvgeom.regionmap`)
+through :func:`kvgeom.plan.plan_request`: ids per region, notifications, zeroed pages, and refusals
+(issue 12, mutation score).
+
+MLA model of 4 layers (latent 8 fp16 = 16 B per token: a 4-token page is 64 B), 10 blocks per region.
+D keeps layers 1 and 3 in a group of their own: D's regions 0, 2 take group 0's ids, regions 1, 3 group
+1's; P has one group. Descriptor ids: region r's block b is id ``10 r + b``."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
+from kvgeom.errors import PlanError, UnsupportedError
+from kvgeom.plan import plan_request
+
+MLA4 = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 4)
+SEP = ("layers.1.attn", "layers.3.attn")
+
+
+def _engine(block: int = 4, **kw: object) -> EngineConfig:
+    return EngineConfig(tp_size=1, block_size=block, num_blocks=10, **kw)  # type: ignore[arg-type]
+
+
+def _pair(
+    compat: str, p: EngineConfig | None = None, d: EngineConfig | None = None, pc: bool = False
+) -> Pairing:
+    d = d or _engine(separate_group=SEP)
+    p = p or _engine()
+    pairing = Pairing.create(
+        rank_geometry(MLA4, d), [rank_geometry(MLA4, p)], "pull", compat, prefix_caching=pc
+    )
+    assert pairing.region_mapped
+    return pairing
+
+
+def _ids(plan) -> list[tuple[list[int], list[int]]]:  # type: ignore[no-untyped-def]
+    return [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers]
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_whole_request_pairs_every_region(compat: str) -> None:
+    # D group 0 = [2, 3] (regions 0, 2), group 1 = [6, 7] (regions 1, 3); P = [4, 5] in every region
+    plan = plan_request(_pair(compat), [[2, 3], [6, 7]], [[4, 5]], "a", "b", num_tokens=8)
+    assert _ids(plan) == [([2, 3, 16, 17, 22, 23, 36, 37], [4, 5, 14, 15, 24, 25, 34, 35])]
+    (t,) = plan.transfers
+    assert t.notif == "b:1" and t.remote_rank == 0
+    assert plan.request_id == "a" and plan.mode == "pull" and plan.notify_only == ()
+    assert plan.expected_notifications == 1 and plan.consumer_rank == 0 and plan.regroup == ()
+    assert plan.zero.shape == (0, 3)
+    plan = plan_request(_pair(compat), [[2, 3], [6, 7]], [[4, 5]], "a", num_tokens=8)
+    assert [t.notif for t in plan.transfers] == ["a:1"]
+
+
+@pytest.mark.parametrize(("compat", "prefill"), [("vllm", 4), ("kvgeom", 4), ("kvgeom", None)])
+def test_pages_p_did_not_send_are_zeroed(compat: str, prefill: int | None) -> None:
+    # P sent one block (tokens 0..3): each region's first D block is read, its second zeroed whole:
+    # region 0 block 3 at 3 x 64 = 192, region 1 block 7 at 448, region 2 block 3, region 3 block 7
+    plan = plan_request(_pair(compat), [[2, 3], [6, 7]], [[4]], num_tokens=8, prefill_tokens=prefill)
+    assert _ids(plan) == [([2, 16, 22, 36], [4, 14, 24, 34])]
+    assert plan.zero.tolist() == [[0, 192, 64], [1, 448, 64], [2, 192, 64], [3, 448, 64]]
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_prefix_hit_reads_the_uncached_tail(compat: str) -> None:
+    # D caches block 0 of each group (tokens 0..3); its lists [3], [7] hold tokens 4..7 = P's block 5
+    plan = plan_request(_pair(compat, pc=True), [[3], [7]], [[4, 5]], num_tokens=8, prefill_tokens=8)
+    assert _ids(plan) == [([3, 17, 23, 37], [5, 15, 25, 35])]
+    assert plan.zero.shape == (0, 3)
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_nothing_local_is_notification_only(compat: str) -> None:
+    plan = plan_request(_pair(compat), [], [[4]], num_tokens=8, prefill_tokens=4)
+    assert plan.transfers == () and plan.notify_only == (0,) and plan.zero.shape == (0, 3)
+    plan = plan_request(_pair(compat), [[], []], [[4]], num_tokens=8, prefill_tokens=4)
+    assert plan.transfers == () and plan.notify_only == (0,)
+
+
+def test_prefix_caching_needs_num_tokens() -> None:
+    with pytest.raises(PlanError) as err:
+        plan_request(_pair("vllm", pc=True), [[2, 3], [6, 7]], [[4, 5]], prefill_tokens=8)
+    assert type(err.value) is PlanError and err.value.field == "num_tokens"
+
+
+def test_vllm_mode_refuses_other_logical_blocks_without_token_counts() -> None:
+    # P: logical block 4 of two 2-token kernel blocks (ppl 2); D: block 2 (ppl 1): same kernel pages
+    p, d = _engine(4, kernel_block_size=2), _engine(2, separate_group=SEP)
+    with pytest.raises(UnsupportedError) as err:
+        plan_request(_pair("vllm", p, d), [[2, 3], [6, 7]], [[4]], num_tokens=4)
+    assert type(err.value) is UnsupportedError
+    assert err.value.field == "prefill_tokens" and err.value.values == {"local": 1, "remote": 2}
+    # with the token counts vLLM pairs by page position: P's block 4 = kernel pages 8, 9
+    want = [([2, 3, 16, 17, 22, 23, 36, 37], [8, 9, 28, 29, 48, 49, 68, 69])]
+    assert (
+        _ids(plan_request(_pair("vllm", p, d), [[2, 3], [6, 7]], [[4]], num_tokens=4, prefill_tokens=4))
+        == want
+    )
+    assert _ids(plan_request(_pair("kvgeom", p, d), [[2, 3], [6, 7]], [[4]], num_tokens=4)) == want
+
+
+def test_vllm_mode_refuses_more_d_pages_than_p_supplies_without_prefill_tokens() -> None:
+    with pytest.raises(PlanError) as err:
+        plan_request(_pair("vllm"), [[2, 3], [6, 7]], [[4]], num_tokens=8)
+    assert err.value.field == "decode_ids[0]" and err.value.values == {"local": 2, "remote": 1}

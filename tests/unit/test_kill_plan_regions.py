@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
-from kvgeom.errors import PlanError, UnsupportedError
+from kvgeom.errors import BlockIdError, PlanError, UnsupportedError
 from kvgeom.plan import plan_request
 
 MLA4 = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 4)
@@ -103,3 +103,20 @@ def test_vllm_mode_refuses_more_d_pages_than_p_supplies_without_prefill_tokens()
     with pytest.raises(PlanError) as err:
         plan_request(_pair("vllm"), [[2, 3], [6, 7]], [[4]], num_tokens=8)
     assert err.value.field == "decode_ids[0]" and err.value.values == {"local": 2, "remote": 1}
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_bad_ids_name_their_side(compat: str) -> None:
+    with pytest.raises(BlockIdError) as err:
+        plan_request(_pair(compat), [[2, 3], [6, 7]], [[4, -5]], num_tokens=8)
+    assert type(err.value) is BlockIdError
+    assert err.value.field == "remote_ids[0]" and err.value.values == {"value": -5}
+    with pytest.raises(BlockIdError) as err:
+        plan_request(_pair(compat), [[2, 3], [6, 7]], [[4, 10]], num_tokens=8)
+    assert err.value.field == "remote_ids[0]" and err.value.values == {"value": 10, "expected": 10}
+    with pytest.raises(BlockIdError) as err:
+        plan_request(_pair(compat), [[2, 3], [6, 10]], [[4, 5]], num_tokens=8)
+    assert err.value.field == "local_ids[1]" and err.value.values == {"value": 10, "expected": 10}
+    with pytest.raises(BlockIdError) as err:
+        plan_request(_pair(compat), [[2, 3], [3, 7]], [[4, 5]], num_tokens=8)
+    assert err.value.field == "local_ids[1]" and err.value.values == {"value": 3, "groups": (0, 1)}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvgeom.engine import EngineConfig
-from kvgeom.errors import BlockIdError, PlanError
+from kvgeom.errors import BlockIdError, PlanError, UnsupportedError
 from kvgeom.geometry import rank_geometry
 from kvgeom.pairing import Pairing
 from kvgeom.plan import (
@@ -450,3 +450,20 @@ def test_check_writes_refuses_moves_across_a_block_edge_or_region() -> None:
     with pytest.raises(PlanError) as err:
         check_writes(Shifted(0, 128, region=-1), pairing, [[2, 3]])  # type: ignore[arg-type]
     assert err.value.field == "destination region" and err.value.values == {"value": -1, "expected": 1}
+
+
+def test_vllm_mode_refuses_a_count_pairing_of_other_tokens() -> None:
+    # 5 tokens, D's one block is its uncached tail (tokens 4..7); P's one block holds tokens 0..3.
+    # vLLM pairs them by count (D 0 <- P 8): refused, naming both lists; kvgeom mode reads nothing
+    # and zeroes D block 0 (bytes 0..127)
+    with pytest.raises(UnsupportedError) as err:
+        plan_request(_pair(compat="vllm"), [[0]], [[8 - 1]], num_tokens=5)
+    assert type(err.value) is UnsupportedError
+    assert err.value.field == "block_ids[0]" and err.value.values == {"local": [0], "remote": [7]}
+    plan = plan_request(_pair(), [[0]], [[7]], num_tokens=5)
+    assert plan.transfers == () and plan.notify_only == (0,) and plan.zero.tolist() == [[0, 0, 128]]
+    # P's two blocks (tokens 0..7): both modes pair D 0 <- P's second block 6
+    for compat in ("vllm", "kvgeom"):
+        plan = plan_request(_pair(compat=compat), [[0]], [[5, 6]], num_tokens=5)
+        assert [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [([0], [6])]
+        assert plan.zero.shape == (0, 3)

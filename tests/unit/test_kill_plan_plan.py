@@ -467,3 +467,36 @@ def test_vllm_mode_refuses_a_count_pairing_of_other_tokens() -> None:
         plan = plan_request(_pair(compat=compat), [[0]], [[5, 6]], num_tokens=5)
         assert [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [([0], [6])]
         assert plan.zero.shape == (0, 3)
+
+
+def test_int64_arrays_are_checked_like_lists() -> None:
+    from kvgeom.errors import GroupMismatchError
+
+    pairing = _pair()
+    a = np.array([2, 5], dtype=np.int64)
+    plan = plan_request(pairing, [a], (np.array([1, 3], dtype=np.int64),))
+    assert plan.transfers[0].local_ids.tolist() == [2, 5] and plan.transfers[0].remote_ids.tolist() == [1, 3]
+    assert a.tolist() == [2, 5]
+    two = [np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)]
+    with pytest.raises(GroupMismatchError) as err:
+        plan_request(pairing, two, [[1]])
+    assert err.value.field == "local_ids" and err.value.values == {"value": 2, "expected": 1}
+    with pytest.raises(GroupMismatchError) as err:
+        plan_request(pairing, [[1]], two)
+    assert err.value.field == "remote_ids" and err.value.values == {"value": 2, "expected": 1}
+    flat2d = [np.array([[1, 2]], dtype=np.int64)]
+    with pytest.raises(BlockIdError) as err:
+        plan_request(pairing, flat2d, [[1]])
+    assert err.value.field == "local_ids[0]"
+    with pytest.raises(BlockIdError) as err:
+        plan_request(pairing, [[1]], flat2d)
+    assert err.value.field == "remote_ids[0]"
+    with pytest.raises(BlockIdError) as err:
+        plan_request(pairing, [np.array([3, -2], dtype=np.int64)], [[1, 2]])
+    assert err.value.field == "local_ids[0]" and err.value.values == {"value": -2}
+    with pytest.raises(BlockIdError) as err:
+        plan_request(pairing, [[1, 2]], [np.array([3, -2], dtype=np.int64)])
+    assert err.value.field == "remote_ids[0]" and err.value.values == {"value": -2}
+    # other integer arrays are converted
+    plan = plan_request(pairing, [np.array([2, 5], dtype=np.int32)], [np.array([1, 3], dtype=np.uint16)])
+    assert plan.transfers[0].local_ids.tolist() == [2, 5]

@@ -345,3 +345,32 @@ def test_consumers_per_producer_refusals() -> None:
     with pytest.raises(RatioError) as err:
         consumers_per_producer(2, 0)
     assert err.value.field == "consumer_tp" and err.value.values == {"value": 0}
+
+
+def test_mapping_mla_with_a_sharded_remote() -> None:
+    # MLA, rank 0 of TP4 (no DCP) reading TP4 with DCP 4: every remote rank holds a quarter of the pages
+    # (sources 0..3); all hold "head" 0*1//4 = 0, so all share the last attention index 3; the SSM
+    # group reads the attention sources at equal TP; a replicated local side is read by all 4 ranks
+    m = _mapping(
+        local_rank=0,
+        local_tp=4,
+        remote_tp=4,
+        num_kv_heads=1,
+        is_mla=True,
+        group_is_ssm=[False, True],
+        local_dcp_size=1,
+        remote_dcp_size=4,
+    )
+    assert m.source_ranks_per_group == ((0, 1, 2, 3), (0, 1, 2, 3))
+    assert m.rank_to_attention_slot == ((0, 3), (1, 3), (2, 3), (3, 3))
+    assert m.rank_offset_factor == 0 and m.local_consumers == 4
+
+
+def test_mapping_slot_of_a_rank_holding_no_attention_head_is_zero() -> None:
+    # MLA with K=2, rank 0 of TP1 reading TP2: attention reads rank 0 (head 0); the SSM group reads 0 and 1;
+    # rank 1's head 1*2//2 = 1 has no attention source: slot 0
+    m = _mapping(
+        local_rank=0, local_tp=1, remote_tp=2, num_kv_heads=2, is_mla=True, group_is_ssm=[False, True]
+    )
+    assert m.source_ranks_per_group == ((0,), (0, 1))
+    assert m.rank_to_attention_slot == ((0, 0), (1, 0))

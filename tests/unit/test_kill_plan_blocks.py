@@ -327,3 +327,39 @@ def test_prefix_refusals_name_their_argument() -> None:
     with pytest.raises(BlockIdError) as err:
         apply_prefix_caching([[1]], [[-1]], 1, 1, [False])
     assert err.value.field == "prefill_ids[0]"
+
+
+def test_check_distinct_names_groups_in_order_for_long_lists() -> None:
+    # ids 51, 173 and 180 are in both groups; the smallest, 51, is named, first group first (an unstable
+    # sort of these 44 ids puts group 1's 51 before group 0's)
+    g0 = [1, 40, 17, 125, 51, 6, 179, 122, 180, 158, 69, 29, 130, 173]
+    g1 = [
+        32,
+        53,
+        135,
+        161,
+        59,
+        55,
+        188,
+        89,
+        93,
+        47,
+        57,
+        189,
+        77,
+        196,
+        183,
+        149,
+        65,
+        70,
+        176,
+        143,
+        173,
+        114,
+        180,
+        3,
+    ]
+    g1 += [63, 154, 51, 140, 42, 111]
+    with pytest.raises(BlockIdError) as err:
+        check_distinct([np.array(g0), np.array(g1)], "f")
+    assert err.value.field == "f[1]" and err.value.values == {"value": 51, "groups": (0, 1)}

@@ -500,3 +500,28 @@ def test_int64_arrays_are_checked_like_lists() -> None:
     # other integer arrays are converted
     plan = plan_request(pairing, [np.array([2, 5], dtype=np.int32)], [np.array([1, 3], dtype=np.uint16)])
     assert plan.transfers[0].local_ids.tolist() == [2, 5]
+
+
+def test_repeated_shapes_with_zeroed_blocks_and_notifications_only() -> None:
+    # D 3 blocks of 4 tokens, P one block of 8 (tokens 0..7) of 12: D's third block is zeroed in full
+    # (D block b at 128 b; P TP2 -> D TP1: each P rank gives one head of D's 2 blocks: 2 descs each)
+    cached = _pair(p=(2, 8, 8), d=(1, 4, 8))
+    shapes = [([[1, 2, 3]], [[4]]), ([[6, 0, 7]], [[1]]), ([[2, 4, 5]], [[0]]), ([[7, 1, 2]], [[2]])]
+    for i, (lids, rids) in enumerate(shapes):
+        got = plan_request(cached, lids, rids, f"r{i}", num_tokens=12, prefill_tokens=8)
+        fresh = plan_request(_pair(p=(2, 8, 8), d=(1, 4, 8)), lids, rids, f"r{i}", None, 12, 8)
+        assert _fields(got) == _fields(fresh)
+        assert got.zero.dtype == np.int64 and got.zero.tolist() == [[0, 128 * lids[0][2], 128]]
+        assert [len(t) for t in got.transfers] == [2, 2]
+    for i in range(4):  # nothing local: notification only, from the recipe too
+        got = plan_request(cached, [], [[i]], f"n{i}", "peer", num_tokens=12, prefill_tokens=8)
+        assert got.transfers == () and got.notify_only == (0, 1) and got.request_id == f"n{i}"
+        assert got.zero.shape == (0, 3) and got.zero.dtype == np.int64
+
+
+def test_default_fields_of_a_plan() -> None:
+    plan = RequestPlan("r", "push", (), (), 1, -1)
+    assert plan.regroup == () and plan.zero.shape == (0, 3) and plan.zero.dtype == np.int64
+    plan = plan_request(_pair(), [[1]], [[2]])
+    assert plan.zero.dtype == np.int64 and plan.regroup == ()
+    assert plan.transfers[0].local_ids.dtype == np.int64 and plan.transfers[0].remote_ids.dtype == np.int64

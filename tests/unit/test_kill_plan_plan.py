@@ -525,3 +525,28 @@ def test_default_fields_of_a_plan() -> None:
     plan = plan_request(_pair(), [[1]], [[2]])
     assert plan.zero.dtype == np.int64 and plan.regroup == ()
     assert plan.transfers[0].local_ids.dtype == np.int64 and plan.transfers[0].remote_ids.dtype == np.int64
+
+
+def _regroup_tuple(r: Regroup) -> tuple:
+    return (r.regions, r.blocks.tolist(), r.bsr, r.heads, r.tokens, r.head_bytes)
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_post_receive_regroups_and_zeroes_in_the_given_pages(compat: str) -> None:
+    # D blocks of 8 tokens (256 B page, head-major: head h at 128 h, 16 B per token-head) receive P's
+    # 4-token blocks (bsr 2). D block 1 at 256 is regrouped: [2, 2 heads, 4, 16 B] -> [2 heads, 8, 16 B].
+    d, p = _geom(DENSE, 1, 8, 8), _geom(DENSE, 1, 4, 8)
+    view = Pairing.create(d, [p], "pull", "kvgeom").remote_view(0)
+    one, two = [np.array([1], dtype=np.int64)], [np.array([4, 5], dtype=np.int64)]
+    regroup, zero = post_receive(d, view, one, two, 2, compat)
+    assert [_regroup_tuple(r) for r in regroup] == [((0,), [1], 2, 2, 8, 16)] and zero.shape == (0, 3)
+    # one P block covers tokens 0..3: tokens 4..7 of each head (64 B at 256 + 128 h + 64) are zeroed
+    regroup, zero = post_receive(d, view, one, [np.array([4], dtype=np.int64)], 2, compat)
+    assert [_regroup_tuple(r) for r in regroup] == [((0,), [1], 2, 2, 8, 16)]
+    assert zero.tolist() == [[0, 320, 64], [0, 448, 64]]
+    # only the given pages are regrouped and zeroed
+    regroup, zero = post_receive(d, view, one, [np.array([4], dtype=np.int64)], 2, compat, pages=lambda g: [])
+    assert regroup == () and zero.shape == (0, 3)
+    # nothing local: nothing to regroup or zero
+    regroup, zero = post_receive(d, view, [np.zeros(0, np.int64)], two, 2, compat)
+    assert regroup == () and zero.shape == (0, 3)

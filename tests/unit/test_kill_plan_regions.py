@@ -120,3 +120,29 @@ def test_bad_ids_name_their_side(compat: str) -> None:
     with pytest.raises(BlockIdError) as err:
         plan_request(_pair(compat), [[2, 3], [3, 7]], [[4, 5]], num_tokens=8)
     assert err.value.field == "local_ids[1]" and err.value.values == {"value": 3, "groups": (0, 1)}
+
+
+@pytest.mark.parametrize(("d_ids", "region"), [([[0], []], 0), ([[], [5]], 1)])
+def test_vllm_mode_refuses_pairing_a_region_by_count_against_the_token_axis(d_ids: list, region: int) -> None:
+    # 5 tokens: D's one block of a group is its uncached tail (tokens 4..7); P's one block holds tokens
+    # 0..3. vLLM end-trims and pairs them (other tokens): refused naming the region's page lists.
+    # kvgeom mode reads nothing and zeroes that block in the group's two regions.
+    with pytest.raises(UnsupportedError) as err:
+        plan_request(_pair("vllm"), d_ids, [[6]], num_tokens=5)
+    assert type(err.value) is UnsupportedError
+    assert err.value.field == f"regions[{region}]"
+    assert err.value.values == {"local": [d_ids[region][0]], "remote": [6]}
+    plan = plan_request(_pair("kvgeom"), d_ids, [[6]], num_tokens=5)
+    b = d_ids[region][0]
+    assert plan.transfers == () and plan.notify_only == (0,)
+    assert plan.zero.tolist() == [[region, 64 * b, 64], [region + 2, 64 * b, 64]]
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_tail_blocks_pair_with_p_tail(compat: str) -> None:
+    # 5 tokens: D's tails [0] (group 0: regions 0, 2) and [5] (group 1: regions 1, 3) hold tokens 4..7 =
+    # P's second block 7; ids 10 r + b
+    plan = plan_request(_pair(compat), [[0], []], [[6, 7]], num_tokens=5)
+    assert _ids(plan) == [([0, 20], [7, 27])]
+    plan = plan_request(_pair(compat), [[0], [5]], [[6, 7]], num_tokens=5, prefill_tokens=5)
+    assert _ids(plan) == [([0, 15, 20, 35], [7, 17, 27, 37])] and plan.zero.shape == (0, 3)

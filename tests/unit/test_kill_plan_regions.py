@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
+from kvgeom import AttentionSpec, EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
 from kvgeom.errors import BlockIdError, PlanError, UnsupportedError
 from kvgeom.plan import plan_request
 
@@ -146,3 +146,34 @@ def test_tail_blocks_pair_with_p_tail(compat: str) -> None:
     assert _ids(plan) == [([0, 20], [7, 27])]
     plan = plan_request(_pair(compat), [[0], [5]], [[6, 7]], num_tokens=5, prefill_tokens=5)
     assert _ids(plan) == [([0, 15, 20, 35], [7, 17, 27, 37])] and plan.zero.shape == (0, 3)
+
+
+DENSE2 = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")] * 2)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major"])
+def test_kvgeom_mode_reads_head_slices_region_by_region(layout: str) -> None:
+    """Dense, 2 layers, 2 KV heads of 4 fp16 (16 B per token-head with K and V): P TP2 (one head per rank,
+    64 B pages) -> D TP1 (128 B pages) keeping layer 1 in a group of its own (4 blocks per region).
+    Head-major: D head h of block b at 128 b + 64 h, 64 B. Token-major (cut per token): token t of head h
+    at 128 b + 32 t + 16 h, 16 B; P's token t of block b at 64 b + 16 t."""
+    d = rank_geometry(DENSE2, EngineConfig(1, 4, 4, separate_group=("layers.1.attn",), kv_layout=layout))
+    ps = [rank_geometry(DENSE2, EngineConfig(2, 4, 4, tp_rank=r, kv_layout=layout)) for r in range(2)]
+    pairing = Pairing.create(d, ps, "pull", "kvgeom")
+    assert pairing.region_mapped
+    plan = plan_request(pairing, [[1], [2]], [[3]], num_tokens=4)
+    got = sorted(map(tuple, plan.moves(pairing).tolist()))
+    want = []
+    for r in range(2):  # P rank r holds head r; D block 1 (region 0) and 2 (region 1) <- P block 3
+        for region, b in ((0, 1), (1, 2)):
+            if layout == "head_major":
+                want.append((r, region, 192, 0, region, 128 * b + 64 * r, 64))
+            else:
+                want += [
+                    (r, region, 192 + 16 * t, 0, region, 128 * b + 32 * t + 16 * r, 16) for t in range(4)
+                ]
+    assert got == sorted(want)
+    assert [t.notif for t in plan.transfers] == ["req:1", "req:1"] and plan.zero.shape == (0, 3)
+    # 8 tokens of which P computed the first 4: D's second blocks (0 in region 0, 3 in region 1) zeroed
+    plan = plan_request(pairing, [[1, 0], [2, 3]], [[3]], num_tokens=8, prefill_tokens=4)
+    assert plan.zero.tolist() == [[0, 0, 128], [1, 384, 128]]

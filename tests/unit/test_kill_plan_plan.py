@@ -550,3 +550,38 @@ def test_post_receive_regroups_and_zeroes_in_the_given_pages(compat: str) -> Non
     # nothing local: nothing to regroup or zero
     regroup, zero = post_receive(d, view, [np.zeros(0, np.int64)], two, 2, compat)
     assert regroup == () and zero.shape == (0, 3)
+
+
+def _token_major(tp: int, block: int, rank: int = 0):  # type: ignore[no-untyped-def]
+    return _geom(DENSE, tp, block, 8, rank=rank, kv_layout="token_major")
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_push_of_larger_p_blocks_into_d_halves(compat: str) -> None:
+    # token-major: P block 3 (8 tokens x 32 B at 768) is two 128 B halves (table ids 6, 7) written to
+    # D blocks 1 and 2 (128 B at 128 b)
+    pairing = Pairing.create(_token_major(1, 8), [_token_major(1, 4)], "push", compat)
+    for kw in ({"num_tokens": 8}, {"num_tokens": 6}, {"num_tokens": 8, "prefill_tokens": 5}, {}):
+        plan = plan_request(pairing, [[3]], [[1, 2]], **kw)  # type: ignore[arg-type]
+        assert [(t.local_ids.tolist(), t.remote_ids.tolist(), t.notif) for t in plan.transfers] == [
+            ([6, 7], [1, 2], "req:1")
+        ]
+        assert plan.moves(pairing).tolist() == [[0, 0, 768, 0, 0, 128, 128], [0, 0, 896, 0, 0, 256, 128]]
+        assert plan.consumer_rank == -1 and plan.zero.shape == (0, 3)
+    # P's 2 blocks (16 tokens) into D's 2 blocks of 4: D's list must be a tail, so num_tokens is needed
+    with pytest.raises(PlanError) as err:
+        plan_request(pairing, [[3, 4]], [[1, 2]])
+    assert type(err.value) is PlanError
+    assert err.value.field == "num_tokens" and err.value.values == {"local": 8, "remote": 16}
+
+
+def test_kvgeom_push_to_more_ranks_cuts_token_major_pages_per_token() -> None:
+    # P TP1 token t of head h at 768 + 32 t + 16 h (block 3) -> D rank h, block 1 + t // 4, token t % 4:
+    # 64 (1 + t // 4) + 16 (t % 4) = 64 + 16 t; 16 B each. D ranks wait for P_TP = 1 writer.
+    pairing = Pairing.create(_token_major(1, 8), [_token_major(2, 4, r) for r in range(2)], "push", "kvgeom")
+    plan = plan_request(pairing, [[3]], [[1, 2]], num_tokens=8)
+    assert [t.notif for t in plan.transfers] == ["req:1", "req:1"]
+    got = sorted(map(tuple, plan.moves(pairing).tolist()))
+    assert got == sorted(
+        (0, 0, 768 + 32 * t + 16 * h, h, 0, 64 + 16 * t, 16) for t in range(8) for h in range(2)
+    )

@@ -585,3 +585,34 @@ def test_kvgeom_push_to_more_ranks_cuts_token_major_pages_per_token() -> None:
     assert got == sorted(
         (0, 0, 768 + 32 * t + 16 * h, h, 0, 64 + 16 * t, 16) for t in range(8) for h in range(2)
     )
+
+
+SLIDING = ModelSpec.from_layers(
+    "sw", [AttentionSpec(2, 4, "float16"), AttentionSpec(2, 4, "float16", sliding_window=4)]
+)
+
+
+def test_a_sliding_group_ends_where_the_full_group_does() -> None:
+    """A full-attention group and a sliding-window group (both pages 128 B at 128 b in one shared region).
+    12 tokens; P's full list [0, 1] says P computed 8 tokens, so P's sliding list [6, 7] holds tokens
+    0..7 (not 4..11): D's sliding blocks [4, 5] (tokens 4..11) get D 4 <- P 7 and D 5 zeroed; the full
+    group pairs D 0, 1 <- P 0, 1 and zeroes D 2."""
+    pairing = Pairing.create(_geom(SLIDING, 1, 4, 8), [_geom(SLIDING, 1, 4, 8)], "pull", "kvgeom")
+    for kw in ({}, {"prefill_tokens": 8}):
+        plan = plan_request(pairing, [[0, 1, 2], [4, 5]], [[0, 1], [6, 7]], num_tokens=12, **kw)  # type: ignore[arg-type]
+        assert [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [
+            ([0, 1, 4], [0, 1, 7])
+        ]
+        assert plan.zero.tolist() == [[0, 256, 128], [0, 640, 128]]
+    # P computed all 12: its sliding list [6, 7] holds tokens 4..11; D's sliding tail [5] <- P 7
+    for compat in ("kvgeom", "vllm"):
+        pairing = Pairing.create(_geom(SLIDING, 1, 4, 8), [_geom(SLIDING, 1, 4, 8)], "pull", compat)
+        plan = plan_request(pairing, [[0, 1, 2], [5]], [[0, 1, 2], [6, 7]], num_tokens=12)
+        assert [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [
+            ([0, 1, 2, 5], [0, 1, 2, 7])
+        ]
+        assert plan.zero.shape == (0, 3)
+        # without num_tokens a sliding list cannot be placed
+        with pytest.raises(PlanError) as err:
+            plan_request(pairing, [[0, 1, 2], [4, 5]], [[0, 1, 2], [6, 7]])
+        assert err.value.field == "num_tokens"

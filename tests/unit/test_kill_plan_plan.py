@@ -616,3 +616,33 @@ def test_a_sliding_group_ends_where_the_full_group_does() -> None:
         with pytest.raises(PlanError) as err:
             plan_request(pairing, [[0, 1, 2], [4, 5]], [[0, 1, 2], [6, 7]])
         assert err.value.field == "num_tokens"
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_pull_of_smaller_p_blocks_regroups_and_zeroes_the_tail(compat: str) -> None:
+    """D blocks of 8 tokens (256 B, received as two 128 B sub-pages: D block b's half j at 256 b + 128 j)
+    from P blocks of 4 (128 B at 128 b), bsr 2; then each D block is regrouped per head
+    ([2, 2 heads, 4, 16 B] -> [2 heads, 8, 16 B]). vLLM's table is the whole one (ratio 2, -1)."""
+    pairing = Pairing.create(_geom(DENSE, 1, 8, 8), [_geom(DENSE, 1, 4, 8)], "pull", compat)
+    key = (2, 0) if compat == "kvgeom" else (2, -1)
+    plan = plan_request(pairing, [[1]], [[4, 5]])
+    assert [(t.local_table, t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [
+        (key, [2, 3], [4, 5])
+    ]
+    assert plan.moves(pairing).tolist() == [[0, 0, 512, 0, 0, 256, 128], [0, 0, 640, 0, 0, 384, 128]]
+    assert [_regroup_tuple(r) for r in plan.regroup] == [((0,), [1], 2, 2, 8, 16)] and plan.zero.shape == (
+        0,
+        3,
+    )
+    # 12 tokens: P's 3 blocks fill D block 1 and the first half of D block 2; tokens 4..7 of each head
+    # of D block 2 (after the regroup: 512 + 128 h + 64, 64 B) are zeroed
+    for kw in ({"num_tokens": 12}, {}):
+        plan = plan_request(pairing, [[1, 2]], [[4, 5, 6]], **kw)  # type: ignore[arg-type]
+        assert [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [
+            ([2, 3, 4], [4, 5, 6])
+        ]
+        assert [_regroup_tuple(r) for r in plan.regroup] == [((0,), [1, 2], 2, 2, 8, 16)]
+        assert plan.zero.tolist() == [[0, 576, 64], [0, 704, 64]]
+    plan = plan_request(pairing, [[1]], [[4]], num_tokens=4)
+    assert [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [([2], [4])]
+    assert plan.zero.tolist() == [[0, 320, 64], [0, 448, 64]]

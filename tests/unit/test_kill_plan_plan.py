@@ -646,3 +646,43 @@ def test_pull_of_smaller_p_blocks_regroups_and_zeroes_the_tail(compat: str) -> N
     plan = plan_request(pairing, [[1]], [[4]], num_tokens=4)
     assert [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [([2], [4])]
     assert plan.zero.tolist() == [[0, 320, 64], [0, 448, 64]]
+
+
+class _Moves:
+    """A plan stand-in with given byte moves (check_writes reads only ``mode`` and ``moves``)."""
+
+    def __init__(self, rows: list[tuple[int, ...]], mode: str = "pull") -> None:
+        self.mode, self.rows = mode, rows
+
+    def moves(self, _pairing: Pairing) -> np.ndarray:
+        return np.asarray(self.rows, dtype=np.int64).reshape(-1, 7)
+
+
+def test_check_writes_with_kernel_blocks_and_state_slots() -> None:
+    """Hybrid, logical blocks of 8 tokens = 2 kernel blocks of 4 (ppl 2, 128 B each, kernel block k at
+    128 k). Attention id b covers kernel blocks 2b, 2b + 1; an SSM slot s's page spans kernel blocks 2s
+    and 2s + 1 too."""
+    g = _geom(HYBRID, 1, 8, 8, kernel_block_size=4)
+    assert g.ppl == 2
+    pairing = Pairing.create(g, [_geom(HYBRID, 1, 8, 8, kernel_block_size=4)], "pull", "kvgeom")
+    plan = plan_request(pairing, [[3], [1]], [[5], [7]])
+    assert check_writes(plan, pairing, [[3], [1]]) is None
+    with pytest.raises(PlanError) as err:
+        check_writes(plan, pairing, [[3], [2]])  # the state pieces land in slot 1's kernel block 2 (256)
+    assert err.value.field == "destination" and err.value.values["value"][1] == 256
+    with pytest.raises(PlanError) as err:
+        check_writes(plan, pairing, [[2], [1]])  # attention lands in kernel blocks 6, 7 (768, 896)
+    assert err.value.values == {"value": (0, 768, 128)}
+    ok = [[2], [1]]  # kernel blocks 4, 5 (attention) and 2, 3 (state slot 1)
+    assert check_writes(_Moves([(0, 0, 0, 0, 0, 384 + 96, 32)]), pairing, ok) is None  # type: ignore[arg-type]
+    # one move over two kernel blocks of one logical block or slot: fine (last - first = 1 < ppl 2)
+    assert check_writes(_Moves([(0, 0, 0, 0, 0, 256, 256)]), pairing, ok) is None  # type: ignore[arg-type]
+    assert check_writes(_Moves([(0, 0, 0, 0, 0, 512, 256)]), pairing, ok) is None  # type: ignore[arg-type]
+    # over three kernel blocks (2..4: all the request's): refused (last - first = 2 >= ppl)
+    with pytest.raises(PlanError) as err:
+        check_writes(_Moves([(0, 0, 0, 0, 0, 256, 384)]), pairing, ok)  # type: ignore[arg-type]
+    assert err.value.values == {"value": (0, 256, 384)}
+    with pytest.raises(PlanError) as err:
+        check_writes(_Moves([(0, 0, 0, 0, 0, 100, 32)]), pairing, ok)  # type: ignore[arg-type]
+    assert err.value.values == {"value": (0, 100, 32)}  # kernel block 0
+    assert check_writes(_Moves([]), pairing, ok) is None  # type: ignore[arg-type]

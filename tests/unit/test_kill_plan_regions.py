@@ -177,3 +177,21 @@ def test_kvgeom_mode_reads_head_slices_region_by_region(layout: str) -> None:
     # 8 tokens of which P computed the first 4: D's second blocks (0 in region 0, 3 in region 1) zeroed
     plan = plan_request(pairing, [[1, 0], [2, 3]], [[3]], num_tokens=8, prefill_tokens=4)
     assert plan.zero.tolist() == [[0, 0, 128], [1, 384, 128]]
+
+
+def test_vllm_mode_pairs_a_region_every_group_views_by_page_position() -> None:
+    """Packed MLA rows (one region holding all 4 layers) on both sides; D keeps layers 1 and 3 in a group
+    of their own, so D's one region is viewed by both groups (no single group: vLLM mode only). vLLM pairs
+    that region's page list (group 0's [2] then group 1's [6]) with P's [4, 5] by position."""
+    p = rank_geometry(MLA4, _engine(packed_rows=True))
+    d = rank_geometry(MLA4, _engine(packed_rows=True, separate_group=SEP))
+    pairing = Pairing.create(d, [p], "pull", "vllm")
+    assert pairing.region_mapped
+    plan = plan_request(pairing, [[2], [6]], [[4, 5]], num_tokens=8)
+    assert _ids(plan) == [([2, 6], [4, 5])] and plan.zero.shape == (0, 3)
+    with pytest.raises(PlanError) as err:  # 4 pages of D's region (2 per group) against P's 2
+        plan_request(pairing, [[2, 3], [6, 7]], [[4, 5]], num_tokens=8)
+    assert err.value.field == "decode_ids[0]" and err.value.values == {"local": 4, "remote": 2}
+    with pytest.raises(UnsupportedError) as err:
+        Pairing.create(d, [p], "pull", "kvgeom")
+    assert err.value.field == "separate_group"

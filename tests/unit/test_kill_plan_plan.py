@@ -168,6 +168,9 @@ def test_ids_at_the_pool_edge(side: str) -> None:
     with pytest.raises(BlockIdError) as err:
         call([[4, 4]])
     assert err.value.field == f"{side}_ids[0]" and err.value.values == {"value": 4, "group": 0}
+    with pytest.raises(BlockIdError) as err:
+        call([[1, 6, 4, 6]])  # a repeat that is not the smallest id
+    assert err.value.field == f"{side}_ids[0]" and err.value.values == {"value": 6, "group": 0}
 
 
 def test_ids_shared_by_two_groups_are_refused_on_both_sides() -> None:
@@ -178,7 +181,10 @@ def test_ids_shared_by_two_groups_are_refused_on_both_sides() -> None:
     with pytest.raises(BlockIdError) as err:
         plan_request(pairing, [[3], [1]], [[5], [5]])
     assert err.value.field == "remote_ids[1]" and err.value.values == {"value": 5, "groups": (0, 1)}
-    # past the pool in the second group: the group is named
+    # past the pool in the second group (the first one empty): the group is named
+    with pytest.raises(BlockIdError) as err:
+        plan_request(pairing, [[], [8]], [[5], [7]])
+    assert err.value.field == "local_ids[1]" and err.value.values == {"value": 8, "expected": 8}
     with pytest.raises(BlockIdError) as err:
         plan_request(pairing, [[3], [8]], [[5], [7]])
     assert err.value.field == "local_ids[1]" and err.value.values == {"value": 8, "expected": 8}
@@ -499,7 +505,9 @@ def test_int64_arrays_are_checked_like_lists() -> None:
     assert err.value.field == "remote_ids[0]" and err.value.values == {"value": -2}
     # other integer arrays are converted
     plan = plan_request(pairing, [np.array([2, 5], dtype=np.int32)], [np.array([1, 3], dtype=np.uint16)])
-    assert plan.transfers[0].local_ids.tolist() == [2, 5]
+    (t,) = plan.transfers
+    assert t.local_ids.tolist() == [2, 5] and t.remote_ids.tolist() == [1, 3]
+    assert t.local_ids.dtype == np.int64 and t.remote_ids.dtype == np.int64
 
 
 def test_repeated_shapes_with_zeroed_blocks_and_notifications_only() -> None:

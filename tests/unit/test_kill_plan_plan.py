@@ -323,7 +323,7 @@ def test_post_receive_vllm_skips_equal_blocks_and_kvgeom_does_not() -> None:
     view = pairing.remote_view(0)
     lk, rk = [np.array([1, 2], dtype=np.int64)], [np.array([5], dtype=np.int64)]
     regroup, zero = post_receive(d, view, lk, rk, 1, "vllm")
-    assert regroup == () and zero.shape == (0, 3)
+    assert regroup == () and zero.shape == (0, 3) and zero.dtype == np.int64
     # kvgeom (the default): covered = min(2 * 1, 1) = 1 block: D block 2 (256..383) is zeroed
     regroup, zero = post_receive(d, view, lk, rk, 1)
     assert regroup == ()
@@ -530,8 +530,9 @@ def test_repeated_shapes_with_zeroed_blocks_and_notifications_only() -> None:
 def test_default_fields_of_a_plan() -> None:
     plan = RequestPlan("r", "push", (), (), 1, -1)
     assert plan.regroup == () and plan.zero.shape == (0, 3) and plan.zero.dtype == np.int64
-    plan = plan_request(_pair(), [[1]], [[2]])
-    assert plan.zero.dtype == np.int64 and plan.regroup == ()
+    for compat in ("kvgeom", "vllm"):
+        plan = plan_request(_pair(compat=compat), [[1]], [[2]])
+        assert plan.zero.dtype == np.int64 and plan.zero.shape == (0, 3) and plan.regroup == ()
     assert plan.transfers[0].local_ids.dtype == np.int64 and plan.transfers[0].remote_ids.dtype == np.int64
 
 

@@ -156,3 +156,26 @@ def test_vllm_push_refuses_units_its_mapping_never_writes() -> None:
     assert type(err.value) is UnsupportedError
     assert err.value.field == "block_ids[0]" and err.value.values == {"local": [0], "remote": 0}
     assert "tokens [8]" in str(err.value)
+
+
+def test_pull_into_larger_dcp_pages_reads_sub_pages() -> None:
+    """D TP2 DCP2 rank 1 with 8-token pages (128 B; scheduler block 16 tokens: entry 0 = page 1 = tokens
+    8..15, entry 1 = page 3 = tokens 24..31) from P TP1 with 4-token blocks (bsr 2). 24 tokens: D block 5's
+    halves (table ids 10, 11) <- P's entries 2, 3 (blocks 3, 4: tokens 8..15); D block 6 (tokens 24..31,
+    past the request) is zeroed in kvgeom mode, per 4-token unit: 768 and 832, 64 B each."""
+    pairing = Pairing.create(_g(2, 1, block=8, dcp=2), [_g(1)], "pull", "kvgeom")
+    assert pairing.bsr == 2
+    for kw in ({}, {"prefill_tokens": 20}):
+        plan = plan_request(
+            pairing, [[5, 6]], [[1, 2, 3, 4, 7, 8][: 6 if not kw else 5]], num_tokens=24, **kw
+        )  # type: ignore[arg-type]
+        assert _t(plan) == [(0, [10, 11], [3, 4], "req:2")]
+        assert plan.zero.tolist() == [[0, 768, 64], [0, 832, 64]]
+    plan = plan_request(pairing, [[5]], [[1, 2, 3, 4]], num_tokens=16)
+    assert _t(plan) == [(0, [10, 11], [3, 4], "req:2")] and plan.zero.shape == (0, 3)
+    # vLLM's closed form pairs other P pages here: refused, naming the token axis's pairs (local, remote)
+    pairing = Pairing.create(_g(2, 1, block=8, dcp=2), [_g(1)], "pull", "vllm")
+    with pytest.raises(UnsupportedError) as err:
+        plan_request(pairing, [[5, 6]], [[1, 2, 3, 4, 7, 8]], num_tokens=24)
+    assert err.value.field == "block_ids[0]" and err.value.values["remote"] == [(10, 3), (11, 4)]
+    assert err.value.values["local"] != err.value.values["remote"]

@@ -195,3 +195,17 @@ def test_vllm_mode_pairs_a_region_every_group_views_by_page_position() -> None:
     with pytest.raises(UnsupportedError) as err:
         Pairing.create(d, [p], "pull", "kvgeom")
     assert err.value.field == "separate_group"
+
+
+def test_vllm_mode_maps_each_region_to_its_group_when_both_sides_group_alike() -> None:
+    """Both sides keep layers 1 and 3 in a group of their own: not region-mapped, but vLLM's descriptor ids
+    map region r to its group only (group 0: regions 0, 2; group 1: regions 1, 3; id 10 r + b)."""
+    e = _engine(separate_group=SEP)
+    pairing = Pairing.create(rank_geometry(MLA4, e), [rank_geometry(MLA4, e)], "pull", "vllm")
+    assert not pairing.region_mapped
+    plan = plan_request(pairing, [[2, 3], [6, 7]], [[4, 5], [8, 9]], num_tokens=8)
+    assert _ids(plan) == [([2, 3, 22, 23, 16, 17, 36, 37], [4, 5, 24, 25, 18, 19, 38, 39])]
+    # group 0's P blocks 4, 5 (256, 320) -> D 2, 3 (128, 192) in regions 0, 2; group 1's 8, 9 -> 6, 7
+    want = [(0, r, 64 * p, 0, r, 64 * d, 64) for r in (0, 2) for p, d in ((4, 2), (5, 3))]
+    want += [(0, r, 64 * p, 0, r, 64 * d, 64) for r in (1, 3) for p, d in ((8, 6), (9, 7))]
+    assert sorted(map(tuple, plan.moves(pairing).tolist())) == sorted(want)

@@ -695,3 +695,24 @@ def test_check_writes_with_kernel_blocks_and_state_slots() -> None:
         check_writes(_Moves([(0, 0, 0, 0, 0, 100, 32)]), pairing, ok)  # type: ignore[arg-type]
     assert err.value.values == {"value": (0, 100, 32)}  # kernel block 0
     assert check_writes(_Moves([]), pairing, ok) is None  # type: ignore[arg-type]
+
+
+def test_a_full_prefix_hit_of_a_hybrid_moves_only_the_state() -> None:
+    """D caches every attention block (its attention list is empty) but takes the state slot. vLLM's
+    ``prefill[-0:]`` keeps P's whole attention list against D's none: vLLM mode refuses the unpairable
+    counts; kvgeom mode moves the state slot only (4 descriptors: x, B, C and the temporal state)."""
+    g = _geom(HYBRID, 1, 4, 8)
+    pairing = Pairing.create(g, [_geom(HYBRID, 1, 4, 8)], "pull", "vllm")
+    for p_attn, n in (([5], 4), ([5, 6], 8)):
+        with pytest.raises(PlanError) as err:
+            plan_request(pairing, [[], [1]], [p_attn, [7]], num_tokens=n)
+        assert type(err.value) is PlanError
+        assert err.value.field == "block_ids[0]" and err.value.values == {"local": 0, "remote": len(p_attn)}
+    pairing = Pairing.create(g, [_geom(HYBRID, 1, 4, 8)], "pull", "kvgeom")
+    plan = plan_request(pairing, [[], [1]], [[5, 6], [7]], num_tokens=8)
+    (t,) = plan.transfers
+    assert len(t) == 4 and plan.zero.shape == (0, 3)
+    # the state slot 1's page (128 B at 128) receives P slot 7's (at 896): 4 pieces of 32 B
+    moves = plan.moves(pairing)
+    assert (moves[:, 5] >= 128).all() and (moves[:, 5] + moves[:, 6] <= 256).all()
+    assert (moves[:, 2] >= 896).all() and (moves[:, 2] + moves[:, 6] <= 1024).all()

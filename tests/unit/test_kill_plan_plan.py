@@ -212,6 +212,8 @@ def test_notifications_name_the_remote_request_and_the_count() -> None:
     assert plan.consumer_rank == 1
     plan = plan_request(pull, [[1]], [[2]], request_id="d-req")
     assert [t.notif for t in plan.transfers] == ["d-req:2"]
+    # D rank 1 holds head 1 (64 B pages); P's 128 B page holds head 1 at +64: P block 2 -> D block 1
+    assert plan.moves(pull).tolist() == [[0, 0, 2 * 128 + 64, 1, 0, 64, 64]]
     push = _pair(p=(1, 4, 8), d=(2, 4, 8), mode="push")
     plan = plan_request(push, [[2]], [[1]], request_id="x", remote_request_id="y")
     assert sorted(t.notif for t in plan.transfers) == ["y:1", "y:1"]

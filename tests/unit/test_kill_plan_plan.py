@@ -718,3 +718,25 @@ def test_a_full_prefix_hit_of_a_hybrid_moves_only_the_state() -> None:
     moves = plan.moves(pairing)
     assert (moves[:, 5] >= 128).all() and (moves[:, 5] + moves[:, 6] <= 256).all()
     assert (moves[:, 2] >= 896).all() and (moves[:, 2] + moves[:, 6] <= 1024).all()
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_repeated_shapes_with_regroups_plan_like_the_first(compat: str) -> None:
+    def pairing() -> Pairing:
+        return Pairing.create(_geom(DENSE, 1, 8, 8), [_geom(DENSE, 1, 4, 8)], "pull", compat)
+
+    cached = pairing()
+    shapes = [
+        ([[1, 2]], [[4, 5, 6]]),
+        ([[3, 0]], [[1, 2, 7]]),
+        ([[5, 6]], [[0, 3, 2]]),
+        ([[7, 4]], [[6, 5, 4]]),
+    ]
+    for i, (lids, rids) in enumerate(shapes):
+        got = plan_request(cached, lids, rids, f"q{i}", "peer", num_tokens=12)
+        assert _fields(got) == _fields(plan_request(pairing(), lids, rids, f"q{i}", "peer", num_tokens=12))
+        # D's 2 blocks regrouped; the second half of D's second block (8 b + 4.., per head) zeroed
+        b = lids[0][1]
+        assert [_regroup_tuple(r) for r in got.regroup] == [((0,), lids[0], 2, 2, 8, 16)]
+        assert got.zero.tolist() == [[0, 256 * b + 64, 64], [0, 256 * b + 192, 64]]
+        assert {t.notif for t in got.transfers} == {"peer:1"}

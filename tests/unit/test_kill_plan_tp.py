@@ -23,7 +23,8 @@ from kvgeom.tp import (
 )
 def test_tp_ratio_values(local: int, remote: int, want: int) -> None:
     # local >= remote: local // remote; else -(remote // local)
-    assert tp_ratio(local, remote) == want
+    got = tp_ratio(local, remote)
+    assert got == want and type(got) is int
 
 
 @pytest.mark.parametrize(("local", "remote"), [(3, 2), (2, 3), (6, 4), (4, 6)])
@@ -49,7 +50,11 @@ def test_tp_ratio_refuses_non_positive_sizes(
 
 
 def _mapping(**kw: object) -> TPMapping:
-    return compute_tp_mapping(**kw)  # type: ignore[arg-type]
+    m = compute_tp_mapping(**kw)  # type: ignore[arg-type]
+    ints = [*m.all_source_ranks, *(r for g in m.source_ranks_per_group for r in g)]
+    ints += [x for pair in m.rank_to_attention_slot for x in pair] + [m.rank_offset_factor, m.local_consumers]
+    assert all(type(x) is int for x in ints)  # plain ints, never floats
+    return m
 
 
 def test_mapping_more_remote_ranks_distinct_heads() -> None:
@@ -272,7 +277,8 @@ def test_malformed_json_is_a_plan_error(bad: dict[str, object]) -> None:
     ],
 )
 def test_head_offset(rank: int, local: int, remote: int, k: int, want: int) -> None:
-    assert head_offset(rank, local, remote, k) == want
+    got = head_offset(rank, local, remote, k)
+    assert got == want and type(got) is int
 
 
 def test_head_offset_refusals() -> None:
@@ -300,7 +306,8 @@ def test_head_offset_refusals() -> None:
     ],
 )
 def test_handshake_targets(rank: int, local: int, remote: int, want: tuple[int, ...]) -> None:
-    assert handshake_targets(rank, local, remote) == want
+    got = handshake_targets(rank, local, remote)
+    assert got == want and all(type(r) is int for r in got)
 
 
 def test_handshake_targets_refusals() -> None:
@@ -329,7 +336,8 @@ def test_needs_split_local_handles() -> None:
     ("producer", "consumer", "want"), [(2, 4, 2), (1, 4, 4), (4, 2, 1), (2, 2, 1), (1, 1, 1), (3, 6, 2)]
 )
 def test_consumers_per_producer(producer: int, consumer: int, want: int) -> None:
-    assert consumers_per_producer(producer, consumer) == want
+    got = consumers_per_producer(producer, consumer)
+    assert got == want and type(got) is int
 
 
 def test_consumers_per_producer_refusals() -> None:

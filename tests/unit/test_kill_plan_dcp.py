@@ -179,3 +179,19 @@ def test_pull_into_larger_dcp_pages_reads_sub_pages() -> None:
         plan_request(pairing, [[5, 6]], [[1, 2, 3, 4, 7, 8]], num_tokens=24)
     assert err.value.field == "block_ids[0]" and err.value.values["remote"] == [(10, 3), (11, 4)]
     assert err.value.values["local"] != err.value.values["remote"]
+
+
+def test_prefill_tokens_decide_whether_the_last_page_is_read() -> None:
+    # 16 tokens: D rank 1's [5, 6] = pages 1 (tokens 4..7) and 3 (12..15); P's [3, 4, 7, 8] = tokens 0..15.
+    # P computed 13 (or all) tokens: token 12 is on page 3, so D 6 <- P 8; P computed 12: page 3 holds none
+    # of them, so kvgeom mode zeroes D block 6 (384) instead; vLLM mode reads P 8 either way
+    for compat in ("kvgeom", "vllm"):
+        for pt in (None, 16, 13):
+            plan = plan_request(
+                _d1_from_p1(compat), [[5, 6]], [[3, 4, 7, 8]], num_tokens=16, prefill_tokens=pt
+            )
+            assert _t(plan) == [(0, [5, 6], [4, 8], "req:2")] and plan.zero.shape == (0, 3)
+    plan = plan_request(_d1_from_p1("kvgeom"), [[5, 6]], [[3, 4, 7, 8]], num_tokens=16, prefill_tokens=12)
+    assert _t(plan) == [(0, [5], [4], "req:2")] and plan.zero.tolist() == [[0, 384, 64]]
+    plan = plan_request(_d1_from_p1("vllm"), [[5, 6]], [[3, 4, 7, 8]], num_tokens=16, prefill_tokens=12)
+    assert _t(plan) == [(0, [5, 6], [4, 8], "req:2")]

@@ -195,3 +195,14 @@ def test_prefill_tokens_decide_whether_the_last_page_is_read() -> None:
     assert _t(plan) == [(0, [5], [4], "req:2")] and plan.zero.tolist() == [[0, 384, 64]]
     plan = plan_request(_d1_from_p1("vllm"), [[5, 6]], [[3, 4, 7, 8]], num_tokens=16, prefill_tokens=12)
     assert _t(plan) == [(0, [5, 6], [4, 8], "req:2")]
+
+
+def test_vllm_pull_refusal_counts_only_tokens_p_computed() -> None:
+    # the receive-step refusal above with prefill_tokens = 9: of the units vLLM would zero (tokens 8 and
+    # 12 on), only the one at token 8 holds a token P computed
+    ps = [_g(2, r, block=8, dcp=2, kernel=4) for r in range(2)]
+    pairing = Pairing.create(_g(1), ps, "pull", "vllm")
+    with pytest.raises(UnsupportedError) as err:
+        plan_request(pairing, [[1, 2, 3, 4]], [[2]], num_tokens=16, prefill_tokens=9)
+    assert err.value.values == {"local": 4, "remote": 1}
+    assert "tokens [8]..." in str(err.value)

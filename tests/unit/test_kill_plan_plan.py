@@ -740,3 +740,22 @@ def test_repeated_shapes_with_regroups_plan_like_the_first(compat: str) -> None:
         assert [_regroup_tuple(r) for r in got.regroup] == [((0,), lids[0], 2, 2, 8, 16)]
         assert got.zero.tolist() == [[0, 256 * b + 64, 64], [0, 256 * b + 192, 64]]
         assert {t.notif for t in got.transfers} == {"peer:1"}
+
+
+def test_repeated_shapes_with_two_regroups() -> None:
+    """Full and sliding groups, D blocks of 8 from P blocks of 4 (bsr 2): one regroup per group, each of its
+    own D blocks (shared region 0, 2 heads, 8 tokens, 16 B per token-head); recipes keep them apart."""
+
+    def pairing() -> Pairing:
+        return Pairing.create(_geom(SLIDING, 1, 8, 8), [_geom(SLIDING, 1, 4, 8)], "pull", "kvgeom")
+
+    cached = pairing()
+    shapes = [([[1, 2], [5]], [[0, 1, 2, 3], [6, 7]]), ([[3, 0], [6]], [[4, 5, 6, 7], [0, 1]])]
+    shapes += [([[7, 4], [1]], [[1, 2, 0, 3], [4, 6]]), ([[6, 5], [2]], [[7, 4, 5, 6], [2, 3]])]
+    for lids, rids in shapes:
+        got = plan_request(cached, lids, rids, num_tokens=16)
+        assert _fields(got) == _fields(plan_request(pairing(), lids, rids, num_tokens=16))
+        assert [_regroup_tuple(r) for r in got.regroup] == [
+            ((0,), lids[0], 2, 2, 8, 16),
+            ((0,), lids[1], 2, 2, 8, 16),
+        ]

@@ -759,3 +759,17 @@ def test_repeated_shapes_with_two_regroups() -> None:
             ((0,), lids[0], 2, 2, 8, 16),
             ((0,), lids[1], 2, 2, 8, 16),
         ]
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_k_and_v_regions_regroup_and_zero_apart(compat: str) -> None:
+    """Split K and V (one region each per layer, 2 layers: k 0, v 1, k 2, v 3): a D block of 8 tokens is
+    2 heads x 8 tokens x 8 B = 128 B per region. One regroup per part, k before v (head_bytes 128 //
+    (2 x 8) = 8). One P block of 4 tokens fills tokens 0..3: tokens 4..7 of head h of D block 1 (128 +
+    64 h + 32, 32 B) are zeroed in all 4 regions."""
+    model = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")] * 2)
+    d, p = _geom(model, 1, 8, 8, kv_split=True), _geom(model, 1, 4, 8, kv_split=True)
+    assert [r.part for r in d.regions] == ["k", "v", "k", "v"]
+    plan = plan_request(Pairing.create(d, [p], "pull", compat), [[1]], [[2]], num_tokens=4)
+    assert [_regroup_tuple(r) for r in plan.regroup] == [((0, 2), [1], 2, 2, 8, 8), ((1, 3), [1], 2, 2, 8, 8)]
+    assert sorted(map(tuple, plan.zero.tolist())) == [(r, o, 32) for r in range(4) for o in (160, 224)]

@@ -773,3 +773,18 @@ def test_k_and_v_regions_regroup_and_zero_apart(compat: str) -> None:
     plan = plan_request(Pairing.create(d, [p], "pull", compat), [[1]], [[2]], num_tokens=4)
     assert [_regroup_tuple(r) for r in plan.regroup] == [((0, 2), [1], 2, 2, 8, 8), ((1, 3), [1], 2, 2, 8, 8)]
     assert sorted(map(tuple, plan.zero.tolist())) == [(r, o, 32) for r in range(4) for o in (160, 224)]
+
+
+def test_pull_notifications_count_the_readers_not_the_local_ranks() -> None:
+    # P TP2 -> D TP4: each P rank is read by 4 // 2 = 2 D ranks ("req:2"), though D has 4 ranks
+    pairing = _pair(p=(2, 4, 8), d=(4, 4, 8), rank=3)
+    plan = plan_request(pairing, [[1]], [[2]])
+    assert [t.notif for t in plan.transfers] == ["req:2"] and plan.expected_notifications == 2
+
+
+def test_receive_step_with_prefix_caching_needs_num_tokens() -> None:
+    d, p = _geom(DENSE, 1, 4, 8), _geom(DENSE, 1, 8, 8)
+    assert receive_step(d, p, [[6]], [[3]])[1].shape == (0, 3)  # no prefix caching: D's list starts at 0
+    with pytest.raises(PlanError) as err:
+        receive_step(d, p, [[6]], [[3]], prefix_caching=True)
+    assert type(err.value) is PlanError and err.value.field == "num_tokens"

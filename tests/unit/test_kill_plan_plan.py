@@ -788,3 +788,29 @@ def test_receive_step_with_prefix_caching_needs_num_tokens() -> None:
     with pytest.raises(PlanError) as err:
         receive_step(d, p, [[6]], [[3]], prefix_caching=True)
     assert type(err.value) is PlanError and err.value.field == "num_tokens"
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+def test_repeated_shapes_with_k_and_v_regroups(compat: str) -> None:
+    # the K and V regroups of the split layout above, from a recipe from the third request on: both hold
+    # D's blocks (never P's ids), like a fresh plan
+    model = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")] * 2)
+
+    def pairing() -> Pairing:
+        d, p = _geom(model, 1, 8, 8, kv_split=True), _geom(model, 1, 4, 8, kv_split=True)
+        return Pairing.create(d, [p], "pull", compat)
+
+    cached = pairing()
+    shapes = [
+        ([[1, 2]], [[2, 3, 4, 5]]),
+        ([[3, 0]], [[1, 0, 6, 7]]),
+        ([[5, 6]], [[3, 2, 1, 0]]),
+        ([[7, 4]], [[4, 5, 6, 7]]),
+    ]
+    for lids, rids in shapes:
+        got = plan_request(cached, lids, rids)
+        assert _fields(got) == _fields(plan_request(pairing(), lids, rids))
+        assert [_regroup_tuple(r) for r in got.regroup] == [
+            ((0, 2), lids[0], 2, 2, 8, 8),
+            ((1, 3), lids[0], 2, 2, 8, 8),
+        ]

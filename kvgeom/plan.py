@@ -187,7 +187,7 @@ def _intake(block_ids: BlockIds, kinds: Sequence[bool], field: str) -> list[np.n
 
 
 def _check_ids(ids: list[np.ndarray], geom: RankGeometry, side: str) -> None:
-    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    flat = np.concatenate(ids)  # one array per KV-cache group, and every geometry has a group
     if flat.size:  # the common case in one sort: distinct, inside the pool, not negative
         s = np.sort(flat)
         if s[0] >= 0 and s[-1] < geom.logical_num_blocks and not (s[1:] == s[:-1]).any():

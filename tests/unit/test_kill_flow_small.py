@@ -210,3 +210,42 @@ def test_trace_refusals() -> None:
     # g = 0, 1, -2: c = -2, p = 1 (the last id): kept
     r = trace(table({0: 0, 1: 1, 2: -2}), [2], [], 10, 10)
     assert r is not None and r.position.tolist() == [1] and r.const.tolist() == [-2]
+
+
+def test_recipe_apply_is_int64_for_narrow_inputs() -> None:
+    i32 = np.int32
+    rec = Recipe(np.array([1], dtype=i32), np.array([3], dtype=i32), np.array([2], dtype=i32))
+    out = rec.apply(np.array([4, 5], dtype=i32))  # 2 + 3 * 5
+    assert out.tolist() == [17]
+    assert out.dtype == np.int64
+
+
+def test_trace_passes_the_groups_apart() -> None:
+    # three local groups of one id each: the run sees three arrays (local[2] is the third id)
+    def run(local: list[np.ndarray], remote: list[np.ndarray]) -> np.ndarray:
+        assert len(local) == 3 and len(remote) == 2
+        return np.array([local[2][0], remote[1][0] + 1])
+
+    r = trace(run, [1, 1, 1], [1, 1], 10, 10)
+    assert r is not None
+    # local ids are positions 0..2, remote 3..4: local[2] is position 2, remote[1] position 4
+    assert r.position.tolist() == [2, 4]
+    assert r.const.tolist() == [0, 1]
+
+
+def test_trace_outputs_are_int64() -> None:
+    def run(local: list[np.ndarray], remote: list[np.ndarray]) -> np.ndarray:
+        return np.array([2.0 * local[0][0] + 1.0, 7.0])  # floats of integer value
+
+    r = trace(run, [2], [], 10, 10)
+    assert r is not None
+    assert r.const.dtype == np.int64 and r.factor.dtype == np.int64 and r.position.dtype == np.int64
+    assert r.const.tolist() == [1, 7] and r.factor.tolist() == [2, 0] and r.position.tolist() == [0, 0]
+
+
+def test_trace_refuses_a_position_far_before_the_ids() -> None:
+    # g(0) = 0, g(1) = 1, g(2) = 22 over 2 ids: 2c = 0 + 22 - 2 = 20, c = 10, p = (0 - 10) / 2 = -5
+    def run(local: list[np.ndarray], remote: list[np.ndarray]) -> np.ndarray:
+        return np.array([{0: 0, 1: 1, 2: 22}[int(local[0][0])]])
+
+    assert trace(run, [2], [], 10, 10) is None

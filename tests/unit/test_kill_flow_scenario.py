@@ -242,7 +242,8 @@ def test_ranks_and_sides() -> None:
     assert s.engine("prefill") is s.prefill and s.engine("decode") is s.decode
     cards = s.cards("prefill")
     assert [c.engine.tp_rank for c in cards] == [0, 1]
-    assert all(c.side == "prefill" and c.mode == "pull" for c in cards) if hasattr(cards[0], "side") else True
+    assert all(c.engine_id == "prefill" and c.mode == "pull" and c.model == s.model for c in cards)
+    assert all(c.engine.block_size == 16 and c.engine.tp_size == 2 for c in cards)
     assert [c.engine.tp_rank for c in s.cards("decode")] == [0]
     assert s.local_side == "decode" and s.remote_side == "prefill"
     assert list(s.pairings) == [0]

@@ -198,7 +198,9 @@ def test_vllm_streams_of_a_push_stage() -> None:
 
 def test_vllm_streams_of_a_pull_stage_window() -> None:
     dense4 = ModelSpec.from_layers("dense", [FULL] * 4)
-    lv, rv = pair_streams(rank_geometry(dense4, _e(pp=2, stage=1)), rank_geometry(dense4, _e()), "pull", "vllm")
+    lv, rv = pair_streams(
+        rank_geometry(dense4, _e(pp=2, stage=1)), rank_geometry(dense4, _e()), "pull", "vllm"
+    )
     # the stage holds layers 2, 3: P's regions 2, 3
     assert rv.bases == (pseudo(2), pseudo(3))
     assert rv.block_lens == (128, 128)

@@ -359,3 +359,55 @@ def test_check_ranks() -> None:
     assert info.value.values == {"value": True}
     assert str(info.value).endswith("(accepted: see docs/cli.md)")
     assert str(info.value).count("prefill.kv_split") == 1
+
+
+def test_divisor_lists_in_kernel_refusals() -> None:
+    # 720 has 30 divisors: the last 12 are listed
+    err = refused({"model": ATTN_ONLY, "prefill": {"block_size": 720, "kernel_block_size": 7}})
+    assert "[45, 48, 60, 72, 80, 90, 120, 144, 180, 240, 360, 720]" in str(err)
+    # divisors are searched up to 4096: of 8192, 2 ... 4096 are the last 12 (1 is the 13th)
+    err = refused({"model": ATTN_ONLY, "prefill": {"block_size": 8192, "kernel_block_size": 3}})
+    assert "[2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]" in str(err)
+
+
+def test_messages_list_what_is_accepted() -> None:
+    engine_keys = "tp_size, block_size, min_block_size, kernel_block_size, kernel_alignment, num_blocks"
+    scenario_keys = "model, prefill, decode, mode, compat, kv_cache_dtype, mamba_ssm_cache_dtype"
+    assert engine_keys in str(refused({"model": ATTN_ONLY, "prefill": [1]}))
+    assert engine_keys in str(refused({"model": ATTN_ONLY, "decode": {"x": 1}}))
+    assert scenario_keys in str(refused([1]))
+    assert scenario_keys in str(refused({"model": ATTN_ONLY, "x": 1}))
+
+
+def test_source_of_a_model_file(tmp_path: Path) -> None:
+    from kvgeom.models import resolve
+
+    hf = Path(__file__).resolve().parents[1] / "data" / "hf" / "nvidia-nemotron-nano-9b-v2" / "config.json"
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(hf.read_text())
+    (tmp_path / "s.json").write_text(json.dumps({"model": "cfg/config.json", "kv_cache_dtype": "fp8"}))
+    s = Scenario.load(tmp_path / "s.json")  # the model path is taken from the scenario's folder
+    want = resolve(str(tmp_path / "cfg" / "config.json"))
+    assert s.source is not None
+    assert s.source.origin == want.origin
+    assert s.source.num_attention_heads == want.num_attention_heads
+    assert s.source.num_attention_heads is not None
+    assert s.model.name == want.spec.name
+    assert sc().source.origin == "inline model spec"  # type: ignore[union-attr]
+
+
+def test_seeded_ids_are_distinct_and_pairings_keep_compat() -> None:
+    h = sc(HYBRID, prefill={"num_blocks": 10}, decode={"num_blocks": 20})
+    r = h.request(432, seed=5)  # P needs all 10 blocks: 9 attention + 1 state slot
+    assert sorted(i for g in r.prefill for i in g) == list(range(10))
+    v = sc(compat="vllm", mode="push")
+    assert all(p.compat == "vllm" and p.mode == "push" for p in v.pairings.values())
+    assert all(p.compat == "kvgeom" and p.mode == "pull" for p in sc().pairings.values())
+
+
+def test_check_ranks_keeps_the_geometry_message() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_ranks(sc(HYBRID, decode={"block_size": 16}))
+    text = str(info.value)
+    assert text.startswith("decode.block_size: attention pages [1024] B do not all equal")
+    assert "use block size 48" in text

@@ -243,3 +243,14 @@ def test_region_mapped() -> None:
     assert region_mapped(a, b, pair_streams(a, b, "pull", "vllm")) is False
     d, p = _g(MLA3), _g(MLA3, packed=True)
     assert region_mapped(d, p, pair_streams(d, p, "pull", "kvgeom")) is False
+
+
+def test_region_mapped_when_the_same_regions_group_differently() -> None:
+    three = ModelSpec.from_layers("dense", [FULL] * 3)
+    p = rank_geometry(three, _e(separate_group=("layers.2.attn",)))
+    d = rank_geometry(three, _e())
+    assert region_group_ids(p) == (0, 0, 1) and region_group_ids(d) == (0, 0, 0)
+    for compat in ("kvgeom", "vllm"):
+        streams = pair_streams(d, p, "pull", compat)
+        assert region_mapped(d, p, streams) is True
+        assert region_mapped(d, d, pair_streams(d, d, "pull", compat)) is False

@@ -161,3 +161,34 @@ def test_page_heads_and_group_pages() -> None:
     assert all(p.offset == 0 and p.length == 1024 and p.heads == 2 for p in pages)
     assert [p.stride for p in pages] == [r.block_stride for r in g.regions]
     assert group_pages(g, 1) == []
+
+
+def test_zero_rows_block_edges_and_uneven_pages() -> None:
+    # units [4, 8) written: block 7 ends at unit 4 and block 9 starts at unit 8: both whole, in block order
+    rows = consumer_zero_rows([PAGE], np.array([7, 8, 9]), 4, 4, 4, 16)
+    assert rows.tolist() == [[1, 7100, 64], [1, 9100, 64]]
+    # a region-like value without heads: one run (heads 1); units [1, 2) of block 5 = tokens [8, 16), 4 B each
+    region = SimpleNamespace(index=3, block_len=64, block_stride=1000)
+    assert consumer_zero_rows([region], np.array([5]), 2, 0, 1, 16).tolist() == [[3, 5032, 32]]
+    # 66 B over 4 heads: 16 B per head (floored), 8 B per token of 2; tokens [1, 2) of each head's run
+    uneven = Page(1, 0, 66, 1000, 4)
+    assert consumer_zero_rows([uneven], np.array([0]), 2, 0, 1, 2).tolist() == [
+        [1, 8, 8],
+        [1, 24, 8],
+        [1, 40, 8],
+        [1, 56, 8],
+    ]
+    # 16 B of 6 tokens: 2 B per token (floored); tokens [3, 6) at 3 * 2 = 6, 3 * 2 = 6 B
+    assert consumer_zero_rows([Page(1, 0, 16, 1000)], np.array([0]), 2, 0, 1, 6).tolist() == [[1, 6, 6]]
+
+
+def test_list_starts_messages_name_the_group_and_the_reason() -> None:
+    with pytest.raises(PlanError) as info:
+        list_starts(2, 16, 2, 16, 32, False, True, 9)
+    assert "group 9" in str(info.value)
+    with pytest.raises(PlanError) as info:
+        list_starts(2, 16, 2, 16, None, True, False, 3)
+    assert "a prefix hit may skip its first blocks" in str(info.value)
+    with pytest.raises(PlanError) as info:
+        list_starts(2, 16, 2, 16, None, False, True, 3, 32)
+    assert "a sliding window keeps only its last blocks" in str(info.value)

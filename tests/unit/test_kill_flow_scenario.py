@@ -411,4 +411,3 @@ def test_check_ranks_keeps_the_geometry_message() -> None:
     text = str(info.value)
     assert text.startswith("decode.block_size: attention pages [1024] B do not all equal")
     assert "use block size 48" in text
-

@@ -254,3 +254,13 @@ def test_region_mapped_when_the_same_regions_group_differently() -> None:
         streams = pair_streams(d, p, "pull", compat)
         assert region_mapped(d, p, streams) is True
         assert region_mapped(d, d, pair_streams(d, d, "pull", compat)) is False
+
+
+def test_layer_streams_follow_natural_layer_order() -> None:
+    # a packed row registered as layers 10, 9 (slots at 0 and 64): streams go in natural order, 9 first
+    mla = MLASpec(8, "float16")
+    m = ModelSpec("m", (Layer("layers.10.attn", 0, mla), Layer("layers.9.attn", 1, mla)))
+    lv, rv = pair_streams(_g(m, packed=True), _g(m), "pull", "kvgeom")
+    assert lv.bases == (pseudo(0, 64), pseudo(0, 0))
+    assert rv.bases == (pseudo(1), pseudo(0))
+    assert rv.region_is_mla == (True, True)

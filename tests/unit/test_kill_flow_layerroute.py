@@ -78,6 +78,7 @@ def test_slice_regions() -> None:
 def test_pp_region_offset() -> None:
     # 8 regions over layers [2, 6): 2 regions per layer, first at 2 * 2 = 4
     assert pp_region_offset(8, 2, 6) == 4
+    assert type(pp_region_offset(8, 2, 6)) is int  # an index: slice_regions takes a range from it
     assert pp_region_offset(3, 0, 3) == 0
     assert pp_region_offset(6, 5, 8) == 10  # 2 per layer * 5
     assert pp_region_offset(4, 3, 4) == 12  # one layer: 4 regions per layer * 3

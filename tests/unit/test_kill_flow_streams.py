@@ -264,3 +264,15 @@ def test_layer_streams_follow_natural_layer_order() -> None:
     assert lv.bases == (pseudo(0, 64), pseudo(0, 0))
     assert rv.bases == (pseudo(1), pseudo(0))
     assert rv.region_is_mla == (True, True)
+
+
+def test_registration_names_and_strides() -> None:
+    mla = MLASpec(8, "float16")
+    m = ModelSpec("m", (Layer("layers.10.attn", 0, mla), Layer("layers.9.attn", 1, mla)))
+    # the row is named after its first layer in natural order
+    assert registration(_g(m, packed=True), "pull").table.names == ("layers.9.attn",)
+    r = registration(_g(MLA3, pp=2, packed=True), "push")
+    assert r.table.block_strides == (128, 128) and r.table.names == (L[0], L[1])
+    g = _g(DENSE, kv_split=True)  # split K/V regions keep their own names
+    assert registration(g, "pull").table.names == tuple(x.name for x in g.regions)
+    assert len(set(registration(g, "pull").table.names)) == len(g.regions)

@@ -230,4 +230,4 @@ def consumer_zero_rows(
         out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + head * per_head
         out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
         rows.append(out.reshape(-1, 3))
-    return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), dtype=np.int64)
+    return np.concatenate(rows).astype(np.int64)  # rows holds the whole blocks' rows, even if empty

@@ -299,14 +299,7 @@ class Scenario:
 
     def _ids(self, eng: EngineConfig, num_tokens: int, seed: int | None) -> tuple[tuple[int, ...], ...]:
         counts = self._counts(eng, num_tokens)
-        need = sum(counts)
-        if need > eng.num_blocks:  # pragma: no cover - request() checked max_tokens first
-            raise PlanError(
-                "num_blocks",
-                f"the request needs {need} blocks, the pool has {eng.num_blocks}",
-                value=eng.num_blocks,
-                expected=need,
-            )
+        need = sum(counts)  # <= eng.num_blocks: request() checked max_tokens first
         if seed is None:
             pool = np.arange(need)
         else:  # a sample of `need` distinct ids, without materialising the whole pool

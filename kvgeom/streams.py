@@ -319,6 +319,9 @@ def _kvgeom_streams(local: RankGeometry, remote: RankGeometry) -> tuple[EngineVi
     hold, at its page)."""
     lview, rview = EngineView.of(local), EngineView.of(remote)
     if _structure(local) == _structure(remote):
+        if local.engine.separate_group:  # a group of its own has its own regions: its ids go only there
+            gids = region_group_ids(local)
+            return replace(lview, group_ids=gids), replace(rview, group_ids=gids)
         return lview, rview
     if local.has_ssm or remote.has_ssm:
         raise UnsupportedError(

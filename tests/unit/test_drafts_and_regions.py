@@ -113,3 +113,24 @@ def test_separate_groups_beyond_vllms_scope() -> None:
             "kvgeom",
         )
     assert err.value.field == "separate_group"
+
+
+def test_kvgeom_mode_sends_a_separate_groups_ids_only_through_its_own_regions() -> None:
+    """P and D both keep layers 1 and 3 in a group of their own: regions 0, 2 hold group 0, regions 1, 3
+    group 1 (10 blocks each, id ``10 r + b``). Each group's 4 blocks go through its own 2 regions only:
+    16 descriptor pairs, as vLLM posts; sending every group through every region (32 pairs) would double
+    the bytes, into blocks the other group's layers never read."""
+    sep = ("layers.1.attn", "layers.3.attn")
+    p = d = _engine(1, separate_group=sep)
+    for compat in ("vllm", "kvgeom"):
+        pairing = Pairing.create(rank_geometry(MLA4, d), [rank_geometry(MLA4, p)], "pull", compat)
+        plan = plan_request(
+            pairing, [[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 6, 7, 8]], num_tokens=13
+        )
+        (t,) = plan.transfers
+        group0 = [1, 2, 3, 4, 21, 22, 23, 24]  # regions 0 and 2
+        group1 = [15, 16, 17, 18, 35, 36, 37, 38]  # regions 1 and 3
+        assert sorted(t.local_ids.tolist()) == sorted(group0 + group1), compat
+        assert t.local_ids.tolist() == t.remote_ids.tolist(), compat
+        for n, prefix in ((13, 0), (13, 1), (16, 0)):
+            assert run(MLA4, p, d, Request.simple(MLA4, p, d, n, prefix), "pull", compat).ok

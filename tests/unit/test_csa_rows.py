@@ -155,3 +155,29 @@ def test_kernel_lens_refuse_rows_that_do_not_split() -> None:
     with pytest.raises(ConfigError) as e:
         reg.kernel_lens(32)
     assert e.value.values["expected"] == 512
+
+
+def test_one_byte_pages_and_rows_that_only_fail_to_split() -> None:
+    assert packed_row_offsets([[1], [2]]) == (2, ((0,), (0,)))
+    # alignment 100 makes the row 600 B: the regions (256, 256, 64, 208) split into 16, the row does not
+    reg = packed_registration(MODEL, GROUPS, block_size=16, alignment=100)
+    assert reg.row_bytes == 600
+    with pytest.raises(ConfigError) as e:
+        reg.kernel_lens(16)
+    assert e.value.values["expected"] == 600
+
+
+def test_each_state_its_own_group() -> None:
+    # vLLM's packed grouping gives a wide state a group of its own: every such group starts the row, so both
+    # GDN states register in region 0, one SSM region
+    groups = [GROUPS[0], GROUPS[1], ["layers.1.gdn"], ["layers.3.gdn"], ["ple"]]
+    reg = packed_registration(MODEL, groups, block_size=16)
+    assert reg.row_bytes == 512
+    assert reg.regions == (
+        RowRegion(
+            0, 256, -1, True, ("layers.0.attn", "layers.0.ring", "layers.1.gdn", "layers.3.gdn", "ple")
+        ),
+        RowRegion(256, 256, 0, True, ("layers.2.attn",)),
+        RowRegion(64, 64, 1, False, ("layers.2.ring",)),
+    )
+    assert reg.ssm == (0,) and reg.scratch == (0, 2) and reg.ple == (0, 48)

@@ -29,7 +29,14 @@ import numpy as np
 from .errors import ConfigError, SpecError
 from .spec import CircularBufferSpec, LayerSpec, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
 
-__all__ = ["RowView", "RowRegion", "PackedRegistration", "packed_row_offsets", "packed_registration"]
+__all__ = [
+    "RowView",
+    "RowRegion",
+    "PackedRegistration",
+    "packed_row_offsets",
+    "packed_groups",
+    "packed_registration",
+]
 
 SHARED_GROUP = -1
 """A region's group id when views of several groups register it (vLLM ``_SHARED_REGION_GROUP_ID``)."""
@@ -104,6 +111,31 @@ def packed_row_offsets(
         offsets.append(tuple(int(x) for x in ends - arr))
         widest = max(widest, int(ends[-1]))
     return -(-widest // alignment) * alignment, tuple(offsets)
+
+
+def packed_groups(model: ModelSpec, block_size: int, tp_size: int = 1) -> tuple[tuple[str, ...], ...]:
+    """vLLM's KV-cache groups of a CSA-linear model in a block-outermost layout (its packed grouping): one
+    bucket of layers per spec, buckets in the order their first layer appears; a token-cache bucket is one
+    group (its pages side by side), while a ring or state bucket is split so that each group's pages fit the
+    widest bucket's row, ``n = ceil(layers / max(anchor // page, 1))`` groups, group ``i`` holding layers
+    ``i, i + n, ...`` (``anchor``: the widest token bucket's pages, or the largest state or ring page)."""
+    buckets: dict[LayerSpec, list[str]] = {}
+    for la in model.layers:
+        buckets.setdefault(la.spec, []).append(la.name)
+    pages = {spec: _page(spec, block_size, tp_size) for spec in buckets}
+    anchor = max(pages[s] if _is_state(s) else pages[s] * len(n) for s, n in buckets.items())
+    groups: list[tuple[str, ...]] = []
+    for spec, names in buckets.items():
+        n = -(-len(names) // max(anchor // pages[spec], 1)) if _is_state(spec) else 1
+        groups.extend(tuple(names[i::n]) for i in range(n))
+    return tuple(groups)
+
+
+def _is_state(spec: LayerSpec) -> bool:
+    """Split like a state bucket: rings, SSM states and sliding-window caches (vLLM's packed grouping)."""
+    if isinstance(spec, (CircularBufferSpec, MambaSpec, ReplicatedStateSpec)):
+        return True
+    return isinstance(spec, MLASpec) and spec.sliding_window is not None
 
 
 def _page(spec: LayerSpec, block_size: int, tp: int) -> int:

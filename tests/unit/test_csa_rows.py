@@ -8,12 +8,17 @@ Hand-derived from the default ``csa_linear_model()`` at block 16, TP1: MLA page 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvgeom.csa import csa_linear_model
-from kvgeom.csarows import RowRegion, RowView, packed_registration, packed_row_offsets
-from kvgeom.errors import ConfigError, SpecError
+from kvgeom.csarows import RowRegion, RowView, packed_groups, packed_registration, packed_row_offsets
+from kvgeom.engine import EngineConfig
+from kvgeom.errors import ConfigError, IncompatiblePairError, SpecError
+from kvgeom.geometry import rank_geometry
 from kvgeom.spec import CircularBufferSpec, Layer, MLASpec, ModelSpec
+from kvgeom.testing import Request, pull_plans
 
 MODEL = csa_linear_model()
 GROUPS = [
@@ -181,3 +186,76 @@ def test_each_state_its_own_group() -> None:
         RowRegion(64, 64, 1, False, ("layers.2.ring",)),
     )
     assert reg.ssm == (0,) and reg.scratch == (0, 2) and reg.ple == (0, 48)
+
+
+def test_packed_groups() -> None:
+    # block 16: MLA pages 2 x 256 = 512 B set the row; ring (64), GDN (208) and PLE (48) pages each fit it
+    assert packed_groups(MODEL, 16) == tuple(tuple(g) for g in GROUPS)
+    # block 4: MLA 2 x 64 = 128 B, so the 208-byte GDN state is the widest page: one state per group
+    assert packed_groups(MODEL, 4) == (
+        ("layers.0.attn", "layers.2.attn"),
+        ("layers.0.ring", "layers.2.ring"),
+        ("layers.1.gdn",),
+        ("layers.3.gdn",),
+        ("ple",),
+    )
+    # four layers at block 8: MLA 4 x 128 = 512 B holds two 208-byte states, so two GDN groups, strided
+    four = csa_linear_model(num_csa_layers=4)
+    assert packed_groups(four, 8)[2:4] == (("layers.1.gdn", "layers.5.gdn"), ("layers.3.gdn", "layers.7.gdn"))
+    assert len(packed_groups(four, 8)) == 5
+    # TP2 halves the GDN state (104 B): at block 4 the 128-byte MLA row holds one, still one per group
+    assert packed_groups(MODEL, 4, 2)[2:4] == (("layers.1.gdn",), ("layers.3.gdn",))
+    # a sliding-window MLA bucket splits like a state: at block 16 its 256-byte page is the anchor, one per
+    # group (as a token bucket the row would be 512 B and hold both pages and both states)
+    swa_mla = MLASpec(8, sliding_window=8)
+    swa = ModelSpec(
+        "swa", tuple(replace(la, spec=swa_mla) if la.name.endswith("attn") else la for la in MODEL.layers)
+    )
+    assert packed_groups(swa, 16) == (
+        ("layers.0.attn",),
+        ("layers.2.attn",),
+        ("layers.0.ring", "layers.2.ring"),
+        ("layers.1.gdn",),
+        ("layers.3.gdn",),
+        ("ple",),
+    )
+
+
+def test_packed_geometry() -> None:
+    geom = rank_geometry(MODEL, EngineConfig(tp_size=1, block_size=16, num_blocks=8, packed_rows=True))
+    assert [g.layers for g in geom.groups] == [tuple(g) for g in GROUPS]
+    assert [(r.name, r.block_len, r.block_stride, r.num_blocks, r.is_mla, r.part) for r in geom.regions] == [
+        ("layers.0.attn", 256, 512, 8, True, "kv"),
+        ("layers.2.attn", 256, 512, 8, True, "kv"),
+        ("layers.2.ring", 64, 512, 8, False, "kv"),
+        ("layers.3.gdn", 208, 512, 8, False, "state"),
+    ]
+    assert geom.regions[0].members == (
+        (0, "layers.0.attn"),
+        (1, "layers.0.ring"),
+        (2, "layers.1.gdn"),
+        (3, "ple"),
+    )
+    assert geom.page_bytes == 512 and geom.scratch_region_indices == (0, 2)
+    assert geom.ssm is not None and geom.ssm.region_indices == (0, 3)
+    assert geom.ssm.conv_offsets == ((0, 48), (48, 48), (96, 48)) and geom.ssm.ssm_bytes == 64
+    assert geom.ple is not None and (geom.ple.group, geom.ple.region, geom.ple.length) == (3, 0, 48)
+
+
+def test_packed_geometry_refusals() -> None:
+    no_ssm = ModelSpec("mla-rings", tuple(la for la in MODEL.layers if not la.kind.is_ssm))
+    with pytest.raises(ConfigError) as e:
+        rank_geometry(no_ssm, EngineConfig(tp_size=1, block_size=16, num_blocks=8, packed_rows=True))
+    assert e.value.field == "packed_rows" and e.value.values["value"] is True
+    # kernel blocks of 8 tokens would cut the rows, not the contiguous ring and state pages
+    with pytest.raises(ConfigError) as e:
+        rank_geometry(
+            MODEL, EngineConfig(tp_size=1, block_size=16, kernel_block_size=8, num_blocks=8, packed_rows=True)
+        )
+    assert e.value.field == "kernel_block_size" and e.value.values == {"value": 8, "expected": 16}
+    # TP1 and TP2 pages of the GDN-only region differ (208 vs 104 B): the pair is refused
+    p, d = (EngineConfig(tp_size=t, block_size=16, num_blocks=8, packed_rows=True) for t in (2, 1))
+    with pytest.raises(IncompatiblePairError) as e2:
+        pull_plans(MODEL, p, d, Request.simple(MODEL, p, d, 40), "kvgeom")
+    assert e2.value.field == "regions[3].block_len"
+    assert (e2.value.values["local"], e2.value.values["remote"]) == (208, 104)

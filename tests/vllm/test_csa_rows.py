@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout, MLAAttentionSpec
 from vllm.v1.kv_cache_interface import MambaSpec as VMamba
 
 from kvgeom.csa import csa_linear_model
-from kvgeom.csarows import packed_registration
+from kvgeom.csarows import packed_groups, packed_registration
 from kvgeom.geometry import _page_bytes
 from kvgeom.spec import CircularBufferSpec, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
 
@@ -114,11 +114,26 @@ REAL = csa_linear_model(
 
 @pytest.mark.parametrize(
     ("model", "block_size", "tp"),
-    [(csa_linear_model(), 16, 1), (csa_linear_model(), 16, 2), (REAL, 64, 1), (REAL, 256, 2)],
-    ids=["small-tp1", "small-tp2", "qwen4-exp-sized-b64", "qwen4-exp-sized-b256-tp2"],
+    [
+        (csa_linear_model(), 16, 1),
+        (csa_linear_model(), 16, 2),
+        (csa_linear_model(), 4, 1),
+        (csa_linear_model(num_csa_layers=4), 8, 1),
+        (REAL, 64, 1),
+        (REAL, 256, 2),
+    ],
+    ids=[
+        "small-tp1",
+        "small-tp2",
+        "small-b4",
+        "four-layers-b8",
+        "qwen4-exp-sized-b64",
+        "qwen4-exp-sized-b256-tp2",
+    ],
 )
 def test_rows_and_page_starts_are_vllms(model: ModelSpec, block_size: int, tp: int) -> None:
     groups, row, starts = _vllm_layout(model, block_size, tp)
+    assert packed_groups(model, block_size, tp) == tuple(tuple(g) for g in groups)
     reg = packed_registration(model, groups, block_size=block_size, tp_size=tp)
     assert reg.row_bytes == row
     assert {v.name: v.offset for v in reg.views} == starts

@@ -118,7 +118,8 @@ def packed_groups(model: ModelSpec, block_size: int, tp_size: int = 1) -> tuple[
     bucket of layers per spec, buckets in the order their first layer appears; a token-cache bucket is one
     group (its pages side by side), while a ring or state bucket is split so that each group's pages fit the
     widest bucket's row, ``n = ceil(layers / max(anchor // page, 1))`` groups, group ``i`` holding layers
-    ``i, i + n, ...`` (``anchor``: the widest token bucket's pages, or the largest state or ring page)."""
+    ``i, i + n, ...`` (``anchor``: the widest token bucket's pages, or the largest state or ring page).
+    Sliding-window caches split like states."""
     buckets: dict[LayerSpec, list[str]] = {}
     for la in model.layers:
         buckets.setdefault(la.spec, []).append(la.name)

@@ -143,3 +143,23 @@ def test_packed_rows_pass(compat: str, mode: str, tp: int) -> None:
     report = oracle.report()
     per_rank = 3 * 784 + 320 + 416 + 48 if tp == 1 else 3 * 680 + 320 + 208 + 48
     assert report.ok and report.bytes_moved == tp * per_rank, report
+
+
+def test_packed_rows_missing_state_is_caught() -> None:
+    """Packed rows (row 512 B): the GDN state of layer 3 has region 3 to itself; a plan that skips its slot-5
+    moves (conv pieces Q, K, V of 48 B and the 64-byte temporal state) leaves bytes [5 x 512, 5 x 512 + 208)
+    of D's region 3 unwritten (I3)."""
+    p = EngineConfig(tp_size=1, block_size=16, num_blocks=8, packed_rows=True)
+    req = Request.simple(MODEL, p, p, 40)
+    oracle = Oracle.for_engines(MODEL, p, p, req)
+    for rp in pull_plans(MODEL, p, p, req, "vllm"):
+        moves = oracle.moves_of(rp)
+        slot = (moves[:, DST_OFF] >= 5 * 512) & (moves[:, DST_OFF] < 5 * 512 + 208)
+        keep = ~((moves[:, DST_REGION] == 3) & slot)
+        assert moves[~keep, LENGTH].tolist() == [48, 48, 48, 64]
+        oracle.execute(moves[keep], f"rank {rp.rank}")
+        oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    report = oracle.report()
+    assert not report.ok
+    assert {(v.invariant, v.region) for v in report.violations} == {("I3", 3)}
+    assert report.violated_bytes["I3"] == 208

@@ -247,6 +247,16 @@ def test_packed_geometry_refusals() -> None:
     with pytest.raises(ConfigError) as e:
         rank_geometry(no_ssm, EngineConfig(tp_size=1, block_size=16, num_blocks=8, packed_rows=True))
     assert e.value.field == "packed_rows" and e.value.values["value"] is True
+    # two compressed-key widths: vLLM would pack both into one group (one token-slot type)
+    wide = ModelSpec(
+        "two-widths",
+        tuple(replace(la, spec=MLASpec(16)) if la.name == "layers.2.attn" else la for la in MODEL.layers),
+    )
+    with pytest.raises(ConfigError) as e:
+        rank_geometry(wide, EngineConfig(tp_size=1, block_size=16, num_blocks=8, packed_rows=True))
+    assert e.value.field == "layers" and e.value.values["value"] == sorted(
+        {repr(MLASpec(8)), repr(MLASpec(16))}
+    )
     # kernel blocks of 8 tokens would cut the rows, not the contiguous ring and state pages
     with pytest.raises(ConfigError) as e:
         rank_geometry(

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from .csarows import packed_groups, packed_registration
 from .dtypes import dtype_size
 from .engine import EngineConfig
 from .errors import ConfigError, SpecError
@@ -605,19 +606,86 @@ def _overlay_groups(model: ModelSpec) -> tuple[Group, ...]:
     return tuple(Group(i, spec, tuple(order[spec])) for i, spec in enumerate(specs))
 
 
+def _packed_overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
+    """A CSA-linear model in vLLM's block-outermost allocation (``packed_rows``; :mod:`kvgeom.csarows`):
+    vLLM's packed groups, one row per block, and one region per distinct page start, ``block_stride`` the
+    row; a state or ring page starts at its region's block and may run past its length (not past the row).
+    Modelled with SSM state (each token cache its own region); without it vLLM registers whole MLA rows."""
+    if model.ssm_spec is None:
+        raise ConfigError(
+            "packed_rows",
+            "packed rows of a CSA-linear model are modelled with SSM state (without it vLLM registers whole MLA "
+            "rows)",
+            value=True,
+        )
+    token_specs = sorted(
+        {repr(la.spec) for la in model.layers if isinstance(la.spec, (MLASpec, AttentionSpec))}
+    )
+    if len(token_specs) > 1:
+        raise ConfigError(
+            "layers",
+            "packed rows of a CSA-linear model are modelled with one token-cache spec (vLLM packs token caches "
+            "of one slot type into one group, pages of different sizes side by side)",
+            value=token_specs,
+        )
+    if engine.ppl != 1:
+        raise ConfigError(
+            "kernel_block_size",
+            "packed rows of a CSA-linear model are modelled with one kernel block per block (a ring or state "
+            "page is contiguous in its row, a kernel block view of the row is not)",
+            value=engine.kernel,
+            expected=engine.block_size,
+        )
+    tp, ppl = engine.tp_size, engine.ppl
+    specs = {la.name: la.spec for la in model.layers}
+    names = packed_groups(model, engine.block_size, tp)
+    groups = tuple(Group(i, specs[g[0]], g) for i, g in enumerate(names))
+    group_of = {name: g.index for g in groups for name in g.layers}
+    reg = packed_registration(model, names, block_size=engine.block_size, tp_size=tp)
+    regions = tuple(
+        Region(
+            i,
+            r.members[0],
+            block_len,
+            stride,
+            engine.num_blocks * ppl,
+            r.is_mla,
+            tuple((group_of[n], n) for n in r.members),
+            "state" if all(specs[n].kind.is_ssm for n in r.members) else "kv",
+        )
+        for i, (r, (block_len, stride)) in enumerate(zip(reg.regions, reg.kernel_lens(ppl)))
+    )
+    ssm_spec = model.ssm_spec
+    offs, pos = [], 0
+    for size in ssm_spec.piece_bytes(tp):
+        offs.append((pos, size))
+        pos += size
+    ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), reg.ssm)
+    ple = None
+    if reg.ple is not None:
+        region, length = reg.ple
+        for g, n in regions[region].members:
+            page_spec = specs[n]
+            if isinstance(page_spec, ReplicatedStateSpec):
+                ple = ReplicatedLayout(page_spec, g, region, length)
+    return RankGeometry(model, engine, groups, regions, reg.row_bytes, ssm, reg.scratch, ple)
+
+
 def _overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
     """Explicit tensor sharing (``Layer.shares``): one region per owning layer (model order), viewed by its
     owner and every layer that overlays it; a block of a region is one owner page (``block_len`` bytes per
     kernel block), and a state or ring page starts at its slot and must fit the logical page
     (``block_len * ppl``). Two layers of one group never share a tensor (their pages of one pool id would
     collide)."""
-    if engine.pp_size > 1 or engine.packed_rows or engine.separate_group or engine.kv_split:
+    if engine.pp_size > 1 or engine.separate_group or engine.kv_split:
         raise ConfigError(
             "engine",
-            "explicit tensor sharing (CSA-linear) is modelled without pipeline stages, packed rows, separate "
-            "groups or split K/V regions",
+            "explicit tensor sharing (CSA-linear) is modelled without pipeline stages, separate groups or split "
+            "K/V regions",
             value=engine.to_json(),
         )
+    if engine.packed_rows:
+        return _packed_overlay_geometry(model, engine)
     tp, ppl = engine.tp_size, engine.ppl
     groups = _overlay_groups(model)
     group_of = {name: g.index for g in groups for name in g.layers}

@@ -429,6 +429,8 @@ def pd_pairs(
         and draw(st.integers(0, 2)) == 0
     ):  # block-outermost rows, mostly on both sides
         p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
+    elif model.is_csa_linear and model.has_ssm and draw(st.integers(0, 2)) == 0:
+        p_packed = d_packed = True  # vLLM's block-outermost allocation of a CSA-linear model (kvgeom.csarows)
     p_conv = d_conv = conv
     if model.has_ssm and draw(st.integers(0, 7)) == 0:  # mixed conv layouts (equal or unequal TP): refused
         p_conv, d_conv = draw(
@@ -488,7 +490,7 @@ def plannable_class(pair: PDPair) -> str | None:
         replicated = ssm is not None and any(  # replicated SSM units across TP sizes: vllm mode refuses them,
             any(ssm.replicated_pieces(t)) or ssm.temporal.replicated(t) for t in (p.tp_size, d.tp_size)
         )  # kvgeom mode gathers them in equal chunks where they divide
-        plain = same_blocks and p.conv_layout is d.conv_layout
+        plain = same_blocks and p.conv_layout is d.conv_layout and not (p.packed_rows or d.packed_rows)
         return "csa-linear" if plain and not (p.tp_size != d.tp_size and replicated) else None
     if not engines_plain or not same_blocks:
         return None

@@ -122,3 +122,44 @@ def test_a_replicated_page_from_the_wrong_region() -> None:
     assert report.invariants == {"I2"}
     v = report.of("I2")[0]
     assert (v.region, v.start) == (0, PLE) and "ple state channel 0" in v.expected
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_rows_pass(compat: str, mode: str, tp: int) -> None:
+    """vLLM's block-outermost allocation (kvgeom.csarows): regions at row offsets 0 (MLA 256 B), 256 (MLA),
+    64 (ring, 64 B) and 208 (GDN, 208 B; at TP2 104 at 104). Per D rank: the MLA groups read their 3 blocks
+    from every region (256 + 256 + 64 + 208 = 784 B, TP2 680 B, each), the ring its block from the scratch
+    regions (256 + 64), the GDN state from regions 0 and 3 (2 x 208, TP2 2 x 104), the PLE page 48 B."""
+    p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
+    req = Request.simple(MODEL, p, d, 40)
+    make = pull_plans if mode == "pull" else push_plans
+    oracle = Oracle.for_engines(MODEL, p, d, req)
+    for rp in make(MODEL, p, d, req, compat):
+        oracle.execute(oracle.moves_of(rp), f"rank {rp.rank}")
+        if rp.plan.mode == "pull":
+            oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    report = oracle.report()
+    per_rank = 3 * 784 + 320 + 416 + 48 if tp == 1 else 3 * 680 + 320 + 208 + 48
+    assert report.ok and report.bytes_moved == tp * per_rank, report
+
+
+def test_packed_rows_missing_state_is_caught() -> None:
+    """Packed rows (row 512 B): the GDN state of layer 3 has region 3 to itself; a plan that skips its slot-5
+    moves (conv pieces Q, K, V of 48 B and the 64-byte temporal state) leaves bytes [5 x 512, 5 x 512 + 208)
+    of D's region 3 unwritten (I3)."""
+    p = EngineConfig(tp_size=1, block_size=16, num_blocks=8, packed_rows=True)
+    req = Request.simple(MODEL, p, p, 40)
+    oracle = Oracle.for_engines(MODEL, p, p, req)
+    for rp in pull_plans(MODEL, p, p, req, "vllm"):
+        moves = oracle.moves_of(rp)
+        slot = (moves[:, DST_OFF] >= 5 * 512) & (moves[:, DST_OFF] < 5 * 512 + 208)
+        keep = ~((moves[:, DST_REGION] == 3) & slot)
+        assert moves[~keep, LENGTH].tolist() == [48, 48, 48, 64]
+        oracle.execute(moves[keep], f"rank {rp.rank}")
+        oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    report = oracle.report()
+    assert not report.ok
+    assert {(v.invariant, v.region) for v in report.violations} == {("I3", 3)}
+    assert report.violated_bytes["I3"] == 208

@@ -184,7 +184,7 @@ def test_geometry_refusals() -> None:
     with pytest.raises(ConfigError) as e:
         rank_geometry(two, eng())
     assert e.value.field == "layers" and e.value.values["value"] == ["a", "r", "g", "h"]
-    for kw in ({"pp_size": 2}, {"packed_rows": True}):
+    for kw in ({"pp_size": 2}, {"kv_split": True}):
         with pytest.raises(ConfigError) as e:
             rank_geometry(MODEL, eng(**kw))
         assert e.value.field == "engine"

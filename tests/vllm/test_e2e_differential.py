@@ -16,11 +16,13 @@ import _e2e as E
 import numpy as np
 import pytest
 from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
-from kvgeom.engine import ConvLayout
+from kvgeom.csa import csa_linear_model
+from kvgeom.engine import ConvLayout, EngineConfig
 from kvgeom.errors import KvgeomError
 from kvgeom.plan import receive_step
-from kvgeom.testing import ZERO, Oracle, engine_geometries
+from kvgeom.testing import ZERO, Oracle, Request, engine_geometries
 from kvgeom.testing import strategies as kst
 from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
 
@@ -208,6 +210,33 @@ def test_csa_linear_vllm_mode_posts_vllms_writes(case: kst.Case) -> None:
 @settings(max_examples=CSA_EXAMPLES)
 @given(_csa_cases("push"))
 def test_csa_linear_kvgeom_mode_plans_what_vllm_writes_right(case: kst.Case) -> None:
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
+def _packed_csa_cases() -> list[kst.Case]:
+    """CSA-linear pairs in vLLM's block-outermost allocation (kvgeom.csarows): the default model at equal TP
+    1 and 2, pull and push, 40 tokens (3 MLA blocks, a ring block, a GDN slot and a PLE slot)."""
+    model = csa_linear_model()
+    out = []
+    for tp in (1, 2):
+        p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
+        for mode in ("pull", "push"):
+            out.append(kst.Case(kst.PDPair(model, p, d, mode), Request.simple(model, p, d, 40)))
+    return out
+
+
+PACKED_CSA = _packed_csa_cases()
+
+
+@settings(max_examples=len(PACKED_CSA))
+@given(st.sampled_from(PACKED_CSA))
+def test_packed_csa_linear_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=len(PACKED_CSA))
+@given(st.sampled_from(PACKED_CSA))
+def test_packed_csa_linear_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
     _kvgeom_mode_plans_what_vllm_moves_right(case)
 
 

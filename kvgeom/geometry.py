@@ -318,7 +318,10 @@ class RankGeometry:
     # -- model numbers ------------------------------------------------------------------------------
     @property
     def is_mla(self) -> bool:
-        return self.model.is_mla
+        """vLLM's ``use_mla`` (an MLA model: KV replicated, one KV head). A CSA-linear model whose main KV is
+        head-sharded (vLLM's ``qwen4_exp``) is none, though its compressed keys are MLA pages
+        (docs/vllm-behaviour.md B.6.14): TP maps its heads, and MLA regions are still read whole."""
+        return self.model.is_mla and not (self.is_csa_linear and self.model.attention_spec is not None)
 
     @property
     def num_kv_heads(self) -> int:

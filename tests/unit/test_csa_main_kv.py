@@ -16,6 +16,7 @@ from kvgeom.geometry import rank_geometry
 from kvgeom.handshake import check_pair
 from kvgeom.spec import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Request
+from kvgeom.testing import strategies as kst
 
 GQA = csa_linear_model(main_kv_heads=2)
 
@@ -123,3 +124,17 @@ def test_packed_rows_with_main_kv_are_refused() -> None:
         rank_geometry(GQA, eng(packed_rows=True))
     assert e.value.field == "layers"
     assert e.value.values["value"] == sorted([repr(AttentionSpec(2, 8)), repr(MLASpec(8))])
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "expected"),
+    [(2, 2, "csa-linear"), (2, 4, "csa-linear"), (4, 2, "csa-linear"), (1, 2, None), (2, 1, None)],
+)
+def test_strategies_plan_pairs_on_one_side_of_the_kv_heads(
+    p_tp: int, d_tp: int, expected: str | None
+) -> None:
+    """2 KV heads: TP 2 and 4 lie at or above the count, TP 1 below it (GDN(4, 4, 4, 4): no SSM unit is
+    replicated up to TP4)."""
+    model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
+    pair = kst.PDPair(model, eng(p_tp), eng(d_tp), "pull", "kvgeom")
+    assert kst.plannable_class(pair) == expected

@@ -111,6 +111,10 @@ def _shape(case: kst.Case) -> None:
         ("pipeline stages", p.pp_size > 1 or d.pp_size > 1),
         ("packed rows", p.packed_rows or d.packed_rows),
         ("CSA-linear", case.pair.model.is_csa_linear),
+        (
+            "CSA-linear head-sharded main KV",
+            case.pair.model.is_csa_linear and case.pair.model.attention_spec is not None,
+        ),
     ):
         if on:
             event(f"shape: {name}")

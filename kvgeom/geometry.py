@@ -621,16 +621,16 @@ def _packed_overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeom
             "rows)",
             value=True,
         )
-    token_specs = sorted(
-        {repr(la.spec) for la in model.layers if isinstance(la.spec, (MLASpec, AttentionSpec))}
-    )
-    if len(token_specs) > 1:
-        raise ConfigError(
-            "layers",
-            "packed rows of a CSA-linear model are modelled with one token-cache spec (vLLM packs token caches "
-            "of one slot type into one group, pages of different sizes side by side)",
-            value=token_specs,
-        )
+    for cls in (MLASpec, AttentionSpec):
+        token_specs = sorted({repr(la.spec) for la in model.layers if isinstance(la.spec, cls)})
+        if len(token_specs) > 1:
+            raise ConfigError(
+                "layers",
+                "packed rows of a CSA-linear model are modelled with one MLA spec and one head-sharded main-KV "
+                "spec (vLLM packs all token caches of one slot type into one group; several page sizes of one "
+                "kind are not modelled)",
+                value=token_specs,
+            )
     if engine.ppl != 1:
         raise ConfigError(
             "kernel_block_size",

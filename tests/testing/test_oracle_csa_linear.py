@@ -230,3 +230,27 @@ def test_head_sharded_main_kv_block_left_behind_is_caught() -> None:
     report = oracle.report()
     assert {(v.invariant, v.region) for v in report.violations} == {("I3", 0)}
     assert report.violated_bytes["I3"] == 1024
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_rows_with_main_kv_pass(compat: str, mode: str, tp: int) -> None:
+    """Packed rows with a 2-head main KV (one token group: blocks 1-3; ring 4, GDN 5, PLE 6). Regions: 0 (main
+    KV, 1024 B; TP2 512), 2048 (MLA 256), 1024 (main KV; TP2 at 512), 2304 (MLA; TP2 1280), 64 (ring, 64 B),
+    208 (GDN, 208 B; TP2 104 at 104). Per D rank: the token group's 3 blocks through every region (TP1 2832 B,
+    TP2 1704 B each), the ring block from scratch regions 0 and 4 (TP1 1024 + 64, TP2 512 + 64), the GDN state
+    from regions 0 and 5 (2 x 208, TP2 2 x 104), the PLE page 48 B."""
+    model = csa_linear_model(main_kv_heads=2)
+    p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
+    req = Request.simple(model, p, d, 40)
+    assert req.d_ids == ((1, 2, 3), (4,), (5,), (6,))
+    make = pull_plans if mode == "pull" else push_plans
+    oracle = Oracle.for_engines(model, p, d, req)
+    for rp in make(model, p, d, req, compat):
+        oracle.execute(oracle.moves_of(rp), f"rank {rp.rank}")
+        if rp.plan.mode == "pull":
+            oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    report = oracle.report()
+    per_rank = 3 * 2832 + 1088 + 416 + 48 if tp == 1 else 3 * 1704 + 576 + 208 + 48
+    assert report.ok and report.bytes_moved == tp * per_rank, report

@@ -118,12 +118,37 @@ def test_pairs_on_one_side_of_the_boundary_are_accepted(heads: int, p_tp: int, d
     assert shape.tp_ratio == (d_tp // p_tp if d_tp >= p_tp else -(p_tp // d_tp))
 
 
-def test_packed_rows_with_main_kv_are_refused() -> None:
-    """vLLM buckets the main KV and the compressed keys into one group of mixed pages: not modelled."""
+def test_packed_rows_bucket_the_main_kv_with_the_compressed_keys() -> None:
+    """vLLM's block-outermost allocation: one token group (model order), each spec's pages together in
+    first-appearance order (main KV 1024 B at 0 and 1024, compressed keys 256 B at 2048 and 2304: a 2560-byte
+    row); regions per page start, the first pages of every group sharing region 0 (the main KV's length)."""
+    g = rank_geometry(GQA, eng(packed_rows=True))
+    assert [x.layers for x in g.groups] == [
+        ("layers.0.kv", "layers.0.attn", "layers.2.kv", "layers.2.attn"),
+        ("layers.0.ring", "layers.2.ring"),
+        ("layers.1.gdn", "layers.3.gdn"),
+        ("ple",),
+    ]
+    assert g.page_bytes == 2560
+    assert [(r.block_len, r.block_stride, r.is_mla, len(r.members)) for r in g.regions] == [
+        (1024, 2560, False, 4),
+        (256, 2560, True, 1),
+        (1024, 2560, False, 1),
+        (256, 2560, True, 1),
+        (64, 2560, False, 1),
+        (208, 2560, False, 1),
+    ]
+    assert g.scratch_region_indices == (0, 4) and g.ssm_region_indices == (0, 5)
+
+
+def test_packed_rows_with_two_main_kv_specs_are_refused() -> None:
+    layers = tuple(
+        Layer(la.name, la.index, AttentionSpec(4, 8)) if la.name == "layers.2.kv" else la for la in GQA.layers
+    )
     with pytest.raises(ConfigError) as e:
-        rank_geometry(GQA, eng(packed_rows=True))
+        rank_geometry(ModelSpec("two-kv", layers), eng(packed_rows=True))
     assert e.value.field == "layers"
-    assert e.value.values["value"] == sorted([repr(AttentionSpec(2, 8)), repr(MLASpec(8))])
+    assert e.value.values["value"] == sorted([repr(AttentionSpec(2, 8)), repr(AttentionSpec(4, 8))])
 
 
 @pytest.mark.parametrize(

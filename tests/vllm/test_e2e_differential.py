@@ -219,14 +219,15 @@ def test_csa_linear_kvgeom_mode_plans_what_vllm_writes_right(case: kst.Case) -> 
 
 
 def _packed_csa_cases() -> list[kst.Case]:
-    """CSA-linear pairs in vLLM's block-outermost allocation (kvgeom.csarows): the default model at equal TP
-    1 and 2, pull and push, 40 tokens (3 MLA blocks, a ring block, a GDN slot and a PLE slot)."""
-    model = csa_linear_model()
+    """CSA-linear pairs in vLLM's block-outermost allocation (kvgeom.csarows): the default model, and one with a
+    head-sharded main KV of 2 heads (bucketed with the compressed keys), at equal TP 1 and 2, pull and push, 40
+    tokens (3 token blocks, a ring block, a GDN slot and a PLE slot)."""
     out = []
-    for tp in (1, 2):
-        p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
-        for mode in ("pull", "push"):
-            out.append(kst.Case(kst.PDPair(model, p, d, mode), Request.simple(model, p, d, 40)))
+    for model in (csa_linear_model(), csa_linear_model(main_kv_heads=2)):
+        for tp in (1, 2):
+            p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
+            for mode in ("pull", "push"):
+                out.append(kst.Case(kst.PDPair(model, p, d, mode), Request.simple(model, p, d, 40)))
     return out
 
 

@@ -163,3 +163,19 @@ def test_strategies_plan_pairs_on_one_side_of_the_kv_heads(
     model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
     pair = kst.PDPair(model, eng(p_tp), eng(d_tp), "pull", "kvgeom")
     assert kst.plannable_class(pair) == expected
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_packed_rows_with_main_kv_across_tp_are_refused(compat: str) -> None:
+    """Not modelled yet: P TP2 -> D TP4 (2 KV heads, one per rank on both sides) in packed rows; the GDN-only
+    region 5 is 208 B at TP2 (GDN(4, 4, 4, 4): conv 3 x 16 channels x 3 rows x 2 B + temporal 2 x 16 x 2 B)
+    and 104 B at TP4."""
+    model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
+    local, remote = (
+        rank_geometry(model, eng(4, packed_rows=True)),
+        rank_geometry(model, eng(2, packed_rows=True)),
+    )
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(local, remote, "pull", compat)  # type: ignore[arg-type]
+    assert e.value.field == "regions[5].block_len"
+    assert (e.value.values["local"], e.value.values["remote"]) == (104, 208)

@@ -13,7 +13,7 @@ B.6.14 for what vLLM moves for such a model.
 from __future__ import annotations
 
 from .errors import SpecError
-from .spec import CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
+from .spec import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
 
 __all__ = ["ring_capacity", "csa_linear_model"]
 
@@ -43,18 +43,25 @@ def csa_linear_model(
     ple_channels: int = 8,
     ple_conv_kernel: int = 4,
     dtype: str = "bfloat16",
+    main_kv_heads: int = 0,
 ) -> ModelSpec:
     """``num_csa_layers`` decoder layers ``2i`` with compressed keys (``layers.2i.attn``, owner of tensor
     ``i``) and a ring overlaying them (``layers.2i.ring``), each followed by a GDN layer ``2i + 1`` whose state
-    overlays the same tensor; the PLE state (``ple``) overlays the first tensor."""
+    overlays the same tensor; the PLE state (``ple``) overlays the first tensor. ``main_kv_heads`` > 0 gives
+    each decoder layer ``2i`` a head-sharded full-attention main KV of that many KV heads of ``head_size``
+    (``layers.2i.kv``, a tensor of its own, before the compressed keys: vLLM's ``Qwen4ExpQSAAttention``)."""
     if num_csa_layers < 1:
         raise SpecError("num_csa_layers", "needs at least one layer", value=num_csa_layers)
+    if main_kv_heads < 0:
+        raise SpecError("main_kv_heads", "needs main_kv_heads >= 0 (0: no main KV)", value=main_kv_heads)
     state = gdn if gdn is not None else MambaSpec.gdn(2, 4, 2, 4)
     mla = MLASpec(head_size, dtype)
     ring = CircularBufferSpec(ring_capacity(compress_ratio, speculative_tokens), head_size, dtype)
     layers: list[Layer] = []
     for i in range(num_csa_layers):
         owner = f"layers.{2 * i}.attn"
+        if main_kv_heads:
+            layers.append(Layer(f"layers.{2 * i}.kv", 2 * i, AttentionSpec(main_kv_heads, head_size, dtype)))
         layers.append(Layer(owner, 2 * i, mla))
         layers.append(Layer(f"layers.{2 * i}.ring", 2 * i, ring, shares=owner))
         layers.append(Layer(f"layers.{2 * i + 1}.gdn", 2 * i + 1, state, shares=owner))

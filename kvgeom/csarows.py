@@ -3,14 +3,15 @@
 
 A CSA-linear model's caches have pages of different sizes, so vLLM lays them out block-outermost (``BLHNC``):
 one *row* of ``row_bytes`` per block, the same for every KV-cache group. Every group starts at byte 0 of the
-row and holds its layers' pages side by side in group order; ``row_bytes`` is the widest group's sum of
+row and holds its layers' pages side by side (each spec's pages together, specs in first-appearance order:
+a head-sharded main KV and the MLA compressed keys share one group); ``row_bytes`` is the widest group's sum of
 pages rounded up to the pages' common stride alignment. Groups overlay each other, which is safe because a
 block id belongs to one group of one request at a time.
 
 The NIXL worker then registers one region per distinct view start (layers visited in registration order):
 a view starting where an earlier one started joins that region (MLA views set its length; views of
 different groups make its group id -1, *shared*), else it opens a region ``(offset, page, row_bytes)``. When
-every token cache is MLA and there is no SSM state, an MLA view registers the whole row instead (its region
+there is no SSM state, an MLA view registers the whole row instead (its region
 starts at byte 0, ``row_bytes`` long), so only ring pages past the row start keep regions of their own. Rings
 mark their regions as *scratch* (sorted), sharded states as *SSM* regions (first-seen order), and the
 replicated state page records its region and its own page length, which may exceed the region's length.
@@ -27,7 +28,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigError, SpecError
-from .spec import CircularBufferSpec, LayerSpec, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
+from .spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    LayerSpec,
+    MambaSpec,
+    MLASpec,
+    ModelSpec,
+    ReplicatedStateSpec,
+)
 
 __all__ = [
     "RowView",
@@ -115,21 +124,42 @@ def packed_row_offsets(
 
 def packed_groups(model: ModelSpec, block_size: int, tp_size: int = 1) -> tuple[tuple[str, ...], ...]:
     """vLLM's KV-cache groups of a CSA-linear model in a block-outermost layout (its packed grouping): one
-    bucket of layers per spec, buckets in the order their first layer appears; a token-cache bucket is one
+    bucket of layers per spec, except that full-attention token caches (head-sharded main KV and MLA pages)
+    share one bucket, buckets in the order their first layer appears; a token-cache bucket is one
     group (its pages side by side), while a ring or state bucket is split so that each group's pages fit the
     widest bucket's row, ``n = ceil(layers / max(anchor // page, 1))`` groups, group ``i`` holding layers
-    ``i, i + n, ...`` (``anchor``: the widest token bucket's pages, or the largest state or ring page).
+    ``i, i + n, ...`` (``anchor``: the widest token bucket's pages summed, or the largest state or ring page).
     Sliding-window caches split like states."""
-    buckets: dict[LayerSpec, list[str]] = {}
+    buckets: dict[object, list[str]] = {}
     for la in model.layers:
-        buckets.setdefault(la.spec, []).append(la.name)
-    pages = {spec: _page(spec, block_size, tp_size) for spec in buckets}
-    anchor = max(pages[s] if _is_state(s) else pages[s] * len(n) for s, n in buckets.items())
+        buckets.setdefault(_bucket(la.spec), []).append(la.name)
+    specs = {la.name: la.spec for la in model.layers}
+    page = {name: _page(spec, block_size, tp_size) for name, spec in specs.items()}
+    anchor = max(
+        page[names[0]] if _is_state(specs[names[0]]) else sum(page[x] for x in names)
+        for names in buckets.values()
+    )
     groups: list[tuple[str, ...]] = []
-    for spec, names in buckets.items():
-        n = -(-len(names) // max(anchor // pages[spec], 1)) if _is_state(spec) else 1
+    for names in buckets.values():
+        n = -(-len(names) // max(anchor // page[names[0]], 1)) if _is_state(specs[names[0]]) else 1
         groups.extend(tuple(names[i::n]) for i in range(n))
     return tuple(groups)
+
+
+def _bucket(spec: LayerSpec) -> object:
+    """vLLM's packed bucket of a layer: full-attention token caches (head-sharded main KV and MLA pages) share
+    one slot type, hence one bucket; any other spec is a bucket of its own."""
+    if isinstance(spec, (AttentionSpec, MLASpec)) and spec.sliding_window is None:
+        return "full-attention tokens"
+    return spec
+
+
+def _by_spec(names: Sequence[str], specs: dict[str, LayerSpec]) -> list[str]:
+    """``names`` with each spec's layers together, specs in the order their first layer appears (stable)."""
+    first: dict[LayerSpec, int] = {}
+    for n in names:
+        first.setdefault(specs[n], len(first))
+    return sorted(names, key=lambda n: first[specs[n]])
 
 
 def _is_state(spec: LayerSpec) -> bool:
@@ -179,7 +209,7 @@ def packed_registration(
         raise SpecError("groups", f"layers {missing} are in no group", value=missing)
     for g, names in enumerate(groups):
         kinds = {type(specs[n]) for n in names}
-        if len(kinds) > 1:
+        if len(kinds) > 1 and kinds != {AttentionSpec, MLASpec}:
             raise SpecError(
                 f"groups[{g}]",
                 "a KV-cache group holds layers of one kind",
@@ -188,16 +218,18 @@ def packed_registration(
     visit = list(order) if order is not None else list(specs)
     if sorted(visit) != sorted(specs):
         raise SpecError("order", "the registration order must name every layer once", value=visit)
-    pages = [[_page(specs[n], block_size, tp_size) for n in names] for names in groups]
+    # within a group each spec's pages lie together, specs in first-appearance order (vLLM's planner)
+    placed = [_by_spec(names, specs) for names in groups]
+    pages = [[_page(specs[n], block_size, tp_size) for n in names] for names in placed]
     row, offsets = packed_row_offsets(pages, alignment)
     where = {
         n: (g, off, page)
-        for g, names in enumerate(groups)
+        for g, names in enumerate(placed)
         for n, off, page in zip(names, offsets[g], pages[g])
     }
     views = tuple(RowView(n, *where[n]) for n in visit)
-    # A CSA-linear model's token caches are MLA pages (ModelSpec's rule), so rows register whole exactly when
-    # there is no SSM state (vLLM: one shared storage, MLA, no Mamba).
+    # Without SSM state an MLA view registers the whole row (vLLM: one shared storage, MLA, no Mamba); a
+    # head-sharded main-KV view always registers its own page.
     whole_rows = model.ssm_spec is None
 
     starts: list[int] = []

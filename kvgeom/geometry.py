@@ -318,7 +318,10 @@ class RankGeometry:
     # -- model numbers ------------------------------------------------------------------------------
     @property
     def is_mla(self) -> bool:
-        return self.model.is_mla
+        """vLLM's ``use_mla`` (an MLA model: KV replicated, one KV head). A CSA-linear model whose main KV is
+        head-sharded (vLLM's ``qwen4_exp``) is none, though its compressed keys are MLA pages
+        (docs/vllm-behaviour.md B.6.14): TP maps its heads, and MLA regions are still read whole."""
+        return self.model.is_mla and not (self.is_csa_linear and self.model.attention_spec is not None)
 
     @property
     def num_kv_heads(self) -> int:
@@ -618,16 +621,16 @@ def _packed_overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeom
             "rows)",
             value=True,
         )
-    token_specs = sorted(
-        {repr(la.spec) for la in model.layers if isinstance(la.spec, (MLASpec, AttentionSpec))}
-    )
-    if len(token_specs) > 1:
-        raise ConfigError(
-            "layers",
-            "packed rows of a CSA-linear model are modelled with one token-cache spec (vLLM packs token caches "
-            "of one slot type into one group, pages of different sizes side by side)",
-            value=token_specs,
-        )
+    for cls in (MLASpec, AttentionSpec):
+        token_specs = sorted({repr(la.spec) for la in model.layers if isinstance(la.spec, cls)})
+        if len(token_specs) > 1:
+            raise ConfigError(
+                "layers",
+                "packed rows of a CSA-linear model are modelled with one MLA spec and one head-sharded main-KV "
+                "spec (vLLM packs all token caches of one slot type into one group; several page sizes of one "
+                "kind are not modelled)",
+                value=token_specs,
+            )
     if engine.ppl != 1:
         raise ConfigError(
             "kernel_block_size",

@@ -604,10 +604,11 @@ def _check_overlays(layers: tuple[Layer, ...]) -> None:
                 "in a CSA-linear model every state overlays a main-KV page",
                 value=None,
             )
-        if has_ring and la.shares is None and la.kind is not LayerKind.MLA:
+        if has_ring and la.shares is None and la.kind not in (LayerKind.MLA, LayerKind.ATTENTION):
             raise SpecError(
                 f"{la.name}.kind",
-                "a CSA-linear model's own tensors are its MLA layers' (the main KV)",
+                "a CSA-linear model's own tensors are its token caches': MLA pages (the compressed keys) or "
+                "full attention (head-sharded main KV); sliding-window caches are not modelled",
                 value=la.kind.value,
-                expected=LayerKind.MLA.value,
+                expected=[LayerKind.ATTENTION.value, LayerKind.MLA.value],
             )

@@ -128,7 +128,8 @@ def _windowed(spec: AttentionSpec | MLASpec, window: int) -> AttentionSpec | MLA
 def csa_linear_models(draw: st.DrawFn) -> ModelSpec:
     """Small CSA-linear models (:func:`kvgeom.csa.csa_linear_model`): 1-2 MLA layers of 4-16 elements per
     token, each with a ring (compression ratio 2 or 4, 0-2 speculative tokens) and an SSM layer of any
-    family overlaid, and a replicated short-conv page of 2-8 channels on the first tensor."""
+    family overlaid, and a replicated short-conv page of 2-8 channels on the first tensor; half of them with a
+    head-sharded main KV of 1, 2 or 4 KV heads per CSA decoder layer (vLLM's ``Qwen4ExpQSAAttention``)."""
     return csa_linear_model(
         "csa-linear",
         num_csa_layers=draw(st.integers(1, 2)),
@@ -138,6 +139,7 @@ def csa_linear_models(draw: st.DrawFn) -> ModelSpec:
         gdn=draw(ssm_specs()),
         ple_channels=draw(st.sampled_from((8, 2, 4))),
         ple_conv_kernel=draw(st.sampled_from((4, 2, 3))),
+        main_kv_heads=draw(st.sampled_from((0, 2, 0, 1, 0, 4))),
         dtype=draw(st.sampled_from(_SSM_DTYPES)),
     )
 
@@ -491,7 +493,9 @@ def plannable_class(pair: PDPair) -> str | None:
             any(ssm.replicated_pieces(t)) or ssm.temporal.replicated(t) for t in (p.tp_size, d.tp_size)
         )  # kvgeom mode gathers them in equal chunks where they divide
         plain = same_blocks and p.conv_layout is d.conv_layout and not (p.packed_rows or d.packed_rows)
-        return "csa-linear" if plain and not (p.tp_size != d.tp_size and replicated) else None
+        k = model.num_kv_heads  # vLLM's rule: both TP sizes on one side of the KV-head count
+        one_side = (p.tp_size < k) == (d.tp_size < k)
+        return "csa-linear" if plain and one_side and not (p.tp_size != d.tp_size and replicated) else None
     if not engines_plain or not same_blocks:
         return None
     if pair.compat == "vllm" and pair.mode == "push" and p.tp_size != d.tp_size:

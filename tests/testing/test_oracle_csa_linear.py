@@ -12,6 +12,7 @@ import pytest
 
 from kvgeom.csa import csa_linear_model
 from kvgeom.engine import EngineConfig
+from kvgeom.spec import MambaSpec
 from kvgeom.testing import Oracle, RankPlan, Report, Request, pull_plans, push_plans
 
 SRC_REGION, SRC_OFF, DST_REGION, DST_OFF, LENGTH = 1, 2, 4, 5, 6
@@ -163,3 +164,93 @@ def test_packed_rows_missing_state_is_caught() -> None:
     assert not report.ok
     assert {(v.invariant, v.region) for v in report.violations} == {("I3", 3)}
     assert report.violated_bytes["I3"] == 208
+
+
+def _gqa_report(heads: int, gdn: MambaSpec | None, p_tp: int, d_tp: int, mode: str, compat: str) -> Report:
+    model = csa_linear_model(main_kv_heads=heads, gdn=gdn)
+    p, d = (EngineConfig(tp_size=t, block_size=16, num_blocks=16) for t in (p_tp, d_tp))
+    req = Request.simple(model, p, d, 40)
+    make = pull_plans if mode == "pull" else push_plans
+    oracle = Oracle.for_engines(model, p, d, req)
+    for rp in make(model, p, d, req, compat):
+        oracle.execute(oracle.moves_of(rp), f"rank {rp.rank}")
+        if rp.plan.mode == "pull":
+            oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    return oracle.report()
+
+
+# Head-sharded main KV (``main_kv_heads``, B.6.14): 40 tokens, main-KV blocks 1-3 and MLA blocks 4-6; each token
+# group reads its 3 blocks through every region (2 main-KV regions of 512 B per local head, 2 MLA regions of
+# 256 B); rings 2 x 256, GDN 2 x its state, PLE 48 B. Per D rank, ``heads_d`` heads on D and GDN state ``gdn_b``:
+# 6 x (2 x 512 x heads_d + 512) + 512 + 2 x gdn_b + 48.
+GQA_CASES = [
+    # K=2, default GDN(2, 4, 2, 4) (208 B at TP1, 104 B at TP2): equal TP 1 and 2
+    (2, None, 1, 1, 6 * (2048 + 512) + 512 + 416 + 48),
+    (2, None, 2, 2, 2 * (6 * (1024 + 512) + 512 + 208 + 48)),
+    # K=2, GDN(4, 4, 4, 4) (104 B at TP4): P TP2 -> D TP4, each D rank one (replicated) head
+    (2, MambaSpec.gdn(4, 4, 4, 4), 2, 4, 4 * (6 * (1024 + 512) + 512 + 208 + 48)),
+    # K=4: P TP1 -> D TP2, two heads per D rank
+    (4, None, 1, 2, 2 * (6 * (2048 + 512) + 512 + 208 + 48)),
+]
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(("heads", "gdn", "p_tp", "d_tp", "total"), GQA_CASES)
+def test_head_sharded_main_kv_plans_pass(
+    heads: int, gdn: MambaSpec | None, p_tp: int, d_tp: int, total: int, mode: str, compat: str
+) -> None:
+    report = _gqa_report(heads, gdn, p_tp, d_tp, mode, compat)
+    assert report.ok and report.bytes_moved == total, report
+
+
+@pytest.mark.parametrize(("compat", "total"), [("vllm", 32256), ("kvgeom", 32208)])
+def test_head_sharded_main_kv_from_more_p_ranks(compat: str, total: int) -> None:
+    """K=4, P TP2 -> D TP1 (pull): D's 4-head page takes 2 x 1024 B head slices per main-KV block; the MLA
+    regions, the rings and (vLLM) the PLE page are read whole from both P ranks (identical copies):
+    6 x (2 x 2 x 1024 + 2 x 2 x 256) + 2 x 2 x 256 + 2 x 208 + 48 (+ 48 in vllm mode)."""
+    report = _gqa_report(4, None, 2, 1, "pull", compat)
+    assert report.ok and report.bytes_moved == total == 6 * (4096 + 1024) + 1024 + 416 + 48 + (
+        48 if compat == "vllm" else 0
+    ), report
+
+
+def test_head_sharded_main_kv_block_left_behind_is_caught() -> None:
+    """A pull that skips D's main-KV block 2 in region 0 (1024 B at byte 2 x 1024) leaves it unwritten (I3)."""
+    model = csa_linear_model(main_kv_heads=2)
+    p = EngineConfig(tp_size=1, block_size=16, num_blocks=16)
+    req = Request.simple(model, p, p, 40)
+    oracle = Oracle.for_engines(model, p, p, req)
+    for rp in pull_plans(model, p, p, req, "vllm"):
+        moves = oracle.moves_of(rp)
+        skip = (moves[:, DST_REGION] == 0) & (moves[:, DST_OFF] == 2 * 1024)
+        assert moves[skip, LENGTH].tolist() == [1024]
+        oracle.execute(moves[~skip], f"rank {rp.rank}")
+        oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    report = oracle.report()
+    assert {(v.invariant, v.region) for v in report.violations} == {("I3", 0)}
+    assert report.violated_bytes["I3"] == 1024
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_rows_with_main_kv_pass(compat: str, mode: str, tp: int) -> None:
+    """Packed rows with a 2-head main KV (one token group: blocks 1-3; ring 4, GDN 5, PLE 6). Regions: 0 (main
+    KV, 1024 B; TP2 512), 2048 (MLA 256), 1024 (main KV; TP2 at 512), 2304 (MLA; TP2 1280), 64 (ring, 64 B),
+    208 (GDN, 208 B; TP2 104 at 104). Per D rank: the token group's 3 blocks through every region (TP1 2832 B,
+    TP2 1704 B each), the ring block from scratch regions 0 and 4 (TP1 1024 + 64, TP2 512 + 64), the GDN state
+    from regions 0 and 5 (2 x 208, TP2 2 x 104), the PLE page 48 B."""
+    model = csa_linear_model(main_kv_heads=2)
+    p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
+    req = Request.simple(model, p, d, 40)
+    assert req.d_ids == ((1, 2, 3), (4,), (5,), (6,))
+    make = pull_plans if mode == "pull" else push_plans
+    oracle = Oracle.for_engines(model, p, d, req)
+    for rp in make(model, p, d, req, compat):
+        oracle.execute(oracle.moves_of(rp), f"rank {rp.rank}")
+        if rp.plan.mode == "pull":
+            oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    report = oracle.report()
+    per_rank = 3 * 2832 + 1088 + 416 + 48 if tp == 1 else 3 * 1704 + 576 + 208 + 48
+    assert report.ok and report.bytes_moved == tp * per_rank, report

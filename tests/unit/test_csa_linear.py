@@ -102,11 +102,15 @@ def _model(*layers: Layer) -> ModelSpec:
         ((Layer("a", 0, AttentionSpec(2, 8)), Layer("r", 0, RING, shares="a")), "r.shares", "a"),
         # a state of a CSA-linear model with a tensor of its own
         ((Layer("a", 0, MLA), Layer("r", 0, RING, shares="a"), Layer("g", 1, GDN)), "g.shares", None),
-        # a CSA-linear model's own tensors are MLA pages
+        # a CSA-linear model's own tensors are MLA pages or full attention, not a sliding window
         (
-            (Layer("a", 0, MLA), Layer("r", 0, RING, shares="a"), Layer("b", 1, AttentionSpec(2, 8))),
+            (
+                Layer("a", 0, MLA),
+                Layer("r", 0, RING, shares="a"),
+                Layer("b", 1, AttentionSpec(2, 8, sliding_window=4)),
+            ),
             "b.kind",
-            "attention",
+            "sliding_window",
         ),
         # a replicated page without a ring, or two of them
         ((Layer("a", 0, MLA), Layer("p", 0, ReplicatedStateSpec(8), shares="a")), "layers", 1),

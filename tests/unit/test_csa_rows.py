@@ -17,7 +17,7 @@ from kvgeom.csarows import RowRegion, RowView, packed_groups, packed_registratio
 from kvgeom.engine import EngineConfig
 from kvgeom.errors import ConfigError, IncompatiblePairError, SpecError
 from kvgeom.geometry import rank_geometry
-from kvgeom.spec import CircularBufferSpec, Layer, MLASpec, ModelSpec
+from kvgeom.spec import CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Request, pull_plans
 
 MODEL = csa_linear_model()
@@ -269,3 +269,49 @@ def test_packed_geometry_refusals() -> None:
         pull_plans(MODEL, p, d, Request.simple(MODEL, p, d, 40), "kvgeom")
     assert e2.value.field == "regions[3].block_len"
     assert (e2.value.values["local"], e2.value.values["remote"]) == (208, 104)
+
+
+GQA = csa_linear_model(main_kv_heads=2)
+
+
+@pytest.mark.parametrize(
+    ("first", "starts"),
+    [
+        # main KV first (vLLM's qwen4_exp order): its pages, then the compressed keys'
+        ("kv", {"layers.0.kv": 0, "layers.2.kv": 1024, "layers.0.attn": 2048, "layers.2.attn": 2304}),
+        # compressed keys first in layer 0: their pages lead
+        ("attn", {"layers.0.attn": 0, "layers.2.attn": 256, "layers.0.kv": 512, "layers.2.kv": 1536}),
+    ],
+)
+def test_main_kv_and_compressed_keys_share_a_group(first: str, starts: dict[str, int]) -> None:
+    """One token group, 2 x 1024 + 2 x 256 = 2560 B, layers in model order; each spec's pages together, specs
+    in the order their first layer appears."""
+    layers = list(GQA.layers)
+    if first == "attn":
+        layers[0], layers[1] = layers[1], layers[0]
+    model = ModelSpec("gqa", tuple(layers))
+    groups = packed_groups(model, 16)
+    assert groups[0] == tuple(la.name for la in layers if la.kind.value in ("attention", "mla"))
+    assert groups[1:] == (("layers.0.ring", "layers.2.ring"), ("layers.1.gdn", "layers.3.gdn"), ("ple",))
+    reg = packed_registration(model, groups, block_size=16)
+    assert reg.row_bytes == 2560
+    assert {v.name: v.offset for v in reg.views if v.group == 0} == starts
+
+
+def test_a_state_wider_than_half_the_token_pages_splits() -> None:
+    """GDN(2, 16, 2, 16): conv 96 channels x 3 rows x 2 B = 576 B + temporal 2 x 16 x 16 x 2 B = 1024 B = 1600 B;
+    the token bucket's pages sum to 2560 B (2 x 1024 + 2 x 256), 2560 // 1600 = 1 state per group: two groups."""
+    model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(2, 16, 2, 16))
+    assert packed_groups(model, 16)[2:4] == (("layers.1.gdn",), ("layers.3.gdn",))
+
+
+def test_a_group_of_a_main_kv_and_a_ring_is_refused() -> None:
+    groups = [
+        ["layers.0.kv", "layers.0.ring"],
+        ["layers.0.attn", "layers.2.kv", "layers.2.attn"],
+        ["layers.2.ring"],
+    ]
+    groups += [["layers.1.gdn", "layers.3.gdn"], ["ple"]]
+    with pytest.raises(SpecError) as e:
+        packed_registration(GQA, groups, block_size=16)
+    assert e.value.field == "groups[0]" and e.value.values["value"] == ["AttentionSpec", "CircularBufferSpec"]

@@ -23,19 +23,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core import kv_cache_planning as planning
 from vllm.v1.kv_cache_interface import CircularBufferSpec as VCircular
-from vllm.v1.kv_cache_interface import KVCacheLayout, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, MLAAttentionSpec
 from vllm.v1.kv_cache_interface import MambaSpec as VMamba
 
 from kvgeom.csa import csa_linear_model
 from kvgeom.csarows import packed_groups, packed_registration
 from kvgeom.geometry import _page_bytes
-from kvgeom.spec import CircularBufferSpec, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
+from kvgeom.spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
 
 BF16 = torch.bfloat16
 
 
 def _vllm_spec(spec: object, block_size: int, tp: int) -> object:
     """vLLM's spec of the same page (SSM states as one bfloat16 buffer of the state's bytes)."""
+    if isinstance(spec, AttentionSpec):  # head-sharded main KV: the rank's heads
+        return FullAttentionSpec(
+            block_size=block_size, num_kv_heads=spec.heads_per_rank(tp), head_size=spec.head_size, dtype=BF16
+        )
     if isinstance(spec, MLASpec):
         return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=spec.latent_size, dtype=BF16)
     if isinstance(spec, CircularBufferSpec):
@@ -112,6 +116,10 @@ REAL = csa_linear_model(
 )
 
 
+GQA = csa_linear_model("gqa-main-kv", main_kv_heads=2)
+"""Head-sharded main KV (2 KV heads) before each layer's compressed keys, as vLLM's ``Qwen4ExpQSAAttention``."""
+
+
 @pytest.mark.parametrize(
     ("model", "block_size", "tp"),
     [
@@ -121,6 +129,8 @@ REAL = csa_linear_model(
         (csa_linear_model(num_csa_layers=4), 8, 1),
         (REAL, 64, 1),
         (REAL, 256, 2),
+        (GQA, 16, 1),
+        (GQA, 16, 2),
     ],
     ids=[
         "small-tp1",
@@ -129,6 +139,8 @@ REAL = csa_linear_model(
         "four-layers-b8",
         "qwen4-exp-sized-b64",
         "qwen4-exp-sized-b256-tp2",
+        "gqa-main-kv-tp1",
+        "gqa-main-kv-tp2",
     ],
 )
 def test_rows_and_page_starts_are_vllms(model: ModelSpec, block_size: int, tp: int) -> None:
@@ -166,8 +178,8 @@ NO_SSM = ModelSpec(
 
 @pytest.mark.parametrize(
     ("model", "block_size"),
-    [(csa_linear_model(), 16), (NO_SSM, 16), (REAL, 64)],
-    ids=["small", "small-without-ssm-state", "qwen4-exp-sized-b64"],
+    [(csa_linear_model(), 16), (NO_SSM, 16), (REAL, 64), (GQA, 16)],
+    ids=["small", "small-without-ssm-state", "qwen4-exp-sized-b64", "gqa-main-kv"],
 )
 def test_registration_is_vllms(model: ModelSpec, block_size: int) -> None:
     """vLLM's worker registers views of one block-outermost allocation (BLHNC, TP1): its regions (starts,
@@ -189,7 +201,7 @@ def test_registration_is_vllms(model: ModelSpec, block_size: int) -> None:
     vc.cache_config.kv_cache_layout = "BLHNC"
     with cpu_runtime(), patch.object(bw, "get_current_attn_backends", return_value=[_Backend]):
         worker = NixlPullConnectorWorker(vc, "csa", config)
-        worker.use_mla = True
+        worker.use_mla = model.attention_spec is None  # a head-sharded main KV: no MLA model (B.6.14)
         worker.register_kv_caches(caches)
     reg = packed_registration(model, groups, block_size=block_size)
     base = raw.data_ptr()

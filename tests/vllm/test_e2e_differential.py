@@ -22,6 +22,7 @@ from kvgeom.csa import csa_linear_model
 from kvgeom.engine import ConvLayout, EngineConfig
 from kvgeom.errors import KvgeomError
 from kvgeom.plan import receive_step
+from kvgeom.spec import MambaSpec
 from kvgeom.testing import ZERO, Oracle, Request, engine_geometries
 from kvgeom.testing import strategies as kst
 from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
@@ -110,6 +111,10 @@ def _shape(case: kst.Case) -> None:
         ("pipeline stages", p.pp_size > 1 or d.pp_size > 1),
         ("packed rows", p.packed_rows or d.packed_rows),
         ("CSA-linear", case.pair.model.is_csa_linear),
+        (
+            "CSA-linear head-sharded main KV",
+            case.pair.model.is_csa_linear and case.pair.model.attention_spec is not None,
+        ),
     ):
         if on:
             event(f"shape: {name}")
@@ -214,14 +219,15 @@ def test_csa_linear_kvgeom_mode_plans_what_vllm_writes_right(case: kst.Case) -> 
 
 
 def _packed_csa_cases() -> list[kst.Case]:
-    """CSA-linear pairs in vLLM's block-outermost allocation (kvgeom.csarows): the default model at equal TP
-    1 and 2, pull and push, 40 tokens (3 MLA blocks, a ring block, a GDN slot and a PLE slot)."""
-    model = csa_linear_model()
+    """CSA-linear pairs in vLLM's block-outermost allocation (kvgeom.csarows): the default model, and one with a
+    head-sharded main KV of 2 heads (bucketed with the compressed keys), at equal TP 1 and 2, pull and push, 40
+    tokens (3 token blocks, a ring block, a GDN slot and a PLE slot)."""
     out = []
-    for tp in (1, 2):
-        p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
-        for mode in ("pull", "push"):
-            out.append(kst.Case(kst.PDPair(model, p, d, mode), Request.simple(model, p, d, 40)))
+    for model in (csa_linear_model(), csa_linear_model(main_kv_heads=2)):
+        for tp in (1, 2):
+            p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
+            for mode in ("pull", "push"):
+                out.append(kst.Case(kst.PDPair(model, p, d, mode), Request.simple(model, p, d, 40)))
     return out
 
 
@@ -237,6 +243,45 @@ def test_packed_csa_linear_vllm_mode_posts_vllms_transfers(case: kst.Case) -> No
 @settings(max_examples=len(PACKED_CSA))
 @given(st.sampled_from(PACKED_CSA))
 def test_packed_csa_linear_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
+def _gqa_csa_cases() -> list[kst.Case]:
+    """CSA-linear pairs with head-sharded main KV (as vLLM's ``Qwen4ExpQSAAttention``; B.6.14), pull and push,
+    40 tokens: 2 KV heads at equal TP 1 and 2 and across TP 2 and 4 (one head per rank, replicated at TP4;
+    GDN(4, 4, 4, 4) so that no SSM unit is replicated); 4 KV heads across TP 1 and 2 (several heads per page,
+    head slices)."""
+    gdn4 = MambaSpec.gdn(4, 4, 4, 4)
+    setups = [
+        (2, None, 1, 1),
+        (2, None, 2, 2),
+        (2, gdn4, 2, 4),
+        (2, gdn4, 4, 2),
+        (4, None, 1, 2),
+        (4, None, 2, 1),
+    ]
+    out = []
+    for heads, gdn, p_tp, d_tp in setups:
+        model = csa_linear_model(main_kv_heads=heads, gdn=gdn)
+        p, d = (EngineConfig(tp_size=t, block_size=16, num_blocks=16) for t in (p_tp, d_tp))
+        for mode in ("pull", "push"):
+            out.append(kst.Case(kst.PDPair(model, p, d, mode), Request.simple(model, p, d, 40)))
+    return out
+
+
+GQA_CSA = _gqa_csa_cases()
+
+
+@settings(max_examples=len(GQA_CSA))
+@given(st.sampled_from(GQA_CSA))
+def test_gqa_csa_linear_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    assert _plan(case, "vllm")[1] is None  # vLLM moves every one of them right: planned, never refused
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=len(GQA_CSA))
+@given(st.sampled_from(GQA_CSA))
+def test_gqa_csa_linear_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
     _kvgeom_mode_plans_what_vllm_moves_right(case)
 
 

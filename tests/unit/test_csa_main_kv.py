@@ -1,0 +1,181 @@
+"""CSA-linear models with head-sharded (GQA) main KV (vLLM's ``Qwen4ExpQSAAttention``; docs/vllm-behaviour.md
+B.6.14 "Head-sharded main KV"): the model, its geometry, vLLM's TP rule and the refusals.
+
+Hand-derived from ``csa_linear_model(main_kv_heads=2)`` at block 16: main-KV page 16 tokens x heads x (8 + 8)
+x 2 B = 512 B per head on the rank (TP1: 2 heads, 1024 B; TP2: 1 head, 512 B); MLA page 16 x 8 x 2 B = 256 B;
+40 tokens: main-KV blocks 1-3, MLA blocks 4-6, ring block 7, GDN slot 8, PLE slot 9."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgeom.csa import csa_linear_model
+from kvgeom.engine import EngineConfig
+from kvgeom.errors import ConfigError, IncompatiblePairError, SpecError
+from kvgeom.geometry import rank_geometry
+from kvgeom.handshake import check_pair
+from kvgeom.spec import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
+from kvgeom.testing import Request
+from kvgeom.testing import strategies as kst
+
+GQA = csa_linear_model(main_kv_heads=2)
+
+
+def eng(tp: int = 1, **kw: object) -> EngineConfig:
+    return EngineConfig(tp_size=tp, block_size=16, num_blocks=16, **kw)  # type: ignore[arg-type]
+
+
+def test_main_kv_comes_first_in_each_csa_decoder_layer() -> None:
+    assert [la.name for la in GQA.layers] == [
+        "layers.0.kv",
+        "layers.0.attn",
+        "layers.0.ring",
+        "layers.1.gdn",
+        "layers.2.kv",
+        "layers.2.attn",
+        "layers.2.ring",
+        "layers.3.gdn",
+        "ple",
+    ]
+    kv = GQA.layers[0]
+    assert kv.spec == AttentionSpec(2, 8) and kv.shares is None and kv.index == 0
+    assert GQA.layers[4].index == 2 and GQA.num_kv_heads == 2
+    assert [la.name for la in csa_linear_model().layers][:2] == ["layers.0.attn", "layers.0.ring"]
+
+
+def test_negative_main_kv_heads_is_refused() -> None:
+    with pytest.raises(SpecError) as e:
+        csa_linear_model(main_kv_heads=-1)
+    assert e.value.field == "main_kv_heads" and e.value.values["value"] == -1
+
+
+def test_a_sliding_window_owner_is_refused_naming_both_token_kinds() -> None:
+    with pytest.raises(SpecError) as e:
+        ModelSpec(
+            "m",
+            (
+                Layer("a", 0, MLASpec(8)),
+                Layer("r", 0, CircularBufferSpec(4, 8), shares="a"),
+                Layer("w", 1, AttentionSpec(2, 8, sliding_window=8)),
+            ),
+        )
+    assert e.value.field == "w.kind"
+    assert e.value.values == {"value": "sliding_window", "expected": ["attention", "mla"]}
+
+
+@pytest.mark.parametrize(("tp", "kv"), [(1, 1024), (2, 512)])
+def test_geometry_gives_each_main_kv_a_head_sharded_region(tp: int, kv: int) -> None:
+    g = rank_geometry(GQA, eng(tp))
+    assert [(x.kind.value, x.layers) for x in g.groups] == [
+        ("attention", ("layers.0.kv", "layers.2.kv")),
+        ("mla", ("layers.0.attn", "layers.2.attn")),
+        ("circular_buffer", ("layers.0.ring", "layers.2.ring")),
+        ("gdn", ("layers.1.gdn", "layers.3.gdn")),
+        ("replicated_state", ("ple",)),
+    ]
+    assert [(r.name, r.block_len, r.block_stride, r.is_mla) for r in g.regions] == [
+        ("layers.0.kv", kv, kv, False),
+        ("layers.0.attn", 256, 256, True),
+        ("layers.2.kv", kv, kv, False),
+        ("layers.2.attn", 256, 256, True),
+    ]
+    assert [len(r.members) for r in g.regions] == [1, 4, 1, 3]
+    assert g.scratch_region_indices == (1, 3) and g.ssm_region_indices == (1, 3)
+    assert g.ple is not None and (g.ple.region, g.ple.length) == (1, 48)
+
+
+def test_vllm_sees_no_mla_model_and_no_draft() -> None:
+    """vLLM's use_mla is False for such a model (its KV heads are the main KV's); without main KV the model
+    is an MLA model."""
+    g = rank_geometry(GQA, eng())
+    assert (g.is_mla, g.has_draft, g.num_kv_heads) == (False, False, 2)
+    plain = rank_geometry(csa_linear_model(), eng())
+    assert (plain.is_mla, plain.has_draft, plain.num_kv_heads) == (True, False, 1)
+
+
+def test_request_holds_main_kv_blocks_before_the_compressed_keys() -> None:
+    assert Request.simple(GQA, eng(), eng(), 40).d_ids == ((1, 2, 3), (4, 5, 6), (7,), (8,), (9,))
+
+
+@pytest.mark.parametrize(
+    ("heads", "p_tp", "d_tp"),
+    [(2, 1, 2), (2, 2, 1), (4, 2, 4), (4, 4, 2)],
+)
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_pairs_across_the_kv_head_boundary_are_refused(heads: int, p_tp: int, d_tp: int, compat: str) -> None:
+    """vLLM's rule: both TP sizes below the KV-head count or both at or above it (D is local in a pull)."""
+    model = csa_linear_model(main_kv_heads=heads)
+    local, remote = rank_geometry(model, eng(d_tp)), rank_geometry(model, eng(p_tp))
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(local, remote, "pull", compat)  # type: ignore[arg-type]
+    assert e.value.field == "tp_size" and e.value.values == {"local": d_tp, "remote": p_tp}
+
+
+@pytest.mark.parametrize(("heads", "p_tp", "d_tp"), [(2, 2, 4), (2, 4, 2), (4, 1, 2), (4, 2, 1)])
+def test_pairs_on_one_side_of_the_boundary_are_accepted(heads: int, p_tp: int, d_tp: int) -> None:
+    model = csa_linear_model(main_kv_heads=heads, gdn=None if heads == 4 else MambaSpec.gdn(4, 4, 4, 4))
+    shape = check_pair(rank_geometry(model, eng(d_tp)), rank_geometry(model, eng(p_tp)), "pull", "vllm")
+    assert shape.tp_ratio == (d_tp // p_tp if d_tp >= p_tp else -(p_tp // d_tp))
+
+
+def test_packed_rows_bucket_the_main_kv_with_the_compressed_keys() -> None:
+    """vLLM's block-outermost allocation: one token group (model order), each spec's pages together in
+    first-appearance order (main KV 1024 B at 0 and 1024, compressed keys 256 B at 2048 and 2304: a 2560-byte
+    row); regions per page start, the first pages of every group sharing region 0 (the main KV's length)."""
+    g = rank_geometry(GQA, eng(packed_rows=True))
+    assert [x.layers for x in g.groups] == [
+        ("layers.0.kv", "layers.0.attn", "layers.2.kv", "layers.2.attn"),
+        ("layers.0.ring", "layers.2.ring"),
+        ("layers.1.gdn", "layers.3.gdn"),
+        ("ple",),
+    ]
+    assert g.page_bytes == 2560
+    assert [(r.block_len, r.block_stride, r.is_mla, len(r.members)) for r in g.regions] == [
+        (1024, 2560, False, 4),
+        (256, 2560, True, 1),
+        (1024, 2560, False, 1),
+        (256, 2560, True, 1),
+        (64, 2560, False, 1),
+        (208, 2560, False, 1),
+    ]
+    assert g.scratch_region_indices == (0, 4) and g.ssm_region_indices == (0, 5)
+
+
+def test_packed_rows_with_two_main_kv_specs_are_refused() -> None:
+    layers = tuple(
+        Layer(la.name, la.index, AttentionSpec(4, 8)) if la.name == "layers.2.kv" else la for la in GQA.layers
+    )
+    with pytest.raises(ConfigError) as e:
+        rank_geometry(ModelSpec("two-kv", layers), eng(packed_rows=True))
+    assert e.value.field == "layers"
+    assert e.value.values["value"] == sorted([repr(AttentionSpec(2, 8)), repr(AttentionSpec(4, 8))])
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "expected"),
+    [(2, 2, "csa-linear"), (2, 4, "csa-linear"), (4, 2, "csa-linear"), (1, 2, None), (2, 1, None)],
+)
+def test_strategies_plan_pairs_on_one_side_of_the_kv_heads(
+    p_tp: int, d_tp: int, expected: str | None
+) -> None:
+    """2 KV heads: TP 2 and 4 lie at or above the count, TP 1 below it (GDN(4, 4, 4, 4): no SSM unit is
+    replicated up to TP4)."""
+    model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
+    pair = kst.PDPair(model, eng(p_tp), eng(d_tp), "pull", "kvgeom")
+    assert kst.plannable_class(pair) == expected
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_packed_rows_with_main_kv_across_tp_are_refused(compat: str) -> None:
+    """Not modelled yet: P TP2 -> D TP4 (2 KV heads, one per rank on both sides) in packed rows; the GDN-only
+    region 5 is 208 B at TP2 (GDN(4, 4, 4, 4): conv 3 x 16 channels x 3 rows x 2 B + temporal 2 x 16 x 2 B)
+    and 104 B at TP4."""
+    model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
+    local, remote = (
+        rank_geometry(model, eng(4, packed_rows=True)),
+        rank_geometry(model, eng(2, packed_rows=True)),
+    )
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(local, remote, "pull", compat)  # type: ignore[arg-type]
+    assert e.value.field == "regions[5].block_len"
+    assert (e.value.values["local"], e.value.values["remote"]) == (104, 208)

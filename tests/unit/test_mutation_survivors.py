@@ -312,3 +312,22 @@ def test_route_refuses_a_replicated_latent_that_draft_sources_cannot_split_evenl
     with pytest.raises(UnsupportedError) as err:
         route(local, remote, 0, "pull", 1, tuple(rows))
     assert err.value.field == f"regions[{mla}].block_len"
+
+
+def test_each_stage_pairing_regroups_only_its_own_layers_pages() -> None:
+    """P in two pipeline stages (one layer each), D one stage with blocks twice P's (bsr 2), head-major
+    with 2 KV heads: every received block is regrouped per head (B.3.9). Each stage's pairing must regroup
+    only the pages its own layer fills; regrouping every page of the group would permute the other
+    stage's layer twice (once per pairing), which the oracle reports as I2."""
+    from kvgeom import AttentionSpec, EngineConfig, ModelSpec
+    from kvgeom.testing import Request
+    from kvgeom.testing.oracle import run_pull
+
+    m = ModelSpec.from_layers("pp", [AttentionSpec(2, 2, "float16")] * 2)
+    p = EngineConfig(tp_size=1, block_size=2, num_blocks=8, pp_size=2)
+    d = EngineConfig(tp_size=1, block_size=4, num_blocks=8)
+    for n in (5, 7, 8):
+        report = run_pull(m, p, d, Request.simple(m, p, d, n), compat="kvgeom")
+        assert report.ok, report
+        # 2 layers x n tokens x K and V x 2 heads x 2 elements x 2 B, whole blocks of 2 tokens from P
+        assert report.bytes_moved == 2 * (2 * -(-n // 2)) * 2 * 2 * 2 * 2

@@ -331,3 +331,53 @@ def test_each_stage_pairing_regroups_only_its_own_layers_pages() -> None:
         assert report.ok, report
         # 2 layers x n tokens x K and V x 2 heads x 2 elements x 2 B, whole blocks of 2 tokens from P
         assert report.bytes_moved == 2 * (2 * -(-n // 2)) * 2 * 2 * 2 * 2
+
+
+def test_testing_strategies_is_loaded_on_first_access() -> None:
+    """``kvgeom.testing.strategies`` is imported lazily (hypothesis is needed only there): reached through
+    the package's ``__getattr__`` when it is not loaded yet; any other missing name is an AttributeError."""
+    import sys
+
+    import pytest
+
+    import kvgeom.testing as t
+
+    saved = sys.modules.pop("kvgeom.testing.strategies", None)
+    had = t.__dict__.pop("strategies", None)
+    try:
+        assert t.__getattr__("strategies").__name__ == "kvgeom.testing.strategies"
+        with pytest.raises(AttributeError):
+            t.__getattr__("no_such_thing")
+    finally:
+        if saved is not None:
+            sys.modules["kvgeom.testing.strategies"] = saved
+        if had is not None:
+            t.strategies = had  # type: ignore[attr-defined]
+
+
+def test_csa_linear_model_names_its_replicated_page_ple() -> None:
+    from kvgeom.csa import csa_linear_model
+
+    ple = [la for la in csa_linear_model().layers if la.spec.kind.value == "replicated_state"]
+    assert [(la.name, la.index, la.shares) for la in ple] == [("ple", 0, "layers.0.attn")]
+
+
+def test_region_mapped_pull_passes_prefill_tokens_on() -> None:
+    """Region-mapped pull (D keeps layers 1 and 3 in a group of their own) in the N-1 flow: D holds 9 tokens
+    (3 blocks of 4), P computed 8 (2 blocks) and sent 2 blocks per group. Told ``prefill_tokens=8`` both
+    modes plan it and the oracle passes (P's shorter list is not refused, D's third block is zeroed)."""
+    from kvgeom import EngineConfig, MLASpec, ModelSpec
+    from kvgeom.testing import Request
+    from kvgeom.testing.oracle import run
+
+    mla4 = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 4)
+    p = EngineConfig(tp_size=1, block_size=4, num_blocks=10)
+    d = EngineConfig(
+        tp_size=1, block_size=4, num_blocks=10, separate_group=("layers.1.attn", "layers.3.attn")
+    )
+    request = Request.simple(mla4, p, d, 9, 0, prefill_tokens=8)
+    assert [len(x) for x in request.d_ids] == [3, 3] and [len(x) for x in request.p_ids] == [2]
+    for compat in ("vllm", "kvgeom"):
+        report = run(mla4, p, d, request, "pull", compat)
+        assert report.ok, (compat, report)
+        assert report.bytes_moved == 4 * 8 * 16  # 4 layers x 8 computed tokens x 16 B of latent

@@ -48,6 +48,7 @@ from ..pairing import Pairing
 from ..spec import (
     AttentionSpec,
     CircularBufferSpec,
+    LayerKind,
     LayerSpec,
     MambaSpec,
     MLASpec,
@@ -487,7 +488,7 @@ def plannable_class(pair: PDPair) -> str | None:
         for e in (p, d)
     )
     same_blocks = p.block_size == d.block_size and p.kernel == d.kernel
-    if model.is_csa_linear:  # MLA pages: any KV layout; equal block geometry and conv layouts
+    if model.is_csa_linear:  # MLA pages: any KV layout (a main KV: below); equal blocks and conv layouts
         ssm = model.ssm_spec
         replicated = ssm is not None and any(  # replicated SSM units across TP sizes: vllm mode refuses them,
             any(ssm.replicated_pieces(t)) or ssm.temporal.replicated(t) for t in (p.tp_size, d.tp_size)
@@ -495,7 +496,16 @@ def plannable_class(pair: PDPair) -> str | None:
         plain = same_blocks and p.conv_layout is d.conv_layout and not (p.packed_rows or d.packed_rows)
         k = model.num_kv_heads  # vLLM's rule: both TP sizes on one side of the KV-head count
         one_side = (p.tp_size < k) == (d.tp_size < k)
-        return "csa-linear" if plain and one_side and not (p.tp_size != d.tp_size and replicated) else None
+        # a head-sharded main KV across TP sizes: vllm mode cuts head slices, which needs head-major pages
+        main_kv = any(la.kind is LayerKind.ATTENTION for la in model.layers)
+        sliced = (
+            pair.compat == "vllm"
+            and main_kv
+            and p.tp_size != d.tp_size
+            and any(e.kv_layout is not KVLayout.HEAD_MAJOR for e in (p, d))
+        )
+        ok = plain and one_side and not sliced and not (p.tp_size != d.tp_size and replicated)
+        return "csa-linear" if ok else None
     if not engines_plain or not same_blocks:
         return None
     if pair.compat == "vllm" and pair.mode == "push" and p.tp_size != d.tp_size:

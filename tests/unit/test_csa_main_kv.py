@@ -11,7 +11,7 @@ import pytest
 
 from kvgeom.csa import csa_linear_model
 from kvgeom.engine import EngineConfig
-from kvgeom.errors import ConfigError, IncompatiblePairError, SpecError
+from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError
 from kvgeom.geometry import rank_geometry
 from kvgeom.handshake import check_pair
 from kvgeom.spec import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
@@ -163,6 +163,26 @@ def test_strategies_plan_pairs_on_one_side_of_the_kv_heads(
     model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
     pair = kst.PDPair(model, eng(p_tp), eng(d_tp), "pull", "kvgeom")
     assert kst.plannable_class(pair) == expected
+
+
+@pytest.mark.parametrize(("compat", "p_tp", "d_tp"), [("vllm", 2, 4), ("vllm", 2, 2), ("kvgeom", 2, 4)])
+def test_token_major_main_kv_across_tp_is_plannable_only_where_pages_need_no_head_slices(
+    compat: str, p_tp: int, d_tp: int
+) -> None:
+    """A token-major main KV: vllm mode cuts head slices across TP sizes and refuses it (``kv_layout``), so
+    such a pair is no plannable class; at equal TP, or in kvgeom mode (it cuts token-major pages per
+    token), it is, and kvgeom pairs it."""
+    model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
+    p, d = eng(p_tp, kv_layout="token_major"), eng(d_tp, kv_layout="token_major")
+    pair = kst.PDPair(model, p, d, "pull", compat)
+    if compat == "vllm" and p_tp != d_tp:
+        assert kst.plannable_class(pair) is None
+        with pytest.raises(KvgeomError) as e:
+            pair.check()
+        assert e.value.field == "kv_layout"
+    else:
+        assert kst.plannable_class(pair) == "csa-linear"
+        pair.check()
 
 
 @pytest.mark.parametrize("compat", ["vllm", "kvgeom"])

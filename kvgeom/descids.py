@@ -104,6 +104,7 @@ def desc_segments(
     scratch_groups: Sequence[int] = (),
     scratch_region_indices: Sequence[int] = (),
     ple_group: int | None = None,
+    group_streams: bool = False,
 ) -> Segments:
     """The segment table of vLLM's ``_compute_desc_ids``: ``NB' = dst_num_blocks * bsr``; capacities
     ``cap_r * bsr`` (default ``NB'``), ``off_r`` their exclusive prefix sum, ``nfa`` their total. First
@@ -116,7 +117,8 @@ def desc_segments(
     3. no SSM, group mapping (``uses_region_group_mapping``, default: > 1 distinct ``region_group_ids``):
        per group ``g``, ``(off_r, g)`` for each region whose group id is ``g`` or :data:`SHARED_GROUP`;
     4. SSM present, per group: attention ``(r * NB', g)`` over all ``num_regions`` regions, or over
-       ``scratch_region_indices`` for a circular-buffer group (``scratch_groups``); SSM ``(nfa + s * NBL,
+       ``scratch_region_indices`` for a circular-buffer group (``scratch_groups``), or, with
+       ``group_streams`` (kvgeom mode), over the regions whose ``region_group_ids`` entry is ``g``; SSM ``(nfa + s * NBL,
        g)`` over the ``len(ssm_region_indices) * (num_conv_pieces + 1)`` streams, ``NBL = dst_num_blocks
        // ppl``; the replicated-state group ``ple_group`` takes the one stream after them.
     """
@@ -200,6 +202,16 @@ def desc_segments(
         raise GroupMismatchError(
             "scratch_region_indices", f"must lie in [0, {nregions})", value=scratch.tolist()
         )
+    own = None
+    if group_streams:
+        own = np.asarray(region_group_ids if region_group_ids is not None else (), dtype=np.int64).reshape(-1)
+        if own.size != nregions:
+            raise GroupMismatchError(
+                "region_group_ids",
+                f"group streams need one group id per region: {own.size} for {nregions} regions",
+                value=int(own.size),
+                expected=nregions,
+            )
     starts: list[np.ndarray] = []
     groups: list[np.ndarray] = []
     cap_rows: list[np.ndarray] = []
@@ -209,7 +221,13 @@ def desc_segments(
             starts.append(nfa + s * nbl)
             cap_rows.append(np.full(s.size, nbl))
         else:
-            r = scratch if g in scratch_groups else np.arange(nregions)
+            r = (
+                np.flatnonzero(own == g)
+                if own is not None
+                else scratch
+                if g in scratch_groups
+                else np.arange(nregions)
+            )
             starts.append(r * nb)
             cap_rows.append(np.full(r.size, nb))
         groups.append(np.full(starts[-1].size, g))

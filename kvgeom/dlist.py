@@ -219,6 +219,9 @@ class EngineView:
     scratch_region_indices: tuple[int, ...] = ()
     ple_region: int | None = None
     ple_len: int = 0
+    group_streams: bool = False
+    """Each token group's ids go only through the streams of its ``group_ids`` (kvgeom mode's packed
+    CSA-linear rows: :func:`kvgeom.streams.packed_streams`)."""
 
     @classmethod
     def of(

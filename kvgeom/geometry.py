@@ -46,6 +46,7 @@ __all__ = [
     "ReplicatedLayout",
     "RankGeometry",
     "rank_geometry",
+    "packed_csa_rows",
     "align_hybrid_block_size",
 ]
 
@@ -92,7 +93,10 @@ class Region:
     packed K|V page, ``"k"`` / ``"v"`` for split K/V regions, ``"state"`` for an SSM-only region.
     ``slots`` give each member's page as ``(offset, length)`` within a kernel block's row: empty when
     every member views the whole block (``(0, block_len)``); a packed row (block-outermost layout) holds
-    every layer's page side by side.
+    every layer's page side by side. ``row_offset`` is where the span starts in a block row of memory it
+    shares with other regions (vLLM's packed CSA-linear rows register one region per page start of one
+    row, so regions alias: byte ``o`` of region ``r`` is byte ``row_offset + o`` of the rank's rows);
+    ``None`` for a span of its own.
     """
 
     index: int
@@ -104,6 +108,7 @@ class Region:
     members: tuple[tuple[int, str], ...]
     part: str = "kv"
     slots: tuple[tuple[int, int], ...] = ()
+    row_offset: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -358,6 +363,28 @@ class RankGeometry:
     def region_is_mla(self) -> tuple[bool, ...]:
         return tuple(r.is_mla for r in self.regions)
 
+    def layer_page(self, layer: str) -> int:
+        """Bytes of ``layer``'s page in one kernel block on this rank."""
+        return _page_bytes(self.layer_specs[layer], self.logical_block_size, self.tp_size) // self.ppl
+
+    @cached_property
+    def region_tp_scaling(self) -> tuple[str, ...]:
+        """How each region's block length follows TP, by the layers viewing it: ``"heads"`` where a head-sharded
+        attention page is among them, ``"state"`` where only SSM state pages are (sharded by
+        :class:`~kvgeom.spec.MambaSpec`'s own rule), ``"whole"`` otherwise (MLA latents, rings, the replicated
+        page: the same bytes at every TP). In packed CSA-linear rows these differ region by region."""
+        specs = self.layer_specs
+        out = []
+        for region in self.regions:
+            kinds = [specs[n] for _, n in region.members]
+            if any(isinstance(k, AttentionSpec) for k in kinds):
+                out.append("heads")
+            elif all(isinstance(k, MambaSpec) for k in kinds):
+                out.append("state")
+            else:
+                out.append("whole")
+        return tuple(out)
+
     @property
     def num_regions(self) -> int:
         return len(self.regions)
@@ -609,6 +636,12 @@ def _overlay_groups(model: ModelSpec) -> tuple[Group, ...]:
     return tuple(Group(i, spec, tuple(order[spec])) for i, spec in enumerate(specs))
 
 
+def packed_csa_rows(geom: RankGeometry) -> bool:
+    """A CSA-linear rank in vLLM's block-outermost allocation: its regions alias one row per block
+    (:attr:`Region.row_offset`)."""
+    return geom.is_csa_linear and geom.engine.packed_rows
+
+
 def _packed_overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
     """A CSA-linear model in vLLM's block-outermost allocation (``packed_rows``; :mod:`kvgeom.csarows`):
     vLLM's packed groups, one row per block, and one region per distinct page start, ``block_stride`` the
@@ -655,6 +688,7 @@ def _packed_overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeom
             r.is_mla,
             tuple((group_of[n], n) for n in r.members),
             "state" if all(specs[n].kind.is_ssm for n in r.members) else "kv",
+            row_offset=r.offset,
         )
         for i, (r, (block_len, stride)) in enumerate(zip(reg.regions, reg.kernel_lens(ppl)))
     )

@@ -16,7 +16,7 @@ from typing import cast
 from .dcp import check_parallel_pair
 from .dlist import EngineView
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
-from .geometry import RankGeometry
+from .geometry import RankGeometry, packed_csa_rows
 from .spec import AttentionSpec, MLASpec
 from .streams import pair_streams, region_group_ids, region_mapped
 from .tp import tp_ratio as _tp_ratio
@@ -184,7 +184,10 @@ def check_pair(
             list(local.engine.separate_group),
             list(remote.engine.separate_group),
         )
-    _check_block_lens(local, remote, streams, bsr, split)
+    if packed_csa_rows(local):
+        _check_packed_rows(local, remote, compat)
+    else:
+        _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         _check_ssm(local, remote, ratio, compat, prefix_caching)
     if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
@@ -342,8 +345,16 @@ def check_csa_linear_pair(local: RankGeometry, remote: RankGeometry) -> None:
     """A CSA-linear pair (both modes): vLLM's TP-layout rule (:func:`check_csa_linear_tp_layout`), then what
     kvgeom models: equal logical and kernel block sizes (a ring's one block holds a state, not tokens, so it
     cannot be cut into the other side's blocks; the replicated page must be equally long, vLLM's handshake
-    rule) and no decode context parallelism (pages by global token position do not apply to a ring)."""
+    rule), the same allocation on both sides (packed rows or not) and no decode context parallelism (pages
+    by global token position do not apply to a ring)."""
     check_csa_linear_tp_layout(local.tp_size, remote.tp_size, local.num_kv_heads)
+    if local.engine.packed_rows != remote.engine.packed_rows:
+        raise IncompatiblePairError(
+            "packed_rows",
+            "a CSA-linear pair needs the same allocation on both sides (vLLM's packed rows, or not)",
+            local=local.engine.packed_rows,
+            remote=remote.engine.packed_rows,
+        )
     here = (local.logical_block_size, local.block_size)
     there = (remote.logical_block_size, remote.block_size)
     if here != there:
@@ -394,6 +405,61 @@ def _check_block_lens(
                 f"remote block length should be {want} B for this pair",
                 llen,
                 rlen0,
+            )
+
+
+def _check_packed_rows(local: RankGeometry, remote: RankGeometry, compat: Compat) -> None:
+    """Packed CSA-linear rows (:mod:`kvgeom.csarows`): both sides register regions viewed by the same layers,
+    each region as long as its kind says (:attr:`~kvgeom.geometry.RankGeometry.region_tp_scaling`: a
+    head-sharded main-KV page by the heads each side holds, compressed keys, rings and the replicated page
+    alike; SSM states by :func:`_check_ssm`). vLLM-compatible mode also refuses what vLLM 0.33.0 gets wrong
+    or asserts against: without a head-sharded main KV (``use_mla``) every region must be equally long; with
+    one, vLLM copies every token group's blocks through every region at that region's offset, so where a
+    region starts at another byte of the row on the peer (TP sizes differ: pages before it differ) those
+    copies land on other layers' pages. kvgeom mode sends each group's blocks through its own pages only
+    (:mod:`kvgeom.streams`)."""
+    here = [tuple(n for _, n in r.members) for r in local.regions]
+    there = [tuple(n for _, n in r.members) for r in remote.regions]
+    if here != there:
+        raise IncompatiblePairError(
+            "regions",
+            "the two sides' packed rows register regions viewed by different layers (their pages line up "
+            "differently at these TP sizes)",
+            local=here[:8],
+            remote=there[:8],
+        )
+    attn = local.model.attention_spec
+    lh = attn.heads_per_rank(local.tp_size) if attn else 1
+    rh = attn.heads_per_rank(remote.tp_size) if attn else 1
+    for i, (a, b, kind) in enumerate(zip(local.regions, remote.regions, local.region_tp_scaling)):
+        want = a.block_len * rh // lh if kind == "heads" else a.block_len
+        if kind == "state" or b.block_len == want:
+            continue
+        raise _err(
+            f"regions[{i}].block_len",
+            f"remote block length should be {want} B for this pair",
+            a.block_len,
+            b.block_len,
+        )
+    if compat != "vllm":
+        return
+    for i, (a, b) in enumerate(zip(local.regions, remote.regions)):
+        if local.is_mla and a.block_len != b.block_len:
+            raise _err(
+                f"regions[{i}].block_len",
+                "Hybrid MLA kernel-granularity block lengths must match between P and D (vLLM 0.33.0 asserts "
+                "it for CSA-linear rows without a head-sharded main KV; kvgeom mode plans the pair)",
+                a.block_len,
+                b.block_len,
+            )
+        if a.row_offset != b.row_offset:
+            raise UnsupportedError(
+                f"regions[{i}].row_offset",
+                "vLLM 0.33.0 copies every token group's blocks through every region of a packed CSA-linear "
+                "row; this region starts at another byte of the row on the peer, so those copies would land on "
+                "other layers' pages (kvgeom mode sends each group through its own pages)",
+                local=a.row_offset,
+                remote=b.row_offset,
             )
 
 

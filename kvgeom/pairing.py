@@ -244,7 +244,9 @@ class Pairing:
         key = ("pages", group)
         if key not in self._cache:
             view = self.local_view
-            if view.transfer_groups or view.num_regions != self.local.num_regions:  # layer by layer
+            if view.transfer_groups or (
+                view.num_regions != self.local.num_regions and not view.group_streams
+            ):  # layer by layer
                 pages = []
                 for b, length, stride, g in zip(
                     view.bases, view.block_lens, view.block_strides, view.transfer_groups
@@ -304,6 +306,11 @@ class Pairing:
                 tuple(x // rows for x in self.remote_view(rank).block_lens),
                 lview.block_lens,
                 lview.region_is_mla,
+                frozenset(
+                    i
+                    for i, g in enumerate(lview.group_ids)
+                    if lview.group_streams and self.local.groups[g].is_ssm
+                ),
             )
         return cast("Route", self._cache[key])
 

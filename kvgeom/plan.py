@@ -658,6 +658,7 @@ def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
             scratch_groups=pairing.local.scratch_groups,
             scratch_region_indices=v.scratch_region_indices,
             ple_group=pairing.local.ple.group if pairing.local.ple else None,
+            group_streams=v.group_streams,
         )
         pairing._cache[key] = seg
     out: Segments = pairing._cache[key]

@@ -105,12 +105,14 @@ def route(
     remote_row_lens: tuple[int, ...],
     local_lens: tuple[int, ...] | None = None,
     local_is_mla: tuple[bool, ...] | None = None,
+    unread: frozenset[int] = frozenset(),
 ) -> Route:
     """The route between ``local`` and remote rank ``remote_rank`` (``remote``: any rank of that engine).
     ``local_rows``: rows per local kernel block (the block-size ratio, times the tokens per remote block
     when pages are cut per token); ``remote_row_lens``: the remote rows' lengths as planned, one per
     stream; ``local_lens`` / ``local_is_mla``: the local streams' page lengths and kinds (default: one
-    stream per local region, :mod:`kvgeom.streams`)."""
+    stream per local region, :mod:`kvgeom.streams`); ``unread``: streams no token group's ids go through (an
+    SSM state's stream of packed rows: its rows are cut whole, to the shorter side, and never referenced)."""
     pull = mode == "pull"
     c_geom, p_geom = (local, remote) if pull else (remote, local)
     c_rank = local.tp_rank if pull else remote_rank
@@ -146,9 +148,17 @@ def route(
     for r, (length, is_mla, rlen) in enumerate(zip(lens, mla, remote_row_lens)):
         llen = length // local_rows  # sub-blocks (or token rows) of a local kernel block
         c_len, p_len = (llen, rlen) if pull else (rlen, llen)
-        if is_mla and draft is not None and p_rank in attn_src and len(attn_src) > 1:
+        n = len(attn_src)
+        replicated = is_mla and p_rank in attn_src and n > 1 and r not in unread
+        if replicated and local.is_csa_linear and draft is None and c_len % n == 0 and c_len == p_len:
+            # a CSA-linear model's compressed keys and rings next to a head-sharded main KV: identical copies
+            # on every source, a chunk from each (a page that does not divide is read whole, below)
+            ch, j = c_len // n, attn_src.index(p_rank)
+            fa.append((j * ch, j * ch, ch))
+            continue
+        if replicated and draft is not None:
             # the draft's sources all hold identical copies of the latent: a chunk from each
-            n, j = len(attn_src), attn_src.index(p_rank)
+            j = attn_src.index(p_rank)
             if c_len % n or c_len != p_len:
                 raise UnsupportedError(
                     f"regions[{r}].block_len",
@@ -162,11 +172,12 @@ def route(
         whole = (
             is_mla
             or spec is None
+            or r in unread
             or p_rank not in attn_src
             or (spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
         )
         if whole or spec is None:  # the row as it is: a replicated latent, or the same heads on both sides
-            if c_len != p_len and p_rank in attn_src and spec is not None:
+            if c_len != p_len and p_rank in attn_src and spec is not None and r not in unread:
                 raise UnsupportedError(
                     f"regions[{r}].block_len",
                     "rows of different lengths cannot be paired",

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from .descids import SHARED_GROUP
 from .dlist import EngineView
 from .errors import IncompatiblePairError, UnsupportedError
-from .geometry import RankGeometry, Region
+from .geometry import RankGeometry, Region, packed_csa_rows
 from .layerroute import (
     RegionTable,
     align_regions_by_layer,
@@ -40,7 +40,7 @@ from .layerroute import (
     slice_regions,
     split_packed_rows,
 )
-from .spec import MambaSpec
+from .spec import AttentionSpec, MambaSpec, MLASpec
 from .stages import stage_range
 
 __all__ = [
@@ -50,6 +50,8 @@ __all__ = [
     "region_group_ids",
     "region_mapped",
     "pair_streams",
+    "PackedStream",
+    "packed_streams",
     "pseudo",
     "unpseudo",
 ]
@@ -314,9 +316,74 @@ def _pages(geom: RankGeometry) -> dict[str, tuple[int, int, int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class PackedStream:
+    """A stream of a packed CSA-linear rank in kvgeom mode: group ``group``'s page (``length`` bytes) at the
+    start of region ``region``'s blocks; ``kind`` says how it follows TP (``"heads"``: a head-sharded page,
+    cut by heads; ``"whole"``: compressed keys or a ring, the same bytes at every TP; ``"state"``: only SSM
+    state pages start there, which travel as SSM pieces, so no token group's ids go through it)."""
+
+    region: int
+    group: int
+    length: int
+    kind: str
+
+
+def packed_streams(geom: RankGeometry) -> tuple[PackedStream, ...]:
+    """kvgeom mode's streams of a packed CSA-linear rank (``EngineConfig.packed_rows``). vLLM's regions
+    alias one row per block and each token group's ids go through every region, which is harmless only
+    when both sides' regions start at the same bytes of the row (equal TP sizes). kvgeom sends each group
+    through its own pages: region ``r`` is stream ``r`` for the first token group viewing it (or, where only
+    states do, for the state's group: unread), so the SSM and replicated-page rows keep their region indices;
+    each further token group viewing a region (a ring next to the main KV at byte 0 of the row) gets one more
+    stream over it, after all regions, so that its page is cut by its own rule."""
+    specs = geom.layer_specs
+    first: list[PackedStream] = []
+    more: list[PackedStream] = []
+    for region in geom.regions:
+        tokens = [(g, n) for g, n in region.members if not geom.groups[g].is_ssm]
+        if not tokens:
+            first.append(PackedStream(region.index, region.members[0][0], region.block_len, "state"))
+            continue
+        for k, (g, n) in enumerate(tokens):
+            kind = "heads" if isinstance(specs[n], AttentionSpec) else "whole"
+            length = region.block_len if isinstance(specs[n], MLASpec) else geom.layer_page(n)
+            (first if k == 0 else more).append(PackedStream(region.index, g, length, kind))
+    return (*first, *more)
+
+
+def _packed_view(geom: RankGeometry, streams: tuple[PackedStream, ...]) -> EngineView:
+    return replace(
+        EngineView.of(geom),
+        bases=tuple(pseudo(s.region) for s in streams),
+        block_lens=tuple(s.length for s in streams),
+        block_strides=tuple(geom.regions[s.region].block_stride for s in streams),
+        region_is_mla=tuple(s.kind != "heads" for s in streams),
+        group_ids=tuple(s.group for s in streams),
+        group_streams=True,
+    )
+
+
+def _kvgeom_packed_streams(local: RankGeometry, remote: RankGeometry) -> tuple[EngineView, EngineView]:
+    mine, theirs = packed_streams(local), packed_streams(remote)
+    here = [(s.region, s.group, s.kind) for s in mine]
+    there = [(s.region, s.group, s.kind) for s in theirs]
+    if here != there:
+        raise IncompatiblePairError(
+            "regions",
+            "the two sides' packed rows register regions viewed by different groups (their pages line up "
+            "differently at these TP sizes)",
+            local=here[:8],
+            remote=there[:8],
+        )
+    return _packed_view(local, mine), _packed_view(remote, theirs)
+
+
 def _kvgeom_streams(local: RankGeometry, remote: RankGeometry) -> tuple[EngineView, EngineView]:
     """Region by region when both sides lay their regions out alike, else layer by layer (each layer both
-    hold, at its page)."""
+    hold, at its page); packed CSA-linear rows by :func:`packed_streams`."""
+    if packed_csa_rows(local) and packed_csa_rows(remote):
+        return _kvgeom_packed_streams(local, remote)
     lview, rview = EngineView.of(local), EngineView.of(remote)
     if _structure(local) == _structure(remote):
         if local.engine.separate_group:  # a group of its own has its own regions: its ids go only there

@@ -40,7 +40,18 @@ from ..geometry import RankGeometry, Region
 from ..spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
 from ._coords import CoordSpace
 
-__all__ = ["OUTSIDE", "PADDING", "NEEDED", "OPTIONAL", "RankImage", "rank_image", "LayoutError"]
+__all__ = [
+    "OUTSIDE",
+    "PADDING",
+    "NEEDED",
+    "OPTIONAL",
+    "RankImage",
+    "rank_image",
+    "region_arrays",
+    "byte_places",
+    "reported_bytes",
+    "LayoutError",
+]
 
 OUTSIDE, PADDING, NEEDED, OPTIONAL = 0, 1, 2, 3
 """Byte roles: outside the request's blocks; padding inside them (no coordinate); a coordinate the
@@ -62,12 +73,7 @@ class RankImage:
 
     @classmethod
     def empty(cls, geom: RankGeometry) -> RankImage:
-        sizes = [r.nbytes for r in geom.regions]
-        return cls(
-            geom.global_rank,
-            [np.full(n, -1, dtype=np.int64) for n in sizes],
-            [np.zeros(n, dtype=np.int8) for n in sizes],
-        )
+        return cls(geom.global_rank, region_arrays(geom, -1, np.int64), region_arrays(geom, 0, np.int8))
 
     def put(self, region: int, offsets: np.ndarray, tags: np.ndarray, role: np.ndarray | int) -> None:
         offsets, tags = np.broadcast_arrays(offsets, tags)
@@ -84,6 +90,43 @@ class RankImage:
         """Mark ``[start, start + length)`` as the request's (padding until content is put there)."""
         view = self.role[region][start : start + length]
         view[view == OUTSIDE] = PADDING
+
+
+def region_arrays(geom: RankGeometry, fill: int, dtype: type) -> list[np.ndarray]:
+    """One array per region, ``nbytes`` long, filled with ``fill``: separate arrays, or, where regions share rows
+    (:attr:`~kvgeom.geometry.Region.row_offset`, vLLM's packed CSA-linear rows), views of one array of the
+    rank's rows, so that a byte written through one region is seen through every region that aliases it."""
+    sizes = [r.nbytes for r in geom.regions]
+    if all(r.row_offset is None for r in geom.regions):
+        return [np.full(n, fill, dtype=dtype) for n in sizes]
+    offsets = [r.row_offset or 0 for r in geom.regions]
+    rows: np.ndarray = np.full(max(o + n for o, n in zip(offsets, sizes)), fill, dtype=dtype)
+    return [rows[o : o + n] for o, n in zip(offsets, sizes)]
+
+
+def reported_bytes(geom: RankGeometry) -> list[np.ndarray] | None:
+    """Where regions share rows, which bytes each region reports (so that a byte seen through several
+    regions is judged once): a byte belongs to the shortest region whose block holds it (the most specific
+    view: a state page's own region before the main-KV page it overlaps), ties to the lower index; bytes in no
+    region's block to region 0. ``None`` for regions of their own (each reports all of its bytes)."""
+    if all(r.row_offset is None for r in geom.regions):
+        return None
+    owner = region_arrays(geom, -1, np.int64)
+    for r in sorted(geom.regions, key=lambda r: (r.block_len, r.index)):
+        view = owner[r.index].reshape(-1, r.block_stride)[:, : r.block_len]
+        view[view < 0] = r.index
+    for r in geom.regions:  # past every region's block: the first region's
+        owner[r.index][owner[r.index] < 0] = geom.regions[0].index
+    return [o == r.index for r, o in zip(geom.regions, owner)]
+
+
+def byte_places(geom: RankGeometry, region: int) -> tuple[int, np.ndarray]:
+    """``(region, offsets)`` naming each byte of ``region`` by place: its own, or, where regions share rows,
+    region 0's row bytes (the same place through every aliasing region)."""
+    r = geom.regions[region]
+    if r.row_offset is None:
+        return region, np.arange(r.nbytes, dtype=np.int64)
+    return 0, r.row_offset + np.arange(r.nbytes, dtype=np.int64)
 
 
 def _regions_of(geom: RankGeometry, layer: str) -> list[Region]:

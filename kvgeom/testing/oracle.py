@@ -41,7 +41,17 @@ from ..pairing import Pairing
 from ..plan import Regroup, RequestPlan, plan_request, receive_step
 from ..spec import ModelSpec
 from ._coords import POISON, ZERO, CoordSpace, describe_tag, location_tags
-from ._layout import NEEDED, OPTIONAL, OUTSIDE, PADDING, RankImage, rank_image
+from ._layout import (
+    NEEDED,
+    OPTIONAL,
+    OUTSIDE,
+    PADDING,
+    RankImage,
+    byte_places,
+    rank_image,
+    region_arrays,
+    reported_bytes,
+)
 from ._report import Report, Violation
 from ._request import Request, RequestError, check_side, engine_geometries
 
@@ -113,23 +123,20 @@ class Oracle:
         self.d_images: list[RankImage] = [
             rank_image(g, self.space, request.d_ids, self.prefix_tokens, computed) for g in self.d
         ]
-        self.src = [
-            [
-                np.where(t >= 0, t, location_tags(P_SIDE, img.rank, r, np.arange(t.size)))
-                for r, t in enumerate(img.tags)
-            ]
-            for img in p_images
-        ]
-        self.dst = [
-            [
-                np.where(role == OUTSIDE, location_tags(D_SIDE, img.rank, r, np.arange(role.size)), POISON)
-                for r, role in enumerate(img.role)
-            ]
-            for img in self.d_images
-        ]
+        # regions sharing rows (packed CSA-linear) are views of one array per rank: bytes alias as in memory
+        self.src = [region_arrays(g, 0, np.int64) for g in self.p]
+        for geom, img, arrays in zip(self.p, p_images, self.src):
+            for r, (a, t) in enumerate(zip(arrays, img.tags)):
+                a[:] = np.where(t >= 0, t, location_tags(P_SIDE, img.rank, *byte_places(geom, r)))
+        self.dst = [region_arrays(g, 0, np.int64) for g in self.d]
+        for geom, img, arrays in zip(self.d, self.d_images, self.dst):
+            for r, (a, role) in enumerate(zip(arrays, img.role)):
+                a[:] = np.where(
+                    role == OUTSIDE, location_tags(D_SIDE, img.rank, *byte_places(geom, r)), POISON
+                )
         for geom in self.d:
             self._zero_own_blocks(geom, request, computed)
-        self.writer = [[np.full(a.size, _UNWRITTEN, dtype=np.int64) for a in regions] for regions in self.dst]
+        self.writer = [region_arrays(g, _UNWRITTEN, np.int64) for g in self.d]
         self.result = Report(limit=limit)
 
     def _zero_own_blocks(self, geom: RankGeometry, request: Request, computed: int) -> None:
@@ -389,9 +396,12 @@ class Oracle:
         """Check I1-I4 on the final D bytes (I5, I6 and unequal lengths were checked while executing)."""
         res = self.result
         for img in self.d_images:
+            mine = reported_bytes(self.d[img.rank])  # bytes of rows shared by regions: judged once
             for region, (want, role) in enumerate(zip(img.tags, img.role)):
                 got = self.dst[img.rank][region]
-                resident = location_tags(D_SIDE, img.rank, region, np.arange(got.size))
+                if mine is not None:
+                    role = np.where(mine[region], role, -1)  # another region reports these bytes
+                resident = location_tags(D_SIDE, img.rank, *byte_places(self.d[img.rank], region))
                 unset = (got == POISON) | (got == ZERO)
                 checks = (
                     ("I1", (role == OUTSIDE) & (got != resident), resident),

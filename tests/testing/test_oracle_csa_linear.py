@@ -130,9 +130,11 @@ def test_a_replicated_page_from_the_wrong_region() -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_packed_rows_pass(compat: str, mode: str, tp: int) -> None:
     """vLLM's block-outermost allocation (kvgeom.csarows): regions at row offsets 0 (MLA 256 B), 256 (MLA),
-    64 (ring, 64 B) and 208 (GDN, 208 B; at TP2 104 at 104). Per D rank: the MLA groups read their 3 blocks
-    from every region (256 + 256 + 64 + 208 = 784 B, TP2 680 B, each), the ring its block from the scratch
-    regions (256 + 64), the GDN state from regions 0 and 3 (2 x 208, TP2 2 x 104), the PLE page 48 B."""
+    64 (ring, 64 B) and 208 (GDN, 208 B; at TP2 104 at 104). Per D rank, vllm mode: the MLA groups read their 3
+    blocks from every region (256 + 256 + 64 + 208 = 784 B, TP2 680 B, each), the ring its block from the
+    scratch regions (256 + 64), the GDN state from regions 0 and 3 (2 x 208, TP2 2 x 104), the PLE page 48 B.
+    kvgeom mode sends each group through its own pages only: the MLA blocks through regions 0 and 1 (512 B
+    each), the ring's through its two 64-byte pages (128 B)."""
     p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
     req = Request.simple(MODEL, p, d, 40)
     make = pull_plans if mode == "pull" else push_plans
@@ -142,7 +144,8 @@ def test_packed_rows_pass(compat: str, mode: str, tp: int) -> None:
         if rp.plan.mode == "pull":
             oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
     report = oracle.report()
-    per_rank = 3 * 784 + 320 + 416 + 48 if tp == 1 else 3 * 680 + 320 + 208 + 48
+    tokens, ring = (784 if tp == 1 else 680, 320) if compat == "vllm" else (512, 128)
+    per_rank = 3 * tokens + ring + (416 if tp == 1 else 208) + 48
     assert report.ok and report.bytes_moved == tp * per_rank, report
 
 
@@ -204,15 +207,20 @@ def test_head_sharded_main_kv_plans_pass(
     assert report.ok and report.bytes_moved == total, report
 
 
-@pytest.mark.parametrize(("compat", "total"), [("vllm", 32256), ("kvgeom", 32208)])
+@pytest.mark.parametrize(
+    ("compat", "total"),
+    [
+        ("vllm", 6 * (2 * 2 * 1024 + 2 * 2 * 256) + 2 * 2 * 256 + 2 * 208 + 2 * 48),
+        ("kvgeom", 6 * (2 * 2 * 1024 + 2 * 256) + 2 * 256 + 2 * 208 + 48),
+    ],
+)
 def test_head_sharded_main_kv_from_more_p_ranks(compat: str, total: int) -> None:
-    """K=4, P TP2 -> D TP1 (pull): D's 4-head page takes 2 x 1024 B head slices per main-KV block; the MLA
-    regions, the rings and (vLLM) the PLE page are read whole from both P ranks (identical copies):
-    6 x (2 x 2 x 1024 + 2 x 2 x 256) + 2 x 2 x 256 + 2 x 208 + 48 (+ 48 in vllm mode)."""
+    """K=4, P TP2 -> D TP1 (pull): D's 4-head page takes 2 x 1024 B head slices per main-KV block. vLLM reads
+    the MLA regions, the rings and the PLE page whole from both P ranks (identical copies): 32,256 B. kvgeom
+    mode reads each 256-byte MLA or ring page as two 128-byte halves, one from each P rank, and the PLE page
+    once: 28,624 B."""
     report = _gqa_report(4, None, 2, 1, "pull", compat)
-    assert report.ok and report.bytes_moved == total == 6 * (4096 + 1024) + 1024 + 416 + 48 + (
-        48 if compat == "vllm" else 0
-    ), report
+    assert report.ok and report.bytes_moved == total, report
 
 
 def test_head_sharded_main_kv_block_left_behind_is_caught() -> None:
@@ -240,7 +248,9 @@ def test_packed_rows_with_main_kv_pass(compat: str, mode: str, tp: int) -> None:
     KV, 1024 B; TP2 512), 2048 (MLA 256), 1024 (main KV; TP2 at 512), 2304 (MLA; TP2 1280), 64 (ring, 64 B),
     208 (GDN, 208 B; TP2 104 at 104). Per D rank: the token group's 3 blocks through every region (TP1 2832 B,
     TP2 1704 B each), the ring block from scratch regions 0 and 4 (TP1 1024 + 64, TP2 512 + 64), the GDN state
-    from regions 0 and 5 (2 x 208, TP2 2 x 104), the PLE page 48 B."""
+    from regions 0 and 5 (2 x 208, TP2 2 x 104), the PLE page 48 B. kvgeom mode: the token blocks through the
+    main-KV and MLA pages only (TP1 1024 + 256 + 1024 + 256 = 2560 B, TP2 1536 B), the ring's through its two
+    64-byte pages."""
     model = csa_linear_model(main_kv_heads=2)
     p, d = (EngineConfig(tp_size=tp, block_size=16, num_blocks=8, packed_rows=True) for _ in "pd")
     req = Request.simple(model, p, d, 40)
@@ -252,5 +262,8 @@ def test_packed_rows_with_main_kv_pass(compat: str, mode: str, tp: int) -> None:
         if rp.plan.mode == "pull":
             oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
     report = oracle.report()
-    per_rank = 3 * 2832 + 1088 + 416 + 48 if tp == 1 else 3 * 1704 + 576 + 208 + 48
+    if compat == "vllm":
+        per_rank = 3 * 2832 + 1088 + 416 + 48 if tp == 1 else 3 * 1704 + 576 + 208 + 48
+    else:
+        per_rank = 3 * 2560 + 128 + 416 + 48 if tp == 1 else 3 * 1536 + 128 + 208 + 48
     assert report.ok and report.bytes_moved == tp * per_rank, report

@@ -7,11 +7,13 @@ x 2 B = 512 B per head on the rank (TP1: 2 heads, 1024 B; TP2: 1 head, 512 B); M
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvgeom.csa import csa_linear_model
 from kvgeom.engine import EngineConfig
-from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError
+from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError, UnsupportedError
 from kvgeom.geometry import rank_geometry
 from kvgeom.handshake import check_pair
 from kvgeom.spec import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
@@ -185,17 +187,57 @@ def test_token_major_main_kv_across_tp_is_plannable_only_where_pages_need_no_hea
         pair.check()
 
 
-@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
-def test_packed_rows_with_main_kv_across_tp_are_refused(compat: str) -> None:
-    """Not modelled yet: P TP2 -> D TP4 (2 KV heads, one per rank on both sides) in packed rows; the GDN-only
-    region 5 is 208 B at TP2 (GDN(4, 4, 4, 4): conv 3 x 16 channels x 3 rows x 2 B + temporal 2 x 16 x 2 B)
-    and 104 B at TP4."""
+def test_packed_rows_with_main_kv_across_tp() -> None:
+    """P TP2 -> D TP4 (2 KV heads, one per rank on both sides) in packed rows (row 1,536 B): regions start at
+    row bytes 0, 1024, 512, 1280, 64 and, for the GDN-only region 5, 208 at TP2 but 104 at TP4 (the first GDN
+    page before it: conv 3 x 16 channels x 3 rows x 2 B + temporal 2 x 16 x 2 B = 208 B at TP2, half at
+    TP4). vLLM copies the token blocks through region 5 too, onto the main-KV page at the other offset:
+    vllm mode refuses, naming the region's row offsets; kvgeom mode pairs it."""
     model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
     local, remote = (
         rank_geometry(model, eng(4, packed_rows=True)),
         rank_geometry(model, eng(2, packed_rows=True)),
     )
-    with pytest.raises(IncompatiblePairError) as e:
-        check_pair(local, remote, "pull", compat)  # type: ignore[arg-type]
-    assert e.value.field == "regions[5].block_len"
+    assert [r.row_offset for r in local.regions] == [0, 1024, 512, 1280, 64, 104]
+    assert [r.row_offset for r in remote.regions] == [0, 1024, 512, 1280, 64, 208]
+    with pytest.raises(UnsupportedError) as e:
+        check_pair(local, remote, "pull", "vllm")
+    assert e.value.field == "regions[5].row_offset"
     assert (e.value.values["local"], e.value.values["remote"]) == (104, 208)
+    shape = check_pair(local, remote, "pull", "kvgeom")
+    assert shape.tp_ratio == 2 and shape.bsr == 1
+
+
+def test_packed_rows_with_main_kv_across_tp_block_lengths() -> None:
+    """The lengths follow each region's kind: K=4 at TP1 vs TP2, main-KV pages of 16 tokens x 32 B K|V per head,
+    4 heads (2,048 B) vs 2 (1,024 B); MLA and ring pages equal; the GDN-only region skipped (its state is checked
+    piece by piece). vllm mode refuses at the first region whose row offset differs (the MLA page after the
+    first main-KV page of each row: 2 x 2,048 vs 2 x 1,024). A remote main-KV page of the wrong length is
+    refused, naming the region."""
+    model = csa_linear_model(main_kv_heads=4)
+    local, remote = (
+        rank_geometry(model, eng(1, packed_rows=True)),
+        rank_geometry(model, eng(2, packed_rows=True)),
+    )
+    assert local.region_tp_scaling == ("heads", "whole", "heads", "whole", "whole", "state")
+    assert [r.block_len for r in local.regions] == [2048, 256, 2048, 256, 64, 208]
+    assert [r.block_len for r in remote.regions] == [1024, 256, 1024, 256, 64, 104]
+    check_pair(local, remote, "pull", "kvgeom")
+    with pytest.raises(UnsupportedError) as e:
+        check_pair(local, remote, "pull", "vllm")
+    assert e.value.field == "regions[1].row_offset"
+    assert (e.value.values["local"], e.value.values["remote"]) == (4096, 2048)
+    bad = replace(remote, regions=(replace(remote.regions[0], block_len=512), *remote.regions[1:]))
+    with pytest.raises(IncompatiblePairError) as e2:
+        check_pair(local, bad, "pull", "kvgeom")
+    assert e2.value.field == "regions[0].block_len"
+    assert (e2.value.values["local"], e2.value.values["remote"]) == (2048, 512)
+
+
+def test_packed_rows_need_packed_rows_on_both_sides() -> None:
+    model = csa_linear_model(main_kv_heads=2)
+    local, remote = rank_geometry(model, eng(1, packed_rows=True)), rank_geometry(model, eng(1))
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(local, remote, "pull", "kvgeom")
+    assert e.value.field == "packed_rows"
+    assert (e.value.values["local"], e.value.values["remote"]) == (True, False)

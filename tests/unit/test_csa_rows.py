@@ -263,10 +263,11 @@ def test_packed_geometry_refusals() -> None:
             MODEL, EngineConfig(tp_size=1, block_size=16, kernel_block_size=8, num_blocks=8, packed_rows=True)
         )
     assert e.value.field == "kernel_block_size" and e.value.values == {"value": 8, "expected": 16}
-    # TP1 and TP2 pages of the GDN-only region differ (208 vs 104 B): the pair is refused
+    # TP1 and TP2 pages of the GDN-only region differ (208 vs 104 B): vLLM asserts equal lengths (use_mla),
+    # vllm mode refuses; kvgeom mode plans it (tests/testing/test_oracle_csa_linear.py)
     p, d = (EngineConfig(tp_size=t, block_size=16, num_blocks=8, packed_rows=True) for t in (2, 1))
     with pytest.raises(IncompatiblePairError) as e2:
-        pull_plans(MODEL, p, d, Request.simple(MODEL, p, d, 40), "kvgeom")
+        pull_plans(MODEL, p, d, Request.simple(MODEL, p, d, 40), "vllm")
     assert e2.value.field == "regions[3].block_len"
     assert (e2.value.values["local"], e2.value.values["remote"]) == (208, 104)
 

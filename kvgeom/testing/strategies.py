@@ -43,7 +43,7 @@ from ..csa import csa_linear_model
 from ..engine import ConvLayout, EngineConfig, KVLayout
 from ..errors import KvgeomError
 from ..exchange import prefill_tokens
-from ..geometry import RankGeometry, align_hybrid_block_size
+from ..geometry import RankGeometry, align_hybrid_block_size, rank_geometry
 from ..pairing import Pairing
 from ..spec import (
     AttentionSpec,
@@ -56,6 +56,7 @@ from ..spec import (
     ReplicatedStateSpec,
     Shard,
 )
+from ..streams import packed_streams
 from ._report import Report
 from .oracle import Request, engine_geometries, run
 
@@ -471,6 +472,18 @@ def pd_pairs(
     return pair
 
 
+def _packed_alike(model: ModelSpec, p: EngineConfig, d: EngineConfig) -> bool:
+    """Both sides' packed CSA-linear rows can be built and register regions viewed by the same groups, of the
+    same kinds."""
+    try:
+        streams = [
+            [(s.region, s.group, s.kind) for s in packed_streams(rank_geometry(model, e))] for e in (p, d)
+        ]
+    except KvgeomError:
+        return False
+    return streams[0] == streams[1]
+
+
 def plannable_class(pair: PDPair) -> str | None:
     """The class of pairs kvgeom must always accept that ``pair`` belongs to, or ``None``: one attention
     spec (no sliding window, no KV head replicated at either TP) or MLA only, or an SSM hybrid at equal TP
@@ -493,7 +506,19 @@ def plannable_class(pair: PDPair) -> str | None:
         replicated = ssm is not None and any(  # replicated SSM units across TP sizes: vllm mode refuses them,
             any(ssm.replicated_pieces(t)) or ssm.temporal.replicated(t) for t in (p.tp_size, d.tp_size)
         )  # kvgeom mode gathers them in equal chunks where they divide
-        plain = same_blocks and p.conv_layout is d.conv_layout and not (p.packed_rows or d.packed_rows)
+        packed = p.packed_rows and d.packed_rows
+        plain = (
+            same_blocks
+            and p.conv_layout is d.conv_layout
+            and (packed or not (p.packed_rows or d.packed_rows))
+        )
+        if (
+            packed
+        ):  # rows kvgeom builds (one kernel block per block), their regions viewed alike on both sides;
+            # across TP sizes vLLM's copies through every region land on other layers' pages: vllm mode refuses
+            plain = (
+                plain and _packed_alike(model, p, d) and (p.tp_size == d.tp_size or pair.compat == "kvgeom")
+            )
         k = model.num_kv_heads  # vLLM's rule: both TP sizes on one side of the KV-head count
         one_side = (p.tp_size < k) == (d.tp_size < k)
         # a head-sharded main KV across TP sizes: vllm mode cuts head slices, which needs head-major pages

@@ -1,7 +1,7 @@
 """CSA-linear models (rings overlaid on MLA pages, a sharded SSM state and a TP-replicated state page,
 docs/vllm-behaviour.md B.6.14): every pair the strategies draw (equal block geometry, any TP sizes, pull and
 push, both modes, prefix hits, the N-1 flow) is accepted at handshake, kvgeom mode plans every request, and
-every plan passes the byte oracle; vLLM mode may refuse a request where vLLM would move wrong bytes (the
+every plan passes the byte oracle (packed rows too, across TP sizes in kvgeom mode); vLLM mode may refuse a request where vLLM would move wrong bytes (the
 N-1 flow after a prefix hit on a block boundary, support-matrix.md). Profiles: ``conftest.py`` (this test
 runs a fifth of the profile's examples)."""
 
@@ -29,6 +29,10 @@ def test_csa_linear_plans_pass_the_oracle(data: st.DataObject) -> None:
         event("N-1 flow")
     if pair.p_engine.ppl > 1:
         event("kernel < logical block")
+    if pair.p_engine.packed_rows:
+        event(
+            f"packed rows ({'equal' if pair.p_engine.tp_size == pair.d_engine.tp_size else 'different'} TP)"
+        )
     try:
         report = case.run()
     except KvgeomError as exc:

@@ -241,3 +241,52 @@ def test_packed_rows_need_packed_rows_on_both_sides() -> None:
         check_pair(local, remote, "pull", "kvgeom")
     assert e.value.field == "packed_rows"
     assert (e.value.values["local"], e.value.values["remote"]) == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("compat", "p_tp", "d_tp", "kernel", "expected"),
+    [
+        ("vllm", 2, 2, 16, "csa-linear"),  # equal TP: the regions start at the same row bytes on both sides
+        (
+            "vllm",
+            2,
+            4,
+            16,
+            None,
+        ),  # region 5 at row byte 208 vs 104: vllm mode refuses (regions[5].row_offset)
+        ("kvgeom", 2, 4, 16, "csa-linear"),  # each group through its own pages
+        ("kvgeom", 2, 2, 8, None),  # two kernel blocks per block: packed rows are modelled with one
+    ],
+)
+def test_strategies_plan_packed_rows_across_tp_in_kvgeom_mode_only(
+    compat: str, p_tp: int, d_tp: int, kernel: int, expected: str | None
+) -> None:
+    model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
+    p, d = (eng(t, packed_rows=True, kernel_block_size=kernel) for t in (p_tp, d_tp))
+    pair = kst.PDPair(model, p, d, "pull", compat)
+    assert kst.plannable_class(pair) == expected
+    if expected is not None:
+        pair.check()
+    else:
+        with pytest.raises(KvgeomError) as e:
+            pair.check()
+        assert e.value.field == ("regions[5].row_offset" if kernel == 16 else "kernel_block_size")
+
+
+@pytest.mark.parametrize(("compat", "field"), [("vllm", "num_regions"), ("kvgeom", "regions")])
+def test_packed_rows_viewed_differently_across_tp_are_refused(compat: str, field: str) -> None:
+    """GDN(4, 4, 4, 4) without a main KV, packed: at TP1 a GDN state is 3 conv pieces x 16 channels x 3 rows x
+    2 B + 4 heads x 16 x 2 B = 416 B, and only one fits the 2 x 256-byte compressed-key width, so each GDN layer
+    gets a group of its own, both starting at byte 0 of the row (3 regions); at TP4 (104 B) both share one
+    group and the second starts at byte 104 (4 regions). The regions do not line up: refused in both modes."""
+    model = csa_linear_model(gdn=MambaSpec.gdn(4, 4, 4, 4))
+    local, remote = (
+        rank_geometry(model, eng(4, packed_rows=True)),
+        rank_geometry(model, eng(1, packed_rows=True)),
+    )
+    assert (len(local.regions), len(remote.regions)) == (4, 3)
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(local, remote, "pull", compat)  # type: ignore[arg-type]
+    assert e.value.field == field
+    if compat == "vllm":
+        assert (e.value.values["local"], e.value.values["remote"]) == (4, 3)

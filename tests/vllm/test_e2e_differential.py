@@ -272,6 +272,51 @@ def _gqa_csa_cases() -> list[kst.Case]:
 GQA_CSA = _gqa_csa_cases()
 
 
+def _packed_gqa_csa_cases() -> list[kst.Case]:
+    """Packed CSA-linear rows with a head-sharded main KV (and, for contrast, without one) across TP sizes, pull
+    and push, 40 tokens: the regions of a row start at other bytes on the two sides (the GDN page before the
+    GDN-only region halves with TP; 4 KV heads: the main-KV page before the compressed keys halves too).
+    vLLM copies every token group's blocks through every region, onto other layers' pages: vllm mode refuses
+    and the shared-row oracle finds vLLM's bytes wrong; kvgeom mode plans each group through its own pages."""
+    gdn4 = MambaSpec.gdn(4, 4, 4, 4)
+    setups = [
+        (2, gdn4, 2, 4),
+        (2, gdn4, 4, 2),
+        (4, None, 1, 2),
+        (4, None, 2, 1),
+        (0, None, 1, 2),
+        (0, None, 2, 1),
+    ]
+    out = []
+    for heads, gdn, p_tp, d_tp in setups:
+        model = (
+            csa_linear_model(main_kv_heads=heads, gdn=gdn) if gdn else csa_linear_model(main_kv_heads=heads)
+        )
+        p, d = (EngineConfig(tp_size=t, block_size=16, num_blocks=8, packed_rows=True) for t in (p_tp, d_tp))
+        for mode in ("pull", "push"):
+            out.append(kst.Case(kst.PDPair(model, p, d, mode), Request.simple(model, p, d, 40)))
+    return out
+
+
+PACKED_GQA_CSA = _packed_gqa_csa_cases()
+
+
+@settings(max_examples=len(PACKED_GQA_CSA))
+@given(st.sampled_from(PACKED_GQA_CSA))
+def test_packed_csa_linear_across_tp_vllm_mode_refuses_what_vllm_gets_wrong(case: kst.Case) -> None:
+    vllm, _, vllm_refused = _vllm(case)
+    assert _plan(case, "vllm")[1] is not None  # refused: regions start at other row bytes on the peer
+    assert vllm_refused is not None or not vllm.report().ok, f"vLLM moves it right: {case}"
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=len(PACKED_GQA_CSA))
+@given(st.sampled_from(PACKED_GQA_CSA))
+def test_packed_csa_linear_across_tp_kvgeom_mode_plans_it(case: kst.Case) -> None:
+    assert _plan(case, "kvgeom")[1] is None  # every one of them planned (and judged by the oracle below)
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
 @settings(max_examples=len(GQA_CSA))
 @given(st.sampled_from(GQA_CSA))
 def test_gqa_csa_linear_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:

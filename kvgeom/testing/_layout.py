@@ -49,6 +49,7 @@ __all__ = [
     "rank_image",
     "region_arrays",
     "byte_places",
+    "block_span",
     "reported_bytes",
     "LayoutError",
 ]
@@ -120,6 +121,15 @@ def reported_bytes(geom: RankGeometry) -> list[np.ndarray] | None:
     return [o == r.index for r, o in zip(geom.regions, owner)]
 
 
+def block_span(region: Region, block: int, ppl: int) -> tuple[int, int]:
+    """``(start, length)`` in ``region``'s bytes of logical block ``block`` (``ppl`` kernel blocks): its rows,
+    ``ppl * block_stride`` bytes; where regions share rows, the part of them from the region's start to the
+    end of the block's rows (the bytes before it belong to the region at the row's start, the bytes after it
+    to the next block)."""
+    span = ppl * region.block_stride
+    return block * span, span - (region.row_offset or 0)
+
+
 def byte_places(geom: RankGeometry, region: int) -> tuple[int, np.ndarray]:
     """``(region, offsets)`` naming each byte of ``region`` by place: its own, or, where regions share rows,
     region 0's row bytes (the same place through every aliasing region)."""
@@ -146,7 +156,7 @@ def rank_image(
     for gids in ids:  # a pool id belongs to the request in every region, whichever layers view it
         for block in gids:
             for region in geom.regions:
-                img.claim(region.index, block * ppl * region.block_stride, ppl * region.block_stride)
+                img.claim(region.index, *block_span(region, block, ppl))
 
     for group, gids in zip(geom.groups, ids, strict=True):
         blocks = np.asarray(gids, dtype=np.int64)

@@ -47,6 +47,7 @@ from ._layout import (
     OUTSIDE,
     PADDING,
     RankImage,
+    block_span,
     byte_places,
     rank_image,
     region_arrays,
@@ -155,8 +156,8 @@ class Oracle:
         ]
         for block in own:
             for region in geom.regions:
-                span = geom.ppl * region.block_stride
-                self.dst[geom.global_rank][region.index][block * span : (block + 1) * span] = ZERO
+                start, length = block_span(region, block, geom.ppl)
+                self.dst[geom.global_rank][region.index][start : start + length] = ZERO
 
     @classmethod
     def for_engines(

@@ -13,7 +13,7 @@ import pytest
 from kvgeom.csa import csa_linear_model
 from kvgeom.engine import EngineConfig
 from kvgeom.spec import MambaSpec
-from kvgeom.testing import Oracle, RankPlan, Report, Request, pull_plans, push_plans
+from kvgeom.testing import ZERO, Oracle, RankPlan, Report, Request, pull_plans, push_plans
 
 SRC_REGION, SRC_OFF, DST_REGION, DST_OFF, LENGTH = 1, 2, 4, 5, 6
 MODEL = csa_linear_model()
@@ -267,3 +267,28 @@ def test_packed_rows_with_main_kv_pass(compat: str, mode: str, tp: int) -> None:
     else:
         per_rank = 3 * 2560 + 128 + 416 + 48 if tp == 1 else 3 * 1536 + 128 + 208 + 48
     assert report.ok and report.bytes_moved == tp * per_rank, report
+
+
+def test_shared_rows_claim_and_zero_only_their_own_block() -> None:
+    """Packed rows with a 2-head main KV at TP1 (rows of 2,560 B; regions start at row bytes 0, 2048, 1024,
+    2304, 64 and 208). Region 5's view of block 6 is row bytes [6 x 2560 + 208, 7 x 2560): the 208 bytes
+    after it are row 7's, not block 6's. N-1 flow, 33 tokens of which P computed 32: D's third token block
+    (6) is D's own and starts zeroed; row 7 belongs to no group of the request and must stay outside it
+    (a write there is I1), and the request's plan must pass with nothing of row 7 touched."""
+    model = csa_linear_model(main_kv_heads=2)
+    e = EngineConfig(tp_size=1, block_size=16, num_blocks=8, packed_rows=True)
+    req = Request(33, ((1, 2), (3,), (4,), (5,)), ((1, 2, 6), (3,), (4,), (5,)), prefill_tokens=32)
+    oracle = Oracle.for_engines(model, e, e, req)
+    geom = oracle.d[0]
+    assert [r.row_offset for r in geom.regions] == [0, 2048, 1024, 2304, 64, 208]
+    row = 2560
+    assert (oracle.d_images[0].role[0][7 * row : 8 * row] == 0).all()  # OUTSIDE
+    assert (oracle.dst[0][0][6 * row : 7 * row] == ZERO).all()  # D's own block, zeroed through every region
+    for rp in pull_plans(model, e, e, req, "kvgeom"):
+        oracle.execute(oracle.moves_of(rp), f"rank {rp.rank}")
+        oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    assert oracle.report().ok
+    oracle.execute(np.array([[0, 0, 1 * row, 0, 0, 7 * row, 8]]), "planted")  # 8 bytes into row 7
+    report = oracle.report()
+    assert {(v.invariant, v.region) for v in report.violations} == {("I1", 0)}
+    assert report.violated_bytes["I1"] == 8

@@ -24,7 +24,10 @@ The rules, from the local side (region ``i`` of the remote pairs with the local 
   region (MLA, or replicated KV) matches up to ``bsr``, a split one scales with the heads each side holds
   (``remote = local * remote_heads // local_heads // bsr``), and P_TP > D_TP needs ``bsr == 1``;
 * the advertised tables are consistent: as many regions as the local side transfers, strides no
-  shorter than lengths, one entry per region in every per-region field, the same region names.
+  shorter than lengths, one entry per region in every per-region field, the same region names;
+* regions sharing block rows (packed CSA-linear rows) start at the same byte of the row on both sides:
+  vLLM copies every token group's blocks through every region, which lands on other layers' pages where a
+  region starts elsewhere on the peer (a rule of kvgeom's, not vLLM's: vLLM moves the wrong bytes).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class Advertised:
     region_names: tuple[str, ...] | None = None
     region_mem_types: tuple[str, ...] | None = None
     attn_backend: str = ""
+    row_offsets: tuple[int, ...] | None = None
+    """Where each region starts in the block row it shares with the others (its base address minus the first
+    region's: vLLM's packed CSA-linear rows, docs/vllm-behaviour.md B.6.14); ``None`` when regions do not
+    share rows."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +251,7 @@ def check_advertised_pair(local: Advertised, remote: Advertised, facts: LocalFac
         (draft_local, draft_remote),
     )
     _check_tables(remote, facts)
+    _check_row_offsets(local, remote)
     return AdvertisedPair(ratio, bsr, permute, hetero_attn)
 
 
@@ -300,6 +308,32 @@ def _check_lens(
                 f"{rh} remote heads per rank, block-size ratio {bsr}{', replicated' if replicated else ''})",
                 mine,
                 theirs,
+            )
+
+
+def _check_row_offsets(local: Advertised, remote: Advertised) -> None:
+    if local.row_offsets is None and remote.row_offsets is None:
+        return
+    if (
+        local.row_offsets is None
+        or remote.row_offsets is None
+        or len(local.row_offsets) != len(remote.row_offsets)
+    ):
+        raise _err(
+            "row_offsets",
+            "both sides must share block rows among the same number of regions (packed rows or not)",
+            local.row_offsets,
+            remote.row_offsets,
+        )
+    for i, (a, b) in enumerate(zip(local.row_offsets, remote.row_offsets)):
+        if a != b:
+            raise _unsupported(
+                f"regions[{i}].row_offset",
+                "this region starts at another byte of the shared block row on the peer: vLLM 0.33.0's copies of "
+                "every token group through every region would land on other layers' pages (kvgeom mode pairs "
+                "each group through its own pages)",
+                a,
+                b,
             )
 
 

@@ -163,3 +163,31 @@ def test_inconsistent_tables_are_refused_naming_the_field(change: dict, field: s
     with pytest.raises(KvgeomError) as info:
         check_advertised_pair(side(), remote, facts(expected_region_names=("a", "b", "c", "d")))
     assert info.value.field == field
+
+
+def test_shared_rows_must_start_each_region_at_the_same_row_byte() -> None:
+    """Packed CSA-linear rows (a hybrid with a head-sharded main KV: SSM lengths are not compared): the GDN-only
+    region starts at row byte 208 at TP2 and 104 at TP4 (docs/vllm-behaviour.md B.6.14); equal offsets pair."""
+    ssm = facts(regions=6, heads=2, has_ssm=True)
+    at_tp2 = (0, 1024, 512, 1280, 64, 208)
+    at_tp4 = (0, 1024, 512, 1280, 64, 104)
+    mine, theirs = side(tp=4, regions=6, row_offsets=at_tp4), side(tp=2, regions=6, row_offsets=at_tp2)
+    with pytest.raises(UnsupportedError) as e:
+        check_advertised_pair(mine, theirs, ssm)
+    assert e.value.field == "regions[5].row_offset"
+    assert (e.value.values["local"], e.value.values["remote"]) == (104, 208)
+    assert check_advertised_pair(mine, replace(theirs, row_offsets=at_tp4), ssm).tp_ratio == 2
+
+
+@pytest.mark.parametrize(("local", "remote"), [((0, 64), None), (None, (0, 64)), ((0, 64), (0, 64, 128))])
+def test_shared_rows_on_one_side_only_are_refused(
+    local: tuple[int, ...] | None, remote: tuple[int, ...] | None
+) -> None:
+    with pytest.raises(IncompatiblePairError) as e:
+        check_advertised_pair(side(row_offsets=local), side(row_offsets=remote), facts())
+    assert e.value.field == "row_offsets"
+    assert (e.value.values["local"], e.value.values["remote"]) == (local, remote)
+
+
+def test_regions_of_their_own_have_no_row_offsets_to_compare() -> None:
+    assert check_advertised_pair(side(), side(), facts()).tp_ratio == 1  # row_offsets None on both sides

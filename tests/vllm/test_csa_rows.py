@@ -214,3 +214,64 @@ def test_registration_is_vllms(model: ModelSpec, block_size: int) -> None:
     assert tuple(worker._ssm_region_indices) == reg.ssm
     ple = (worker._ple_region_index, worker._ple_block_len) if worker._ple_region_index is not None else None
     assert ple == reg.ple
+
+
+def _registered(worker_class: type, model: ModelSpec, block_size: int, tp: int) -> Any:
+    """A worker of ``worker_class`` that registered vLLM's block-outermost allocation of ``model``'s pages at
+    TP ``tp`` (one rank's pages; the worker's own parallel configuration stays TP1)."""
+    groups, config, specs = _vllm_config(model, block_size, tp)
+    raw = torch.zeros(config.kv_cache_tensors[0].size, dtype=torch.int8)
+    caches = {
+        name: raw.as_strided(
+            (config.num_blocks, specs[name].page_size_bytes),
+            (t.block_stride, 1),
+            t.offset + i * t.layer_stride,
+        )
+        for t in config.kv_cache_tensors
+        for i, name in enumerate(t.layers)
+    }
+    vc = vllm_config(block_size)
+    _Backend.sizes = [block_size]
+    vc.cache_config.kv_cache_layout = "BLHNC"
+    with cpu_runtime(), patch.object(bw, "get_current_attn_backends", return_value=[_Backend]):
+        worker = worker_class(vc, "csa", config)
+        worker.use_mla = model.attention_spec is None
+        worker.register_kv_caches({la.name: caches[la.name] for la in model.layers})
+    worker.kvgeom_test_raw = raw  # keep the allocation alive with the worker
+    return worker
+
+
+def test_the_drop_in_refuses_packed_rows_whose_regions_start_elsewhere_on_the_peer() -> None:
+    """kvgeom_vllm's handshake (a CSA-linear rank has no geometry card, so the peer is judged on the numbers
+    it advertises): the row offsets come from the registered base addresses. 2 KV heads and GDN(4, 4, 4, 4):
+    at TP2 the GDN-only region starts at row byte 208, at TP4 at 104 (the GDN page before it halves), so
+    the pair is refused; two TP2 registrations pair."""
+    from kvgeom_vllm.answers.validate import _row_offsets
+    from kvgeom_vllm.worker import KvgeomPullConnectorWorker
+
+    from kvgeom.advertised import Advertised, LocalFacts, check_advertised_pair
+    from kvgeom.errors import UnsupportedError
+
+    model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
+    at = {tp: _registered(KvgeomPullConnectorWorker, model, 16, tp) for tp in (2, 4)}
+    offsets = {tp: _row_offsets(w, w.kv_caches_base_addr["csa"][w.tp_rank]) for tp, w in at.items()}
+    assert offsets == {2: (0, 1024, 512, 1280, 64, 208), 4: (0, 1024, 512, 1280, 64, 104)}
+
+    def advertised(tp: int) -> Advertised:
+        w = at[tp]
+        return Advertised(
+            tp_size=tp,
+            block_size=16,
+            num_blocks=int(w.num_blocks),
+            block_lens=tuple(w.block_len_per_layer),
+            block_strides=tuple(w.block_stride_per_layer),
+            kv_layout="LBHNC",
+            row_offsets=offsets[tp],
+        )
+
+    facts = LocalFacts(is_mla=False, has_ssm=True, total_kv_heads=2, regions=tuple(range(6)))
+    with pytest.raises(UnsupportedError) as e:
+        check_advertised_pair(advertised(4), advertised(2), facts)
+    assert e.value.field == "regions[5].row_offset"
+    assert (e.value.values["local"], e.value.values["remote"]) == (104, 208)
+    assert check_advertised_pair(advertised(2), advertised(2), facts).tp_ratio == 1

@@ -31,6 +31,14 @@ def _block_contiguous(layout: str) -> bool:
     return bool(KVI.KVCacheLayout[layout].is_block_contiguous)
 
 
+def _row_offsets(self: Any, bases: Any) -> tuple[int, ...] | None:
+    """Packed CSA-linear rows: each region's start in the block row (its base minus the first region's)."""
+    if not (getattr(self, "_is_csa_linear", False) and getattr(self, "_has_packed_cache", False)):
+        return None
+    flat = [int(b) for b in bases]
+    return tuple(b - flat[0] for b in flat) if flat else None
+
+
 def validate_remote_agent_handshake(
     self: Any, nixl_agent_meta: Any, remote_tp_size: int, remote_dcp_size: int = 1
 ) -> None:
@@ -57,6 +65,7 @@ def validate_remote_agent_handshake(
         dcp_size=int(self.dcp_size),
         ppl=int(self._physical_blocks_per_logical_kv_block),
         attn_backend=str(getattr(self, "backend_name", "")),
+        row_offsets=_row_offsets(self, self.kv_caches_base_addr[self.engine_id][self.tp_rank]),
     )
     remote = Advertised(
         tp_size=int(remote_tp_size),
@@ -73,6 +82,7 @@ def validate_remote_agent_handshake(
         region_names=_opt(meta.region_names),
         region_mem_types=_opt(meta.region_mem_types),
         attn_backend=str(meta.attn_backend_name),
+        row_offsets=_row_offsets(self, meta.kv_caches_base_addr),
     )
     routed_names = tuple(self._transfer_layer_names or ())
     ktc = getattr(self, "kv_transfer_config", None)

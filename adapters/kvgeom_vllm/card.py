@@ -13,25 +13,43 @@ Every cache-holding layer of the rank's transfer groups becomes a kvgeom layer o
   the result must equal vLLM's, else the rank is refused.
 
 The engine numbers (TP size and rank, logical and kernel block sizes, block count, KV layout, conv
-layout, transfer mode) come from the worker. A rank kvgeom cannot describe (CSA-linear scratch groups,
-host-resident groups, a layout kvgeom has no geometry for, shapes no model has) is refused with a
+layout, transfer mode) come from the worker. A CSA-linear rank (rings, vLLM's ``CircularBufferSpec``, and
+the TP-replicated PLE state) is described in vLLM's block-outermost rows (``EngineConfig(packed_rows=True)``,
+:mod:`kvgeom.csarows`). A rank kvgeom cannot describe (host-resident groups, a layout kvgeom has no geometry
+for, shapes no model has) is refused with a
 :class:`~kvgeom.errors.KvgeomError` naming the layer and the numbers; :func:`check_registration` then
 checks kvgeom's geometry of the card against what vLLM registered (groups, regions, SSM pieces).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import replace
 from typing import Any
 
 from kvgeom import EngineConfig, GeometryCard, ModelSpec
 from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError
-from kvgeom.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec
+from kvgeom.spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    Layer,
+    LayerKind,
+    MambaSpec,
+    MLASpec,
+    ReplicatedStateSpec,
+)
 
 __all__ = ["card_of_worker", "check_registration", "vllm_state_shapes"]
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-_LAYOUTS = {"LBHNC": "head_major", "HND": "head_major", "LBNHC": "token_major", "NHD": "token_major"}
+_LAYOUTS = {
+    "LBHNC": "head_major",
+    "HND": "head_major",
+    "BLHNC": "head_major",  # block-outermost rows, each page heads-major
+    "LBNHC": "token_major",
+    "NHD": "token_major",
+}
 _KINDS = {"MAMBA1": LayerKind.MAMBA1, "MAMBA2": LayerKind.MAMBA2, "GDN_ATTN": LayerKind.GDN}
 
 
@@ -159,18 +177,62 @@ def _state(name: str, spec: Any, tp: int, hf_states: dict[LayerKind, MambaSpec])
     return ours
 
 
+def _replicated_state(name: str, spec: Any) -> ReplicatedStateSpec:
+    """A TP-replicated state (the CSA-linear PLE page): copied whole, so only its bytes matter; a
+    ``(channels, rows)`` shape keeps its rows, any other one shape is read as channels of one row."""
+    if len(spec.shapes) != 1 or len(spec.dtypes) != 1:
+        raise SpecError(
+            "kv_cache_spec",
+            f"layer {name!r}: a TP-replicated state has one shape and dtype, vLLM's spec has {spec.shapes}",
+            value=spec.shapes,
+        )
+    shape = tuple(int(x) for x in spec.shapes[0])
+    channels, rows = shape if len(shape) == 2 else (math.prod(shape), 1)
+    return ReplicatedStateSpec(channels, rows + 1, _dtype(spec.dtypes[0]))
+
+
+def _csa_overlays(layers: list[Layer]) -> list[Layer]:
+    """The layers of a CSA-linear rank in vLLM's block-outermost rows, with kvgeom's tensor sharing: token
+    caches own their pages, each ring overlays an MLA page (its decoder layer's, else the first), each state
+    the first token cache. In those rows the sharing names no memory (every page has its place in the row,
+    :mod:`kvgeom.csarows`); it marks which caches overlay which, as kvgeom's spec requires."""
+    owners = [la for la in layers if la.kind in (LayerKind.MLA, LayerKind.ATTENTION)]
+    mla = [la for la in owners if la.kind is LayerKind.MLA]
+    if not owners or not mla:
+        raise SpecError(
+            "kv_cache_spec",
+            "a CSA-linear rank needs an MLA cache (the compressed keys) for its rings to overlay",
+            value=[la.kind.value for la in layers],
+        )
+    out = []
+    for la in layers:
+        if la.kind is LayerKind.CIRCULAR_BUFFER:
+            same = [m for m in mla if m.index == la.index]
+            out.append(replace(la, shares=(same or mla)[0].name))
+        elif la.kind.is_ssm:
+            out.append(replace(la, shares=owners[0].name))
+        else:
+            out.append(la)
+    return out
+
+
 def _layer_spec(name: str, spec: Any, worker: Any, hf_states: dict[LayerKind, MambaSpec]) -> Any:
     from vllm.v1 import kv_cache_interface as kvi
 
     tp = int(worker.world_size)
     if isinstance(spec, kvi.MambaSpec):
         if getattr(spec, "tp_replicated", False):
+            return _replicated_state(name, spec)
+        return _state(name, spec, tp, hf_states)
+    if isinstance(spec, kvi.CircularBufferSpec):  # a CSA-linear ring: one block of `block_size` entries
+        if int(spec.num_kv_heads) != 1 or getattr(spec, "head_size_v", 0) not in (0, None):
             raise SpecError(
                 "kv_cache_spec",
-                f"layer {name!r}: a TP-replicated state (CSA-linear PLE page) has no kvgeom geometry",
-                value=type(spec).__name__,
+                f"layer {name!r}: a ring of {spec.num_kv_heads} heads with V entries has no kvgeom geometry "
+                "(vLLM's rings hold one head of keys)",
+                value=(int(spec.num_kv_heads), getattr(spec, "head_size_v", None)),
             )
-        return _state(name, spec, tp, hf_states)
+        return CircularBufferSpec(int(spec.block_size), int(spec.head_size), _dtype(spec.dtype))
     if isinstance(spec, (kvi.MLAAttentionSpec, kvi.SlidingWindowMLASpec)):
         window = getattr(spec, "sliding_window", None)
         return MLASpec(int(spec.head_size), _dtype(spec.dtype), int(window) if window else None)
@@ -232,6 +294,19 @@ def card_of_worker(worker: Any) -> GeometryCard:
                 value=type(spec).__name__,
             ) from None
         layers.append(Layer(name, int(m.group(1)) if m else pos, kv_spec))
+    csa_linear = any(la.kind is LayerKind.CIRCULAR_BUFFER for la in layers)
+    if csa_linear:
+        if not getattr(worker, "_has_packed_cache", False):
+            raise ConfigError(
+                "kv_cache_layout",
+                "a CSA-linear rank is described in vLLM's block-outermost rows only",
+                value=str(worker.kv_cache_layout),
+            )
+        # vLLM registers (and kvgeom's rows place) the pages in the order the caches were handed over
+        order = {name: i for i, name in enumerate(getattr(worker, "device_kv_caches", {}) or {})}
+        if set(order) == {la.name for la in layers}:
+            layers.sort(key=lambda la: order[la.name])
+        layers = _csa_overlays(layers)
     model = ModelSpec(str(getattr(worker.model_config, "model", "")), tuple(layers))
     layout = _LAYOUTS.get(str(worker.kv_cache_layout))
     if layout is None and model.attention_spec is not None:
@@ -249,6 +324,7 @@ def card_of_worker(worker: Any) -> GeometryCard:
         num_blocks=int(worker._logical_num_blocks),
         kv_layout=layout or "head_major",
         conv_layout="DS" if is_conv_state_dim_first() else "SD",
+        packed_rows=csa_linear,
     )
     return GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
 

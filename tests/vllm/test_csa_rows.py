@@ -275,3 +275,48 @@ def test_the_drop_in_refuses_packed_rows_whose_regions_start_elsewhere_on_the_pe
     assert e.value.field == "regions[5].row_offset"
     assert (e.value.values["local"], e.value.values["remote"]) == (104, 208)
     assert check_advertised_pair(advertised(2), advertised(2), facts).tp_ratio == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "block_size"),
+    [(csa_linear_model(), 16), (GQA, 16), (REAL, 64), (NO_SSM, 16)],
+    ids=["small", "gqa-main-kv", "qwen4-exp-sized-b64", "small-without-ssm-state"],
+)
+def test_the_drop_in_describes_packed_csa_linear_ranks(model: ModelSpec, block_size: int) -> None:
+    """kvgeom_vllm's geometry card of a CSA-linear rank (vLLM's rings and PLE state become kvgeom's
+    ``CircularBufferSpec`` and ``ReplicatedStateSpec``, the rows ``packed_rows``): kvgeom's geometry of the
+    card is what vLLM's worker registered (the drop-in checks it) and kvgeom's own geometry of the model, so
+    kvgeom mode can pair such ranks by their cards. Without SSM state (not modelled) there is no card."""
+    from unittest.mock import patch as patch_method
+
+    from kvgeom_vllm.worker import KvgeomPullConnectorWorker, install_dispatchers
+    from vllm.config import ModelConfig
+
+    from kvgeom.engine import EngineConfig
+    from kvgeom.geometry import rank_geometry
+
+    install_dispatchers()
+    heads = model.attention_spec.num_kv_heads if model.attention_spec else 1
+    with patch_method.object(ModelConfig, "get_total_num_kv_heads", return_value=heads):
+        worker = _registered(KvgeomPullConnectorWorker, model, block_size, 1)
+    if not model.has_ssm:
+        assert worker.kvgeom_card is None and worker.kvgeom_card_error.field == "packed_rows"
+        return
+    assert worker.kvgeom_card is not None, worker.kvgeom_card_error
+    geom = worker.kvgeom_card.geometry
+    ours = rank_geometry(
+        model,
+        EngineConfig(tp_size=1, block_size=block_size, num_blocks=geom.engine.num_blocks, packed_rows=True),
+    )
+    assert [list(g.layers) for g in geom.groups] == [list(g.layers) for g in ours.groups]
+    assert [(r.block_len, r.block_stride, r.row_offset) for r in geom.regions] == [
+        (r.block_len, r.block_stride, r.row_offset) for r in ours.regions
+    ]
+    assert geom.scratch_region_indices == ours.scratch_region_indices
+    assert geom.ple is not None and ours.ple is not None  # the page copied whole: its place and length
+    assert (geom.ple.group, geom.ple.region, geom.ple.length) == (
+        ours.ple.group,
+        ours.ple.region,
+        ours.ple.length,
+    )
+    assert [la.kind for la in geom.model.layers] == [la.kind for la in model.layers]

@@ -182,6 +182,11 @@ class Pairing:
     def bsr(self) -> int:
         return self.shape.bsr
 
+    @property
+    def permute(self) -> bool:
+        """A head-major remote pulled into this token-major rank, permuted on receive (B.6.15)."""
+        return self.shape.permute
+
     @cached_property
     def region_mapped(self) -> bool:
         """P and D group the same regions differently: block lists pair region by region (:mod:`kvgeom.regionmap`)."""
@@ -206,6 +211,7 @@ class Pairing:
         if (
             self.compat != "kvgeom"
             or spec is None
+            or self.permute  # the pull treats the token-major local page as head-major (B.6.15)
             or self.local.engine.kv_layout.value != "token_major"
             or spec.heads_per_rank(self.local.tp_size) == spec.heads_per_rank(self.remote_tp)
         ):

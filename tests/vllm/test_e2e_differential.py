@@ -22,7 +22,7 @@ from kvgeom.csa import csa_linear_model
 from kvgeom.engine import ConvLayout, EngineConfig
 from kvgeom.errors import KvgeomError
 from kvgeom.plan import receive_step
-from kvgeom.spec import MambaSpec
+from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
 from kvgeom.testing import ZERO, Oracle, Request, engine_geometries
 from kvgeom.testing import strategies as kst
 from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
@@ -327,6 +327,66 @@ def test_gqa_csa_linear_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
 @settings(max_examples=len(GQA_CSA))
 @given(st.sampled_from(GQA_CSA))
 def test_gqa_csa_linear_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
+def _permute_cases() -> list[kst.Case]:
+    """A head-major P pulled by a token-major D with ``permute_local_kv`` (vLLM's ``enable_permute_local_kv``,
+    B.6.15): two full-attention layers of 4 KV heads (8 x fp16 each), 37 tokens, across TP sizes (1-4 on each
+    side) and block-size ratios 1, 2 and 4; 2 KV heads with D replicating them (TP 4); one prefix hit; and
+    the same pairs without the flag (refused by both). vLLM moves every permuted pair right except P_TP > D_TP
+    with bsr > 1 (it asserts; vllm mode refuses, kvgeom mode plans it)."""
+    four = ModelSpec.from_layers("dense", [AttentionSpec(4, 8, "float16")] * 2)
+    two = ModelSpec.from_layers("dense", [AttentionSpec(2, 8, "float16")] * 2)
+    setups = [  # model, P TP, D TP, P block, D block, prefix blocks, permute
+        (four, 1, 1, 16, 16, 0, True),
+        (four, 1, 1, 8, 16, 0, True),
+        (four, 1, 1, 4, 16, 0, True),
+        (four, 1, 2, 16, 16, 0, True),
+        (four, 1, 2, 8, 16, 0, True),
+        (four, 2, 4, 4, 16, 0, True),
+        (four, 2, 1, 16, 16, 0, True),
+        (four, 4, 2, 16, 16, 0, True),
+        (four, 2, 1, 8, 16, 0, True),
+        (two, 1, 4, 8, 16, 0, True),
+        (four, 1, 1, 16, 16, 1, True),
+        (four, 1, 1, 16, 16, 0, False),
+        (four, 1, 2, 8, 16, 0, False),
+    ]
+    out = []
+    for model, p_tp, d_tp, p_bs, d_bs, prefix, permute in setups:
+        p = EngineConfig(tp_size=p_tp, block_size=p_bs, num_blocks=16)
+        d = EngineConfig(
+            tp_size=d_tp, block_size=d_bs, num_blocks=16, kv_layout="token_major", permute_local_kv=permute
+        )
+        request = Request.simple(model, p, d, 37, prefix_blocks=prefix)
+        out.append(kst.Case(kst.PDPair(model, p, d, "pull", prefix_caching=prefix > 0), request))
+    return out
+
+
+PERMUTE = _permute_cases()
+
+
+def _vllm_plans_permute(case: kst.Case) -> bool:
+    """Whether vllm mode plans a permute case: the flag is set, and not P_TP > D_TP with bsr > 1."""
+    p, d = case.pair.p_engine, case.pair.d_engine
+    return d.permute_local_kv and not (p.tp_size > d.tp_size and d.block_size > p.block_size)
+
+
+@settings(max_examples=len(PERMUTE))
+@given(st.sampled_from(PERMUTE))
+def test_permute_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    vllm, _, vllm_refused = _vllm(case)
+    refused = _plan(case, "vllm")[1]
+    assert (refused is None) == _vllm_plans_permute(case), f"{case}: {refused}"
+    assert (vllm_refused is None) == _vllm_plans_permute(case), f"{case}: {vllm_refused!r}"
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=len(PERMUTE))
+@given(st.sampled_from(PERMUTE))
+def test_permute_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    assert (_plan(case, "kvgeom")[1] is None) == case.pair.d_engine.permute_local_kv
     _kvgeom_mode_plans_what_vllm_moves_right(case)
 
 

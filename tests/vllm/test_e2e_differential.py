@@ -12,9 +12,12 @@ pass the oracle. See :mod:`test_differential` for how to run.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import _e2e as E
 import numpy as np
 import pytest
+import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -388,6 +391,35 @@ def test_permute_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
 def test_permute_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
     assert (_plan(case, "kvgeom")[1] is None) == case.pair.d_engine.permute_local_kv
     _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
+@pytest.mark.parametrize(("bsr", "covered"), [(1, 3), (2, 5), (4, 9), (4, 12)])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_permute_receive_step_of_the_drop_in_equals_vllms(bsr: int, covered: int, heads: int) -> None:
+    """kvgeom_vllm's ``post_process_device_kv_on_receive`` (kvgeom's token-major regroup, then its zero rows)
+    against vLLM's own (its ``kv_postprocess_blksize_and_layout_on_receive`` kernel, then its zeroing) on a
+    token-major (LBNHC) cache of random bytes: 8 blocks of 16 tokens x ``heads`` heads x 8 bfloat16, blocks
+    ``[5, 1, 6]`` received, ``covered`` remote units of ``16 // bsr`` tokens written."""
+    from kvgeom_vllm.answers.receive import post_process_device_kv_on_receive as ours
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    gen = torch.Generator().manual_seed(bsr * 100 + covered * 10 + heads)
+    data = torch.randn((8, 16, heads, 8), generator=gen).to(torch.bfloat16)
+
+    def worker(cache: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(
+            device_kv_caches={"layer": cache},
+            kv_cache_config=SimpleNamespace(transfer_groups=[SimpleNamespace(layer_names=["layer"])]),
+            kv_cache_layout="LBNHC",
+            enable_permute_local_kv=True,
+            transfer_topo=object(),
+        )
+
+    theirs, mine = (data.clone().permute(0, 2, 1, 3) for _ in range(2))  # [B, H, N, C] views, NHD in memory
+    NixlBaseConnectorWorker.post_process_device_kv_on_receive(worker(theirs), bsr, [(0, [5, 1, 6], covered)])
+    ours(worker(mine), bsr, [(0, [5, 1, 6], covered)])
+    assert not torch.equal(theirs, data.permute(0, 2, 1, 3)) or heads == 1  # the step did something
+    assert torch.equal(mine.view(torch.int16), theirs.view(torch.int16))
 
 
 @settings(max_examples=E2E_EXAMPLES)

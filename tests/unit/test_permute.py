@@ -201,3 +201,12 @@ def test_draw_moves_runs_where_a_token_major_regroup_puts_them() -> None:
     out = _regroup(runs, Regroup((0,), np.array([1]), 2, 2, 4, 1), 0, np.array([8]))
     got = sorted((int(r[2]) - 100, int(r[5]) - 8, int(r[6])) for r in out)
     assert got == [(0, 0, 2), (2, 4, 2), (4, 2, 2), (6, 6, 2)]
+
+
+def test_a_recipe_keeps_the_regroups_layout() -> None:
+    # the third request of one shape is planned from a recipe (kvgeom.recipe): the same regroup, its own blocks
+    pairing = Pairing.create(_d(tp=2), [_geom()], "pull", "vllm")
+    for local, remote in (([3, 5], [1, 2]), ([4, 6], [0, 3]), ([7, 1], [5, 6])):
+        plan = plan_request(pairing, [local], [remote], num_tokens=32)
+        assert [_regroup_row(r) for r in plan.regroup] == [((0,), local, 1, 2, 16, 32, TOKEN_MAJOR)]
+    assert any(type(v).__name__ == "_Shape" for v in pairing._cache["shapes"].values())

@@ -428,7 +428,8 @@ class Pairing:
         lines = [
             f"{self.mode} pairing: local TP{self.local.tp_size} rank {self.local.tp_rank} <-> remote "
             f"TP{self.remote_tp} (tp_ratio {self.tp_ratio}, block-size ratio {self.bsr}"
-            f"{f', remote blocks read in {self.shape.remote_split} parts' if self.shape.remote_split > 1 else ''})",
+            f"{f', remote blocks read in {self.shape.remote_split} parts' if self.shape.remote_split > 1 else ''}"
+            f"{', head-major remote permuted to token-major on receive' if self.permute else ''})",
             f"  sources per group: {[list(s) for s in m.source_ranks_per_group]}; all: {list(m.all_source_ranks)}; "
             f"rank offset factor {m.rank_offset_factor}; split local tables: {self.needs_split}",
             f"  local table: {len(self.local_table((self.local_rows, -1)))}"

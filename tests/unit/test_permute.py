@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvgeom.align import Page
+from kvgeom.cli._inputs import UsageError, parse_engine
 from kvgeom.draw import _regroup
 from kvgeom.engine import EngineConfig, KVLayout
 from kvgeom.errors import ConfigError, IncompatiblePairError, UnsupportedError
@@ -20,6 +21,7 @@ from kvgeom.geometry import RankGeometry, rank_geometry
 from kvgeom.handshake import check_pair, check_permute
 from kvgeom.pairing import Pairing
 from kvgeom.plan import Regroup, permuted_heads, plan_request, post_receive
+from kvgeom.scenario import Scenario
 from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 
 M4 = ModelSpec.from_layers("m4", [AttentionSpec(4, 8, "float16")])
@@ -141,6 +143,8 @@ def test_kvgeom_mode_pulls_the_permute_as_head_major_pages_not_per_token() -> No
     assert (cut.permute, cut.token_rows) == (False, 16)
     permuted = Pairing.create(_d(tp=2), [_geom()], "pull", "kvgeom")
     assert (permuted.permute, permuted.token_rows, permuted.local_rows) == (True, 1, 1)
+    assert "permuted to token-major on receive" in permuted.describe()
+    assert "permuted" not in cut.describe()
 
 
 def _regroup_row(r: Regroup) -> tuple[object, ...]:
@@ -210,3 +214,40 @@ def test_a_recipe_keeps_the_regroups_layout() -> None:
         plan = plan_request(pairing, [local], [remote], num_tokens=32)
         assert [_regroup_row(r) for r in plan.regroup] == [((0,), local, 1, 2, 16, 32, TOKEN_MAJOR)]
     assert any(type(v).__name__ == "_Shape" for v in pairing._cache["shapes"].values())
+
+
+# -- scenarios and the CLI ---------------------------------------------------------------------------------
+def test_a_scenario_asks_for_the_permute_on_decode() -> None:
+    sc = Scenario.from_json(
+        {
+            "model": M4.to_json(),
+            "prefill": {"block_size": 16},
+            "decode": {"tp_size": 2, "block_size": 16, "kv_layout": "token_major", "permute_local_kv": True},
+        }
+    )
+    assert sc.decode.permute_local_kv is True and sc.prefill.permute_local_kv is False
+    assert sc.pairings[0].permute is True
+    with pytest.raises(ConfigError) as e:
+        Scenario.from_json({"model": M4.to_json(), "decode": {"permute_local_kv": "yes"}})
+    assert e.value.field == "decode.permute_local_kv" and e.value.values == {"value": "yes"}
+
+
+def test_the_cli_reads_permute_as_a_boolean() -> None:
+    assert parse_engine("layout=token_major,permute=true", "--decode") == {
+        "kv_layout": "token_major",
+        "permute_local_kv": True,
+    }
+    assert parse_engine("permute=0", "--decode") == {"permute_local_kv": False}
+    with pytest.raises(UsageError) as e:
+        parse_engine("permute=maybe", "--decode")
+    assert e.value.field == "--decode permute"
+
+
+def test_the_cli_prints_the_permute_only_when_set() -> None:
+    from kvgeom.cli._commands import _engine_json
+
+    on = Scenario.from_json(
+        {"model": M4.to_json(), "decode": {"kv_layout": "token_major", "permute_local_kv": True}}
+    )
+    assert _engine_json(on, "decode")["permute_local_kv"] is True
+    assert "permute_local_kv" not in _engine_json(on, "prefill")

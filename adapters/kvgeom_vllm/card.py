@@ -249,6 +249,9 @@ def card_of_worker(worker: Any) -> GeometryCard:
         num_blocks=int(worker._logical_num_blocks),
         kv_layout=layout or "head_major",
         conv_layout="DS" if is_conv_state_dim_first() else "SD",
+        permute_local_kv=bool(
+            getattr(getattr(worker, "kv_transfer_config", None), "enable_permute_local_kv", False)
+        ),
     )
     return GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
 

@@ -81,7 +81,7 @@ def test_the_permute_pairs_a_head_major_remote_into_a_token_major_local_rank() -
 def test_layouts_differ_without_the_flag(compat: str) -> None:
     with pytest.raises(IncompatiblePairError) as e:
         check_pair(_d(permute=False), _geom(), "pull", compat)
-    assert e.value.field == "kv_layout"
+    assert e.value.field == "kv_layout" and "with permute_local_kv" in str(e.value)
     assert e.value.values == {"local": "token_major", "remote": "head_major"}
 
 
@@ -96,7 +96,7 @@ def test_the_permute_goes_only_from_head_major_into_token_major() -> None:
 def test_the_permute_is_planned_for_pulls_only() -> None:
     with pytest.raises(UnsupportedError) as e:
         check_permute(_d(), _geom(), "push", "kvgeom")
-    assert e.value.field == "kv_layout"
+    assert e.value.field == "kv_layout" and "planned for pulls only" in str(e.value)
     assert e.value.values == {"local": "token_major", "remote": "head_major"}
     with pytest.raises(UnsupportedError):
         check_pair(_d(), _geom(), "push", "vllm")

@@ -336,9 +336,10 @@ def test_gqa_csa_linear_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) 
 def _permute_cases() -> list[kst.Case]:
     """A head-major P pulled by a token-major D with ``permute_local_kv`` (vLLM's ``enable_permute_local_kv``,
     B.6.15): two full-attention layers of 4 KV heads (8 x fp16 each), 37 tokens, across TP sizes (1-4 on each
-    side) and block-size ratios 1, 2 and 4; 2 KV heads with D replicating them (TP 4); one prefix hit; and
-    the same pairs without the flag (refused by both). vLLM moves every permuted pair right except P_TP > D_TP
-    with bsr > 1 (it asserts; vllm mode refuses, kvgeom mode plans it)."""
+    side) and block-size ratios 1, 2 and 4; 2 KV heads replicated by D (TP 4) or by P (TP 4 into TP 1); one
+    prefix hit; and the same pairs without the flag (refused by both). vLLM moves every permuted pair right
+    except P_TP > D_TP with bsr > 1 or with P replicating the heads (it refuses; so does vllm mode, and kvgeom
+    mode plans them)."""
     four = ModelSpec.from_layers("dense", [AttentionSpec(4, 8, "float16")] * 2)
     two = ModelSpec.from_layers("dense", [AttentionSpec(2, 8, "float16")] * 2)
     setups = [  # model, P TP, D TP, P block, D block, prefix blocks, permute
@@ -352,6 +353,7 @@ def _permute_cases() -> list[kst.Case]:
         (four, 4, 2, 16, 16, 0, True),
         (four, 2, 1, 8, 16, 0, True),
         (two, 1, 4, 8, 16, 0, True),
+        (two, 4, 1, 16, 16, 0, True),
         (four, 1, 1, 16, 16, 1, True),
         (four, 1, 1, 16, 16, 0, False),
         (four, 1, 2, 8, 16, 0, False),
@@ -371,9 +373,12 @@ PERMUTE = _permute_cases()
 
 
 def _vllm_plans_permute(case: kst.Case) -> bool:
-    """Whether vllm mode plans a permute case: the flag is set, and not P_TP > D_TP with bsr > 1."""
+    """Whether vllm mode plans a permute case: the flag is set, and not P_TP > D_TP with bsr > 1 or with P
+    replicating the KV heads."""
     p, d = case.pair.p_engine, case.pair.d_engine
-    return d.permute_local_kv and not (p.tp_size > d.tp_size and d.block_size > p.block_size)
+    heads = case.pair.model.num_kv_heads
+    down = p.tp_size > d.tp_size
+    return d.permute_local_kv and not (down and (d.block_size > p.block_size or p.tp_size > heads))
 
 
 @settings(max_examples=len(PERMUTE))

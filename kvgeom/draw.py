@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .engine import KVLayout
 from .errors import ConfigError
 from .geometry import RankGeometry, rank_geometry
 from .plan import Regroup, receive_step
@@ -126,10 +127,12 @@ def _merge_runs(moves: np.ndarray) -> np.ndarray:
 
 def _regroup(runs: np.ndarray, step: Regroup, d_rank: int, stride: np.ndarray) -> np.ndarray:
     """``runs`` with the destination bytes of ``step``'s blocks moved to where the consumer's regroup
-    puts them: a block received as ``[bsr, heads, n, b]`` is stored as ``[heads, bsr * n, b]``. Runs are
-    cut at the ``n * b``-byte chunks the regroup moves (arrays, no loop over runs)."""
+    puts them: a block received as ``[bsr, heads, n, b]`` is stored as ``[heads, bsr * n, b]`` (token-major
+    ``step.layout``: ``[bsr * n, heads, b]``). Runs are cut at the chunks the regroup moves (``n * b``
+    bytes; token-major: ``b``) (arrays, no loop over runs)."""
     n = step.tokens // step.bsr
-    chunk = n * step.head_bytes
+    token_major = step.layout is KVLayout.TOKEN_MAJOR
+    chunk = step.head_bytes if token_major else n * step.head_bytes
     hit = (runs[:, 3] == d_rank) & np.isin(runs[:, 4], step.regions)
     block = runs[:, 5] // stride[runs[:, 4]]
     hit &= np.isin(block, step.blocks)
@@ -146,7 +149,12 @@ def _regroup(runs: np.ndarray, step: Regroup, d_rank: int, stride: np.ndarray) -
     hi = np.minimum(rel[idx] + r[idx, 6], (c + 1) * chunk)
     pieces = r[idx].copy()
     pieces[:, 2] = r[idx, 2] + (lo - rel[idx])
-    pieces[:, 5] = start[idx] + ((c % step.heads) * step.bsr + c // step.heads) * chunk + (lo - c * chunk)
+    if token_major:  # chunk c = (s, h, t) of [bsr, heads, n] goes to token s * n + t, head h
+        s, h, t = c // (step.heads * n), c // n % step.heads, c % n
+        dest = (s * n + t) * step.heads + h
+    else:
+        dest = (c % step.heads) * step.bsr + c // step.heads
+    pieces[:, 5] = start[idx] + dest * chunk + (lo - c * chunk)
     pieces[:, 6] = hi - lo
     return np.concatenate([runs[~hit], pieces])
 

@@ -56,6 +56,10 @@ class EngineConfig:
     ``separate_group``: layers this engine keeps in a KV-cache group of their own, with their own tensors
     (e.g. a HiSparse decoder's host-resident layers, vLLM PR 40020): P and D then group the same regions
     differently and pair block lists region by region (:mod:`kvgeom.regionmap`).
+    ``permute_local_kv`` (vLLM's ``enable_permute_local_kv`` of a D engine's KV-transfer config): a
+    token-major D pulls a head-major P's pages into its own pages as if they were head-major, then permutes
+    each received block to token-major (docs/vllm-behaviour.md B.6.15). It belongs to the engine, not to a
+    pairing, as in vLLM: one setting of D's cache handling that holds for every peer it pulls from.
     """
 
     tp_size: int
@@ -71,6 +75,7 @@ class EngineConfig:
     pp_rank: int = 0
     packed_rows: bool = False
     separate_group: tuple[str, ...] = ()
+    permute_local_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "num_blocks"):
@@ -121,6 +126,12 @@ class EngineConfig:
         if not isinstance(self.packed_rows, bool):
             raise ConfigError(
                 "packed_rows", f"must be a boolean, got {self.packed_rows!r}", value=self.packed_rows
+            )
+        if not isinstance(self.permute_local_kv, bool):
+            raise ConfigError(
+                "permute_local_kv",
+                f"must be a boolean, got {self.permute_local_kv!r}",
+                value=self.permute_local_kv,
             )
         if isinstance(self.separate_group, str) or not all(isinstance(x, str) for x in self.separate_group):
             raise ConfigError(
@@ -181,6 +192,7 @@ class EngineConfig:
             ("pp_rank", 0),
             ("packed_rows", False),
             ("separate_group", []),
+            ("permute_local_kv", False),
         ):
             if d[name] == default:
                 del d[name]  # cards of engines without these options stay as they were

@@ -18,7 +18,7 @@ from .dlist import EngineView
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
 from .geometry import RankGeometry, packed_csa_rows
 from .spec import AttentionSpec, MLASpec
-from .streams import pair_streams, region_group_ids, region_mapped
+from .streams import hma_required, pair_streams, region_group_ids, region_mapped
 from .tp import tp_ratio as _tp_ratio
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "block_size_ratio",
     "check_csa_linear_tp_layout",
     "check_csa_linear_pair",
+    "check_permute",
 ]
 
 Compat = str  # "vllm" (refuse what vLLM 0.33.0 refuses) or "kvgeom" (lift refusals the oracle proves safe)
@@ -42,6 +43,7 @@ class PairShape:
     bsr: int
     remote_split: int  # > 1: the remote's blocks are read as this many finer blocks (vLLM B.6.7)
     streams: tuple[EngineView, EngineView] | None = field(default=None, compare=False, repr=False)
+    permute: bool = False  # a head-major remote pulled into a token-major local page, permuted on receive
 
 
 def _err(field: str, what: str, local: object, remote: object) -> IncompatiblePairError:
@@ -139,19 +141,16 @@ def check_pair(
     if local.engine.kv_split != remote.engine.kv_split:
         raise _err("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
     attn = local.model.attention_spec
-    if attn is not None and local.engine.kv_layout != remote.engine.kv_layout:
-        raise _err(
-            "kv_layout",
-            "KV layouts differ (no permute support)",
-            local.engine.kv_layout.value,
-            remote.engine.kv_layout.value,
-        )
+    permute = attn is not None and local.engine.kv_layout != remote.engine.kv_layout
+    if permute:
+        check_permute(local, remote, mode, compat)
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
         multi_token = max(local.block_size, remote.block_size) > 1  # a one-token page is head-major too
         if (
             local.engine.kv_layout.value != "head_major"
+            and not permute  # the pull treats the local page as head-major, then permutes (B.6.15)
             and compat == "vllm"
             and (remote.tp_size <= k or (head_split and multi_token))
         ):
@@ -213,7 +212,40 @@ def check_pair(
             local=local.block_size,
             remote=remote.block_size,
         )
-    return PairShape(ratio, bsr, split, streams)
+    return PairShape(ratio, bsr, split, streams, permute)
+
+
+def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> None:
+    """Different KV layouts on the two sides (B.6.15): only vLLM's ``enable_permute_local_kv`` pairs them, a
+    head-major remote pulled into a token-major local rank (``local.engine.permute_local_kv``) of a model with
+    one full-attention KV-cache group (vLLM asserts it without its hybrid memory allocator). Pulls only:
+    the permute is the puller's receive step. Both modes plan the same path (kvgeom mode's per-token cut
+    needs one layout on both sides)."""
+    lay, ray = local.engine.kv_layout.value, remote.engine.kv_layout.value
+    if not local.engine.permute_local_kv or lay != "token_major" or local.is_mla:
+        raise _err(
+            "kv_layout",
+            "KV layouts differ; only a head-major remote pulled into a token-major local rank with "
+            "permute_local_kv (vLLM's enable_permute_local_kv) is planned",
+            lay,
+            ray,
+        )
+    if mode != "pull":
+        raise UnsupportedError(
+            "kv_layout",
+            "the LBHNC-into-LBNHC permute is the puller's receive step: planned for pulls only "
+            f"(local {lay!r}, remote {ray!r})",
+            local=lay,
+            remote=ray,
+        )
+    if hma_required(local):
+        raise _err(
+            "kv_layout",
+            "vLLM 0.33.0 permutes received blocks only without its hybrid memory allocator (a model whose "
+            "layers are all full attention); this model has sliding-window or SSM layers",
+            lay,
+            ray,
+        )
 
 
 def _check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> None:

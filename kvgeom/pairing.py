@@ -182,6 +182,11 @@ class Pairing:
     def bsr(self) -> int:
         return self.shape.bsr
 
+    @property
+    def permute(self) -> bool:
+        """A head-major remote pulled into this token-major rank, permuted on receive (B.6.15)."""
+        return self.shape.permute
+
     @cached_property
     def region_mapped(self) -> bool:
         """P and D group the same regions differently: block lists pair region by region (:mod:`kvgeom.regionmap`)."""
@@ -206,6 +211,7 @@ class Pairing:
         if (
             self.compat != "kvgeom"
             or spec is None
+            or self.permute  # the pull treats the token-major local page as head-major (B.6.15)
             or self.local.engine.kv_layout.value != "token_major"
             or spec.heads_per_rank(self.local.tp_size) == spec.heads_per_rank(self.remote_tp)
         ):
@@ -422,7 +428,8 @@ class Pairing:
         lines = [
             f"{self.mode} pairing: local TP{self.local.tp_size} rank {self.local.tp_rank} <-> remote "
             f"TP{self.remote_tp} (tp_ratio {self.tp_ratio}, block-size ratio {self.bsr}"
-            f"{f', remote blocks read in {self.shape.remote_split} parts' if self.shape.remote_split > 1 else ''})",
+            f"{f', remote blocks read in {self.shape.remote_split} parts' if self.shape.remote_split > 1 else ''}"
+            f"{', head-major remote permuted to token-major on receive' if self.permute else ''})",
             f"  sources per group: {[list(s) for s in m.source_ranks_per_group]}; all: {list(m.all_source_ranks)}; "
             f"rank offset factor {m.rank_offset_factor}; split local tables: {self.needs_split}",
             f"  local table: {len(self.local_table((self.local_rows, -1)))}"

@@ -37,11 +37,13 @@ from .blocks import (
 from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
 from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
+from .engine import KVLayout
 from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import Group, RankGeometry
 from .pairing import LocalKey, Pairing
 from .recipe import Recipe, trace
 from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
+from .spec import AttentionSpec
 from .streams import region_group_ids
 from .tp import compute_tp_mapping
 
@@ -77,9 +79,10 @@ class Transfer:
 
 @dataclass(frozen=True, eq=False)
 class Regroup:
-    """Post-receive regroup of head-major kernel blocks that arrived as ``bsr`` finer remote pages:
-    view each block of ``regions`` as ``[bsr, heads, tokens // bsr, head_bytes]`` and store it as
-    ``[heads, tokens, head_bytes]`` (vLLM B.3.9 step 2)."""
+    """Post-receive regroup of kernel blocks that arrived as ``bsr`` head-major remote pages: view each
+    block of ``regions`` as ``[bsr, heads, tokens // bsr, head_bytes]`` and store it in ``layout``:
+    ``[heads, tokens, head_bytes]`` (head-major, vLLM B.3.9 step 2) or ``[tokens, heads, head_bytes]``
+    (token-major: the LBHNC-into-LBNHC permute, B.6.15; also at ``bsr`` 1)."""
 
     regions: tuple[int, ...]
     blocks: np.ndarray
@@ -87,6 +90,7 @@ class Regroup:
     heads: int
     tokens: int
     head_bytes: int
+    layout: KVLayout = KVLayout.HEAD_MAJOR
 
 
 @dataclass(frozen=True, eq=False)
@@ -326,7 +330,7 @@ class _Shape:
         )
         k = 2 * len(transfers)
         regroup = tuple(
-            Regroup(r.regions, parts[k + i], r.bsr, r.heads, r.tokens, r.head_bytes)
+            Regroup(r.regions, parts[k + i], r.bsr, r.heads, r.tokens, r.head_bytes, r.layout)
             for i, r in enumerate(t.regroup)
         )
         return RequestPlan(
@@ -434,11 +438,18 @@ def _plan(
                 pairing.prefix_caching,
             )
         elif aligned is not None:
-            regroup = _regroups(local, lk, bsr, pairing.zero_pages)
+            regroup = _regroups(local, lk, bsr, pairing.zero_pages, pairing.permute)
             zero = _zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
         else:
             regroup, zero = post_receive(
-                local, rview, lk, rk, bsr, pairing.compat, pages=lambda g: _pages(pairing, g)
+                local,
+                rview,
+                lk,
+                rk,
+                bsr,
+                pairing.compat,
+                pages=lambda g: _pages(pairing, g),
+                permute=pairing.permute,
             )
     return RequestPlan(
         request_id,
@@ -1102,19 +1113,24 @@ def _regroups(
     kernel_ids: list[np.ndarray],
     bsr: int,
     pages: Callable[[int], list[Page]] | None = None,
+    permute: bool = False,
 ) -> tuple[Regroup, ...]:
     """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9), in the
-    regions of each group's ``pages`` (default: every page of the group's layers) holding several heads."""
+    regions of each group's ``pages`` (default: every page of the group's layers) holding several heads.
+    With ``permute`` (B.6.15) the token-major pages received as head-major bytes are regrouped into token
+    order, at every ``bsr``."""
     out = []
+    layout = KVLayout.TOKEN_MAJOR if permute else KVLayout.HEAD_MAJOR
     for group, L in zip(consumer.groups, kernel_ids):
-        if group.one_block or not L.size or bsr == 1:
+        if group.one_block or not L.size or (bsr == 1 and not permute):
             continue
         where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
         kinds: dict[tuple[str, int, int], list[int]] = {}
         for p in where:
             region = consumer.regions[p.region]
-            if p.heads > 1 and p.region not in kinds.get((region.part, p.heads, p.length), []):
-                kinds.setdefault((region.part, p.heads, p.length), []).append(p.region)
+            heads = permuted_heads(consumer, p) if permute else p.heads
+            if heads > 1 and p.region not in kinds.get((region.part, heads, p.length), []):
+                kinds.setdefault((region.part, heads, p.length), []).append(p.region)
         for (_, heads, length), rs in sorted(kinds.items()):
             out.append(
                 Regroup(
@@ -1124,9 +1140,22 @@ def _regroups(
                     heads,
                     consumer.block_size,
                     length // (heads * consumer.block_size),
+                    layout,
                 )
             )
     return tuple(out)
+
+
+def permuted_heads(consumer: RankGeometry, page: Page) -> int:
+    """The local KV heads of the attention layer whose page ``page`` is (1 for a latent or a state): the
+    heads a token-major page holds per token, which a permute regroups (B.6.15)."""
+    region = consumer.regions[page.region]
+    for _, name in region.members:
+        if region.slot(name)[0] == page.offset:
+            spec = consumer.layer_specs[name]
+            if isinstance(spec, AttentionSpec):
+                return int(spec.heads_per_rank(consumer.tp_size))
+    return 1
 
 
 def _zero_rows(
@@ -1200,22 +1229,24 @@ def post_receive(
     bsr: int,
     compat: str = "kvgeom",
     pages: Callable[[int], list[Page]] | None = None,
+    permute: bool = False,
 ) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The consumer's post-receive step (vLLM B.3.9 / B.6.11): regroup head-major blocks that arrived as
-    ``bsr`` finer remote pages, then zero what the transfer did not write.
+    ``bsr`` finer remote pages (``permute``: token-major pages that arrived head-major, B.6.15), then zero
+    what the transfer did not write.
 
     Per attention group ``g`` with kernel ids ``L`` (consumer) and ``R`` (the producer's full list):
     ``covered = min(|L| * bsr, |R|)`` remote-block units; the tokens past ``covered mod bsr`` units of
     block ``L[covered div bsr]`` and all of ``L[ceil(covered / bsr):]`` are zeroed, in the regions that
     hold a layer of group ``g`` (``pages``: the pages of a group, default :func:`~kvgeom.align.group_pages`,
-    which a planner caches). vLLM only runs this when ``bsr > 1`` or the two ppl differ;
+    which a planner caches). vLLM only runs this when ``bsr > 1``, it permutes, or the two ppl differ;
     ``compat="kvgeom"`` always runs it (it zeroes nothing when everything was covered).
     """
-    if compat == "vllm" and bsr == 1 and consumer.ppl == producer.ppl:
+    if compat == "vllm" and bsr == 1 and consumer.ppl == producer.ppl and not permute:
         return (), np.zeros((0, 3), dtype=np.int64)
     spans = [(0, 0, min(L.size * bsr, R.size)) for L, R in zip(consumer_kernel_ids, producer_kernel_ids)]
     return (
-        _regroups(consumer, consumer_kernel_ids, bsr, pages),
+        _regroups(consumer, consumer_kernel_ids, bsr, pages, permute),
         _zero_rows(consumer, consumer_kernel_ids, bsr, spans, pages),
     )
 

@@ -48,6 +48,7 @@ ENGINE_KEYS: dict[str, Any] = {
     "kv_layout": KVLayout.HEAD_MAJOR.value,
     "conv_layout": ConvLayout.DS.value,
     "kv_split": False,
+    "permute_local_kv": False,
 }
 MAX_TP = 1024
 MAX_BLOCK_SIZE = 1 << 20
@@ -151,12 +152,13 @@ def _engine(data: Any, ref: ModelRef, side: str) -> EngineConfig:
                 value=kernel,
                 expected=block,
             )
-    if not isinstance(d["kv_split"], bool):
-        raise ConfigError(
-            f"{side}.kv_split",
-            f"must be true or false, got {d['kv_split']!r} (accepted: true, false)",
-            value=d["kv_split"],
-        )
+    for flag in ("kv_split", "permute_local_kv"):
+        if not isinstance(d[flag], bool):
+            raise ConfigError(
+                f"{side}.{flag}",
+                f"must be true or false, got {d[flag]!r} (accepted: true, false)",
+                value=d[flag],
+            )
     return EngineConfig(
         tp_size=tp,
         block_size=block,
@@ -167,6 +169,7 @@ def _engine(data: Any, ref: ModelRef, side: str) -> EngineConfig:
         conv_layout=ConvLayout(
             _choice(d["conv_layout"], f"{side}.conv_layout", tuple(c.value for c in ConvLayout))
         ),
+        permute_local_kv=d["permute_local_kv"],
     )
 
 

@@ -113,8 +113,13 @@ def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
     return total
 
 
+_REGROUP_ORDER = {"head_major": (0, 2, 1, 3, 4), "token_major": (0, 1, 3, 2, 4)}
+"""Axes of a block viewed as ``[block, bsr, heads, n, head_bytes]`` in the order each target layout stores."""
+
+
 def _regroup(tensors: Sequence[Any], card: GeometryCard, step: Regroup) -> None:
-    """``[bsr, heads, tokens/bsr, head_bytes] -> [heads, tokens, head_bytes]`` per listed block."""
+    """``[bsr, heads, tokens/bsr, head_bytes] -> [heads, tokens, head_bytes]`` per listed block (a
+    token-major ``step.layout``: ``-> [tokens, heads, head_bytes]``)."""
     import torch
 
     geom = card.geometry
@@ -126,7 +131,7 @@ def _regroup(tensors: Sequence[Any], card: GeometryCard, step: Regroup) -> None:
         page = view[blocks.to(view.device), : r.block_len]
         page = (
             page.view(-1, step.bsr, step.heads, n, step.head_bytes)
-            .permute(0, 2, 1, 3, 4)
+            .permute(*_REGROUP_ORDER[step.layout.value])
             .reshape(len(blocks), -1)
         )
         view[blocks.to(view.device), : r.block_len] = page

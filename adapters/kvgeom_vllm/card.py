@@ -325,6 +325,9 @@ def card_of_worker(worker: Any) -> GeometryCard:
         kv_layout=layout or "head_major",
         conv_layout="DS" if is_conv_state_dim_first() else "SD",
         packed_rows=csa_linear,
+        permute_local_kv=bool(
+            getattr(getattr(worker, "kv_transfer_config", None), "enable_permute_local_kv", False)
+        ),
     )
     return GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
 

@@ -66,14 +66,17 @@ def regroup_blocks(
     heads: int,
     tokens: int,
     head_bytes: int,
+    token_major: bool = False,
 ) -> None:
-    """Blocks ``block_ids`` of a head-major region received as ``bsr`` remote pages ``[heads, tokens // bsr,
-    head_bytes]`` each, stored back as one ``[heads, tokens, head_bytes]`` page."""
+    """Blocks ``block_ids`` of a region received as ``bsr`` head-major remote pages ``[heads, tokens // bsr,
+    head_bytes]`` each, stored back as one ``[heads, tokens, head_bytes]`` page (``token_major``: as one
+    ``[tokens, heads, head_bytes]`` page, the LBHNC-into-LBNHC permute, also at ``bsr`` 1)."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    if not ids.size or bsr == 1:
+    if not ids.size or (bsr == 1 and not token_major):
         return
     page = heads * tokens * head_bytes
     starts = region.start + ids * int(block_stride)
     idx = torch.from_numpy(starts[:, None] + np.arange(page)[None, :]).to(region.flat.device)
     got = region.flat[idx.reshape(-1)].reshape(ids.size, bsr, heads, tokens // bsr, head_bytes)
-    region.flat[idx.reshape(-1)] = got.permute(0, 2, 1, 3, 4).reshape(-1)
+    order = (0, 1, 3, 2, 4) if token_major else (0, 2, 1, 3, 4)
+    region.flat[idx.reshape(-1)] = got.permute(*order).reshape(-1)

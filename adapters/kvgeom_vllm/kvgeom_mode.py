@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvgeom import Pairing, plan_request
+from kvgeom.engine import KVLayout
 from kvgeom.errors import IncompatiblePairError, KvgeomError
 from kvgeom.plan import RequestPlan
 
@@ -59,6 +60,7 @@ class Receive:
                     step.heads,
                     step.tokens,
                     step.head_bytes,
+                    step.layout is KVLayout.TOKEN_MAJOR,
                 )
         zero_rows(regions, self.plan.zero)
 

@@ -439,7 +439,7 @@ def _engine_json(sc: Scenario, side: str) -> dict[str, Any]:
         "kv_layout": eng.kv_layout.value,
         "conv_layout": eng.conv_layout.value,
         "kv_split": eng.kv_split,
-    }
+    } | ({"permute_local_kv": True} if eng.permute_local_kv else {})
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

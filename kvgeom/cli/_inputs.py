@@ -47,6 +47,7 @@ ALIASES = {
     "layout": "kv_layout",
     "conv": "conv_layout",
     "split": "kv_split",
+    "permute": "permute_local_kv",
 }
 _SHORT = {v: k for k, v in ALIASES.items()}
 _INT_KEYS = {
@@ -112,7 +113,7 @@ def parse_engine(text: str, flag: str) -> dict[str, Any]:
                     field, f"{v!r} is neither 'auto' nor an integer", f"auto, 1..{MAX_BLOCK_SIZE}", value=v
                 )
             out[key] = v if v == "auto" else check_int(v, field, 1, MAX_BLOCK_SIZE)
-        elif key == "kv_split":
+        elif key in ("kv_split", "permute_local_kv"):
             if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise UsageError(field, f"{v!r} is not a boolean", "true, false", value=v)
             out[key] = v.lower() in ("true", "1", "yes")

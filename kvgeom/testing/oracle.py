@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import EngineConfig
+from ..engine import EngineConfig, KVLayout
 from ..geometry import RankGeometry
 from ..pairing import Pairing
 from ..plan import Regroup, RequestPlan, plan_request, receive_step
@@ -262,7 +262,8 @@ class Oracle:
     def regroup(self, rank: int, step: Regroup, label: str = "regroup") -> None:
         """Apply a :class:`~kvgeom.plan.Regroup` on D rank ``rank``, per element from its documented
         meaning: a block viewed as ``[bsr, heads, tokens // bsr, head_bytes]`` is stored as
-        ``[heads, tokens, head_bytes]``."""
+        ``[heads, tokens, head_bytes]`` (head-major ``layout``) or ``[tokens, heads, head_bytes]``
+        (token-major)."""
         if step.bsr < 1 or step.tokens % step.bsr:
             self.result.add(
                 Violation(
@@ -282,7 +283,10 @@ class Oracle:
         h = np.arange(step.heads)[:, None, None]
         t = np.arange(step.tokens)[None, :, None]
         x = np.arange(step.head_bytes)[None, None, :]
-        dest = ((h * step.tokens + t) * step.head_bytes + x).reshape(-1)
+        if step.layout is KVLayout.TOKEN_MAJOR:
+            dest = ((t * step.heads + h) * step.head_bytes + x).reshape(-1)
+        else:
+            dest = ((h * step.tokens + t) * step.head_bytes + x).reshape(-1)
         source = (((t // n * step.heads + h) * n + t % n) * step.head_bytes + x).reshape(-1)
         length = step.heads * step.tokens * step.head_bytes
         for region in step.regions:

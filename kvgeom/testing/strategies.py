@@ -347,6 +347,7 @@ class PDPair:
                 f"{e.kernel} x{e.num_blocks}"
                 f"{' ' + e.kv_layout.value if e.kv_layout is not KVLayout.HEAD_MAJOR else ''}"
                 f"{' kv_split' if e.kv_split else ''}{' SD' if e.conv_layout is ConvLayout.SD else ''}"
+                f"{' permute' if e.permute_local_kv else ''}"
             )
 
         kinds = ",".join(la.kind.value for la in self.model.layers)
@@ -456,6 +457,15 @@ def pd_pairs(
         names = [la.name for la in model.layers]
         own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
         d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=p.kernel * d.ppl)
+    if (
+        mode == "pull"
+        and _permutable(model)
+        and p_dcp == d_dcp == 1
+        and not d.separate_group
+        and draw(st.integers(0, 4)) == 0
+    ):  # a head-major P pulled by a token-major D that permutes on receive (vLLM's enable_permute_local_kv)
+        p = replace(p, kv_layout=KVLayout.HEAD_MAJOR)
+        d = replace(d, kv_layout=KVLayout.TOKEN_MAJOR, permute_local_kv=True)
     prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
     pair = PDPair(model, p, d, mode, compat, prefix_caching)
     cls = plannable_class(pair)
@@ -472,6 +482,14 @@ def pd_pairs(
     return pair
 
 
+def _permutable(model: ModelSpec) -> bool:
+    """A model whose pages vLLM's LBHNC-into-LBNHC permute may cover: head-sharded full attention only (no
+    MLA, no SSM state, no sliding window: no hybrid memory allocator)."""
+    return bool(model.layers) and all(
+        isinstance(la.spec, AttentionSpec) and not la.spec.sliding_window for la in model.layers
+    )
+
+
 def _packed_alike(model: ModelSpec, p: EngineConfig, d: EngineConfig) -> bool:
     """Both sides' packed CSA-linear rows can be built and register regions viewed by the same groups, of the
     same kinds."""
@@ -484,13 +502,32 @@ def _packed_alike(model: ModelSpec, p: EngineConfig, d: EngineConfig) -> bool:
     return streams[0] == streams[1]
 
 
+def _permuted(pair: PDPair) -> bool:
+    """A pull of head-major P pages by a token-major D with ``permute_local_kv``."""
+    p, d = pair.p_engine, pair.d_engine
+    return (
+        pair.mode == "pull"
+        and d.permute_local_kv
+        and p.kv_layout is KVLayout.HEAD_MAJOR
+        and d.kv_layout is KVLayout.TOKEN_MAJOR
+    )
+
+
 def plannable_class(pair: PDPair) -> str | None:
     """The class of pairs kvgeom must always accept that ``pair`` belongs to, or ``None``: one attention
     spec (no sliding window, no KV head replicated at either TP) or MLA only, or an SSM hybrid at equal TP
     with one conv layout; head-major pages, equal logical and kernel blocks, no DCP, pipeline stages,
-    packed rows or separate groups; vllm mode pushes only at equal TP. The property tests treat a refusal
+    packed rows or separate groups; vllm mode pushes only at equal TP; or dense attention pulled from head-major
+    P pages by a token-major D that permutes them on receive. The property tests treat a refusal
     of such a pair as a failure, not a discard."""
     model, p, d = pair.model, pair.p_engine, pair.d_engine
+    if _permuted(pair):  # one layout each side, D permutes on receive: dense attention, as below
+        plain = p.dcp_size == d.dcp_size == 1 and p.pp_size == d.pp_size == 1 and not d.separate_group
+        heads = model.attention_spec.num_kv_heads if model.attention_spec is not None else 0
+        same = p.block_size == d.block_size and p.kernel == d.kernel and p.kv_split == d.kv_split
+        dense = _permutable(model) and len({la.spec for la in model.layers}) == 1
+        ok = plain and same and dense and heads % max(p.tp_size, d.tp_size) == 0
+        return "dense attention, permuted" if ok else None
     engines_plain = all(
         e.kv_layout is KVLayout.HEAD_MAJOR
         and not e.kv_split

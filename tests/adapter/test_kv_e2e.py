@@ -105,6 +105,28 @@ def test_dense_gqa_p_tp1_to_d_tp2() -> None:
     ]  # P frees after both D ranks read
 
 
+PERMUTED = {
+    **DENSE,
+    "compat": "vllm",
+    "prefill": {"tp_size": 1, "block_size": 8, "num_blocks": 256},
+    "decode": {
+        "tp_size": 2,
+        "block_size": 16,
+        "num_blocks": 256,
+        "kv_layout": "token_major",
+        "permute_local_kv": True,
+    },
+}
+
+
+def test_head_major_p_tp1_into_token_major_d_tp2_permuted_on_receive() -> None:
+    """vLLM's ``enable_permute_local_kv`` (B.6.15): D's token-major pages read as head-major remote pages of
+    half its block size, then regrouped token-major on D's tensors; every D byte checked."""
+    out = _run(PERMUTED, [50, 300, 16])
+    _assert_all_ok(out, 3)
+    assert len(_decode_reports(out)) == 2
+
+
 MLA_KDA = {
     "model": ModelSpec.from_layers(
         "mla-kda",

@@ -61,6 +61,8 @@ CI_TESTS = [
     "tests/unit/test_card_lies.py",
     "tests/unit/test_csa_linear.py",
     "tests/testing/test_oracle_csa_linear.py",
+    "tests/unit/test_permute.py",
+    "tests/testing/test_oracle_permute.py",
 ]
 #: modules of each area (strategies generate the tests' inputs: their mutants weaken tests, not kvgeom)
 ORACLE = (

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from hypothesis import HealthCheck, find, given, reject, settings
 
 from kvgeom import KvgeomError
-from kvgeom.engine import EngineConfig
+from kvgeom.engine import EngineConfig, KVLayout
 from kvgeom.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.spec import AttentionSpec, MLASpec, ModelSpec
 from kvgeom.testing import Oracle, pull_plans, push_plans
 from kvgeom.testing import strategies as kst
 
@@ -98,3 +100,44 @@ def test_the_oracle_resolves_plans_like_the_core(case) -> None:
         mine = oracle.moves_of(rp)
         assert (mine[:, 6] == mine[:, 7]).all()
         assert mine[:, :7].tolist() == rp.plan.moves(rp.pairing).tolist()
+
+
+def test_permuted_pulls_are_drawn_across_tp_sizes() -> None:
+    def wanted(c: kst.Case) -> bool:
+        return c.pair.d_engine.permute_local_kv and c.pair.p_engine.tp_size != c.pair.d_engine.tp_size
+
+    case = find(kst.cases(mode="pull"), wanted, settings=FIND)
+    assert case.pair.p_engine.kv_layout is KVLayout.HEAD_MAJOR
+    assert case.pair.d_engine.kv_layout is KVLayout.TOKEN_MAJOR
+    assert "permute" in str(case.pair)
+
+
+@FAST
+@given(
+    kst.cases(mode="pull", models=kst.model_specs(("dense",))).filter(
+        lambda c: c.pair.d_engine.permute_local_kv
+    )
+)
+def test_permuted_pulls_pass_the_oracle(case) -> None:
+    try:
+        report = case.pair.run(case.request)
+    except KvgeomError:
+        assert kst.plannable_class(case.pair) is None
+        reject()
+    assert report.ok, f"{case}\n{report}"
+
+
+def test_the_permuted_plannable_class() -> None:
+    model = ModelSpec.from_layers("m4", [AttentionSpec(4, 8, "float16")] * 2)
+    p = EngineConfig(tp_size=1, block_size=16, num_blocks=8)
+    d = EngineConfig(tp_size=2, block_size=16, num_blocks=8, kv_layout="token_major", permute_local_kv=True)
+    assert kst.plannable_class(kst.PDPair(model, p, d, "pull", "vllm")) == "dense attention, permuted"
+    assert kst.plannable_class(kst.PDPair(model, p, d, "push", "vllm")) is None  # pulls only
+    small = dataclasses.replace(p, block_size=8, kernel_block_size=8)
+    assert kst.plannable_class(kst.PDPair(model, small, d, "pull", "vllm")) is None  # blocks differ
+    eight = dataclasses.replace(d, tp_size=8)  # 4 heads over 8 ranks: replicated
+    assert kst.plannable_class(kst.PDPair(model, p, eight, "pull", "vllm")) is None
+    mla = ModelSpec.from_layers("mla", [MLASpec(16, "float16")])
+    assert kst.plannable_class(kst.PDPair(mla, p, d, "pull", "vllm")) is None
+    unflagged = dataclasses.replace(d, permute_local_kv=False)  # two layouts without the permute
+    assert kst.plannable_class(kst.PDPair(model, p, unflagged, "pull", "vllm")) is None

@@ -32,7 +32,7 @@ HEADS, HEAD_BYTES = 12, 128 * 2  # K and V packed: 2 x 64 float16 per head and t
 TIMEOUT_S = 60.0
 
 
-def vllm_config(tp: int, block_size: int, layout: str, compat: str) -> Any:
+def vllm_config(tp: int, block_size: int, layout: str, compat: str, permute: bool = False) -> Any:
     from vllm.config import (
         AttentionConfig,
         CacheConfig,
@@ -58,6 +58,7 @@ def vllm_config(tp: int, block_size: int, layout: str, compat: str) -> Any:
             kv_connector_module_path="kvgeom_vllm",
             kv_role="kv_both",
             kv_connector_extra_config={"compat": compat},
+            enable_permute_local_kv=permute,
         ),
         device_config=DeviceConfig("cpu"),
         attention_config=AttentionConfig(),
@@ -141,13 +142,14 @@ def make_worker(
     compat: str,
     nixl_wrapper: Any = None,
     push: bool = False,
+    permute: bool = False,
 ) -> Any:
     """A registered kvgeom worker (pull, or ``push``) for TP rank ``rank`` of ``tp``, with a real NIXL agent
     (or the class ``nixl_wrapper`` in its place; then push's writer thread is not started)."""
     from kvgeom_vllm.worker import KvgeomPullConnectorWorker, KvgeomPushConnectorWorker
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
-    config = vllm_config(tp, block_size, layout, compat)
+    config = vllm_config(tp, block_size, layout, compat, permute)
     kvc, caches = kv_caches(tp, block_size, num_blocks, layout)
     base = KvgeomPushConnectorWorker if push else KvgeomPullConnectorWorker
     cls = base if compat == "vllm" else type("W", (base,), {"kvgeom_compat": compat})
@@ -239,7 +241,14 @@ def consumer_main(side: dict, to_parent: Any, from_parent: Any) -> dict:
 
     workers = [
         make_worker(
-            "D", side["tp"], r, side["block_size"], side["num_blocks"], side["layout"], side["compat"]
+            "D",
+            side["tp"],
+            r,
+            side["block_size"],
+            side["num_blocks"],
+            side["layout"],
+            side["compat"],
+            permute=side.get("permute", False),
         )
         for r in range(side["tp"])
     ]

@@ -12,9 +12,12 @@ pass the oracle. See :mod:`test_differential` for how to run.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import _e2e as E
 import numpy as np
 import pytest
+import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +25,7 @@ from kvgeom.csa import csa_linear_model
 from kvgeom.engine import ConvLayout, EngineConfig
 from kvgeom.errors import KvgeomError
 from kvgeom.plan import receive_step
-from kvgeom.spec import MambaSpec
+from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
 from kvgeom.testing import ZERO, Oracle, Request, engine_geometries
 from kvgeom.testing import strategies as kst
 from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
@@ -328,6 +331,100 @@ def test_gqa_csa_linear_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
 @given(st.sampled_from(GQA_CSA))
 def test_gqa_csa_linear_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
     _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
+def _permute_cases() -> list[kst.Case]:
+    """A head-major P pulled by a token-major D with ``permute_local_kv`` (vLLM's ``enable_permute_local_kv``,
+    B.6.15): two full-attention layers of 4 KV heads (8 x fp16 each), 37 tokens, across TP sizes (1-4 on each
+    side) and block-size ratios 1, 2 and 4; 2 KV heads replicated by D (TP 4) or by P (TP 4 into TP 1); one
+    prefix hit; and the same pairs without the flag (refused by both). vLLM moves every permuted pair right
+    except P_TP > D_TP with bsr > 1 or with P replicating the heads (it refuses; so does vllm mode, and kvgeom
+    mode plans them)."""
+    four = ModelSpec.from_layers("dense", [AttentionSpec(4, 8, "float16")] * 2)
+    two = ModelSpec.from_layers("dense", [AttentionSpec(2, 8, "float16")] * 2)
+    setups = [  # model, P TP, D TP, P block, D block, prefix blocks, permute
+        (four, 1, 1, 16, 16, 0, True),
+        (four, 1, 1, 8, 16, 0, True),
+        (four, 1, 1, 4, 16, 0, True),
+        (four, 1, 2, 16, 16, 0, True),
+        (four, 1, 2, 8, 16, 0, True),
+        (four, 2, 4, 4, 16, 0, True),
+        (four, 2, 1, 16, 16, 0, True),
+        (four, 4, 2, 16, 16, 0, True),
+        (four, 2, 1, 8, 16, 0, True),
+        (two, 1, 4, 8, 16, 0, True),
+        (two, 4, 1, 16, 16, 0, True),
+        (four, 1, 1, 16, 16, 1, True),
+        (four, 1, 1, 16, 16, 0, False),
+        (four, 1, 2, 8, 16, 0, False),
+    ]
+    out = []
+    for model, p_tp, d_tp, p_bs, d_bs, prefix, permute in setups:
+        p = EngineConfig(tp_size=p_tp, block_size=p_bs, num_blocks=16)
+        d = EngineConfig(
+            tp_size=d_tp, block_size=d_bs, num_blocks=16, kv_layout="token_major", permute_local_kv=permute
+        )
+        request = Request.simple(model, p, d, 37, prefix_blocks=prefix)
+        out.append(kst.Case(kst.PDPair(model, p, d, "pull", prefix_caching=prefix > 0), request))
+    return out
+
+
+PERMUTE = _permute_cases()
+
+
+def _vllm_plans_permute(case: kst.Case) -> bool:
+    """Whether vllm mode plans a permute case: the flag is set, and not P_TP > D_TP with bsr > 1 or with P
+    replicating the KV heads."""
+    p, d = case.pair.p_engine, case.pair.d_engine
+    heads = case.pair.model.num_kv_heads
+    down = p.tp_size > d.tp_size
+    return d.permute_local_kv and not (down and (d.block_size > p.block_size or p.tp_size > heads))
+
+
+@settings(max_examples=len(PERMUTE))
+@given(st.sampled_from(PERMUTE))
+def test_permute_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    vllm, _, vllm_refused = _vllm(case)
+    refused = _plan(case, "vllm")[1]
+    assert (refused is None) == _vllm_plans_permute(case), f"{case}: {refused}"
+    assert (vllm_refused is None) == _vllm_plans_permute(case), f"{case}: {vllm_refused!r}"
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=len(PERMUTE))
+@given(st.sampled_from(PERMUTE))
+def test_permute_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    assert (_plan(case, "kvgeom")[1] is None) == case.pair.d_engine.permute_local_kv
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
+
+
+@pytest.mark.parametrize(("bsr", "covered"), [(1, 3), (2, 5), (4, 9), (4, 12)])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_permute_receive_step_of_the_drop_in_equals_vllms(bsr: int, covered: int, heads: int) -> None:
+    """kvgeom_vllm's ``post_process_device_kv_on_receive`` (kvgeom's token-major regroup, then its zero rows)
+    against vLLM's own (its ``kv_postprocess_blksize_and_layout_on_receive`` kernel, then its zeroing) on a
+    token-major (LBNHC) cache of random bytes: 8 blocks of 16 tokens x ``heads`` heads x 8 bfloat16, blocks
+    ``[5, 1, 6]`` received, ``covered`` remote units of ``16 // bsr`` tokens written."""
+    from kvgeom_vllm.answers.receive import post_process_device_kv_on_receive as ours
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    gen = torch.Generator().manual_seed(bsr * 100 + covered * 10 + heads)
+    data = torch.randn((8, 16, heads, 8), generator=gen).to(torch.bfloat16)
+
+    def worker(cache: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(
+            device_kv_caches={"layer": cache},
+            kv_cache_config=SimpleNamespace(transfer_groups=[SimpleNamespace(layer_names=["layer"])]),
+            kv_cache_layout="LBNHC",
+            enable_permute_local_kv=True,
+            transfer_topo=object(),
+        )
+
+    theirs, mine = (data.clone().permute(0, 2, 1, 3) for _ in range(2))  # [B, H, N, C] views, NHD in memory
+    NixlBaseConnectorWorker.post_process_device_kv_on_receive(worker(theirs), bsr, [(0, [5, 1, 6], covered)])
+    ours(worker(mine), bsr, [(0, [5, 1, 6], covered)])
+    assert not torch.equal(theirs, data.permute(0, 2, 1, 3)) or heads == 1  # the step did something
+    assert torch.equal(mine.view(torch.int16), theirs.view(torch.int16))
 
 
 @settings(max_examples=E2E_EXAMPLES)

@@ -54,7 +54,15 @@ def refused_in_vllm_mode(p: dict, d: dict) -> str:
         for r in range(p["tp"])
     }
     consumer = make_worker(
-        "D", d["tp"], 0, d["block_size"], d["num_blocks"], d["layout"], "vllm", RecordingNixl
+        "D",
+        d["tp"],
+        0,
+        d["block_size"],
+        d["num_blocks"],
+        d["layout"],
+        "vllm",
+        RecordingNixl,
+        permute=d.get("permute", False),
     )
     try:
         for target in consumer.transfer_topo.handshake_target_ranks(p["tp"]):
@@ -151,6 +159,19 @@ def test_vllm_compatible_card_pairs_are_planned_by_kvgeom_byte_for_byte() -> Non
     # sides the vLLM-compatible path is kvgeom's plan too, and its bytes are right
     p = {"tp": 1, "block_size": 32, "num_blocks": 8, "layout": "LBHNC", "compat": "vllm"}
     d = {"tp": 2, "block_size": 64, "num_blocks": 5, "layout": "LBHNC", "compat": "vllm"}
+    assert refused_in_vllm_mode(p, d) == ""
+    oracle, produced, consumed = serve(p, d, num_tokens=150)
+    check(oracle, produced, consumed)
+    assert oracle.result.regrouped_blocks > 0
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_head_major_p_pulled_into_a_token_major_d_that_permutes(compat: str) -> None:
+    # vLLM's enable_permute_local_kv on D (B.6.15): D TP2 reads half of P TP1's heads, two P blocks per D block,
+    # into its token-major pages as if head-major, then kvgeom's token-major regroup; without the setting refused
+    p = {"tp": 1, "block_size": 32, "num_blocks": 8, "layout": "LBHNC", "compat": compat}
+    d = {"tp": 2, "block_size": 64, "num_blocks": 5, "layout": "LBNHC", "compat": compat, "permute": True}
+    assert "enable_permute_local_kv" in refused_in_vllm_mode(p, {**d, "permute": False})
     assert refused_in_vllm_mode(p, d) == ""
     oracle, produced, consumed = serve(p, d, num_tokens=150)
     check(oracle, produced, consumed)

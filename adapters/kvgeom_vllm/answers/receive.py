@@ -43,7 +43,8 @@ def post_process_device_kv_on_receive(
     """``post_process_device_kv_on_receive``: per attention group, the blocks that arrived as ``bsr`` finer
     remote pages are regrouped (head-major layouts), then every byte past the ``covered`` remote units is
     zeroed (kvgeom's zero rows: whole stale blocks, and the token tail of the last partly covered one).
-    The experimental LBHNC-into-LBNHC permute keeps vLLM's conversion kernel."""
+    The LBHNC-into-LBNHC permute (``enable_permute_local_kv``, B.6.15) is kvgeom's token-major regroup:
+    blocks that arrived as ``bsr`` head-major pages are stored token-major, at every ``bsr``."""
     if len(self.device_kv_caches) == 0:
         return
     bsr = check_positive_int(block_size_ratio, "block_size_ratio", error=PlanError)
@@ -57,19 +58,17 @@ def post_process_device_kv_on_receive(
         ids = np.asarray(block_ids, dtype=np.int64)
         if convert:
             for cache in caches:
-                if self.enable_permute_local_kv:
-                    import torch
-                    from vllm.distributed.kv_transfer.kv_connector.utils import (
-                        kv_postprocess_blksize_and_layout_on_receive,
-                    )
-
-                    kv_postprocess_blksize_and_layout_on_receive(
-                        cache, torch.as_tensor(ids, device=cache.device), bsr
-                    )
-                elif block_contiguous:
+                if self.enable_permute_local_kv or block_contiguous:
                     heads, tokens, head_bytes, stride, _ = _page_geometry(cache)
                     regroup_blocks(
-                        ByteRegion.at(cache, cache.data_ptr()), ids, stride, bsr, heads, tokens, head_bytes
+                        ByteRegion.at(cache, cache.data_ptr()),
+                        ids,
+                        stride,
+                        bsr,
+                        heads,
+                        tokens,
+                        head_bytes,
+                        token_major=bool(self.enable_permute_local_kv),
                     )
         geoms = [_page_geometry(c) for c in caches]
         heads, tokens, head_bytes, _, head_major = geoms[0]

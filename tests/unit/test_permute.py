@@ -1,0 +1,253 @@
+"""A head-major P pulled by a token-major D with ``permute_local_kv`` (vLLM's ``enable_permute_local_kv``,
+docs/vllm-behaviour.md B.6.15): the engine option, the handshake rule and its refusals, the pairing, the
+planned receive step (a token-major :class:`~kvgeom.plan.Regroup`) and the picture of it. Expected values
+are derived by hand in the comments.
+
+The model ``M4``: one attention layer of 4 KV heads, head size 8 (K and V) in float16, so one head of one
+token is ``(8 + 8) * 2 = 32`` bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvgeom.align import Page
+from kvgeom.cli._inputs import UsageError, parse_engine
+from kvgeom.draw import _regroup
+from kvgeom.engine import EngineConfig, KVLayout
+from kvgeom.errors import ConfigError, IncompatiblePairError, UnsupportedError
+from kvgeom.geometry import RankGeometry, rank_geometry
+from kvgeom.handshake import check_pair, check_permute
+from kvgeom.pairing import Pairing
+from kvgeom.plan import Regroup, permuted_heads, plan_request, post_receive
+from kvgeom.scenario import Scenario
+from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+
+M4 = ModelSpec.from_layers("m4", [AttentionSpec(4, 8, "float16")])
+HEAD_MAJOR, TOKEN_MAJOR = KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR
+
+
+def _geom(
+    model: ModelSpec = M4,
+    tp: int = 1,
+    block: int = 16,
+    layout: KVLayout = HEAD_MAJOR,
+    permute: bool = False,
+    rank: int = 0,
+) -> RankGeometry:
+    return rank_geometry(
+        model,
+        EngineConfig(
+            tp_size=tp,
+            tp_rank=rank,
+            block_size=block,
+            num_blocks=8,
+            kv_layout=layout,
+            permute_local_kv=permute,
+        ),
+    )
+
+
+def _d(tp: int = 1, block: int = 16, model: ModelSpec = M4, permute: bool = True) -> RankGeometry:
+    return _geom(model, tp, block, TOKEN_MAJOR, permute)
+
+
+# -- the engine option ------------------------------------------------------------------------------------
+def test_permute_local_kv_must_be_a_boolean() -> None:
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(tp_size=1, block_size=16, num_blocks=8, permute_local_kv=1)  # type: ignore[arg-type]
+    assert e.value.field == "permute_local_kv" and e.value.values == {"value": 1}
+
+
+def test_permute_local_kv_in_json_only_when_set() -> None:
+    off = EngineConfig(tp_size=1, block_size=16, num_blocks=8)
+    on = EngineConfig(tp_size=1, block_size=16, num_blocks=8, permute_local_kv=True)
+    assert off.permute_local_kv is False and "permute_local_kv" not in off.to_json()
+    assert on.to_json()["permute_local_kv"] is True
+    assert EngineConfig.from_json(on.to_json()) == on and on.with_rank(0) == on
+
+
+# -- the handshake ------------------------------------------------------------------------------------------
+def test_the_permute_pairs_a_head_major_remote_into_a_token_major_local_rank() -> None:
+    assert check_pair(_d(), _geom(), "pull", "vllm").permute is True
+    assert check_pair(_d(), _geom(), "pull", "kvgeom").permute is True
+    # equal layouts: the flag changes nothing
+    assert check_pair(_d(), _geom(layout=TOKEN_MAJOR), "pull", "vllm").permute is False
+    assert check_pair(_geom(), _geom(), "pull", "vllm").permute is False
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_layouts_differ_without_the_flag(compat: str) -> None:
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(_d(permute=False), _geom(), "pull", compat)
+    assert e.value.field == "kv_layout" and "with permute_local_kv" in str(e.value)
+    assert e.value.values == {"local": "token_major", "remote": "head_major"}
+
+
+def test_the_permute_goes_only_from_head_major_into_token_major() -> None:
+    local = _geom(layout=HEAD_MAJOR, permute=True)
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(local, _geom(layout=TOKEN_MAJOR), "pull", "vllm")
+    assert e.value.field == "kv_layout"
+    assert e.value.values == {"local": "head_major", "remote": "token_major"}
+
+
+def test_the_permute_is_planned_for_pulls_only() -> None:
+    with pytest.raises(UnsupportedError) as e:
+        check_permute(_d(), _geom(), "push", "kvgeom")
+    assert e.value.field == "kv_layout" and "planned for pulls only" in str(e.value)
+    assert e.value.values == {"local": "token_major", "remote": "head_major"}
+    with pytest.raises(UnsupportedError):
+        check_pair(_d(), _geom(), "push", "vllm")
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        ModelSpec.from_layers(
+            "sw", [AttentionSpec(4, 8, "float16"), AttentionSpec(4, 8, "float16", None, 8)]
+        ),
+        ModelSpec.from_layers("hyb", [AttentionSpec(4, 8, "float16"), MambaSpec.gdn(4, 4, 4, 4)]),
+    ],
+    ids=["sliding-window", "ssm"],
+)
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_the_permute_needs_a_model_without_the_hybrid_allocator(model: ModelSpec, compat: str) -> None:
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(_d(model=model), _geom(model), "pull", compat)
+    assert e.value.field == "kv_layout" and "hybrid memory allocator" in str(e.value)
+    assert e.value.values == {"local": "token_major", "remote": "head_major"}
+
+
+def test_mla_pages_are_never_permuted() -> None:
+    mla = ModelSpec.from_layers("mla", [MLASpec(16, "float16")])
+    with pytest.raises(IncompatiblePairError) as e:
+        check_permute(_d(model=mla), _geom(mla), "pull", "vllm")
+    assert e.value.field == "kv_layout"
+
+
+def test_vllm_mode_permutes_across_tp_sizes_a_token_major_layout_otherwise_refuses() -> None:
+    # D TP 2 > P TP 1: 2 of 4 heads per D rank; with one token-major layout on both sides vLLM refuses
+    with pytest.raises(IncompatiblePairError) as e:
+        check_pair(_d(tp=2, permute=False), _geom(layout=TOKEN_MAJOR), "pull", "vllm")
+    assert e.value.field == "kv_layout"
+    shape = check_pair(_d(tp=2), _geom(), "pull", "vllm")
+    assert (shape.tp_ratio, shape.bsr, shape.permute) == (2, 1, True)
+
+
+# -- the pairing and the plan ---------------------------------------------------------------------------------
+def test_kvgeom_mode_pulls_the_permute_as_head_major_pages_not_per_token() -> None:
+    # 2 heads per D rank, 4 per P rank: a token-major pair would be cut per token (16 rows per block)
+    cut = Pairing.create(_d(tp=2, permute=False), [_geom(layout=TOKEN_MAJOR)], "pull", "kvgeom")
+    assert (cut.permute, cut.token_rows) == (False, 16)
+    permuted = Pairing.create(_d(tp=2), [_geom()], "pull", "kvgeom")
+    assert (permuted.permute, permuted.token_rows, permuted.local_rows) == (True, 1, 1)
+    assert "permuted to token-major on receive" in permuted.describe()
+    assert "permuted" not in cut.describe()
+
+
+def _regroup_row(r: Regroup) -> tuple[object, ...]:
+    return (r.regions, r.blocks.tolist(), r.bsr, r.heads, r.tokens, r.head_bytes, r.layout)
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_the_plan_permutes_every_received_block_at_bsr_1(compat: str) -> None:
+    # D TP 2 (2 heads), both blocks 16: a block is 2 heads x 16 tokens x 32 B; D blocks 3 and 5 get P's 1, 2
+    pairing = Pairing.create(_d(tp=2), [_geom()], "pull", compat)
+    plan = plan_request(pairing, [[3, 5]], [[1, 2]], num_tokens=32)
+    assert [_regroup_row(r) for r in plan.regroup] == [((0,), [3, 5], 1, 2, 16, 32, TOKEN_MAJOR)]
+    assert plan.zero.shape == (0, 3)  # every byte covered
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_the_plan_converts_block_size_and_layout_in_one_step(compat: str) -> None:
+    # P blocks of 8 tokens, D of 16: bsr 2; 20 tokens: D block 4 gets P's 6, 7; block 2 gets P's 5 (4 tokens)
+    pairing = Pairing.create(_d(tp=1), [_geom(block=8)], "pull", compat)
+    plan = plan_request(pairing, [[4, 2]], [[6, 7, 5]], num_tokens=20)
+    assert [_regroup_row(r) for r in plan.regroup] == [((0,), [4, 2], 2, 4, 16, 32, TOKEN_MAJOR)]
+    # after the permute block 2 is token-major: tokens 8..15 (one remote block of 8 never came) zeroed,
+    # one run of 8 tokens x 4 heads x 32 B = 1024 B from byte 2048 + 8 * 128 (the block is 2048 B)
+    assert plan.zero.tolist() == [[0, 2 * 2048 + 1024, 1024]]
+
+
+def test_post_receive_in_vllm_mode_runs_for_the_permute_alone() -> None:
+    d, p = _d(tp=1), _geom()
+    ids = [np.array([1, 2])]
+    regroups, zero = post_receive(d, p, ids, ids, 1, "vllm", permute=False)
+    assert regroups == () and zero.shape == (0, 3)  # bsr 1, same ppl: vLLM skips it
+    regroups, zero = post_receive(d, p, ids, ids, 1, "vllm", permute=True)
+    assert [_regroup_row(r) for r in regroups] == [((0,), [1, 2], 1, 4, 16, 32, TOKEN_MAJOR)]
+    assert zero.shape == (0, 3)
+
+
+def test_permuted_heads_counts_the_layers_heads_per_rank() -> None:
+    d = _d(tp=2)  # 4 heads over 2 ranks
+    region = d.regions[0]
+    page = Page(0, 0, region.block_len, region.block_stride, 1)
+    assert permuted_heads(d, page) == 2
+    assert permuted_heads(_d(tp=1), page) == 4
+    assert permuted_heads(d, Page(0, 32, 32, region.block_stride, 1)) == 1  # no layer's page starts there
+    mla = ModelSpec.from_layers("mla", [MLASpec(16, "float16")])
+    assert permuted_heads(_geom(mla), page) == 1  # a latent: no heads
+
+
+# -- the picture -------------------------------------------------------------------------------------------
+def test_draw_moves_runs_where_a_token_major_regroup_puts_them() -> None:
+    # one run of block 1 (stride 8): [bsr 2, heads 2, n 2] x 1 B -> [tokens 4, heads 2]: chunk c = (s, h, t)
+    # goes to (s * 2 + t) * 2 + h: 0->0, 1->2, 2->1, 3->3, 4->4, 5->6, 6->5, 7->7
+    runs = np.array([[0, 0, 100, 0, 0, 8, 8]], dtype=np.int64)
+    step = Regroup((0,), np.array([1]), 2, 2, 4, 1, TOKEN_MAJOR)
+    out = _regroup(runs, step, 0, np.array([8]))
+    got = sorted((int(r[2]) - 100, int(r[5]) - 8, int(r[6])) for r in out)
+    assert got == [(0, 0, 1), (1, 2, 1), (2, 1, 1), (3, 3, 1), (4, 4, 1), (5, 6, 1), (6, 5, 1), (7, 7, 1)]
+    # head-major (as before): chunks of n * b = 2 B: (s, h) -> h * 2 + s: 0->0, 1->2, 2->1, 3->3
+    out = _regroup(runs, Regroup((0,), np.array([1]), 2, 2, 4, 1), 0, np.array([8]))
+    got = sorted((int(r[2]) - 100, int(r[5]) - 8, int(r[6])) for r in out)
+    assert got == [(0, 0, 2), (2, 4, 2), (4, 2, 2), (6, 6, 2)]
+
+
+def test_a_recipe_keeps_the_regroups_layout() -> None:
+    # the third request of one shape is planned from a recipe (kvgeom.recipe): the same regroup, its own blocks
+    pairing = Pairing.create(_d(tp=2), [_geom()], "pull", "vllm")
+    for local, remote in (([3, 5], [1, 2]), ([4, 6], [0, 3]), ([7, 1], [5, 6])):
+        plan = plan_request(pairing, [local], [remote], num_tokens=32)
+        assert [_regroup_row(r) for r in plan.regroup] == [((0,), local, 1, 2, 16, 32, TOKEN_MAJOR)]
+    assert any(type(v).__name__ == "_Shape" for v in pairing._cache["shapes"].values())
+
+
+# -- scenarios and the CLI ---------------------------------------------------------------------------------
+def test_a_scenario_asks_for_the_permute_on_decode() -> None:
+    sc = Scenario.from_json(
+        {
+            "model": M4.to_json(),
+            "prefill": {"block_size": 16},
+            "decode": {"tp_size": 2, "block_size": 16, "kv_layout": "token_major", "permute_local_kv": True},
+        }
+    )
+    assert sc.decode.permute_local_kv is True and sc.prefill.permute_local_kv is False
+    assert sc.pairings[0].permute is True
+    with pytest.raises(ConfigError) as e:
+        Scenario.from_json({"model": M4.to_json(), "decode": {"permute_local_kv": "yes"}})
+    assert e.value.field == "decode.permute_local_kv" and e.value.values == {"value": "yes"}
+
+
+def test_the_cli_reads_permute_as_a_boolean() -> None:
+    assert parse_engine("layout=token_major,permute=true", "--decode") == {
+        "kv_layout": "token_major",
+        "permute_local_kv": True,
+    }
+    assert parse_engine("permute=0", "--decode") == {"permute_local_kv": False}
+    with pytest.raises(UsageError) as e:
+        parse_engine("permute=maybe", "--decode")
+    assert e.value.field == "--decode permute"
+
+
+def test_the_cli_prints_the_permute_only_when_set() -> None:
+    from kvgeom.cli._commands import _engine_json
+
+    on = Scenario.from_json(
+        {"model": M4.to_json(), "decode": {"kv_layout": "token_major", "permute_local_kv": True}}
+    )
+    assert _engine_json(on, "decode")["permute_local_kv"] is True
+    assert "permute_local_kv" not in _engine_json(on, "prefill")

@@ -116,9 +116,10 @@ def test_reported_bytes_judge_each_row_byte_once() -> None:
     assert runs(mine[3]) == [(0, 256)]
     assert runs(mine[4]) == [(0, 64)]
     assert runs(mine[5]) == [(0, 208)]
-    # every block alike: 8 x (64 + 80 + 96) = 1,920 B for r0, ... ; all 8 rows judged exactly once
-    assert [int(m.sum()) for m in mine] == [1920, 2048, 4096, 2048, 512, 1664]
-    assert sum(int(m.sum()) for m in mine) == 8 * ROW
+    # every block alike: 8 x (64 + 80 + 96) = 1,920 B for r0, 8 x 256 for r1 and r3, ...; plus the 1,280 B
+    # past the last row (below): 1,024 for r1, 256 for r3. Every byte of the array is judged exactly once.
+    assert [int(m.sum()) for m in mine] == [1920, 2048 + 1024, 4096, 2048 + 256, 512, 1664]
+    assert sum(int(m.sum()) for m in mine) == 8 * ROW + 1280
     # block 7 of region 0, row byte 416: r0's; of region 5, its 207th byte (row byte 415): r5's
     assert mine[0][7 * ROW + 416] and not mine[0][7 * ROW + 415] and mine[5][7 * ROW + 207]
     assert not mine[5][7 * ROW + 208]
@@ -185,3 +186,36 @@ def test_the_correct_plan_of_that_pair_passes() -> None:
         oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
     report = oracle.report()
     assert report.ok and report.bytes_moved == 4 * 4992, report
+
+
+def test_bytes_past_the_last_row_are_judged_by_the_regions_reaching_them() -> None:
+    """The rank's array runs 1,280 B past its 8 rows (region 3 starts at row byte 1,280 and is 12,288 B
+    long). Those bytes lie in no region's block and outside region 0's view: region 1 (its offsets
+    [11,264, 12,288), array bytes [12,288, 13,312)) and region 3 (its offsets [12,032, 12,288), array bytes
+    [13,312, 13,568)) report them."""
+    mine = reported_bytes(geom(2))
+    assert mine is not None
+    assert np.flatnonzero(mine[1][8 * ROW - 1024 :]).tolist() == list(range(1024))
+    assert np.flatnonzero(mine[3][8 * ROW - 1280 :]).tolist() == list(range(1024, 1280))
+    assert not mine[2][8 * ROW - 512 :].any() and not mine[4][8 * ROW - 64 :].any()
+
+
+def test_a_write_past_the_last_row_is_caught() -> None:
+    """Regression: a move inside region 3's bounds but past the rank's last row (D rank 0 region 3 bytes
+    [11,008, 11,264): array bytes [12,288, 12,544), beyond the 8 rows) was judged by no region and passed.
+    Region 1 now reports those bytes (its offsets [11,264, 11,520)): they must keep their resident tags (I1,
+    256 B)."""
+    p = packed(2)
+    req = Request.simple(MODEL, p, p, 40)
+    oracle = Oracle.for_engines(MODEL, p, p, req)
+    for rp in pull_plans(MODEL, p, p, req, "kvgeom"):
+        moves = oracle.moves_of(rp)
+        if rp.rank == 0:
+            moves = np.vstack([moves, [[0, 3, ROW, 0, 3, 11008, 256, 256]]])
+        oracle.execute(moves, f"rank {rp.rank}")
+        oracle.receive(rp.rank, rp.plan.regroup, rp.plan.zero)
+    report = oracle.report()
+    assert dict(report.violated_bytes) == {"I1": 256}
+    assert [(v.invariant, v.rank, v.region, v.start, v.stop) for v in report.violations] == [
+        ("I1", 0, 1, 11264, 11520)
+    ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 from kvgeom.align import Page

@@ -14,6 +14,8 @@ the rank's array is 1,280 + 12,288 = 13,568 B (the last region starts latest).""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from kvgeom.csa import csa_linear_model
@@ -132,6 +134,18 @@ def test_reported_bytes_the_shorter_region_keeps_an_overlap() -> None:
     assert mine is not None
     assert np.flatnonzero(mine[5][:ROW]).tolist() == list(range(24, 104))
     assert np.flatnonzero(mine[4][:ROW]).tolist() == list(range(64))
+
+
+def test_reported_bytes_ties_go_to_the_lower_index() -> None:
+    """A made-up overlap of two equally long regions: region 4 widened to 208 B covers row bytes [64, 272),
+    region 5 [208, 416). Both 208 B long: region 4 (the lower index) keeps the shared [208, 272); region 5
+    reports [272, 416), its offsets [64, 208)."""
+    g = geom(2)
+    wide = replace(g, regions=(*g.regions[:4], replace(g.regions[4], block_len=208), g.regions[5]))
+    mine = reported_bytes(wide)
+    assert mine is not None
+    assert np.flatnonzero(mine[4][:ROW]).tolist() == list(range(208))
+    assert np.flatnonzero(mine[5][:ROW]).tolist() == list(range(64, 208))
 
 
 def test_reported_bytes_of_regions_of_their_own_is_none() -> None:

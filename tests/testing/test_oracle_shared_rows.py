@@ -23,7 +23,7 @@ from kvgeom.engine import EngineConfig
 from kvgeom.geometry import RankGeometry, rank_geometry
 from kvgeom.spec import MambaSpec
 from kvgeom.testing import Oracle, Request, pull_plans
-from kvgeom.testing._layout import byte_places, region_arrays, reported_bytes
+from kvgeom.testing._layout import OUTSIDE, RankImage, byte_places, region_arrays, reported_bytes
 
 MODEL = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
 ROW = 1536
@@ -233,3 +233,14 @@ def test_a_write_past_the_last_row_is_caught() -> None:
     assert [(v.invariant, v.rank, v.region, v.start, v.stop) for v in report.violations] == [
         ("I1", 0, 1, 11264, 11520)
     ]
+
+
+def test_an_empty_rank_image_aliases_too() -> None:
+    """``RankImage.empty``: tags (int64, -1: none) and roles (int8, 0: OUTSIDE) as views of one row array each."""
+    img = RankImage.empty(geom(2))
+    assert img.rank == 0 and len(img.tags) == len(img.role) == 6
+    assert all(t.dtype == np.int64 and (t == -1).all() for t in img.tags)
+    assert all(r.dtype == np.int8 and (r == OUTSIDE).all() for r in img.role)
+    img.tags[4][0] = 5
+    img.role[5][0] = 2
+    assert img.tags[0][64] == 5 and img.role[0][208] == 2

@@ -435,3 +435,71 @@ def test_packed_rows_on_one_side_only_are_refused(compat: str) -> None:
         remote=False,
     )  # type: ignore[arg-type]
     check_pair(plain, geo(MODEL, 2, 1, packed=False), "pull", compat)  # type: ignore[arg-type]
+
+
+# ---- three CSA layers: a state-only region before others, more than 8 regions ---------------------------
+
+PLAIN3 = csa_linear_model(num_csa_layers=3)
+MODEL3 = csa_linear_model(num_csa_layers=3, main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
+
+
+def test_packed_streams_go_on_past_a_state_only_region() -> None:
+    """PLAIN3 at TP1: MLA pages at 0, 256, 512; rings at 0, 64, 128; GDN states (208 B) at 0, 208, 416.
+    Regions in layer order: 0 attn0 @0 (ring0, gdn1, ple), 1 attn2 @256, 2 ring2 @64, 3 gdn3 @208, 4 attn4
+    @512, 5 ring4 @128, 6 gdn5 @416: the state-only region 3 comes before regions 4-6."""
+    g = geo(PLAIN3, 1)
+    assert [r.row_offset for r in g.regions] == [0, 256, 64, 208, 512, 128, 416]
+    assert packed_streams(g) == (
+        PackedStream(0, 0, 256, "whole"),
+        PackedStream(1, 0, 256, "whole"),
+        PackedStream(2, 1, 64, "whole"),
+        PackedStream(3, 2, 208, "state"),
+        PackedStream(4, 0, 256, "whole"),
+        PackedStream(5, 1, 64, "whole"),
+        PackedStream(6, 2, 208, "state"),
+        PackedStream(0, 1, 64, "whole"),
+    )
+
+
+# MODEL3 at TP2: row kv0 @0, kv2 @512, kv4 @1024, attn0 @1536, attn2 @1792, attn4 @2048 (2,304 B); rings @0, 64,
+# 128; GDN states (208 B) @0, 208, 416. Regions: 0 kv0 (ring0, gdn1, ple), 1 attn0, 2 kv2, 3 attn2, 4 ring2,
+# 5 gdn3, 6 kv4, 7 attn4, 8 ring4, 9 gdn5: refusals name the first 8.
+NAMES3 = [*NAMES, ("layers.4.kv",), ("layers.4.attn",)]
+STREAMS3 = [
+    (0, 0, "heads"),
+    (1, 0, "whole"),
+    (2, 0, "heads"),
+    (3, 0, "whole"),
+    (4, 1, "whole"),
+    (5, 2, "state"),
+    (6, 0, "heads"),
+    (7, 0, "whole"),
+]
+
+
+def test_refusals_of_many_regions_name_the_first_eight() -> None:
+    local = geo(MODEL3, 2)
+    assert [r.row_offset for r in local.regions] == [0, 1536, 512, 1792, 64, 208, 1024, 2048, 128, 416]
+    swapped = _with_region(
+        local, 0, members=((0, "layers.0.kv"), (2, "layers.1.gdn"), (1, "layers.0.ring"), (3, "ple"))
+    )
+    there = [("layers.0.kv", "layers.1.gdn", "layers.0.ring", "ple"), *NAMES3[1:]]
+    refused(
+        IncompatiblePairError,
+        "regions",
+        lambda: check_pair(local, swapped, "pull", "vllm"),
+        local=NAMES3,
+        remote=there,
+    )
+    kv = _with_region(local, 4, members=((0, "layers.2.kv"),))
+    refused(
+        IncompatiblePairError,
+        "regions",
+        lambda: pair_streams(local, kv, "pull", "kvgeom"),
+        local=STREAMS3,
+        remote=[*STREAMS3[:4], (4, 0, "heads"), *STREAMS3[5:]],
+    )
+
+
+def test_layer_page_is_an_int() -> None:
+    assert type(geo(MODEL, 2).layer_page("layers.0.kv")) is int

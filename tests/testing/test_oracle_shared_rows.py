@@ -54,6 +54,9 @@ def test_region_arrays_alias_shared_rows() -> None:
     arrays = region_arrays(geom(2), 7, np.int64)
     assert len(arrays) == 6 and all(a.size == 8 * ROW and a.dtype == np.int64 for a in arrays)
     assert all((a == 7).all() for a in arrays)
+    assert {a.dtype for a in region_arrays(geom(2), 0, np.int8)} == {
+        np.dtype(np.int8)
+    }  # not numpy's default int
     base = arrays[0].base
     assert base is not None and base.size == 1280 + 8 * ROW  # 13,568
     assert all(a.base is base for a in arrays)

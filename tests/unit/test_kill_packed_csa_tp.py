@@ -503,3 +503,22 @@ def test_refusals_of_many_regions_name_the_first_eight() -> None:
 
 def test_layer_page_is_an_int() -> None:
     assert type(geo(MODEL, 2).layer_page("layers.0.kv")) is int
+
+
+def test_packed_pairing_reads_replicated_pages_in_chunks_and_only_the_state_stream_unread() -> None:
+    """K=4 packed, P TP2 -> D TP1 (kvgeom mode). D's streams: 0 kv0 (2,048 B, 4 heads), 1 attn0 (256), 2 kv2,
+    3 attn2, 4 ring2 (64), 5 gdn3 (208, the state's: unread), 6 ring0 (64). From P rank j (heads 2j, 2j + 1):
+    head slices (1024 j, 0, 1024) of each main-KV page, halves (128 j, 128 j, 128) of the MLA pages and
+    (32 j, 32 j, 32) of the ring pages; the unread state stream cut to the shorter side (P's 104 B)."""
+    local = geo(K4, 1)
+    pairing = Pairing.create(local, [geo(K4, 2, 0), geo(K4, 2, 1)], "pull", "kvgeom")
+    for j in (0, 1):
+        assert pairing.route(j).fa == (
+            (1024 * j, 0, 1024),
+            (128 * j, 128 * j, 128),
+            (1024 * j, 0, 1024),
+            (128 * j, 128 * j, 128),
+            (32 * j, 32 * j, 32),
+            (0, 0, 104),
+            (32 * j, 32 * j, 32),
+        )

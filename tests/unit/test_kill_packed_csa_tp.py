@@ -296,6 +296,7 @@ def test_replicated_csa_pages_are_read_in_chunks() -> None:
     ranks) are read as two 128-byte halves: bytes [128 j, 128 j + 128) from P rank j."""
     for j in (0, 1):
         r = _k4_route(j)
+        assert all(type(x) is int for s in r.fa for x in s)  # type: ignore[attr-defined]  # byte counts, not floats
         assert r.fa == (
             (1024 * j, 0, 1024),
             (128 * j, 128 * j, 128),

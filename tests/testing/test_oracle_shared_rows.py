@@ -149,6 +149,13 @@ def test_reported_bytes_ties_go_to_the_lower_index() -> None:
     assert mine is not None
     assert np.flatnonzero(mine[4][:ROW]).tolist() == list(range(208))
     assert np.flatnonzero(mine[5][:ROW]).tolist() == list(range(64, 208))
+    # region 4 widened to 512 B ([64, 576)) ties with region 0 (and 2): region 0 keeps [64, 208) and [416, 512)
+    # (region 5 the shorter [208, 416)), region 2 [512, 576); region 4 reports nothing of block 0
+    wider = replace(g, regions=(*g.regions[:4], replace(g.regions[4], block_len=512), g.regions[5]))
+    mine = reported_bytes(wider)
+    assert mine is not None
+    assert not mine[4][:ROW].any()
+    assert np.flatnonzero(mine[0][:ROW]).tolist() == [*range(208), *range(416, 512)]
 
 
 def test_reported_bytes_of_regions_of_their_own_is_none() -> None:

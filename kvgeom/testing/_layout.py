@@ -109,15 +109,17 @@ def reported_bytes(geom: RankGeometry) -> list[np.ndarray] | None:
     """Where regions share rows, which bytes each region reports (so that a byte seen through several
     regions is judged once): a byte belongs to the shortest region whose block holds it (the most specific
     view: a state page's own region before the main-KV page it overlaps), ties to the lower index; bytes in no
-    region's block to region 0. ``None`` for regions of their own (each reports all of its bytes)."""
+    region's block to the first region that views them (region 0 for every byte of the rows; a later region for
+    the bytes its span reaches past the last row, so that a write there is judged too). ``None`` for regions of
+    their own (each reports all of its bytes)."""
     if all(r.row_offset is None for r in geom.regions):
         return None
     owner = region_arrays(geom, -1, np.int64)
     for r in sorted(geom.regions, key=lambda r: (r.block_len, r.index)):
         view = owner[r.index].reshape(-1, r.block_stride)[:, : r.block_len]
         view[view < 0] = r.index
-    for r in geom.regions:  # past every region's block: the first region's
-        owner[r.index][owner[r.index] < 0] = geom.regions[0].index
+    for r in geom.regions:  # past every region's block: the first region viewing the byte
+        owner[r.index][owner[r.index] < 0] = r.index
     return [o == r.index for r, o in zip(geom.regions, owner)]
 
 

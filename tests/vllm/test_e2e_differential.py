@@ -353,7 +353,9 @@ def _region_dcp_cases() -> list[kst.Case]:
     ]
     out = []
     for p_tp, p_dcp, d_tp, d_dcp, block, kernel in setups:
-        p = EngineConfig(tp_size=p_tp, block_size=block, num_blocks=24, kernel_block_size=kernel, dcp_size=p_dcp)
+        p = EngineConfig(
+            tp_size=p_tp, block_size=block, num_blocks=24, kernel_block_size=kernel, dcp_size=p_dcp
+        )
         d = EngineConfig(
             tp_size=d_tp,
             block_size=block,

@@ -111,6 +111,11 @@ def _shape(case: kst.Case) -> None:
         ("pipeline stages", p.pp_size > 1 or d.pp_size > 1),
         ("packed rows", p.packed_rows or d.packed_rows),
         ("CSA-linear", case.pair.model.is_csa_linear),
+        ("separate groups", bool(p.separate_group or d.separate_group)),
+        (
+            "separate groups with DCP",
+            bool(p.separate_group or d.separate_group) and max(p.dcp_size, d.dcp_size) > 1,
+        ),
         (
             "CSA-linear head-sharded main KV",
             case.pair.model.is_csa_linear and case.pair.model.attention_spec is not None,

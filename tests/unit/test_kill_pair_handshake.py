@@ -491,6 +491,7 @@ def test_regions_grouped_differently() -> None:
     for compat in ("vllm", "kvgeom"):
         assert ratios(check_pair(geo(MLA4, tp=2, dcp_size=2), geo(MLA4, **SEP), compat=compat)) == (2, 1, 1)
         assert ratios(check_pair(geo(MLA4), geo(MLA4, tp=2, dcp_size=2, **SEP), compat=compat)) == (-2, 1, 1)
+        assert ratios(check_pair(geo(MLA4, tp=2, dcp_size=2, **SEP), geo(MLA4), compat=compat)) == (2, 1, 1)
     # vLLM refuses DCP region pulls unless every logical block is one kernel block (ppl 1) on both sides
     ppl2 = {"block": 8, "kernel_block_size": 4}
     for local, remote, ppls in (

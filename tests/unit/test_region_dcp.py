@@ -120,6 +120,18 @@ def test_vllm_mode_needs_the_tokens_p_computed() -> None:
     assert plan.transfers[0].remote_ids.tolist() == [2, 4, 8 + 2, 8 + 4, 16 + 2, 16 + 4]
 
 
+def test_vllm_mode_places_d_by_num_tokens_only_with_prefix_caching() -> None:
+    """D's cached pages come from num_tokens; without prefix caching D's list starts at page 0 (D rank 1's
+    pages 1, 3 and 5, as with num_tokens=20), with it num_tokens is needed."""
+    p, d = _engine(1), _engine(2, 2, rank=1, separate_group=SEP)
+    ids = ([[1, 2, 3], [4, 5, 6]], [[1, 2, 3, 4, 5]])
+    plan = plan_request(_pairing(p, d, "vllm"), *ids, prefill_tokens=20)
+    assert plan.transfers[0].remote_ids.tolist() == [2, 4, 8 + 2, 8 + 4, 16 + 2, 16 + 4]
+    with pytest.raises(PlanError) as err:
+        plan_request(_pairing(p, d, "vllm", prefix_caching=True), *ids, prefill_tokens=20)
+    assert (type(err.value), err.value.field, err.value.values) == (PlanError, "num_tokens", {"value": None})
+
+
 def test_kvgeom_mode_pairs_kernel_pages_by_token_where_vllm_refuses() -> None:
     """Blocks of 8 tokens in kernel blocks of 4 (vLLM refuses DCP region pulls then; its kernel-page positions
     would pair D's kernel 2 with P's kernel 3, tokens 8-11 with 4-7). 20 tokens = logical pages 0-2 on P TP1 (ids

@@ -645,7 +645,7 @@ def _region_dcp_pairs(
     remote = pairing.remotes[pairing.targets[0]]
     lgid, rgid = region_group_ids(local), region_group_ids(remote)
     if not any(x.size for x in l_by):
-        return {}, [x[:0] for x in l_by]
+        return {}, l_by  # every list empty: nothing to read or zero
     by_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     if pairing.compat == "kvgeom":
         units = [

@@ -53,9 +53,11 @@ def test_a_sharded_d_reads_its_global_pages_region_by_region(compat: str) -> Non
     token and is zeroed (64 B at block 3 of regions 0, 2, block 6 of region 1). Two D ranks read P: 'req:2'."""
     d = _engine(2, 2, rank=1, separate_group=SEP)
     pairing = _pairing(_engine(1), d, compat)
-    plan = plan_request(pairing, [[1, 2, 3], [4, 5, 6]], [[1, 2, 3, 4, 5]], num_tokens=20, prefill_tokens=20)
+    plan = plan_request(
+        pairing, [[1, 2, 3], [4, 5, 6]], [[1, 2, 3, 4, 5]], "req", "P-req", num_tokens=20, prefill_tokens=20
+    )
     (t,) = plan.transfers
-    assert t.remote_rank == 0 and t.notif == "req:2"
+    assert t.remote_rank == 0 and t.notif == "P-req:2"  # P's request id
     assert t.local_ids.tolist() == [1, 2, 8 + 4, 8 + 5, 16 + 1, 16 + 2]
     assert t.remote_ids.tolist() == [2, 4, 8 + 2, 8 + 4, 16 + 2, 16 + 4]
     assert plan.zero.tolist() == [[0, 3 * 64, 64], [1, 6 * 64, 64], [2, 3 * 64, 64]]
@@ -129,6 +131,37 @@ def test_vllm_mode_places_d_by_num_tokens_only_with_prefix_caching() -> None:
     assert plan.transfers[0].remote_ids.tolist() == [2, 4, 8 + 2, 8 + 4, 16 + 2, 16 + 4]
     with pytest.raises(PlanError) as err:
         plan_request(_pairing(p, d, "vllm", prefix_caching=True), *ids, prefill_tokens=20)
+    assert (type(err.value), err.value.field, err.value.values) == (PlanError, "num_tokens", {"value": None})
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_pages_past_the_tokens_p_computed_are_zeroed_not_read(compat: str) -> None:
+    """P computed 16 tokens (pages 0-3) but hands a 5-page list: D rank 0's pages 0, 2 come from P ids 1, 3, its
+    page 4 (tokens 16-19) is D's to compute and zeroed (D id 3 in regions 0, 2; id 6 in region 1)."""
+    pairing = _pairing(_engine(1), _engine(2, 2, separate_group=SEP), compat)
+    plan = plan_request(pairing, [[1, 2, 3], [4, 5, 6]], [[1, 2, 3, 4, 5]], num_tokens=20, prefill_tokens=16)
+    (t,) = plan.transfers
+    assert t.local_ids.tolist() == [1, 2, 8 + 4, 8 + 5, 16 + 1, 16 + 2]
+    assert t.remote_ids.tolist() == [1, 3, 8 + 1, 8 + 3, 16 + 1, 16 + 3]
+    assert plan.zero.tolist() == [[0, 3 * 64, 64], [1, 6 * 64, 64], [2, 3 * 64, 64]]
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_d_lists_longer_than_the_tokens_need_or_unplaced_are_refused(compat: str) -> None:
+    """20 tokens on D TP2 DCP2 need ceil(20 / 8) = 3 list entries: 4 are refused, naming the group; with prefix
+    caching D's cached pages come from num_tokens, which must be passed."""
+    ids = ([[1, 2, 3, 4], [5, 6, 7, 0]], [[1, 2, 3, 4, 5]])
+    with pytest.raises(PlanError) as err:
+        pairing = _pairing(_engine(1), _engine(2, 2, separate_group=SEP), compat)
+        plan_request(pairing, *ids, num_tokens=20, prefill_tokens=20)
+    assert (err.value.field, err.value.values) == ("block_ids[0]", {"value": 4})
+    with pytest.raises(PlanError) as err:
+        plan_request(
+            _pairing(_engine(1), _engine(2, 2, separate_group=SEP), compat, prefix_caching=True),
+            [[1, 2, 3], [4, 5, 6]],
+            [[1, 2, 3, 4, 5]],
+            prefill_tokens=20,
+        )
     assert (type(err.value), err.value.field, err.value.values) == (PlanError, "num_tokens", {"value": None})
 
 

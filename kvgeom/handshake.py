@@ -250,8 +250,9 @@ def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: 
 
 def _check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> None:
     """P and D group the same regions differently (:mod:`kvgeom.regionmap`): block lists pair region by region.
-    vLLM 0.33.0 does it in pulls of pure MLA models with equal kernel block sizes; kvgeom in pulls of regions
-    of one group each with equal kernel block sizes, without DCP."""
+    vLLM 0.33.0 does it in pulls of pure MLA models with equal kernel block sizes (with DCP: logical blocks of one
+    kernel block on both sides); kvgeom in pulls of regions of one group each with equal kernel block sizes (a
+    separate group is modelled for models of one attention or MLA group, so with DCP: pure MLA)."""
     if mode != "pull":
         raise UnsupportedError(
             "separate_group",
@@ -267,18 +268,28 @@ def _check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, c
             local=local.block_size,
             remote=remote.block_size,
         )
-    if local.dcp_size > 1 or remote.dcp_size > 1:
-        raise UnsupportedError(
-            "dcp_size",
-            "regions grouped differently are not planned with decode context parallelism",
-            local=local.dcp_size,
-            remote=remote.dcp_size,
-        )
     if compat == "vllm" and (not local.is_mla or local.has_ssm or local.has_draft):
         raise UnsupportedError(
             "separate_group",
             "vLLM 0.33.0 pairs differently grouped regions only for pure MLA models; kvgeom mode plans it",
             value=local.model.name,
+        )
+    if compat == "vllm" and (local.dcp_size > 1 or remote.dcp_size > 1) and (local.ppl > 1 or remote.ppl > 1):
+        raise UnsupportedError(
+            "kernel_block_size",
+            "vLLM 0.33.0 refuses (NotImplementedError) differently grouped regions with decode context "
+            "parallelism unless both sides' logical blocks are their kernel blocks; kvgeom mode plans it",
+            local=local.ppl,
+            remote=remote.ppl,
+        )
+    groups = (region_group_ids(local), region_group_ids(remote))
+    if (local.dcp_size > 1 or remote.dcp_size > 1) and (-1 in groups[0] or -1 in groups[1]):
+        raise UnsupportedError(
+            "separate_group",
+            "a region viewed by several groups has no page positions to pair by with decode context parallelism "
+            "(vLLM 0.33.0: NotImplementedError)",
+            local=list(groups[0]),
+            remote=list(groups[1]),
         )
     if compat == "kvgeom" and (-1 in region_group_ids(local) or -1 in region_group_ids(remote)):
         raise UnsupportedError(

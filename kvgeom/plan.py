@@ -42,7 +42,7 @@ from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import Group, RankGeometry
 from .pairing import LocalKey, Pairing
 from .recipe import Recipe, trace
-from .regionmap import apply_prefix_caching_by_region, block_ids_by_region
+from .regionmap import apply_prefix_caching_by_region, block_ids_by_region, region_zero_ids, region_zero_rows
 from .spec import AttentionSpec
 from .streams import region_group_ids
 from .tp import compute_tp_mapping
@@ -484,6 +484,12 @@ def _plan_by_region(
     lgid, rgid = region_group_ids(local), region_group_ids(remote)
     l_by = block_ids_by_region(logical_to_kernel(lids, local.ppl, local.group_is_ssm), lgid)
     r_by = block_ids_by_region(logical_to_kernel(rids, remote.ppl, remote.group_is_ssm), rgid)
+    if pairing.dcp_active:
+        by_rank, pages = _region_dcp_pairs(pairing, lids, rids, l_by, r_by, num_tokens, prefill_tokens)
+        lens, strides = [x.block_len for x in local.regions], [x.block_stride for x in local.regions]
+        return _region_plan(
+            pairing, by_rank, region_zero_rows(pages, lens, strides), request_id, remote_request_id
+        )
     kb = local.block_size  # equal kernel blocks on both sides (handshake)
     spans: list[tuple[int, int, int] | None] = []
     starts: list[int] = []
@@ -546,43 +552,7 @@ def _plan_by_region(
                     local=la[r].tolist()[:8],
                     remote=ra[r].tolist()[:8],
                 )
-    n = local.num_regions
-    tag = remote_request_id if remote_request_id is not None else request_id
-    expected = pairing.mapping.local_consumers
-    transfers = []
-    if any(x.size for x in la):
-        for rank in pairing.transfer_ranks:
-            key = ("segments-by-region", rank)
-            rows = pairing.token_rows  # kvgeom mode cuts token-major pages per token when heads differ
-            if key not in pairing._cache:
-                flat = [False] * n
-                lv, rv = pairing.local_view, pairing.remote_view(rank)
-                pairing._cache[key] = tuple(
-                    desc_segments(
-                        n,
-                        v.num_blocks,
-                        n,
-                        rows if rows > 1 else None,
-                        v.ppl,
-                        flat,
-                        region_group_ids=list(range(n)),
-                        uses_region_group_mapping=n > 1,
-                    )
-                    for v in (lv, rv)
-                )
-            lseg, rseg = pairing._cache[key]
-            lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
-            rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
-            transfers.append(
-                Transfer(
-                    rank,
-                    pairing.local_key(rank),
-                    apply_segments(lseg, lx),
-                    apply_segments(rseg, rx),
-                    f"{tag}:{expected}",
-                )
-            )
-    sent = {t.remote_rank for t in transfers}
+    by_rank = {rank: (la, ra) for rank in pairing.transfer_ranks} if any(x.size for x in la) else {}
     zero = [np.zeros((0, 3), dtype=np.int64)]
     for r, region in enumerate(local.regions):
         if pairing.compat == "vllm" or spans[r] is None:
@@ -600,6 +570,57 @@ def _plan_by_region(
         else:
             page = Page(r, 0, region.block_len, region.block_stride, page_heads(local, region.members[0][1]))
             zero.append(consumer_zero_rows([page], l_by[r], 1, full[r][0], full[r][2], kb))
+    return _region_plan(
+        pairing, by_rank, np.concatenate(zero).astype(np.int64), request_id, remote_request_id
+    )
+
+
+def _region_plan(
+    pairing: Pairing,
+    by_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]],
+    zero: np.ndarray,
+    request_id: str,
+    remote_request_id: str | None,
+) -> RequestPlan:
+    """A region-mapped pull's plan: one transfer per remote rank of ``by_rank`` (its kernel ids per region, on
+    each side), descriptor ids with every region its own list; ``zero`` rows of D's pages nothing filled."""
+    local = pairing.local
+    n = local.num_regions
+    tag = remote_request_id if remote_request_id is not None else request_id
+    expected = pairing.mapping.local_consumers
+    transfers = []
+    for rank, (la, ra) in by_rank.items():
+        key = ("segments-by-region", rank)
+        rows = pairing.token_rows  # kvgeom mode cuts token-major pages per token when heads differ
+        if key not in pairing._cache:
+            flat = [False] * n
+            lv, rv = pairing.local_view, pairing.remote_view(rank)
+            pairing._cache[key] = tuple(
+                desc_segments(
+                    n,
+                    v.num_blocks,
+                    n,
+                    rows if rows > 1 else None,
+                    v.ppl,
+                    flat,
+                    region_group_ids=list(range(n)),
+                    uses_region_group_mapping=n > 1,
+                )
+                for v in (lv, rv)
+            )
+        lseg, rseg = pairing._cache[key]
+        lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
+        rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
+        transfers.append(
+            Transfer(
+                rank,
+                pairing.local_key(rank),
+                apply_segments(lseg, lx),
+                apply_segments(rseg, rx),
+                f"{tag}:{expected}",
+            )
+        )
+    sent = {t.remote_rank for t in transfers}
     return RequestPlan(
         request_id,
         "pull",
@@ -608,8 +629,66 @@ def _plan_by_region(
         expected,
         local.tp_rank,
         (),
-        np.concatenate(zero).astype(np.int64),
+        zero,
     )
+
+
+def _region_dcp_pairs(
+    pairing: Pairing,
+    lids: list[np.ndarray],
+    rids: list[np.ndarray],
+    l_by: list[np.ndarray],
+    r_by: list[np.ndarray],
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> tuple[dict[int, tuple[list[np.ndarray], list[np.ndarray]]], list[np.ndarray]]:
+    """A region-mapped pull with decode context parallelism: per remote rank with pages to read, each region's D
+    and P kernel ids, and D's pages to zero per region (pure MLA, equal kernel blocks, every region one group's
+    pages on each side in kvgeom mode). kvgeom mode places each region's pages on the token axis by global page
+    position (:func:`kvgeom.dcp.dcp_units`): every remote rank sends the pages P computed that it holds, and D's
+    pages holding no computed token are zeroed. vLLM mode pairs as vLLM 0.33.0 does: each region by page
+    position per remote rank (:func:`~kvgeom.regionmap.apply_prefix_caching_by_region` from ``prefill_tokens``
+    and D's cached pages), then zeroes each region past the pages all ranks matched
+    (:func:`~kvgeom.regionmap.region_zero_ids`). With a logical block of one kernel block on both sides (the
+    handshake refuses others in vLLM mode) a page position is a token range on both sides, so vLLM's pairs are
+    the token axis's (docs/vllm-behaviour.md)."""
+    local = pairing.local
+    remote = pairing.remotes[pairing.targets[0]]
+    lgid, rgid = region_group_ids(local), region_group_ids(remote)
+    if not any(x.size for x in l_by):
+        return {}, l_by  # every list empty: nothing to read or zero
+    by_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    if pairing.compat == "kvgeom":
+        units = [
+            _units(local, remote, lids[lg], rids[rg], num_tokens, prefill_tokens, pairing.prefix_caching, lg)
+            for lg, rg in zip(lgid, rgid)
+        ]
+        for rank in pairing.transfer_ranks:
+            mine = [u["ok"] & (u["p_rank"] == pairing.remotes[rank].dcp_rank) for u in units]
+            la = [u["c_fine"][m] for u, m in zip(units, mine)]
+            if any(x.size for x in la):
+                by_rank[rank] = (la, [u["p_fine"][m] for u, m in zip(units, mine)])
+        return by_rank, [u["c_fine"][~u["ok"]] for u in units]
+    if prefill_tokens is None:
+        raise PlanError(
+            "prefill_tokens",
+            "vLLM 0.33.0 pairs differently grouped regions with decode context parallelism by page position "
+            "from the tokens P computed: pass prefill_tokens",
+            value=None,
+        )
+    first = [
+        _first_position(local, x.size, num_tokens, pairing.prefix_caching, g) for g, x in enumerate(lids)
+    ]
+    total = math.ceil(prefill_tokens / remote.block_size)
+    matched = []
+    for rank in pairing.transfer_ranks:
+        la, ra = apply_prefix_caching_by_region(
+            l_by, r_by, [first[g] for g in lgid], total, rank, local.dcp_size, local.dcp_rank, remote.dcp_size
+        )
+        matched.append(la)
+        if any(x.size for x in la):
+            by_rank[rank] = (la, ra)
+    return by_rank, region_zero_ids(l_by, matched)
 
 
 def _cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: int) -> int:

@@ -6,8 +6,9 @@ region (one registered tensor) is viewed by one group, or by several (group id
 decoder splitting host-resident and device-resident layers into separate groups, vLLM PR 40020), block
 lists cannot be paired per group. They are paired per **region** instead: each side's lists are first
 expanded to one list per region (its own group's list; a shared region all groups concatenated), then
-the pages of each region are matched by position (pure MLA, equal kernel block sizes), and the local
-pages nothing covered are zeroed in that region only.
+the pages of each region are matched by position (pure MLA, equal kernel block sizes; with decode context
+parallelism by global page position, once per remote rank), and the local pages nothing covered are zeroed in
+that region only.
 
 vLLM ``_block_ids_by_region``, ``_apply_prefix_caching_by_region`` and the ``region_blocks_to_zero``
 bookkeeping of ``_read_blocks_for_req``.

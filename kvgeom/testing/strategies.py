@@ -448,12 +448,12 @@ def pd_pairs(
         and _group_count(model) == 1
         and not model.has_ssm
         and len(model.layers) > 1
-        and p_dcp == d_dcp == 1
         and p_pp == d_pp == 1
         and not (p_packed or d_packed)
         and draw(st.integers(0, 4)) == 0
     ):
-        # D keeps some layers in a group of their own (a HiSparse decoder): regions paired region by region
+        # D keeps some layers in a group of their own (a HiSparse decoder): regions paired region by region (with
+        # DCP: by global page position, per remote rank)
         names = [la.name for la in model.layers]
         own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
         d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=p.kernel * d.ppl)

@@ -487,20 +487,44 @@ def test_regions_grouped_differently() -> None:
         local=8,
         remote=4,
     )
-    refused(
-        UnsupportedError,
-        "dcp_size",
-        lambda: check_pair(geo(MLA4, tp=2, dcp_size=2), geo(MLA4, **SEP)),
-        local=2,
-        remote=1,
-    )
-    refused(
-        UnsupportedError,
-        "dcp_size",
-        lambda: check_pair(geo(MLA4), geo(MLA4, tp=2, dcp_size=2, **SEP)),
-        local=1,
-        remote=2,
-    )
+    # with DCP on either side (TP2 DCP2 against TP1: tp_ratio 2 from the sharded side, -2 towards it)
+    for compat in ("vllm", "kvgeom"):
+        assert ratios(check_pair(geo(MLA4, tp=2, dcp_size=2), geo(MLA4, **SEP), compat=compat)) == (2, 1, 1)
+        assert ratios(check_pair(geo(MLA4), geo(MLA4, tp=2, dcp_size=2, **SEP), compat=compat)) == (-2, 1, 1)
+        assert ratios(check_pair(geo(MLA4, tp=2, dcp_size=2, **SEP), geo(MLA4), compat=compat)) == (2, 1, 1)
+    # vLLM refuses DCP region pulls unless every logical block is one kernel block (ppl 1) on both sides
+    ppl2 = {"block": 8, "kernel_block_size": 4}
+    for local, remote, ppls in (
+        (geo(MLA4, tp=2, dcp_size=2, **ppl2), geo(MLA4, **SEP), (2, 1)),  # local DCP, local ppl 2
+        (geo(MLA4), geo(MLA4, tp=2, dcp_size=2, **ppl2, **SEP), (1, 2)),  # remote DCP, remote ppl 2
+    ):
+        refused(
+            UnsupportedError,
+            "kernel_block_size",
+            lambda local=local, remote=remote: check_pair(local, remote, compat="vllm"),
+            local=ppls[0],
+            remote=ppls[1],
+        )
+        assert ratios(check_pair(local, remote))[1:] == (1, 1)  # kvgeom mode plans it
+    assert ratios(check_pair(geo(MLA4, **ppl2), geo(MLA4, **SEP), compat="vllm")) == (1, 1, 1)  # no DCP
+    # a region viewed by both of D's groups (group id -1): no page position to pair it by with DCP (vLLM raises
+    # NotImplementedError); without DCP vllm mode end-trims it
+    sep = geo(MLA4, **SEP)
+    regions = list(sep.regions)
+    regions[0] = replace(regions[0], members=((0, "layers.0.attn"), (1, "layers.1.attn")))
+    shared = replace(sep, regions=tuple(regions))
+    for local, remote, ids in (
+        (geo(MLA4, tp=2, dcp_size=2), shared, ([0] * 4, [-1, 1, 0, 1])),
+        (shared, geo(MLA4, tp=2, dcp_size=2), ([-1, 1, 0, 1], [0] * 4)),
+    ):
+        refused(
+            UnsupportedError,
+            "separate_group",
+            lambda local=local, remote=remote: check_pair(local, remote, compat="vllm"),
+            local=ids[0],
+            remote=ids[1],
+        )
+    assert ratios(check_pair(geo(MLA4), shared, compat="vllm")) == (1, 1, 1)
     d4 = ModelSpec.from_layers("d4", [AttentionSpec(4, 2, "float16")] * 4)
     refused(
         UnsupportedError,

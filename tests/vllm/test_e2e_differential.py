@@ -25,7 +25,7 @@ from kvgeom.csa import csa_linear_model
 from kvgeom.engine import ConvLayout, EngineConfig
 from kvgeom.errors import KvgeomError
 from kvgeom.plan import receive_step
-from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import ZERO, Oracle, Request, engine_geometries
 from kvgeom.testing import strategies as kst
 from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
@@ -114,6 +114,11 @@ def _shape(case: kst.Case) -> None:
         ("pipeline stages", p.pp_size > 1 or d.pp_size > 1),
         ("packed rows", p.packed_rows or d.packed_rows),
         ("CSA-linear", case.pair.model.is_csa_linear),
+        ("separate groups", bool(p.separate_group or d.separate_group)),
+        (
+            "separate groups with DCP",
+            bool(p.separate_group or d.separate_group) and max(p.dcp_size, d.dcp_size) > 1,
+        ),
         (
             "CSA-linear head-sharded main KV",
             case.pair.model.is_csa_linear and case.pair.model.attention_spec is not None,
@@ -425,6 +430,62 @@ def test_permute_receive_step_of_the_drop_in_equals_vllms(bsr: int, covered: int
     ours(worker(mine), bsr, [(0, [5, 1, 6], covered)])
     assert not torch.equal(theirs, data.permute(0, 2, 1, 3)) or heads == 1  # the step did something
     assert torch.equal(mine.view(torch.int16), theirs.view(torch.int16))
+
+
+def _region_dcp_cases() -> list[kst.Case]:
+    """Region-mapped pulls with decode context parallelism (a HiSparse-style D keeping layer 1 of 3 MLA layers in a
+    group of its own): DCP on D, on P, on both (equal and different sizes), a replicated P under a sharded D (at
+    equal TP and with more P ranks), and the reverse; 37 tokens (a last page partly filled), without and with a prefix hit, and the N-1 flow. Blocks
+    of 4 tokens are their kernel blocks (vLLM refuses DCP region pulls otherwise); two setups with 2 kernel
+    blocks per block, which vLLM refuses and kvgeom mode plans."""
+    model = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 3)
+    setups = [  # (P TP, P DCP, D TP, D DCP, block, kernel)
+        (1, 1, 2, 2, 4, 4),
+        (2, 2, 1, 1, 4, 4),
+        (2, 2, 2, 2, 4, 4),
+        (4, 4, 2, 2, 4, 4),
+        (2, 2, 4, 4, 4, 4),
+        (2, 1, 2, 2, 4, 4),
+        (2, 2, 2, 1, 4, 4),
+        (4, 1, 2, 2, 4, 4),
+        (1, 1, 4, 4, 4, 4),
+        (4, 4, 1, 1, 4, 4),
+        (1, 1, 2, 2, 8, 4),
+        (2, 2, 4, 4, 8, 4),
+    ]
+    out = []
+    for p_tp, p_dcp, d_tp, d_dcp, block, kernel in setups:
+        p = EngineConfig(
+            tp_size=p_tp, block_size=block, num_blocks=24, kernel_block_size=kernel, dcp_size=p_dcp
+        )
+        d = EngineConfig(
+            tp_size=d_tp,
+            block_size=block,
+            num_blocks=24,
+            kernel_block_size=kernel,
+            dcp_size=d_dcp,
+            separate_group=("layers.1.attn",),
+        )
+        for prefix, computed in ((0, None), (1, None), (0, 36)):
+            request = Request.simple(model, p, d, 37, prefix, prefill_tokens=computed)
+            out.append(kst.Case(kst.PDPair(model, p, d, "pull", prefix_caching=prefix > 0), request))
+    return out
+
+
+REGION_DCP = _region_dcp_cases()
+
+
+@settings(max_examples=len(REGION_DCP))
+@given(st.sampled_from(REGION_DCP))
+def test_region_mapped_dcp_vllm_mode_posts_vllms_transfers(case: kst.Case) -> None:
+    _vllm_mode_posts_vllms_transfers(case)
+
+
+@settings(max_examples=len(REGION_DCP))
+@given(st.sampled_from(REGION_DCP))
+def test_region_mapped_dcp_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None:
+    assert _plan(case, "kvgeom")[1] is None  # every one of them planned (and judged by the oracle)
+    _kvgeom_mode_plans_what_vllm_moves_right(case)
 
 
 @settings(max_examples=E2E_EXAMPLES)

@@ -63,6 +63,9 @@ CI_TESTS = [
     "tests/testing/test_oracle_csa_linear.py",
     "tests/unit/test_permute.py",
     "tests/testing/test_oracle_permute.py",
+    "tests/unit/test_region_dcp.py",
+    "tests/unit/test_kill_packed_csa_tp.py",
+    "tests/testing/test_oracle_shared_rows.py",
 ]
 #: modules of each area (strategies generate the tests' inputs: their mutants weaken tests, not kvgeom)
 ORACLE = (

@@ -191,7 +191,7 @@ def test_geometry_refusals() -> None:
     for kw in ({"pp_size": 2}, {"kv_split": True}):
         with pytest.raises(ConfigError) as e:
             rank_geometry(MODEL, eng(**kw))
-        assert e.value.field == "engine"
+        assert e.value.field == "engine" and e.value.values == {"value": eng(**kw).to_json()}
     odd = csa_linear_model(ple_channels=7)  # 42 B cannot be cut into 4 kernel blocks
     with pytest.raises(ConfigError) as e:
         rank_geometry(odd, eng(kernel_block_size=4))

@@ -184,27 +184,10 @@ NO_SSM = ModelSpec(
 def test_registration_is_vllms(model: ModelSpec, block_size: int) -> None:
     """vLLM's worker registers views of one block-outermost allocation (BLHNC, TP1): its regions (starts,
     lengths, strides, group ids, MLA flags) and scratch, SSM and PLE regions are kvgeom's."""
-    groups, config, specs = _vllm_config(model, block_size, 1)
-    raw = torch.zeros(config.kv_cache_tensors[0].size, dtype=torch.int8)
-    caches = {
-        name: raw.as_strided(
-            (config.num_blocks, specs[name].page_size_bytes),
-            (t.block_stride, 1),
-            t.offset + i * t.layer_stride,
-        )
-        for t in config.kv_cache_tensors
-        for i, name in enumerate(t.layers)
-    }
-    caches = {la.name: caches[la.name] for la in model.layers}  # registration visits the model's order
-    vc = vllm_config(block_size)
-    _Backend.sizes = [block_size]
-    vc.cache_config.kv_cache_layout = "BLHNC"
-    with cpu_runtime(), patch.object(bw, "get_current_attn_backends", return_value=[_Backend]):
-        worker = NixlPullConnectorWorker(vc, "csa", config)
-        worker.use_mla = model.attention_spec is None  # a head-sharded main KV: no MLA model (B.6.14)
-        worker.register_kv_caches(caches)
+    worker = _registered(NixlPullConnectorWorker, model, block_size, 1)
+    groups = _vllm_config(model, block_size, 1)[0]
     reg = packed_registration(model, groups, block_size=block_size)
-    base = raw.data_ptr()
+    base = worker.kvgeom_test_raw.data_ptr()
     assert [a - base for a in worker.kv_caches_base_addr["csa"][0]] == [r.offset for r in reg.regions]
     assert worker.block_len_per_layer == [r.block_len for r in reg.regions]
     assert worker.block_stride_per_layer == [reg.row_bytes] * len(reg.regions)

@@ -149,26 +149,21 @@ def route(
         llen = length // local_rows  # sub-blocks (or token rows) of a local kernel block
         c_len, p_len = (llen, rlen) if pull else (rlen, llen)
         n = len(attn_src)
+        # identical copies on every source (a draft's latent; a CSA-linear model's compressed keys and rings
+        # next to a head-sharded main KV): a chunk from each; a CSA page that does not divide is read whole
         replicated = is_mla and p_rank in attn_src and n > 1 and r not in unread
-        if replicated and local.is_csa_linear and draft is None and c_len % n == 0 and c_len == p_len:
-            # a CSA-linear model's compressed keys and rings next to a head-sharded main KV: identical copies
-            # on every source, a chunk from each (a page that does not divide is read whole, below)
-            ch, j = c_len // n, attn_src.index(p_rank)
-            fa.append((j * ch, j * ch, ch))
-            continue
-        if replicated and draft is not None:
-            # the draft's sources all hold identical copies of the latent: a chunk from each
-            j = attn_src.index(p_rank)
-            if c_len % n or c_len != p_len:
+        if replicated and (draft is not None or local.is_csa_linear):
+            if c_len % n == 0 and c_len == p_len:
+                ch, j = c_len // n, attn_src.index(p_rank)
+                fa.append((j * ch, j * ch, ch))
+                continue
+            if draft is not None:
                 raise UnsupportedError(
                     f"regions[{r}].block_len",
                     f"a {c_len}-byte replicated page cannot be gathered from {n} sources in equal chunks",
                     local=llen,
                     remote=rlen,
                 )
-            ch = c_len // n
-            fa.append((j * ch, j * ch, ch))
-            continue
         whole = (
             is_mla
             or spec is None

@@ -10,8 +10,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[nixl,dev]'
+	$(PY) -m pip install -q --no-cache-dir --upgrade pip
+	$(PY) -m pip install -q --no-cache-dir -c constraints-dev.txt -e '.[nixl,dev]'
 	@touch $(STAMP)
 
 ## The main job: a real NIXL transfer of a Mamba2-hybrid request between P and D processes, verified.

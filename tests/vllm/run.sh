@@ -7,8 +7,13 @@
 #      CUDA), torch pinned to the CPU build by constraints-dev.txt, the light dependencies vLLM's import chain
 #      needs (explicit list below), pytest, and kvgeom itself (editable).
 #   2. .vllm-src/: vLLM's own tests, taken from vLLM's source package (the wheel has none). pip downloads the
-#      sdist; its metadata step needs vLLM's build requirements, so a throw-away build venv is made and removed.
+#      sdist; its metadata step needs vLLM's build requirements: torch comes from .venv-vllm, the rest is
+#      installed into a throw-away folder (pip --target) put on PYTHONPATH and removed afterwards.
 #      Only tests/ and pyproject.toml are unpacked; nothing of it is committed (.gitignore).
+#
+# Disk: CI machines can be short of it, so pip keeps no cache (--no-cache-dir), no second torch is installed
+# for the metadata step, and xgrammar comes without triton (1 GB; vLLM's CPU path and these tests never use
+# it). .venv-vllm is about 2.5 GB, and the set-up needs about 0.3 GB more while it runs.
 #   3. .vllm-src/hf: an offline Hugging Face cache holding facebook/opt-125m's config.json (tests/data).
 #   4. the tests: vLLM's three NIXL geometry test files with -p kvgeom_vllm.pytest_plugin, then tests/vllm.
 set -euo pipefail
@@ -20,16 +25,19 @@ SRC=$ROOT/.vllm-src
 VLLM_VERSION=0.33.0
 CONSTRAINTS=$ROOT/constraints-dev.txt
 PIP_QUIET=${PIP_QUIET:--q}
+PIP_FLAGS=($PIP_QUIET --no-cache-dir)
 # The light dependencies of the import chain vLLM's connector tests walk through: vLLM's own requirements
 # minus everything CUDA, plus what a bare venv lacks for that chain (cloudpickle, requests, regex, ...).
 # Explicit and sufficient for the three test files; not minimised. hypothesis is for tests/vllm's differential
 # tests, nixl (CPU-capable, no CUDA) for its end-to-end tests with real NIXL agents.
 LIGHT_DEPS=(
   numpy pydantic pytest psutil pyzmq "transformers>=5.16.1,<5.21.0" cbor2 aiohttp openai_harmony openai pillow
-  pybase64 cachetools msgspec uvloop prometheus_client "xgrammar==0.2.8" "fastapi>=0.133.0,<0.137.0"
+  pybase64 cachetools msgspec uvloop prometheus_client "fastapi>=0.133.0,<0.137.0"
   partial-json-parser "llguidance>=1.7.0,<1.8.0" einops cloudpickle requests regex pyyaml sentencepiece
   blake3 py-cpuinfo gguf diskcache lark tiktoken
   hypothesis nixl
+  # xgrammar's own requirements but triton (installed --no-deps below):
+  "apache-tvm-ffi>=0.1.11" typing-extensions
 )
 TIMEFORMAT='%R'
 
@@ -45,29 +53,31 @@ setup_venv() {
   stamp_fresh "$stamp" tests/vllm/run.sh "$CONSTRAINTS" pyproject.toml && return 0
   echo "== .venv-vllm: vLLM $VLLM_VERSION without CUDA (isolated venv)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install $PIP_QUIET --upgrade pip
-  "$VENV/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" torch==2.13.0
-  "$VENV/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" --no-deps "vllm==$VLLM_VERSION"
-  "$VENV/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" "${LIGHT_DEPS[@]}"
-  "$VENV/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" --no-deps -e .
-  if "$VENV/bin/python" -m pip list 2>/dev/null | grep -i '^nvidia-'; then
-    echo "error: CUDA packages (nvidia-*) were installed into $VENV" >&2; exit 1
+  local pip=("$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" -c "$CONSTRAINTS")
+  "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" --upgrade pip
+  "${pip[@]}" torch==2.13.0
+  "${pip[@]}" --no-deps "vllm==$VLLM_VERSION" "xgrammar==0.2.8"
+  "${pip[@]}" "${LIGHT_DEPS[@]}"
+  "${pip[@]}" --no-deps -e .
+  if "$VENV/bin/python" -m pip list 2>/dev/null | grep -i -E '^(nvidia-|triton )'; then
+    echo "error: CUDA packages (nvidia-*, triton) were installed into $VENV" >&2; exit 1
   fi
   touch "$stamp"
 }
 
-fetch_tests() (  # a subshell: its EXIT trap removes the throw-away build venv, also on failure
+fetch_tests() (  # a subshell: its EXIT trap removes the throw-away build tools, also on failure
   stamp=$SRC/.unpacked-$VLLM_VERSION
   stamp_fresh "$stamp" tests/vllm/run.sh && exit 0
   echo "== .vllm-src: vLLM $VLLM_VERSION's tests from its source package"
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
-  "$PYTHON" -m venv "$tmp/build"
-  "$tmp/build/bin/python" -m pip install $PIP_QUIET -c "$CONSTRAINTS" torch==2.13.0 cmake ninja packaging \
-    setuptools setuptools-rust setuptools-scm wheel jinja2
+  # vLLM's build requirements but torch (the venv's own 2.13.0 serves), beside the venv, not in it.
+  "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" -c "$CONSTRAINTS" --target "$tmp/tools" cmake ninja \
+    packaging setuptools setuptools-rust setuptools-scm wheel jinja2
   # The version override keeps the metadata build from naming itself 0.33.0+empty (which pip would reject).
-  VLLM_VERSION_OVERRIDE=$VLLM_VERSION "$tmp/build/bin/python" -m pip download $PIP_QUIET --no-deps \
-    --no-binary :all: --no-build-isolation "vllm==$VLLM_VERSION" -d "$tmp/sdist"
+  PATH=$tmp/tools/bin:$PATH PYTHONPATH=$tmp/tools VLLM_VERSION_OVERRIDE=$VLLM_VERSION \
+    "$VENV/bin/python" -m pip download "${PIP_FLAGS[@]}" --no-deps --no-binary :all: --no-build-isolation \
+    "vllm==$VLLM_VERSION" -d "$tmp/sdist"
   rm -rf "$SRC"; mkdir -p "$SRC"
   tar -xzf "$tmp/sdist/vllm-$VLLM_VERSION.tar.gz" -C "$SRC" --strip-components=1 \
     "vllm-$VLLM_VERSION/tests" "vllm-$VLLM_VERSION/pyproject.toml"

@@ -25,7 +25,7 @@ SRC=$ROOT/.vllm-src
 VLLM_VERSION=0.33.0
 CONSTRAINTS=$ROOT/constraints-dev.txt
 PIP_QUIET=${PIP_QUIET:--q}
-PIP_FLAGS=($PIP_QUIET --no-cache-dir)
+PIP_FLAGS=($PIP_QUIET --no-cache-dir --no-warn-conflicts)
 # The light dependencies of the import chain vLLM's connector tests walk through: vLLM's own requirements
 # minus everything CUDA, plus what a bare venv lacks for that chain (cloudpickle, requests, regex, ...).
 # Explicit and sufficient for the three test files; not minimised. hypothesis is for tests/vllm's differential
@@ -73,10 +73,12 @@ fetch_tests() (  # a subshell: its EXIT trap removes the throw-away build tools,
   trap 'rm -rf "$tmp"' EXIT
   # vLLM's build requirements but torch (the venv's own 2.13.0 serves), beside the venv, not in it.
   "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" -c "$CONSTRAINTS" --target "$tmp/tools" cmake ninja \
-    packaging setuptools setuptools-rust setuptools-scm wheel jinja2
-  # The version override keeps the metadata build from naming itself 0.33.0+empty (which pip would reject).
-  PATH=$tmp/tools/bin:$PATH PYTHONPATH=$tmp/tools VLLM_VERSION_OVERRIDE=$VLLM_VERSION \
-    "$VENV/bin/python" -m pip download "${PIP_FLAGS[@]}" --no-deps --no-binary :all: --no-build-isolation \
+    packaging "setuptools>=77.0.3,<81" setuptools-rust setuptools-scm wheel jinja2
+  # Target "empty": the metadata then lists vLLM's common requirements only (the CPU target's name a wheel by
+  # URL, which pip refuses from PyPI). The version override keeps it from naming itself 0.33.0+empty (which
+  # pip would reject as not the version asked for).
+  PATH=$tmp/tools/bin:$PATH PYTHONPATH=$tmp/tools VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE=$VLLM_VERSION \
+    "$VENV/bin/python" -m pip download $PIP_QUIET --no-cache-dir --no-deps --no-binary :all: --no-build-isolation \
     "vllm==$VLLM_VERSION" -d "$tmp/sdist"
   rm -rf "$SRC"; mkdir -p "$SRC"
   tar -xzf "$tmp/sdist/vllm-$VLLM_VERSION.tar.gz" -C "$SRC" --strip-components=1 \
@@ -129,6 +131,7 @@ run_kvgeom_tests() {  # kvgeom's own tests that need vLLM (tests/vllm), in the v
 
 all() {
   local t0=$SECONDS
+  echo "test-vllm: $(df -Ph . | awk 'NR==2 {print $4}') free on the disk of $ROOT"
   setup_venv
   fetch_tests
   setup_hf

@@ -353,3 +353,35 @@ def test_the_push_receive_step_refuses_layouts_no_push_pairs() -> None:
     with pytest.raises(IncompatiblePairError) as e:
         receive_step(_d(permute=False), _geom(), [[3]], [[1]], num_tokens=16)
     assert e.value.field == "kv_layout" and e.value.values == {"local": "head_major", "remote": "token_major"}
+
+
+def test_draw_shows_a_permuted_push_after_ds_receive_step() -> None:
+    from kvgeom.draw import transfer_map
+    from kvgeom.scenario import RequestIds
+
+    sc = Scenario.from_json(
+        {
+            "model": M4.to_json(),
+            "mode": "push",
+            "prefill": {"tp_size": 1, "block_size": 16, "num_blocks": 8},
+            "decode": {
+                "tp_size": 2,
+                "block_size": 16,
+                "num_blocks": 8,
+                "kv_layout": "token_major",
+                "permute_local_kv": True,
+            },
+        }
+    )
+    tmap = transfer_map(sc, RequestIds(16, ((1,),), ((3,),)))
+    assert tmap.regrouped
+    # P block 1 = [4 heads, 16, 32 B] at 2048; D rank r's block 3 = [16 tokens, 2 heads, 32 B] at 3 * 1024:
+    # head h, token t of P (offset 2048 + h * 512 + t * 32) lands on rank h // 2 at 3072 + (t * 2 + h % 2) * 32
+    # (adjacent runs merged: none are, the permute interleaves them)
+    want = sorted(
+        (0, 0, 2048 + h * 512 + t * 32, h // 2, 0, 3072 + (t * 2 + h % 2) * 32, 32)
+        for h in range(4)
+        for t in range(16)
+    )
+    assert sorted(map(tuple, tmap.runs.tolist())) == want
+    assert tmap.zero.shape == (0, 4)

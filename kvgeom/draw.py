@@ -173,7 +173,8 @@ def transfer_map(sc: Scenario, req: RequestIds) -> TransferMap:
         received = [(plan.consumer_rank, plan.regroup, plan.zero) for plan in plans.values()]
     elif sc.compat == "kvgeom":
         received = [
-            (d.tp_rank, *receive_step(d, p_geoms[0], req.decode, req.prefill, req.num_tokens)) for d in d_geoms
+            (d.tp_rank, *receive_step(d, p_geoms[0], req.decode, req.prefill, req.num_tokens))
+            for d in d_geoms
         ]
     else:
         received = []

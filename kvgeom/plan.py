@@ -162,9 +162,14 @@ class RequestPlan:
             lines.append(f"  notify only: ranks {list(self.notify_only)}")
         lines.append(f"  the other side expects {self.expected_notifications} notification(s) per rank")
         for r in self.regroup:
+            into = (
+                f"[{r.tokens},{r.heads},*]"
+                if r.layout is KVLayout.TOKEN_MAJOR
+                else f"[{r.heads},{r.tokens},*]"
+            )
             lines.append(
                 f"  regroup {r.blocks.size} block(s) in regions {list(r.regions)[:4]}... "
-                f"([{r.bsr},{r.heads},{r.tokens // r.bsr},*] -> [{r.heads},{r.tokens},*])"
+                f"([{r.bsr},{r.heads},{r.tokens // r.bsr},*] -> {into})"
             )
         if len(self.zero):
             lines.append(

@@ -385,3 +385,10 @@ def test_draw_shows_a_permuted_push_after_ds_receive_step() -> None:
     )
     assert sorted(map(tuple, tmap.runs.tolist())) == want
     assert tmap.zero.shape == (0, 4)
+
+
+def test_a_plan_describes_its_token_major_regroup_as_token_major() -> None:
+    # D TP 2 (2 heads), P blocks of 8 into D blocks of 16: [bsr 2, 2 heads, 8 tokens, *] stored [16 tokens, 2, *]
+    pairing = Pairing.create(_d(tp=2), [_geom(block=8)], "pull", "kvgeom")
+    text = plan_request(pairing, [[3, 5]], [[1, 2, 4, 6]], num_tokens=32).describe(pairing)
+    assert "regroup 2 block(s) in regions [0]... ([2,2,8,*] -> [16,2,*])" in text

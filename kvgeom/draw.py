@@ -167,32 +167,37 @@ def transfer_map(sc: Scenario, req: RequestIds) -> TransferMap:
     runs = _merge_runs(np.concatenate(moves) if moves else np.zeros((0, 7), dtype=np.int64))
     p_geoms = [rank_geometry(sc.model, sc.prefill.with_rank(r)) for r in range(sc.prefill.tp_size)]
     d_geoms = [rank_geometry(sc.model, sc.decode.with_rank(r)) for r in range(sc.decode.tp_size)]
+    # D's receive steps, (rank, regroups, zero ranges): its plans' in pull; in push kvgeom's receive_step on
+    # every D rank (vLLM never zeroes in push, docs/vllm-behaviour.md B.6.1 item 9, nor permutes, B.6.15)
     if sc.mode == "pull":
+        received = [(plan.consumer_rank, plan.regroup, plan.zero) for plan in plans.values()]
+    elif sc.compat == "kvgeom":
+        received = [
+            (d.tp_rank, *receive_step(d, p_geoms[0], req.decode, req.prefill, req.num_tokens))
+            for d in d_geoms
+        ]
+    else:
+        received = []
+    if any(steps for _, steps, _ in received):
         stride = np.asarray([reg.block_stride for reg in d_geoms[0].regions], dtype=np.int64)
-        for plan in plans.values():
-            for step in plan.regroup:
-                runs = _regroup(runs, step, plan.consumer_rank, stride)
+        for rank, steps, _ in received:
+            for step in steps:
+                runs = _regroup(runs, step, rank, stride)
         runs = _merge_runs(runs)
     segments = np.concatenate(
         [_segments(g, req.prefill, _P) for g in p_geoms] + [_segments(g, req.decode, _D) for g in d_geoms]
     )
     zero_parts = [np.zeros((0, 4), dtype=np.int64)]
-    if sc.mode == "pull":
-        for plan in plans.values():
-            z = np.asarray(plan.zero, dtype=np.int64).reshape(-1, 3)
-            zero_parts.append(np.column_stack([np.full(len(z), plan.consumer_rank, dtype=np.int64), z]))
-    elif sc.compat == "kvgeom":  # vLLM never zeroes in push (docs/vllm-behaviour.md B.6.1 item 9)
-        for d in d_geoms:
-            _, z = receive_step(d, p_geoms[0], req.decode, req.prefill, req.num_tokens)
-            z = np.asarray(z, dtype=np.int64).reshape(-1, 3)
-            zero_parts.append(np.column_stack([np.full(len(z), d.tp_rank, dtype=np.int64), z]))
+    for rank, _, z in received:
+        z = np.asarray(z, dtype=np.int64).reshape(-1, 3)
+        zero_parts.append(np.column_stack([np.full(len(z), rank, dtype=np.int64), z]))
     zero = np.concatenate(zero_parts)
     zero = zero[np.lexsort((zero[:, 2], zero[:, 1], zero[:, 0]))]
     geom = d_geoms[0]
     names = tuple(r.name for r in geom.regions)
     members = tuple(_members(geom, r.index) for r in geom.regions)
     classes = _classes(len(names), segments, runs, zero, members)
-    regrouped = any(len(p.regroup) for p in plans.values())
+    regrouped = any(steps for _, steps, _ in received)
     return TransferMap(
         sc.describe(),
         sc.mode,

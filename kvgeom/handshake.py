@@ -43,7 +43,7 @@ class PairShape:
     bsr: int
     remote_split: int  # > 1: the remote's blocks are read as this many finer blocks (vLLM B.6.7)
     streams: tuple[EngineView, EngineView] | None = field(default=None, compare=False, repr=False)
-    permute: bool = False  # a head-major remote pulled into a token-major local page, permuted on receive
+    permute: bool = False  # a head-major P moved into a token-major D page, permuted in D's receive step
 
 
 def _err(field: str, what: str, local: object, remote: object) -> IncompatiblePairError:
@@ -217,28 +217,33 @@ def check_pair(
 
 def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> None:
     """Different KV layouts on the two sides (B.6.15): only vLLM's ``enable_permute_local_kv`` pairs them, a
-    head-major remote pulled into a token-major local rank (``local.engine.permute_local_kv``) of a model with
-    one full-attention KV-cache group (vLLM asserts it without its hybrid memory allocator). Pulls only:
-    the permute is the puller's receive step. Both modes plan the same path (kvgeom mode's per-token cut
-    needs one layout on both sides)."""
+    head-major P moved into a token-major D (``permute_local_kv`` on D: the local rank in pull, the remote one
+    in push) of a model with one full-attention KV-cache group (vLLM asserts it without its hybrid memory
+    allocator). The transfer moves head-major pages; D permutes them in its receive step. vLLM does it in
+    pulls only (its push P refuses D's token-major layout, and D's notification-only push handshake never
+    marks D permuting): vllm mode refuses pushes, kvgeom mode plans them (kvgeom mode's per-token cut needs
+    one layout on both sides, so it plans the same head-major path)."""
     lay, ray = local.engine.kv_layout.value, remote.engine.kv_layout.value
-    if not local.engine.permute_local_kv or lay != "token_major" or local.is_mla:
+    d = local if mode == "pull" else remote
+    if not d.engine.permute_local_kv or d.engine.kv_layout.value != "token_major" or d.is_mla:
         raise _err(
             "kv_layout",
-            "KV layouts differ; only a head-major remote pulled into a token-major local rank with "
-            "permute_local_kv (vLLM's enable_permute_local_kv) is planned",
+            "KV layouts differ; only a head-major P moved into a token-major D with permute_local_kv "
+            "(vLLM's enable_permute_local_kv, set on D) is planned",
             lay,
             ray,
         )
-    if mode != "pull":
+    if mode != "pull" and compat == "vllm":
         raise UnsupportedError(
             "kv_layout",
-            "the LBHNC-into-LBNHC permute is the puller's receive step: planned for pulls only "
-            f"(local {lay!r}, remote {ray!r})",
+            "vLLM 0.33.0 permutes only in pulls: in push, P's handshake with D compares its LBHNC with D's "
+            "LBNHC and refuses (its permute accepts only an LBHNC remote into an LBNHC local), and D's "
+            "notification-only handshake with P never validates P's layout nor marks D permuting; kvgeom "
+            f"mode plans the push (local {lay!r}, remote {ray!r})",
             local=lay,
             remote=ray,
         )
-    if hma_required(local):
+    if hma_required(d):
         raise _err(
             "kv_layout",
             "vLLM 0.33.0 permutes received blocks only without its hybrid memory allocator (a model whose "

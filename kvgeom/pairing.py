@@ -184,7 +184,8 @@ class Pairing:
 
     @property
     def permute(self) -> bool:
-        """A head-major remote pulled into this token-major rank, permuted on receive (B.6.15)."""
+        """A head-major P moved into a token-major D that permutes in its receive step (B.6.15): pulled into
+        this rank, or (kvgeom mode) pushed from it."""
         return self.shape.permute
 
     @cached_property

@@ -40,6 +40,7 @@ from .dlist import EngineView
 from .engine import KVLayout
 from .errors import BlockIdError, PlanError, UnsupportedError
 from .geometry import Group, RankGeometry
+from .handshake import check_permute
 from .pairing import LocalKey, Pairing
 from .recipe import Recipe, trace
 from .regionmap import apply_prefix_caching_by_region, block_ids_by_region, region_zero_ids, region_zero_rows
@@ -161,9 +162,14 @@ class RequestPlan:
             lines.append(f"  notify only: ranks {list(self.notify_only)}")
         lines.append(f"  the other side expects {self.expected_notifications} notification(s) per rank")
         for r in self.regroup:
+            into = (
+                f"[{r.tokens},{r.heads},*]"
+                if r.layout is KVLayout.TOKEN_MAJOR
+                else f"[{r.heads},{r.tokens},*]"
+            )
             lines.append(
                 f"  regroup {r.blocks.size} block(s) in regions {list(r.regions)[:4]}... "
-                f"([{r.bsr},{r.heads},{r.tokens // r.bsr},*] -> [{r.heads},{r.tokens},*])"
+                f"([{r.bsr},{r.heads},{r.tokens // r.bsr},*] -> {into})"
             )
         if len(self.zero):
             lines.append(
@@ -1267,8 +1273,15 @@ def receive_step(
     """The post-receive step of a D rank that was written to (push): zero ranges of its own blocks,
     from D's and P's logical ids of the request, aligned by token like the writer's plan (``num_tokens``
     and ``prefill_tokens`` as in :func:`plan_request`). vLLM never zeroes in push (B.6.1 item 9); kvgeom
-    does, so no D block holds stale bytes."""
+    does, so no D block holds stale bytes. A token-major D with ``permute_local_kv`` written by a head-major
+    P (kvgeom mode's push permute, B.6.15) first regroups every attention block of the request into token
+    order (each D block arrived as one head-major page); the zero ranges are then token-major."""
     kinds = consumer.group_is_ssm
+    permute = (
+        consumer.model.attention_spec is not None and consumer.engine.kv_layout != producer.engine.kv_layout
+    )
+    if permute:  # a pair the writer could plan: refuses any other layout difference, typed
+        check_permute(producer, consumer, "push", "kvgeom")
     dl = as_group_ids(consumer_ids, kinds, "consumer_ids")
     pl = as_group_ids(producer_ids, kinds, "producer_ids")
     check_distinct(dl, "consumer_ids")
@@ -1297,7 +1310,7 @@ def receive_step(
         prefix_caching,
         prefill_tokens,
     )
-    return (), _zero_rows(consumer, dk, 1, spans)
+    return _regroups(consumer, dk, 1, permute=permute), _zero_rows(consumer, dk, 1, spans)
 
 
 def post_receive(

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvgeom import GeometryCard, Pairing
-from kvgeom.errors import IncompatiblePairError, KvgeomError
+from kvgeom.errors import IncompatiblePairError, KvgeomError, UnsupportedError
 
 from .card import card_of_worker, check_registration
 from .table import CALLS, REFUSED
@@ -105,7 +105,22 @@ def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: 
         for r in range(remote_tp_size)
     }
     prefix = bool(getattr(worker.vllm_config.cache_config, "enable_prefix_caching", False))
-    return Pairing.create(local, ranks, mode=local.mode, compat=worker.kvgeom_compat, prefix_caching=prefix)
+    pairing = Pairing.create(
+        local, ranks, mode=local.mode, compat=worker.kvgeom_compat, prefix_caching=prefix
+    )
+    if pairing.mode == "push" and pairing.permute:
+        # kvgeom plans it (the D step is kvgeom.plan.receive_step), but vLLM's push D runs no receive step
+        # this drop-in could answer: the head-major pages would stay unpermuted in D's token-major cache
+        lay, ray = local.engine.kv_layout.value, remote.engine.kv_layout.value
+        raise UnsupportedError(
+            "kv_layout",
+            "kvgeom_vllm does not run D's receive step in push yet, so the head-major pages P writes would "
+            f"stay unpermuted in D's token-major cache; use pull, or kvgeom_nixl's push (local {lay!r}, "
+            f"remote {ray!r})",
+            local=lay,
+            remote=ray,
+        )
+    return pairing
 
 
 def _slice_pp_window(worker: Any, meta: Any) -> None:

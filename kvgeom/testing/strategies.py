@@ -458,12 +458,13 @@ def pd_pairs(
         own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
         d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=p.kernel * d.ppl)
     if (
-        mode == "pull"
+        (mode == "pull" or compat == "kvgeom")
         and _permutable(model)
         and p_dcp == d_dcp == 1
         and not d.separate_group
         and draw(st.integers(0, 4)) == 0
-    ):  # a head-major P pulled by a token-major D that permutes on receive (vLLM's enable_permute_local_kv)
+    ):  # a head-major P moved into a token-major D that permutes on receive (vLLM's enable_permute_local_kv;
+        # vLLM pulls it only, kvgeom mode pushes it too)
         p = replace(p, kv_layout=KVLayout.HEAD_MAJOR)
         d = replace(d, kv_layout=KVLayout.TOKEN_MAJOR, permute_local_kv=True)
     prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
@@ -503,10 +504,11 @@ def _packed_alike(model: ModelSpec, p: EngineConfig, d: EngineConfig) -> bool:
 
 
 def _permuted(pair: PDPair) -> bool:
-    """A pull of head-major P pages by a token-major D with ``permute_local_kv``."""
+    """Head-major P pages moved into a token-major D with ``permute_local_kv``: pulled, or pushed in kvgeom
+    mode."""
     p, d = pair.p_engine, pair.d_engine
     return (
-        pair.mode == "pull"
+        (pair.mode == "pull" or pair.compat == "kvgeom")
         and d.permute_local_kv
         and p.kv_layout is KVLayout.HEAD_MAJOR
         and d.kv_layout is KVLayout.TOKEN_MAJOR
@@ -517,8 +519,8 @@ def plannable_class(pair: PDPair) -> str | None:
     """The class of pairs kvgeom must always accept that ``pair`` belongs to, or ``None``: one attention
     spec (no sliding window, no KV head replicated at either TP) or MLA only, or an SSM hybrid at equal TP
     with one conv layout; head-major pages, equal logical and kernel blocks, no DCP, pipeline stages,
-    packed rows or separate groups; vllm mode pushes only at equal TP; or dense attention pulled from head-major
-    P pages by a token-major D that permutes them on receive. The property tests treat a refusal
+    packed rows or separate groups; vllm mode pushes only at equal TP; or dense attention moved from head-major
+    P pages into a token-major D that permutes them on receive (pulled; pushed in kvgeom mode). The property tests treat a refusal
     of such a pair as a failure, not a discard."""
     model, p, d = pair.model, pair.p_engine, pair.d_engine
     if _permuted(pair):  # one layout each side, D permutes on receive: dense attention, as below

@@ -127,6 +127,30 @@ def test_head_major_p_tp1_into_token_major_d_tp2_permuted_on_receive() -> None:
     assert len(_decode_reports(out)) == 2
 
 
+PUSHED_PERMUTED = {
+    **DENSE,
+    "mode": "push",
+    "compat": "kvgeom",
+    "decode": {**PERMUTED["decode"], "tp_size": 2, "block_size": 16},
+}
+
+
+@pytest.mark.parametrize(
+    "prefill",
+    [{"tp_size": 1, "block_size": 16}, {"tp_size": 4, "block_size": 32}],
+    ids=["p_tp1_bsr1", "p_tp4_bsr2"],
+)
+def test_head_major_p_pushed_into_token_major_d_tp2_permuted_on_receive(prefill: dict) -> None:
+    """kvgeom mode's push permute (B.6.15; vLLM refuses it): P writes its head-major pages as into a
+    head-major D (P TP 4: one head per rank, blocks twice D's), D's receive step regroups them token-major
+    on its tensors; every D byte checked."""
+    out = _run({**PUSHED_PERMUTED, "prefill": {**prefill, "num_blocks": 256}}, [50, 300, 16])
+    _assert_all_ok(out, 3)
+    assert len(_decode_reports(out)) == 2
+    pushed = [r for k, v in out["results"].items() if k.startswith("prefill") for r in v["results"]]
+    assert len(pushed) == 3 * prefill["tp_size"] and all(r["ok"] for r in pushed)
+
+
 MLA_KDA = {
     "model": ModelSpec.from_layers(
         "mla-kda",

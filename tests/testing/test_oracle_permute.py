@@ -1,6 +1,7 @@
 """The oracle's token-major regroup (the LBHNC-into-LBNHC permute, docs/vllm-behaviour.md B.6.15): applied per
 element from its documented meaning (hand-derived permutations), and it judges permuted pulls: kvgeom's plans
-pass, the same plans without the permute, or with a head-major regroup instead, are caught."""
+pass, the same plans without the permute, or with a head-major regroup instead, are caught; and kvgeom mode's
+permuted pushes (P writes head-major pages, D's receive step permutes them)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import numpy as np
 import pytest
 
 from kvgeom.engine import EngineConfig, KVLayout
-from kvgeom.plan import Regroup
+from kvgeom.plan import Regroup, receive_step
 from kvgeom.spec import AttentionSpec, ModelSpec
-from kvgeom.testing import Oracle, Request, pull_plans, run_pull
+from kvgeom.testing import Oracle, Request, pull_plans, push_plans, run_pull, run_push
 
 TM = KVLayout.TOKEN_MAJOR
 M1 = ModelSpec.from_layers("t", [AttentionSpec(1, 1, "float16")])
@@ -86,3 +87,46 @@ def test_the_oracle_catches_a_missing_or_head_major_permute(setup: tuple[int, in
         p, d, request, lambda steps: tuple(dataclasses.replace(s, layout=KVLayout.HEAD_MAJOR) for s in steps)
     )
     assert "I2" in head_major
+
+
+# -- kvgeom mode's push permute: P writes head-major pages, D's receive step permutes them ------------------
+PUSH_SETUPS = [  # P TP, D TP, P block (D blocks are 16)
+    (1, 1, 16),
+    (1, 2, 16),
+    (2, 4, 16),
+    (4, 2, 16),
+    (2, 1, 16),
+    (4, 1, 32),  # bsr 2: one head per P rank
+    (4, 2, 64),  # bsr 4
+    (8, 2, 32),  # P replicates the KV heads
+]
+
+
+@pytest.mark.parametrize("setup", PUSH_SETUPS)
+def test_permuted_pushes_pass_the_oracle_in_kvgeom_mode(setup: tuple[int, int, int]) -> None:
+    p, d, request = _pair(*setup)
+    assert run_push(M4, p, d, request, "kvgeom").ok
+
+
+@pytest.mark.parametrize("setup", [(1, 2, 16), (4, 1, 32)])
+def test_permuted_pushes_pass_the_oracle_with_a_prefix_hit_and_the_n_minus_1_flow(setup) -> None:
+    p, d, _ = _pair(*setup)
+    # D holds 3 blocks of 16 for 40 tokens, its first one cached (2 listed); P computed 39 (D recomputes
+    # the last): ceil(39 / P block) blocks
+    p_ids = [list(range(1, 1 + -(-39 // p.block_size)))]
+    request = Request(40, p_ids, [[3, 5]], prefix_blocks=1, prefill_tokens=39)
+    assert run_push(M4, p, d, request, "kvgeom", prefix_caching=True).ok
+
+
+@pytest.mark.parametrize("setup", [(1, 1, 16), (4, 2, 16), (4, 1, 32)])
+def test_the_oracle_catches_a_push_without_the_receive_permute(setup: tuple[int, int, int]) -> None:
+    p, d, request = _pair(*setup)
+    oracle = Oracle.for_engines(M4, p, d, request)
+    for rp in push_plans(M4, p, d, request, "kvgeom"):
+        oracle.execute(oracle.moves_of(rp), f"rank {rp.rank}")
+    for rank in range(d.tp_size):
+        geom = oracle.d[rank]
+        steps, zero = receive_step(geom, oracle.p[0], request.d_ids, request.p_ids, request.num_tokens)
+        assert steps and all(s.layout is KVLayout.TOKEN_MAJOR for s in steps)
+        oracle.receive(geom.global_rank, (), zero)  # the permute left out
+    assert "I2" in {v.invariant for v in oracle.report().violations}

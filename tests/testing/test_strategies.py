@@ -127,12 +127,38 @@ def test_permuted_pulls_pass_the_oracle(case) -> None:
     assert report.ok, f"{case}\n{report}"
 
 
+def test_permuted_pushes_are_drawn_in_kvgeom_mode() -> None:
+    def wanted(c: kst.Case) -> bool:
+        return c.pair.d_engine.permute_local_kv and c.pair.p_engine.tp_size != c.pair.d_engine.tp_size
+
+    case = find(kst.cases(mode="push", compat="kvgeom"), wanted, settings=FIND)
+    assert case.pair.p_engine.kv_layout is KVLayout.HEAD_MAJOR
+    assert case.pair.d_engine.kv_layout is KVLayout.TOKEN_MAJOR
+    assert "permute" in str(case.pair)
+
+
+@FAST
+@given(
+    kst.cases(mode="push", compat="kvgeom", models=kst.model_specs(("dense",))).filter(
+        lambda c: c.pair.d_engine.permute_local_kv
+    )
+)
+def test_permuted_pushes_pass_the_oracle(case) -> None:
+    try:
+        report = case.pair.run(case.request)
+    except KvgeomError:
+        assert kst.plannable_class(case.pair) is None
+        reject()
+    assert report.ok, f"{case}\n{report}"
+
+
 def test_the_permuted_plannable_class() -> None:
     model = ModelSpec.from_layers("m4", [AttentionSpec(4, 8, "float16")] * 2)
     p = EngineConfig(tp_size=1, block_size=16, num_blocks=8)
     d = EngineConfig(tp_size=2, block_size=16, num_blocks=8, kv_layout="token_major", permute_local_kv=True)
     assert kst.plannable_class(kst.PDPair(model, p, d, "pull", "vllm")) == "dense attention, permuted"
     assert kst.plannable_class(kst.PDPair(model, p, d, "push", "vllm")) is None  # pulls only
+    assert kst.plannable_class(kst.PDPair(model, p, d, "push", "kvgeom")) == "dense attention, permuted"
     small = dataclasses.replace(p, block_size=8, kernel_block_size=8)
     assert kst.plannable_class(kst.PDPair(model, small, d, "pull", "vllm")) is None  # blocks differ
     eight = dataclasses.replace(d, tp_size=8)  # 4 heads over 8 ranks: replicated

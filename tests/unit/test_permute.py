@@ -20,7 +20,7 @@ from kvgeom.errors import ConfigError, IncompatiblePairError, UnsupportedError
 from kvgeom.geometry import RankGeometry, rank_geometry
 from kvgeom.handshake import check_pair, check_permute
 from kvgeom.pairing import Pairing
-from kvgeom.plan import Regroup, permuted_heads, plan_request, post_receive
+from kvgeom.plan import Regroup, permuted_heads, plan_request, post_receive, receive_step
 from kvgeom.scenario import Scenario
 from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 
@@ -93,13 +93,38 @@ def test_the_permute_goes_only_from_head_major_into_token_major() -> None:
     assert e.value.values == {"local": "head_major", "remote": "token_major"}
 
 
-def test_the_permute_is_planned_for_pulls_only() -> None:
+def test_vllm_mode_refuses_the_permute_in_push_and_says_why() -> None:
+    # push: P (local) head-major, D (remote) token-major with the flag; vLLM's P refuses D's LBNHC at its
+    # handshake, and D's notification-only push handshake never marks D permuting
     with pytest.raises(UnsupportedError) as e:
-        check_permute(_d(), _geom(), "push", "kvgeom")
-    assert e.value.field == "kv_layout" and "planned for pulls only" in str(e.value)
+        check_pair(_geom(), _d(), "push", "vllm")
+    assert e.value.field == "kv_layout"
+    assert e.value.values == {"local": "head_major", "remote": "token_major"}
+    assert "notification-only" in str(e.value) and "P's handshake with D" in str(e.value)
+    with pytest.raises(UnsupportedError) as e:
+        check_permute(_geom(), _d(tp=2), "push", "vllm")
+    assert e.value.field == "kv_layout"
+
+
+def test_kvgeom_mode_pairs_the_permute_in_push() -> None:
+    shape = check_pair(_geom(), _d(), "push", "kvgeom")
+    assert (shape.tp_ratio, shape.bsr, shape.permute) == (1, 1, True)
+    # P TP 1 writing into D TP 2: tp_ratio -2 seen from P (the local side in push)
+    assert check_pair(_geom(), _d(tp=2), "push", "kvgeom").permute is True
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_the_push_permute_needs_the_flag_on_d_and_a_head_major_p(compat: str) -> None:
+    with pytest.raises(IncompatiblePairError) as e:  # D without the flag
+        check_pair(_geom(), _d(permute=False), "push", compat)
+    assert e.value.field == "kv_layout" and "with permute_local_kv" in str(e.value)
+    assert e.value.values == {"local": "head_major", "remote": "token_major"}
+    with pytest.raises(IncompatiblePairError) as e:  # the flag on P (local in push) is not D's
+        check_pair(_d(), _geom(), "push", compat)
     assert e.value.values == {"local": "token_major", "remote": "head_major"}
-    with pytest.raises(UnsupportedError):
-        check_pair(_d(), _geom(), "push", "vllm")
+    with pytest.raises(IncompatiblePairError) as e:  # a token-major P into a head-major D with the flag
+        check_pair(_geom(layout=TOKEN_MAJOR), _geom(permute=True), "push", compat)
+    assert e.value.values == {"local": "token_major", "remote": "head_major"}
 
 
 @pytest.mark.parametrize(
@@ -118,12 +143,20 @@ def test_the_permute_needs_a_model_without_the_hybrid_allocator(model: ModelSpec
         check_pair(_d(model=model), _geom(model), "pull", compat)
     assert e.value.field == "kv_layout" and "hybrid memory allocator" in str(e.value)
     assert e.value.values == {"local": "token_major", "remote": "head_major"}
+    if compat == "kvgeom":  # in push too (vllm mode refuses every push permute first)
+        with pytest.raises(IncompatiblePairError) as e:
+            check_pair(_geom(model), _d(model=model), "push", compat)
+        assert e.value.field == "kv_layout" and "hybrid memory allocator" in str(e.value)
+        assert e.value.values == {"local": "head_major", "remote": "token_major"}
 
 
 def test_mla_pages_are_never_permuted() -> None:
     mla = ModelSpec.from_layers("mla", [MLASpec(16, "float16")])
     with pytest.raises(IncompatiblePairError) as e:
         check_permute(_d(model=mla), _geom(mla), "pull", "vllm")
+    assert e.value.field == "kv_layout"
+    with pytest.raises(IncompatiblePairError) as e:
+        check_permute(_geom(mla), _d(model=mla), "push", "kvgeom")
     assert e.value.field == "kv_layout"
 
 
@@ -251,3 +284,111 @@ def test_the_cli_prints_the_permute_only_when_set() -> None:
     )
     assert _engine_json(on, "decode")["permute_local_kv"] is True
     assert "permute_local_kv" not in _engine_json(on, "prefill")
+
+
+# -- kvgeom mode's push permute -----------------------------------------------------------------------------
+def _push_moves(p_tp: int, p_block: int, d_tp: int, d_layout: KVLayout, p_ids, d_ids, n: int) -> list:
+    """Every P rank's planned writes as sorted (P rank, P offset, D rank, D offset, length) rows."""
+    out = []
+    for rank in range(p_tp):
+        d = [_geom(tp=d_tp, layout=d_layout, permute=d_layout is TOKEN_MAJOR, rank=r) for r in range(d_tp)]
+        pairing = Pairing.create(_geom(tp=p_tp, block=p_block, rank=rank), d, "push", "kvgeom")
+        plan = plan_request(pairing, [p_ids], [d_ids], num_tokens=n)
+        assert plan.op == "WRITE" and plan.regroup == () and plan.zero.shape == (0, 3)
+        out += [(int(m[0]), int(m[2]), int(m[3]), int(m[5]), int(m[6])) for m in plan.moves(pairing)]
+    return sorted(out)
+
+
+def test_kvgeom_mode_pushes_the_permute_as_the_head_major_writes() -> None:
+    # P TP 1 (4 heads), D TP 2 (2 heads per rank), blocks of 16: a P block is [4 heads, 16, 32 B] = 2048 B
+    # (head h at h * 512), a D block [2, 16, 32] = 1024 B; D rank r takes heads 2r, 2r + 1: P bytes
+    # [r * 1024, +1024) of each block. P blocks 1, 2 -> D blocks 3, 5: 4 writes of 1024 B
+    want = [(0, b * 2048 + r * 1024, r, d * 1024, 1024) for b, d in ((1, 3), (2, 5)) for r in (0, 1)]
+    got = _push_moves(1, 16, 2, TOKEN_MAJOR, [1, 2], [3, 5], 32)
+    assert got == sorted(want)
+    assert got == _push_moves(1, 16, 2, HEAD_MAJOR, [1, 2], [3, 5], 32)  # as for a head-major D
+
+
+def test_kvgeom_mode_pushes_the_permute_with_p_blocks_larger_than_ds() -> None:
+    # P TP 4 (1 head per rank), blocks of 32: a P block is [1, 32, 32 B] = 1024 B; D TP 1 (4 heads), blocks of
+    # 16: [4, 16, 32 B] = 2048 B, head h at h * 512. 40 tokens: P blocks 1, 2 -> D blocks 3, 5 (block 1's
+    # halves) and 6 (block 2's first half). P rank r writes 512 B chunks into head r: 12 writes
+    want = [
+        (r, p * 1024 + half * 512, 0, d * 2048 + r * 512, 512)
+        for r in range(4)
+        for p, half, d in ((1, 0, 3), (1, 1, 5), (2, 0, 6))
+    ]
+    got = _push_moves(4, 32, 1, TOKEN_MAJOR, [1, 2], [3, 5, 6], 40)
+    assert got == sorted(want)
+    assert got == _push_moves(4, 32, 1, HEAD_MAJOR, [1, 2], [3, 5, 6], 40)
+
+
+def test_the_push_permute_with_p_blocks_larger_than_ds_needs_one_head_per_p_rank() -> None:
+    # P TP 1 holds 4 heads: a 16-token half of its [4, 32, 32 B] block holds heads 0-1 of every token
+    with pytest.raises(UnsupportedError) as e:
+        check_pair(_geom(block=32), _d(), "push", "kvgeom")
+    assert e.value.field == "block_size" and e.value.values == {"local": 32, "remote": 16}
+    assert check_pair(_geom(tp=4, block=32), _d(), "push", "kvgeom").bsr == 2
+
+
+def test_the_push_receive_step_permutes_every_block_of_the_request() -> None:
+    # D TP 2 rank 0 (2 heads, block 1024 B) written by P TP 1 (blocks of 16): every block [2, 16, 32 B]
+    # arrived head-major; D's blocks 3, 5, 6 for 40 tokens, P computed 32 (blocks 1, 2): block 6 is D's own,
+    # zeroed whole after the permute: one token-major run [6 * 1024, +1024)
+    d, p = _d(tp=2), _geom()
+    regroups, zero = receive_step(d, p, [[3, 5, 6]], [[1, 2]], num_tokens=40, prefill_tokens=32)
+    assert [_regroup_row(r) for r in regroups] == [((0,), [3, 5, 6], 1, 2, 16, 32, TOKEN_MAJOR)]
+    assert zero.tolist() == [[0, 6 * 1024, 1024]]
+    # a head-major D: nothing to regroup (bsr 1), the same zero range
+    regroups, zero_hm = receive_step(_geom(tp=2), p, [[3, 5, 6]], [[1, 2]], num_tokens=40, prefill_tokens=32)
+    assert regroups == () and zero_hm.tolist() == zero.tolist()
+    # P TP 4 blocks of 32 into D TP 1 blocks of 16 (4 heads per D block): each D block is one head-major page
+    regroups, zero = receive_step(_d(), _geom(tp=4, block=32), [[3, 5, 6]], [[1, 2]], num_tokens=40)
+    assert [_regroup_row(r) for r in regroups] == [((0,), [3, 5, 6], 1, 4, 16, 32, TOKEN_MAJOR)]
+    assert zero.shape == (0, 3)
+
+
+def test_the_push_receive_step_refuses_layouts_no_push_pairs() -> None:
+    # a token-major D without the flag: the writer could not have planned it
+    with pytest.raises(IncompatiblePairError) as e:
+        receive_step(_d(permute=False), _geom(), [[3]], [[1]], num_tokens=16)
+    assert e.value.field == "kv_layout" and e.value.values == {"local": "head_major", "remote": "token_major"}
+
+
+def test_draw_shows_a_permuted_push_after_ds_receive_step() -> None:
+    from kvgeom.draw import transfer_map
+    from kvgeom.scenario import RequestIds
+
+    sc = Scenario.from_json(
+        {
+            "model": M4.to_json(),
+            "mode": "push",
+            "prefill": {"tp_size": 1, "block_size": 16, "num_blocks": 8},
+            "decode": {
+                "tp_size": 2,
+                "block_size": 16,
+                "num_blocks": 8,
+                "kv_layout": "token_major",
+                "permute_local_kv": True,
+            },
+        }
+    )
+    tmap = transfer_map(sc, RequestIds(16, ((1,),), ((3,),)))
+    assert tmap.regrouped
+    # P block 1 = [4 heads, 16, 32 B] at 2048; D rank r's block 3 = [16 tokens, 2 heads, 32 B] at 3 * 1024:
+    # head h, token t of P (offset 2048 + h * 512 + t * 32) lands on rank h // 2 at 3072 + (t * 2 + h % 2) * 32
+    # (adjacent runs merged: none are, the permute interleaves them)
+    want = sorted(
+        (0, 0, 2048 + h * 512 + t * 32, h // 2, 0, 3072 + (t * 2 + h % 2) * 32, 32)
+        for h in range(4)
+        for t in range(16)
+    )
+    assert sorted(map(tuple, tmap.runs.tolist())) == want
+    assert tmap.zero.shape == (0, 4)
+
+
+def test_a_plan_describes_its_token_major_regroup_as_token_major() -> None:
+    # D TP 2 (2 heads), P blocks of 8 into D blocks of 16: [bsr 2, 2 heads, 8 tokens, *] stored [16 tokens, 2, *]
+    pairing = Pairing.create(_d(tp=2), [_geom(block=8)], "pull", "kvgeom")
+    text = plan_request(pairing, [[3, 5]], [[1, 2, 4, 6]], num_tokens=32).describe(pairing)
+    assert "regroup 2 block(s) in regions [0]... ([2,2,8,*] -> [16,2,*])" in text

@@ -403,6 +403,82 @@ def test_permute_kvgeom_mode_plans_what_vllm_moves_right(case: kst.Case) -> None
     _kvgeom_mode_plans_what_vllm_moves_right(case)
 
 
+def _push_permute_cases() -> list[kst.Case]:
+    """A head-major P pushing into a token-major D with ``permute_local_kv`` (B.6.15): the model and request
+    of :func:`_permute_cases`, TP 1-4 on each side, P blocks equal to D's or twice them (one head per P rank),
+    once with the flag set on P's engine too (vLLM's setting is per engine). vLLM refuses every one."""
+    four = ModelSpec.from_layers("dense", [AttentionSpec(4, 8, "float16")] * 2)
+    setups = [  # P TP, D TP, P block, flag on P too
+        (1, 1, 16, False),
+        (1, 2, 16, False),
+        (2, 1, 16, False),
+        (2, 4, 16, False),
+        (4, 2, 16, False),
+        (4, 1, 32, False),
+        (1, 2, 16, True),
+    ]
+    out = []
+    for p_tp, d_tp, p_bs, p_flag in setups:
+        p = EngineConfig(tp_size=p_tp, block_size=p_bs, num_blocks=16, permute_local_kv=p_flag)
+        d = EngineConfig(
+            tp_size=d_tp, block_size=16, num_blocks=16, kv_layout="token_major", permute_local_kv=True
+        )
+        out.append(kst.Case(kst.PDPair(four, p, d, "push"), Request.simple(four, p, d, 37)))
+    return out
+
+
+PUSH_PERMUTE = _push_permute_cases()
+
+
+@pytest.mark.parametrize("case", PUSH_PERMUTE, ids=str)
+def test_push_permute_vllm_refuses_at_ps_handshake_and_so_does_vllm_mode(case: kst.Case) -> None:
+    """vLLM's push P validates D's handshake metadata (``add_remote_agent``): its LBHNC against D's LBNHC is
+    refused whatever the flag, as its permute takes only an LBHNC remote into an LBNHC local; vllm mode refuses
+    the pair, typed, before any plan."""
+    _, moves, vllm_refused = _vllm(case)
+    assert isinstance(vllm_refused, RuntimeError) and moves == [], repr(vllm_refused)
+    assert "kv_cache_layout (local LBHNC, remote LBNHC)" in str(vllm_refused)
+    refused = _plan(case, "vllm")[1]
+    assert refused is not None and refused.field == "kv_layout", refused
+    assert refused.values == {"local": "head_major", "remote": "token_major"}
+
+
+@pytest.mark.parametrize("case", PUSH_PERMUTE[:3], ids=str)
+def test_push_permute_ds_notification_handshake_never_marks_it_permuting(case: kst.Case) -> None:
+    """vLLM's push D loads P's metadata for notifications only (``_add_notif_only_remote_agent``): no layout
+    check, and D's worker stays unmarked, so even a P that wrote head-major pages would find D not permuting."""
+    pair = case.pair
+    p = engine_geometries(pair.model, pair.p_engine)[0]
+    for d in engine_geometries(pair.model, pair.d_engine):
+        w = E.worker(d, "push", False, "D", E.D_SIDE)
+        w._add_notif_only_remote_agent(E.agent_metadata(p, "push", E.P_SIDE, "P"), p.tp_size)
+        assert w.kv_cache_layout == "LBNHC" and w.kv_transfer_config.enable_permute_local_kv is True
+        assert w.enable_permute_local_kv is False
+
+
+@pytest.mark.parametrize("case", PUSH_PERMUTE, ids=str)
+def test_push_permute_kvgeom_mode_plans_it_and_the_oracle_agrees(case: kst.Case) -> None:
+    """Where vLLM refuses, kvgeom mode writes P's head-major pages and D's receive step permutes them: every
+    D byte right (the oracle), and without the permute wrong (unless D holds one head per rank)."""
+    plans, refused = _plan(case, "kvgeom")
+    assert refused is None, refused
+    pair, r = case.pair, case.request
+    assert run_plans(pair.model, pair.p_engine, pair.d_engine, r, plans).ok
+    bare = Oracle(
+        pair.model,
+        engine_geometries(pair.model, pair.p_engine),
+        engine_geometries(pair.model, pair.d_engine),
+        r,
+    )
+    for rp in plans:
+        bare.run_plan(rp)
+    for d in bare.d:  # the receive step without its regroups
+        _, zero = receive_step(d, bare.p[0], r.d_ids, r.p_ids, r.num_tokens, pair.prefix_caching, r.p_tokens)
+        bare.receive(d.global_rank, (), zero)
+    # one head per D rank: token-major and head-major pages agree, nothing to permute
+    assert bare.report().ok == (pair.model.num_kv_heads <= pair.d_engine.tp_size)
+
+
 @pytest.mark.parametrize(("bsr", "covered"), [(1, 3), (2, 5), (4, 9), (4, 12)])
 @pytest.mark.parametrize("heads", [1, 4])
 def test_permute_receive_step_of_the_drop_in_equals_vllms(bsr: int, covered: int, heads: int) -> None:

@@ -256,3 +256,19 @@ def test_push_across_tp_sizes_on_a_token_major_layout_is_refused_by_vllm_and_wri
     assert report.ok, report.violations[:5]
     # every token slot of D's 3 blocks of 32 (70 tokens) in every layer, each from the P rank holding its head
     assert report.bytes_moved == 12 * 3 * 32 * HEADS * HEAD_BYTES_
+
+
+@pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
+def test_head_major_p_pushed_into_a_token_major_d_that_permutes_is_refused_by_the_drop_in(
+    compat: str,
+) -> None:
+    # B.6.15 in push: vLLM's P refuses D's LBNHC at its handshake; vllm mode refuses it too. kvgeom's core plans
+    # it (kvgeom.plan.receive_step permutes on D), but the drop-in's push D runs no receive step yet, so its P
+    # refuses the pair at the handshake, typed, instead of leaving head-major pages in D's token-major cache
+    d = make_worker("D", 2, 0, 32, 6, "LBNHC", compat, RecordingNixl, push=True, permute=True)
+    p = make_worker("P", 1, 0, 32, 6, "LBHNC", compat, RecordingNixl, push=True)
+    with pytest.raises(RuntimeError, match="kv_layout") as e:
+        p.add_remote_agent(_metadata(d), remote_tp_rank=0, remote_tp_size=2)
+    why = "notification-only" if compat == "vllm" else "does not run D's receive step in push"
+    assert why in str(e.value) and "'head_major'" in str(e.value) and "'token_major'" in str(e.value)
+    assert p.nixl_wrapper.xfers == []

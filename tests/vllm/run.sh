@@ -52,6 +52,9 @@ setup_venv() {
   local stamp=$VENV/.kvgeom-vllm-installed
   stamp_fresh "$stamp" tests/vllm/run.sh "$CONSTRAINTS" pyproject.toml && return 0
   echo "== .venv-vllm: vLLM $VLLM_VERSION without CUDA (isolated venv)"
+  # A venv this script made earlier (its stamp is there, older than the inputs) is made afresh, so nothing an
+  # older recipe installed (triton, say) stays behind.
+  if [ -f "$stamp" ]; then rm -rf "$VENV"; fi
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   local pip=("$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" -c "$CONSTRAINTS")
   "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" --upgrade pip

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 from hypothesis import HealthCheck, find, given, reject, settings
+from hypothesis import strategies as st
 
 from kvgeom import KvgeomError
 from kvgeom.engine import EngineConfig, KVLayout
@@ -102,48 +104,27 @@ def test_the_oracle_resolves_plans_like_the_core(case) -> None:
         assert mine[:, :7].tolist() == rp.plan.moves(rp.pairing).tolist()
 
 
-def test_permuted_pulls_are_drawn_across_tp_sizes() -> None:
+# the permute is drawn in pulls (both modes) and in kvgeom mode's pushes (vLLM refuses it in push)
+PERMUTED = [("pull", None), ("push", "kvgeom")]
+
+
+@pytest.mark.parametrize(("mode", "compat"), PERMUTED)
+def test_permuted_pairs_are_drawn_across_tp_sizes(mode: str, compat: str | None) -> None:
     def wanted(c: kst.Case) -> bool:
         return c.pair.d_engine.permute_local_kv and c.pair.p_engine.tp_size != c.pair.d_engine.tp_size
 
-    case = find(kst.cases(mode="pull"), wanted, settings=FIND)
+    case = find(kst.cases(mode=mode, compat=compat), wanted, settings=FIND)
     assert case.pair.p_engine.kv_layout is KVLayout.HEAD_MAJOR
     assert case.pair.d_engine.kv_layout is KVLayout.TOKEN_MAJOR
     assert "permute" in str(case.pair)
 
 
+@pytest.mark.parametrize(("mode", "compat"), PERMUTED)
 @FAST
-@given(
-    kst.cases(mode="pull", models=kst.model_specs(("dense",))).filter(
-        lambda c: c.pair.d_engine.permute_local_kv
-    )
-)
-def test_permuted_pulls_pass_the_oracle(case) -> None:
-    try:
-        report = case.pair.run(case.request)
-    except KvgeomError:
-        assert kst.plannable_class(case.pair) is None
-        reject()
-    assert report.ok, f"{case}\n{report}"
-
-
-def test_permuted_pushes_are_drawn_in_kvgeom_mode() -> None:
-    def wanted(c: kst.Case) -> bool:
-        return c.pair.d_engine.permute_local_kv and c.pair.p_engine.tp_size != c.pair.d_engine.tp_size
-
-    case = find(kst.cases(mode="push", compat="kvgeom"), wanted, settings=FIND)
-    assert case.pair.p_engine.kv_layout is KVLayout.HEAD_MAJOR
-    assert case.pair.d_engine.kv_layout is KVLayout.TOKEN_MAJOR
-    assert "permute" in str(case.pair)
-
-
-@FAST
-@given(
-    kst.cases(mode="push", compat="kvgeom", models=kst.model_specs(("dense",))).filter(
-        lambda c: c.pair.d_engine.permute_local_kv
-    )
-)
-def test_permuted_pushes_pass_the_oracle(case) -> None:
+@given(data=st.data())
+def test_permuted_pairs_pass_the_oracle(mode: str, compat: str | None, data: st.DataObject) -> None:
+    cases = kst.cases(mode=mode, compat=compat, models=kst.model_specs(("dense",)))
+    case = data.draw(cases.filter(lambda c: c.pair.d_engine.permute_local_kv))
     try:
         report = case.pair.run(case.request)
     except KvgeomError:

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgeom-installed
 
-.PHONY: demo test test-core test-vllm plan bench lint dist clean venv host-deps mutate mutate-ci
+.PHONY: demo test test-core test-stress test-vllm plan bench lint dist clean venv host-deps mutate mutate-ci
 
 venv: $(STAMP)
 
@@ -22,14 +22,29 @@ demo: $(STAMP)
 ## kvgeom, then the mutation-testing sample (3 mutants of each of the 8 most important modules).
 test: lint test-core test-vllm mutate-ci
 
+## PYTHONFAULTHANDLER stays on through interpreter shutdown (pytest's own faulthandler stops at its
+## unconfigure), so a crash after the last test names the thread and frame it happened in.
 test-core: $(STAMP) host-deps
-	$(PY) -m pytest
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest
+
+## The adapter and cross-host tests with both cores kept busy (stress-ng --cpu 2), STRESS_RUNS times;
+## stops at the first red run. A contributor's laptop and CI are busy machines too (docs/testing.md).
+STRESS_RUNS ?= 3
+test-stress: $(STAMP) host-deps
+	@command -v stress-ng >/dev/null 2>&1 || { echo "test-stress needs stress-ng (as root: make host-deps)"; exit 2; }
+	@for i in $$(seq 1 $(STRESS_RUNS)); do \
+	  echo "== stressed run $$i of $(STRESS_RUNS)"; \
+	  stress-ng --cpu 2 --timeout 1800s --quiet & sp=$$!; \
+	  PYTHONFAULTHANDLER=1 $(PY) -m pytest tests/adapter; rc=$$?; \
+	  kill $$sp 2>/dev/null; wait $$sp 2>/dev/null; \
+	  [ $$rc = 0 ] || exit $$rc; \
+	done
 
 ## Debian packages of the cross-host tests (tests/adapter/test_hosts.py, test_net_faults.py, test_discovery.py:
-## network namespaces, tc, ethtool, an etcd member, iperf3). Installed quietly with apt-get when one is missing
+## network namespaces, tc, ethtool, an etcd member, iperf3; stress-ng for make test-stress). Installed quietly with apt-get when one is missing
 ## and we are root (CI); otherwise a note, and those tests then say what is missing.
-HOST_TOOLS := ip tc ethtool etcd iperf3
-HOST_PKGS  := iproute2 ethtool etcd-server iperf3
+HOST_TOOLS := ip tc ethtool etcd iperf3 stress-ng
+HOST_PKGS  := iproute2 ethtool etcd-server iperf3 stress-ng
 host-deps:
 	@missing=""; for t in $(HOST_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \

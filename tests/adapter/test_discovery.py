@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from _slack import SLACK_S
 from kvgeom_nixl import (
     AuthenticationError,
     DiscoveryError,
@@ -226,10 +227,12 @@ def test_an_engine_is_found_when_all_its_ranks_are_registered(etcd):
         return missing, sorted(found), time.monotonic() - t0
 
     missing, found, waited = _in(net, body)
-    assert missing[0] == "HandshakeTimeout" and "ranks [0] of 2" in missing[1] and 0.4 < missing[2] < 1.5, (
-        missing
-    )
-    assert found == [0, 1] and 0.25 < waited < 3.0, (found, waited)
+    assert (
+        missing[0] == "HandshakeTimeout"
+        and "ranks [0] of 2" in missing[1]
+        and 0.4 < missing[2] < 0.5 + SLACK_S
+    ), missing
+    assert found == [0, 1] and 0.25 < waited < 1.0 + SLACK_S, (found, waited)
 
 
 def test_a_registration_survives_etcd_restarts_and_dies_with_its_lease(etcd):
@@ -252,14 +255,19 @@ def test_a_registration_survives_etcd_restarts_and_dies_with_its_lease(etcd):
         return None
 
     c = EtcdClient([server.endpoint], timeout_s=0.5)
+    canary = f"{PREFIX}/canary"  # a key nobody writes again: shows the restarted member has no data
+    _in(net, lambda: c.put(canary, b"old member"))
     reg = _in(net, lambda: Registration(EtcdClient([server.endpoint], timeout_s=0.5), key, ttl))
     try:
         assert _in(net, lambda: reg.publish(seal_record(_payload(0, 1), AUTH, key), wait_s=2.0))
+        puts = reg.stats["puts"]
         server.stop(signal.SIGKILL)
         server.start(wipe=True)
-        assert not _in(net, lambda: present(c))  # the data is gone with the old member
-        back = _in(net, lambda: wait_for(lambda: present(c), 10.0))
-        assert back is not None and back < ttl / 3 + 1.5, back
+        # the registration thread may already have written the record back by now (it runs on its own
+        # period), so the wipe is shown by the canary, and the rewrite by the thread's own counters
+        assert _in(net, lambda: c.mod_revision(canary)) is None
+        back = _in(net, lambda: wait_for(lambda: present(c) and reg.stats["puts"] > puts, 10.0))
+        assert back is not None and back < ttl / 3 + 1.0 + SLACK_S, back
         assert reg.stats["lost_leases"] >= 1 and reg.state == "registered", reg.stats
     finally:
         reg._stop = True  # dies without unregistering: the thread stops, the lease is not revoked
@@ -267,7 +275,7 @@ def test_a_registration_survives_etcd_restarts_and_dies_with_its_lease(etcd):
             reg._cv.notify_all()
         reg._thread.join(2)
     gone = _in(net, lambda: wait_for(lambda: not present(c), 10.0))
-    assert gone is not None and gone < ttl + 1.5, gone
+    assert gone is not None and gone < ttl + 1.0 + SLACK_S, gone
     reg2 = _in(net, lambda: Registration(EtcdClient([server.endpoint]), key, 30.0))
     assert _in(net, lambda: reg2.publish(seal_record(_payload(0, 1), AUTH, key), wait_s=2.0))
     _in(net, reg2.close)
@@ -305,10 +313,10 @@ def test_an_unreachable_etcd_is_a_typed_error_within_its_bound(etcd):
         back_s = time.monotonic() - t0
     finally:
         _in(net, reg.close)
-    assert refused[0] == "DiscoveryError" and 0.45 < refused[1] < 1.0, refused
-    assert cut[0] == "DiscoveryError" and 0.45 < cut[1] < 1.0, cut
+    assert refused[0] == "DiscoveryError" and 0.45 < refused[1] < 0.5 + SLACK_S, refused
+    assert cut[0] == "DiscoveryError" and 0.45 < cut[1] < 0.5 + SLACK_S, cut
     assert published is False and state == "unavailable", (published, state)
-    assert back is True and back_s < 5.0, back_s
+    assert back is True and back_s < 3.0 + SLACK_S, back_s
 
 
 def test_discovery_settings_are_checked_and_read_from_the_environment():
@@ -354,5 +362,5 @@ def test_nixl_own_etcd_exchange_works_and_loads_whatever_the_key_holds(etcd):
         res = g.collect(60)["nixl"]
     assert res.ok, res.traceback
     out = res.value
-    assert out["loaded_a"] is True and out["fetch_s"] < 5.0, out
+    assert out["loaded_a"] is True and out["fetch_s"] < 3.0 + SLACK_S, out
     assert out["loaded_m_when_asking_for_a"] is True, out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from _slack import SLACK_S
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -88,7 +89,7 @@ def test_push_late_writes_land_only_in_quarantine_and_never_complete_a_retry():
     assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r2", 1), ("r1", 3), ("r3", 1)], a
     for key in (("r1", 1), ("r1", 2)):
         assert "NotifTimeout" in a[key]["errors"][0], a[key]
-        assert T - 0.1 < a[key]["seconds"] < T + 1.5
+        assert T - 0.1 < a[key]["seconds"] < T + SLACK_S
     assert all(v["bad_at_completion"] == 0 for v in a.values() if v["ok"])
     assert not _ids(a[("r1", 1)]) & _ids(a[("r2", 1)])  # handed out while quarantined: never
     assert _ids(a[("r1", 1)]) & (_ids(a[("r1", 3)]) | _ids(a[("r3", 1)]))  # once settled: reused
@@ -102,7 +103,7 @@ def test_push_late_writes_land_only_in_quarantine_and_never_complete_a_retry():
     assert len(late) == 2 and all(r["ok"] for r in late)  # P delivered, late: D had refused the attempt
     rogue = out["results"]["rogue"]
     assert {x[4] for x in rogue["sidechannel"]} == {"AuthenticationError"} and len(rogue["sidechannel"]) == 20
-    assert all(x[5] < 1.0 for x in rogue["sidechannel"])
+    assert all(x[5] < SLACK_S for x in rogue["sidechannel"])
 
 
 def test_pull_over_tcp_a_partial_timeout_fences_the_late_read():

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from _slack import SLACK_S
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -100,11 +101,11 @@ def test_byte_drip_cannot_stretch_a_deadline(ranks):
         t0 = time.monotonic()
         with pytest.raises(HandshakeTimeout):
             query_generation(HOST, drip.port, timeout_s=1.0, auth=AUTH)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 1.0 + SLACK_S
         t0 = time.monotonic()
         with pytest.raises(HandshakeTimeout):
             fetch(HOST, drip.port, timeout_s=2.0, auth=AUTH)
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 2.0 + SLACK_S
     finally:
         drip.close()
     # the other direction: a client dripping its request into a rank's server is cut off at the
@@ -131,7 +132,7 @@ def test_byte_drip_cannot_stretch_a_deadline(ranks):
             s.settimeout(2)
             assert s.recv(1) == b""
             closed_after = time.monotonic() - t0
-    assert closed_after < 4.5, closed_after
+    assert closed_after < 4.0 + SLACK_S, closed_after
 
 
 # ------------------------------------------------------------------------------------------ item 8
@@ -346,7 +347,7 @@ def test_hostile_payloads_are_typed_errors_within_the_handshake_bound(ranks):
             except BaseException as exc:  # noqa: BLE001 - what the test is about
                 outcomes[name] = f"UNTYPED {type(exc).__name__}: {exc}"
             dt = time.monotonic() - t0
-        assert dt < 2.5, (name, dt)
+        assert dt < 2.0 + SLACK_S, (name, dt)
     untyped = {k: v for k, v in outcomes.items() if v == "accepted" or v.startswith("UNTYPED")}
     assert untyped == {}, untyped
     assert len(outcomes) >= 84
@@ -550,7 +551,7 @@ def test_a_push_past_its_deadline_is_never_posted_and_the_consumer_learns_at_onc
                 d2.wait_received(
                     card("prefill", mode="push"), [[3, 4]], [[1, 2]], "late", timeout_s=3.0, attempt=1
                 )
-            assert time.monotonic() - t0 < 1.0
+            assert time.monotonic() - t0 < SLACK_S
         settled = d2.settle()
         assert [(s.request_id, s.attempt) for s in settled] == [("late", 1)]
         rows = request_block_rows(d2.card, [[3, 4]])

@@ -8,6 +8,7 @@ and requests succeed again once the link or etcd is back. Scenarios: ``kvgeom_ni
 from __future__ import annotations
 
 import pytest
+from _slack import SLACK_S
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -48,7 +49,7 @@ def test_a_link_cut_mid_transfer_fails_in_time_and_its_late_bytes_land_only_in_q
         assert s["handles"]["transfers"] == 0, s["handles"]  # the late READ ended: nothing left posted
     else:
         assert r1["error"] == "NotifTimeout", r1
-    assert T - 0.1 < r1["seconds"] < T + 1.5, r1
+    assert T - 0.1 < r1["seconds"] < T + SLACK_S, r1
     assert not set(r1["ids"]) & set(a[("r2", 1)]["ids"]) and not set(r1["ids"]) & set(a[("r1", 2)]["ids"])
     held = s["settled"][("r1", 1)]
     assert held["held_s"] > 1.0, held  # released only after the link came back and the transfer ended
@@ -92,9 +93,9 @@ def test_the_p_host_changing_address_after_the_handshake(request, discovery):
     assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r1", 2), ("r2", 1)], s["attempts"]
     r1 = a[("r1", 1)]
     if discovery == "etcd":
-        assert r1["error"] == "StaleMetadata" and r1["seconds"] < 0.5, r1
+        assert r1["error"] == "StaleMetadata" and r1["seconds"] < SLACK_S, r1
     else:
-        assert r1["error"] in ("HandshakeTimeout", "PeerGone") and r1["seconds"] < T + 0.5, r1
+        assert r1["error"] in ("HandshakeTimeout", "PeerGone") and r1["seconds"] < T + SLACK_S, r1
     new = s["actions"][0][1]
     d = out["results"]["decode-0"]
     assert d["peer_hosts"]["prefill"] == [new] and d["via"]["prefill"] == [discovery], d["peer_hosts"]

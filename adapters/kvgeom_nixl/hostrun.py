@@ -27,7 +27,8 @@ from .netns import DEVICE, EtcdServer, VirtualNet
 __all__ = ["Lab", "FAULTS", "ENGINE_HOSTS", "summarize", "ucx_env"]
 
 ENGINE_HOSTS = {"prefill": "p", "backup": "b", "decode": "d"}
-SLOW_MBIT = 40.0  # the cut scenarios slow ``p``'s link so that the cut lands while bytes are moving
+SLOW_MBIT = 15.0  # the cut scenarios slow ``p``'s link so that the cut lands while bytes are moving (r1's
+# 1.4 MB take ~0.75 s: the cut, 0.15 s after the post, lands mid-transfer even on a busy machine)
 IMPAIRED_MBIT = 16.0  # the delay-and-loss scenario's rate cap: its 6 MiB request cannot make 2.5 s (with
 # delay and loss alone, one of three did: TCP's BBR keeps its rate through 5 % loss)
 
@@ -150,7 +151,7 @@ def _req(rid: str, tokens: int, engine: str, **kw: Any) -> dict[str, Any]:
 
 def link_cut(lab: Lab, mode: str, t: float) -> dict[str, Any]:
     """``p``'s cable pulled 0.15 s after D starts r1 (its bytes are moving: ``p``'s link is slowed to
-    40 Mbit/s), plugged back ``t + 2`` s later. ``backup`` serves r2 and r1's retry meanwhile; r3 goes to
+    ``SLOW_MBIT``), plugged back ``t + 2`` s later. ``backup`` serves r2 and r1's retry meanwhile; r3 goes to
     ``prefill`` once the link is back."""
     lab.net.netem("p", rate_mbit=SLOW_MBIT)
     reqs = [

@@ -24,8 +24,10 @@ def sleep_forever():
         time.sleep(0.1)
 
 
-def ignore_sigterm_and_sleep():
+def ignore_sigterm_and_sleep(ready=None):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if ready is not None:
+        ready.put("ignoring SIGTERM")
     while True:
         time.sleep(0.1)
 

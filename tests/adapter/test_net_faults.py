@@ -32,7 +32,7 @@ def _attempts(s: dict) -> dict[tuple[str, int], dict]:
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_a_link_cut_mid_transfer_fails_in_time_and_its_late_bytes_land_only_in_quarantine(lab, mode):
-    """``p``'s cable is pulled 0.15 s after D starts r1 (at 40 Mbit/s r1's 1.4 MB take ~0.3 s) and plugged
+    """``p``'s cable is pulled 0.15 s after D starts r1 (at 15 Mbit/s r1's 1.4 MB take ~0.75 s) and plugged
     back 4.5 s later. r1 fails at its deadline (pull: the READ times out and stays live; push: the W
     notices do not come); ``backup`` serves r2 and r1's retry meanwhile, never with r1's blocks; when the
     link is back the late transfer completes into the quarantined blocks, which are then settled and

@@ -35,8 +35,11 @@ def test_results_errors_deaths_and_timeouts_come_back_as_data():
 def test_survivors_are_killed_even_if_they_ignore_sigterm_and_on_exception():
     with pytest.raises(RuntimeError, match="test body failed"):
         with ProcGroup(term_grace_s=0.3, join_timeout_s=2.0) as g:
-            p = g.spawn(ignore_sigterm_and_sleep, (), "stubborn")
-            time.sleep(1.0)  # let it install its handler
+            ready = g.queue()
+            p = g.spawn(ignore_sigterm_and_sleep, (ready,), "stubborn")
+            assert (
+                ready.get(timeout=60) == "ignoring SIGTERM"
+            )  # its handler is in place (slow on a busy machine)
             raise RuntimeError("test body failed")
     assert not p.is_alive() and p.exitcode == -9
 

@@ -1,6 +1,6 @@
 """Per-request transfer plans (pull and push) and the consumer's post-receive step.
 
-``plan_request(pairing, local_ids, remote_ids)`` returns a :class:`RequestPlan`: a plain value naming,
+``plan_request(pairing, local_ids, remote_ids, num_tokens=...)`` returns a :class:`RequestPlan`: a plain value naming,
 for every remote rank, the local table to use (whole, or this source's split), the local and remote
 descriptor ids, and the notification; the ranks that only get a notification; how many notifications
 the other side should expect; and what the consumer does after the bytes land (``regroup`` for
@@ -1294,12 +1294,12 @@ def receive_step(
     prefill_tokens: int | None = None,
 ) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The post-receive step of a D rank that was written to (push): zero ranges of its own blocks,
-    from D's and P's logical ids of the request, aligned by token like the writer's plan (``num_tokens``
-    and ``prefill_tokens`` as in :func:`plan_request`: ``num_tokens`` is required whenever the consumer's list
-holds attention blocks). vLLM never zeroes in push (B.6.1 item 9); kvgeom
-    does, so no D block holds stale bytes. A token-major D with ``permute_local_kv`` written by a head-major
-    P (kvgeom mode's push permute, B.6.15) first regroups every attention block of the request into token
-    order (each D block arrived as one head-major page); the zero ranges are then token-major."""
+        from D's and P's logical ids of the request, aligned by token like the writer's plan (``num_tokens``
+        and ``prefill_tokens`` as in :func:`plan_request`: ``num_tokens`` is required whenever the consumer's list
+    holds attention blocks). vLLM never zeroes in push (B.6.1 item 9); kvgeom
+        does, so no D block holds stale bytes. A token-major D with ``permute_local_kv`` written by a head-major
+        P (kvgeom mode's push permute, B.6.15) first regroups every attention block of the request into token
+        order (each D block arrived as one head-major page); the zero ranges are then token-major."""
     kinds = consumer.group_is_ssm
     permute = (
         consumer.model.attention_spec is not None and consumer.engine.kv_layout != producer.engine.kv_layout

@@ -9,7 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom import EngineConfig, Pairing, PlanError, TokenCountError, UnsupportedError, card_of, plan_request, presets
+from kvgeom import (
+    EngineConfig,
+    Pairing,
+    PlanError,
+    TokenCountError,
+    UnsupportedError,
+    card_of,
+    plan_request,
+    presets,
+)
 from kvgeom.align import list_starts
 from kvgeom.exchange import prefill_backoff, prefill_tokens
 from kvgeom.geometry import align_hybrid_block_size, rank_geometry

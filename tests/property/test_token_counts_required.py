@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvgeom import KvgeomError, TokenCountError, UnsupportedError
 from kvgeom.engine import EngineConfig
 from kvgeom.spec import AttentionSpec, MLASpec, ModelSpec
-from kvgeom.testing import Request, RankPlan, pull_plans, push_plans, run_plans
+from kvgeom.testing import RankPlan, Request, pull_plans, push_plans, run_plans
 from kvgeom.testing import strategies as kst
 
 GQA = ModelSpec.from_layers("gqa", [AttentionSpec(2, 2, "float16")] * 2)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import kvgeom.testing.oracle as oracle_mod
-from kvgeom.errors import TokenCountError
 from kvgeom.engine import EngineConfig
+from kvgeom.errors import TokenCountError
 from kvgeom.plan import Regroup
 from kvgeom.spec import AttentionSpec, ModelSpec
 from kvgeom.testing import (

@@ -153,7 +153,9 @@ def test_ids_at_the_pool_edge(side: str) -> None:
 
     def call(ids: list[list[int]]) -> None:
         other = [list(range(len(ids[0])))]
-        plan_request(pairing, *((ids, other) if side == "local" else (other, ids)), num_tokens=4 * len(ids[0]))
+        plan_request(
+            pairing, *((ids, other) if side == "local" else (other, ids)), num_tokens=4 * len(ids[0])
+        )
 
     with pytest.raises(BlockIdError) as err:
         call([[3, 9, 8]])
@@ -789,7 +791,11 @@ def test_receive_step_needs_num_tokens_with_or_without_prefix_caching() -> None:
     for caching in (False, True):  # a pair that says it caches no prefix is no proof D's list starts at 0
         with pytest.raises(TokenCountError) as err:
             receive_step(d, p, [[6]], [[3]], prefix_caching=caching)
-        assert err.value.field == "num_tokens" and err.value.values == {"value": None, "group": 0, "blocks": 1}
+        assert err.value.field == "num_tokens" and err.value.values == {
+            "value": None,
+            "group": 0,
+            "blocks": 1,
+        }
     assert receive_step(d, p, [[6]], [[3]], num_tokens=4)[1].shape == (0, 3)  # told: D's list starts at 0
 
 

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, PlanError, TokenCountError, plan_request, rank_geometry
+from kvgeom import (
+    EngineConfig,
+    MLASpec,
+    ModelSpec,
+    Pairing,
+    PlanError,
+    TokenCountError,
+    plan_request,
+    rank_geometry,
+)
 from kvgeom.testing import Request, run
 
 MLA3 = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 3)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvgeom import KvgeomError, TokenCountError, UnsupportedError
 from kvgeom.engine import EngineConfig
 from kvgeom.spec import AttentionSpec, MLASpec, ModelSpec
-from kvgeom.testing import RankPlan, Request, pull_plans, push_plans, run_plans
+from kvgeom.testing import RankPlan, Request, engine_geometries, pull_plans, push_plans, run_plans
 from kvgeom.testing import strategies as kst
 
 GQA = ModelSpec.from_layers("gqa", [AttentionSpec(2, 2, "float16")] * 2)
@@ -124,8 +124,6 @@ def _fields(plans: list[RankPlan]) -> list[tuple[bytes, bytes, list[tuple[list[i
 
 def _places_attention(case: kst.Case) -> bool:
     """Whether the local side (D in pull, P in push) holds blocks of an attention group."""
-    from kvgeom.testing import engine_geometries
-
     pull = case.pair.mode == "pull"
     geom = engine_geometries(case.pair.model, case.pair.d_engine if pull else case.pair.p_engine)[0]
     ids = case.request.d_ids if pull else case.request.p_ids

@@ -184,7 +184,7 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
         )
 
         def plan(i: int) -> Any:
-            return kv.plan("prefill", req.decode, req.prefill, f"bench-{i}", f"bench-{i}")
+            return kv.plan("prefill", req.decode, req.prefill, f"bench-{i}", f"bench-{i}", req.num_tokens)
 
         plan_s, _ = median_time(lambda: plan(-1), reps)
         p0 = plan(0)

@@ -202,7 +202,13 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
         rows = []
         for r in e2e:
             res = kv.pull(
-                "prefill", r["d_ids"], r["p_ids"], r["id"], r["id"], timeout_s=spec["timeout_s"] / 4
+                "prefill",
+                r["d_ids"],
+                r["p_ids"],
+                r["id"],
+                r["id"],
+                num_tokens=r["tokens"],
+                timeout_s=spec["timeout_s"] / 4,
             )
             rows.append(
                 {
@@ -229,7 +235,7 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
         }
 
         # -- 2. one large request: NIXL against device copies of the same moves
-        plan0 = kv.plan("prefill", bench["d_ids"], bench["p_ids"], "bench-0", "bench-0")
+        plan0 = kv.plan("prefill", bench["d_ids"], bench["p_ids"], "bench-0", "bench-0", bench["tokens"])
         check_writes(plan0, pairing, bench["d_ids"])
         moves = plan0.moves(pairing)
         nbytes = int(moves[:, 6].sum())
@@ -283,7 +289,9 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
         serial = iter(range(1, 1 << 30))
 
         def nixl_plan() -> dict:  # re-plans (untimed), times post -> done
-            p = kv.plan("prefill", bench["d_ids"], bench["p_ids"], f"bench-{next(serial)}", "bench")
+            p = kv.plan(
+                "prefill", bench["d_ids"], bench["p_ids"], f"bench-{next(serial)}", "bench", bench["tokens"]
+            )
             dt, tel = timed_pull(kv, "prefill", p, tables, spec["timeout_s"] / 4, sync)
             return {"seconds": dt, "desc_count": sum(t.desc_count or 0 for t in tel)}
 

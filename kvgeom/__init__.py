@@ -8,7 +8,8 @@ Data flows one way: model spec -> rank geometry -> TP mapping -> plan -> descrip
 >>> p = [card_of("prefill", model, EngineConfig(tp_size=2, tp_rank=r, block_size=1040, kernel_block_size=16,
 ...                                             num_blocks=64)) for r in range(2)]
 >>> pairing = Pairing.create(d, p, mode="pull")          # handshake: validated, tables built lazily
->>> plan = plan_request(pairing, [[0], [1], [2], [3], [4], [5], [6]], [[0, 1], [2], [3], [4], [5], [6], [7]])
+>>> plan = plan_request(pairing, [[0], [1], [2], [3], [4], [5], [6]], [[0, 1], [2], [3], [4], [5], [6], [7]],
+...                     num_tokens=2080)  # the tokens D holds blocks for: required for attention blocks
 >>> [t.remote_rank for t in plan.transfers]
 [0, 1]
 """
@@ -28,6 +29,7 @@ from .errors import (
     PlanError,
     RatioError,
     SpecError,
+    TokenCountError,
     UnsupportedError,
 )
 from .geometry import (
@@ -75,6 +77,7 @@ __all__ = [
     "PlanError",
     "RatioError",
     "SpecError",
+    "TokenCountError",
     "UnsupportedError",
     "Group",
     "RankGeometry",

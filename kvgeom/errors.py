@@ -16,6 +16,7 @@ __all__ = [
     "IncompatiblePairError",
     "UnsupportedError",
     "PlanError",
+    "TokenCountError",
 ]
 
 
@@ -66,3 +67,8 @@ class UnsupportedError(KvgeomError):
 
 class PlanError(KvgeomError):
     """A per-request plan cannot be built from the given ids (unpairable counts, nothing to read, ...)."""
+
+
+class TokenCountError(PlanError):
+    """A request's token count is missing where its block lists alone do not place them on the token axis
+    (``field`` names the count, ``values["value"]`` is what was given)."""

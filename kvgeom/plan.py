@@ -1,6 +1,6 @@
 """Per-request transfer plans (pull and push) and the consumer's post-receive step.
 
-``plan_request(pairing, local_ids, remote_ids)`` returns a :class:`RequestPlan`: a plain value naming,
+``plan_request(pairing, local_ids, remote_ids, num_tokens=...)`` returns a :class:`RequestPlan`: a plain value naming,
 for every remote rank, the local table to use (whole, or this source's split), the local and remote
 descriptor ids, and the notification; the ranks that only get a notification; how many notifications
 the other side should expect; and what the consumer does after the bytes land (``regroup`` for
@@ -38,7 +38,7 @@ from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
 from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
 from .engine import KVLayout
-from .errors import BlockIdError, PlanError, UnsupportedError
+from .errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
 from .geometry import Group, RankGeometry
 from .handshake import check_permute
 from .pairing import LocalKey, Pairing
@@ -233,8 +233,11 @@ def plan_request(
     ``remote_num_tokens``; fewer than ``num_tokens`` in the N-1 flow of Mamba hybrids, where D recomputes
     the last token). Both modes place the lists on the token axis with them: kvgeom mode transfers the
     overlap, vLLM mode pairs by counts as vLLM does and refuses where that would move the wrong tokens.
-    Either count may be omitted where the block counts determine it; otherwise the
-    :class:`~kvgeom.errors.PlanError` names the argument to pass."""
+    ``num_tokens`` is required whenever the local list holds blocks of an attention group (every group but
+    SSM states and one-block rings): no block list tells where a prefix hit left D's list, so a plan made
+    without it could pair the wrong tokens; omitted, a :class:`~kvgeom.errors.TokenCountError` names it.
+    ``prefill_tokens`` may be omitted where the block counts determine it (P's full-attention lists start
+    at token 0); otherwise the :class:`~kvgeom.errors.PlanError` names the argument to pass."""
     local = pairing.local
     kinds = local.group_is_ssm
     empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
@@ -247,6 +250,7 @@ def plan_request(
     _check_ids(lids, local, "local")
     remote = pairing.remotes[pairing.targets[0]]
     _check_ids(rids, remote, "remote")
+    _require_num_tokens(local, lids, num_tokens, "local_ids")
     if pairing.dcp_active:
         return _plan(pairing, lids, rids, request_id, remote_request_id, num_tokens, prefill_tokens)
     # a shape seen twice gets a recipe (kvgeom.recipe): later requests of that shape are one gather
@@ -267,6 +271,24 @@ def plan_request(
     while len(shapes) > _SHAPES_KEPT:
         shapes.popitem(last=False)
     return plan
+
+
+def _require_num_tokens(geom: RankGeometry, ids: list[np.ndarray], num_tokens: int | None, side: str) -> None:
+    """Refuse a plan of ``geom``'s ``ids`` without ``num_tokens`` when they hold attention blocks to place
+    on the token axis (a :class:`~kvgeom.errors.TokenCountError`)."""
+    if num_tokens is not None:
+        return
+    for g, (x, one) in enumerate(zip(ids, geom.group_one_block)):
+        if x.size and not one:
+            raise TokenCountError(
+                "num_tokens",
+                f"{side}[{g}] holds {x.size} attention block(s), which only the request's num_tokens (the "
+                "tokens D holds blocks for) places on the token axis: a prefix hit on D leaves no trace in "
+                "the block lists; got None",
+                value=None,
+                group=g,
+                blocks=int(x.size),
+            )
 
 
 _SHAPES_KEPT = 256  # request shapes remembered per pairing (a recipe holds 3 int64 per plan integer)
@@ -487,6 +509,7 @@ def _plan_by_region(
     rids = as_group_ids(remote_ids, remote.group_is_ssm, "remote_ids")
     _check_ids(lids, local, "local")
     _check_ids(rids, remote, "remote")
+    _require_num_tokens(local, lids, num_tokens, "local_ids")
     lgid, rgid = region_group_ids(local), region_group_ids(remote)
     l_by = block_ids_by_region(logical_to_kernel(lids, local.ppl, local.group_is_ssm), lgid)
     r_by = block_ids_by_region(logical_to_kernel(rids, remote.ppl, remote.group_is_ssm), rgid)
@@ -1271,11 +1294,12 @@ def receive_step(
     prefill_tokens: int | None = None,
 ) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The post-receive step of a D rank that was written to (push): zero ranges of its own blocks,
-    from D's and P's logical ids of the request, aligned by token like the writer's plan (``num_tokens``
-    and ``prefill_tokens`` as in :func:`plan_request`). vLLM never zeroes in push (B.6.1 item 9); kvgeom
-    does, so no D block holds stale bytes. A token-major D with ``permute_local_kv`` written by a head-major
-    P (kvgeom mode's push permute, B.6.15) first regroups every attention block of the request into token
-    order (each D block arrived as one head-major page); the zero ranges are then token-major."""
+        from D's and P's logical ids of the request, aligned by token like the writer's plan (``num_tokens``
+        and ``prefill_tokens`` as in :func:`plan_request`: ``num_tokens`` is required whenever the consumer's list
+    holds attention blocks). vLLM never zeroes in push (B.6.1 item 9); kvgeom
+        does, so no D block holds stale bytes. A token-major D with ``permute_local_kv`` written by a head-major
+        P (kvgeom mode's push permute, B.6.15) first regroups every attention block of the request into token
+        order (each D block arrived as one head-major page); the zero ranges are then token-major."""
     kinds = consumer.group_is_ssm
     permute = (
         consumer.model.attention_spec is not None and consumer.engine.kv_layout != producer.engine.kv_layout
@@ -1285,6 +1309,7 @@ def receive_step(
     dl = as_group_ids(consumer_ids, kinds, "consumer_ids")
     pl = as_group_ids(producer_ids, kinds, "producer_ids")
     check_distinct(dl, "consumer_ids")
+    _require_num_tokens(consumer, dl, num_tokens, "consumer_ids")
     if consumer.dcp_size > 1 or producer.dcp_size > 1:
         return (), _dcp_zero_rows(consumer, producer, dl, pl, num_tokens, prefill_tokens, prefix_caching)
     dk = logical_to_kernel(dl, consumer.ppl, kinds)

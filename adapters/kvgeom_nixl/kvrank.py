@@ -712,6 +712,8 @@ class KVRank:
         remote_request_id: str,
         num_tokens: int | None = None,
     ) -> RequestPlan:
+        """kvgeom's plan of one request; ``num_tokens`` (the tokens D holds blocks for) is required whenever
+        the local blocks include attention blocks (:func:`kvgeom.plan_request` refuses without it)."""
         return plan_request(
             self.pairings[engine_id], local_ids, remote_ids, request_id, remote_request_id, num_tokens
         )

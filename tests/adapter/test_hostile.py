@@ -465,7 +465,7 @@ def test_forged_replayed_and_foreign_notices_never_complete_an_attempt(ranks):
         with Pump(p):
             p.ep.send_notif(d2.ep.name, genuine(2))  # late for 2 (quarantined by now), then a fresh attempt 3
             p.ep.send_notif(d2.ep.name, genuine(3))
-            res = d2.wait_received(producer, [[3]], [[3]], "req", timeout_s=2.0, attempt=3)
+            res = d2.wait_received(producer, [[3]], [[3]], "req", timeout_s=2.0, num_tokens=16, attempt=3)
         assert res.ok and res.attempt == 3
         with pytest.raises(ValueError, match="larger"):  # an attempt number is never reused
             d2.wait_received(producer, [[3]], [[3]], "req", timeout_s=0.1, attempt=3)

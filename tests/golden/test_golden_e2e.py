@@ -171,13 +171,28 @@ def test_accepted_cases_match_vllm_bytes() -> None:
     assert len(_ok_cases()) >= 45
 
 
+def _num_tokens(inp: dict) -> int:
+    """The request's tokens as vLLM's test gave them; its worked example gives none, and caches no prefix:
+    D's attention list (group 0) starts at token 0, so its blocks hold the request."""
+    if inp["num_tokens"] is not None:
+        return int(inp["num_tokens"])
+    return len(inp["local_block_ids"][0]) * inp["local_block_size"]
+
+
 def _compare(inp: dict, out: dict) -> None:
     pairing = _pairing(inp)
     assert pairing.tp_ratio == out["tp_ratio"]
     assert pairing.local.num_blocks == out["local"]["num_blocks"]
     assert pairing.local.ppl == out["local"]["ppl"]
     assert list(pairing.local.ssm.conv_offsets) == [tuple(x) for x in out["local"]["local_conv_offsets"]]
-    plan = plan_request(pairing, inp["local_block_ids"], inp["remote_block_ids"], "req", "prefill-req")
+    plan = plan_request(
+        pairing,
+        inp["local_block_ids"],
+        inp["remote_block_ids"],
+        "req",
+        "prefill-req",
+        num_tokens=_num_tokens(inp),
+    )
     handles = {d["handle"]: d for d in out["dlists"]}
     want_transfers = out["transfers"]
     assert len(plan.transfers) == len(want_transfers), (len(plan.transfers), len(want_transfers))

@@ -9,7 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom import EngineConfig, Pairing, PlanError, UnsupportedError, card_of, plan_request, presets
+from kvgeom import (
+    EngineConfig,
+    Pairing,
+    PlanError,
+    TokenCountError,
+    UnsupportedError,
+    card_of,
+    plan_request,
+    presets,
+)
 from kvgeom.align import list_starts
 from kvgeom.exchange import prefill_backoff, prefill_tokens
 from kvgeom.geometry import align_hybrid_block_size, rank_geometry
@@ -82,7 +91,10 @@ def test_nemotron_readme_pair_n2081() -> None:
     groups = d.geometry.groups
     d_ids = [[0, 1] if not g.is_ssm else [2 + g.index] for g in groups]
     p_ids = [[0, 1] if not g.is_ssm else [2 + g.index] for g in groups]
-    for counts in ({}, {"num_tokens": 2081}, {"num_tokens": 2081, "prefill_tokens": 2080}):
+    with pytest.raises(TokenCountError) as err:  # D's list could start past a prefix hit: N is needed
+        plan_request(pairing, d_ids, p_ids)
+    assert err.value.values == {"value": None, "group": 0, "blocks": 2}
+    for counts in ({"num_tokens": 2081}, {"num_tokens": 2081, "prefill_tokens": 2080}):
         plan = plan_request(pairing, d_ids, p_ids, **counts)
         assert [t.remote_rank for t in plan.transfers] == [0, 1]
         regions = len(d.geometry.regions)

@@ -75,10 +75,8 @@ def test_push_plans_pass_oracle_vllm(case: kst.Case) -> None:
     _check(case)
 
 
-@given(kst.cases(compat="kvgeom"))
-def test_plans_made_without_num_tokens_pass_oracle(case: kst.Case) -> None:
-    """A connector that does not tell the planner the request's length gets a correct plan or a refusal."""
-    _check(case, tell_num_tokens=False)
+# A connector that does not tell the planner the request's length: test_token_counts_required.py (refused
+# wherever attention blocks are placed; elsewhere the plan the counts give).
 
 
 # -- worked examples --------------------------------------------------------------------------------

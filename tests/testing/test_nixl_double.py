@@ -147,7 +147,7 @@ def _connector_pull(
         for p_agent, _ in p_side.values():
             agent.add_remote_agent(p_agent.get_agent_metadata())
         pairing = Pairing.create(d, p_geoms, "pull")
-        plan = plan_request(pairing, request.d_ids, request.p_ids)
+        plan = plan_request(pairing, request.d_ids, request.p_ids, num_tokens=request.num_tokens)
         for t in plan.transfers:
             key = (t.local_table[0], 0) if wrong_split and t.local_table[1] >= 0 else t.local_table
             local = agent.prep_xfer_dlist("", pairing.local_table(key).bind(bases), "DRAM")
@@ -194,7 +194,7 @@ def test_connector_push_with_receive_step_through_the_double() -> None:
     for p in p_geoms:
         agent, bases = p_side[p.tp_rank]
         pairing = Pairing.create(p, d_geoms, "push")
-        plan = plan_request(pairing, request.p_ids, request.d_ids)
+        plan = plan_request(pairing, request.p_ids, request.d_ids, num_tokens=request.num_tokens)
         for t in plan.transfers:
             d_agent, d_bases = d_side[t.remote_rank]
             agent.add_remote_agent(d_agent.get_agent_metadata())
@@ -205,7 +205,9 @@ def test_connector_push_with_receive_step_through_the_double() -> None:
             agent.transfer(agent.initialize_xfer("WRITE", local, remote, f"D{t.remote_rank}", t.notif))
     zero, regroup = {}, {}
     for d in d_geoms:
-        regroup[d.tp_rank], zero[d.tp_rank] = receive_step(d, p_geoms[0], request.d_ids, request.p_ids)
+        regroup[d.tp_rank], zero[d.tp_rank] = receive_step(
+            d, p_geoms[0], request.d_ids, request.p_ids, request.num_tokens
+        )
     report = check_moves(GQA, p_engine, d_engine, request, fabric.moves("P", "D"), zero=zero, regroup=regroup)
     assert report.ok, report
     assert report.descriptors == 2 * 2 * 2  # P ranks * layers * kernel blocks

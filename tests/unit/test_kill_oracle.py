@@ -18,6 +18,7 @@ import pytest
 
 import kvgeom.testing.oracle as oracle_mod
 from kvgeom.engine import EngineConfig
+from kvgeom.errors import TokenCountError
 from kvgeom.plan import Regroup
 from kvgeom.spec import AttentionSpec, ModelSpec
 from kvgeom.testing import (
@@ -644,9 +645,11 @@ REQ_N1 = Request(4, [[1]], [[3, 0]], prefill_tokens=2)
 def test_pull_plans_are_told_the_token_counts(told) -> None:
     pull_plans(M1, E1, E1, REQ_N1)
     pull_plans(M1, E1, E1, REQ, "vllm", True)
-    pull_plans(M1, E1, E1, REQ, tell_num_tokens=False)
+    with pytest.raises(TokenCountError):  # told no num_tokens: the planner refuses (recorded first)
+        pull_plans(M1, E1, E1, REQ, tell_num_tokens=False)
     pull_plans(M1, E1, E1, REQ, tell_prefill_tokens=False)
-    pull_plans(M1, E1, E1, REQ, tell_num_tokens=False, tell_prefill_tokens=True)
+    with pytest.raises(TokenCountError):
+        pull_plans(M1, E1, E1, REQ, tell_num_tokens=False, tell_prefill_tokens=True)
     assert told == [
         ("plan", "pull", "kvgeom", False, {"num_tokens": 4, "prefill_tokens": 2}),
         ("plan", "pull", "vllm", True, {"num_tokens": 3, "prefill_tokens": 3}),
@@ -659,9 +662,11 @@ def test_pull_plans_are_told_the_token_counts(told) -> None:
 def test_push_plans_are_told_the_token_counts(told) -> None:
     push_plans(M1, E1, E1, REQ_N1)
     push_plans(M1, E1, E1, REQ, "vllm", True)
-    push_plans(M1, E1, E1, REQ, tell_num_tokens=False)
+    with pytest.raises(TokenCountError):  # told no num_tokens: the planner refuses (recorded first)
+        push_plans(M1, E1, E1, REQ, tell_num_tokens=False)
     push_plans(M1, E1, E1, REQ, tell_prefill_tokens=False)
-    push_plans(M1, E1, E1, REQ, tell_num_tokens=False, tell_prefill_tokens=True)
+    with pytest.raises(TokenCountError):
+        push_plans(M1, E1, E1, REQ, tell_num_tokens=False, tell_prefill_tokens=True)
     assert told == [
         ("plan", "push", "kvgeom", False, {"num_tokens": 4, "prefill_tokens": 2}),
         ("plan", "push", "vllm", True, {"num_tokens": 3, "prefill_tokens": 3}),
@@ -677,7 +682,8 @@ def test_run_pull_and_push_pass_their_options(told, fn) -> None:
     assert fn(M1, E1, E1, REQ_N1).ok
     rep = fn(M1, E1, E1, REQ, "vllm", True, tell_prefill_tokens=False)
     assert rep.ok and rep.bytes_moved == 16
-    assert fn(M1, E1, E1, REQ, tell_num_tokens=False, tell_prefill_tokens=True).ok
+    with pytest.raises(TokenCountError):  # the planner is told no num_tokens
+        fn(M1, E1, E1, REQ, tell_num_tokens=False, tell_prefill_tokens=True)
     plans = [c for c in told if c[0] == "plan"]
     assert plans == [
         ("plan", mode, "kvgeom", False, {"num_tokens": 4, "prefill_tokens": 2}),
@@ -686,7 +692,7 @@ def test_run_pull_and_push_pass_their_options(told, fn) -> None:
     ]
     receives = [c for c in told if c[0] == "receive"]
     if mode == "push":
-        assert receives == [("receive", 4, False, 2), ("receive", 3, True, None), ("receive", None, False, 3)]
+        assert receives == [("receive", 4, False, 2), ("receive", 3, True, None)]
     else:
         assert receives == []
 
@@ -728,8 +734,11 @@ def test_run_plans_push_without_telling() -> None:
     p = EngineConfig(tp_size=1, block_size=4, num_blocks=6)
     d = EngineConfig(tp_size=1, block_size=8, num_blocks=4, kernel_block_size=4)
     req = Request(3, [[1]], [[3]])
-    rep = run_plans(M1, p, d, req, push_plans(M1, p, d, req), tell_num_tokens=False)
-    assert rep.ok
+    plans = push_plans(M1, p, d, req)
+    with pytest.raises(TokenCountError) as err:  # D's receive step is told no num_tokens
+        run_plans(M1, p, d, req, plans, tell_num_tokens=False)
+    assert err.value.field == "num_tokens" and err.value.values == {"value": None, "group": 0, "blocks": 1}
+    assert run_plans(M1, p, d, req, plans).ok
 
 
 # -- check_moves -----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
-from kvgeom.errors import PlanError, UnsupportedError
+from kvgeom.errors import PlanError, TokenCountError, UnsupportedError
 from kvgeom.plan import plan_request, receive_step
 
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")])
@@ -52,8 +52,12 @@ def test_num_tokens_places_the_list(compat: str) -> None:
     plan = plan_request(_d1_from_p1(compat), [[5]], [[3, 4, 7]], num_tokens=12)
     assert plan.transfers == () and plan.notify_only == (0,)
     assert plan.zero.tolist() == ([[0, 320, 64]] if compat == "kvgeom" else [])
-    # without num_tokens the list starts at page 1 (tokens 4..7) <- P block 4
-    plan = plan_request(_d1_from_p1(compat), [[5]], [[3, 4, 7]])
+    # without num_tokens the list is not placed, even in a pair without prefix caching
+    with pytest.raises(TokenCountError) as err:
+        plan_request(_d1_from_p1(compat), [[5]], [[3, 4, 7]])
+    assert err.value.field == "num_tokens" and err.value.values == {"value": None, "group": 0, "blocks": 1}
+    # 8 tokens: no cached block, the list starts at page 1 (tokens 4..7) <- P block 4
+    plan = plan_request(_d1_from_p1(compat), [[5]], [[3, 4]], num_tokens=8)
     assert _t(plan) == [(0, [5], [4], "req:2")] and plan.zero.shape == (0, 3)
     # P computed 7 tokens in 2 blocks: D's page 3 is past them
     plan = plan_request(_d1_from_p1(compat), [[5]], [[3, 4]], num_tokens=12, prefill_tokens=7)
@@ -67,8 +71,8 @@ def test_num_tokens_places_the_list(compat: str) -> None:
 def test_pull_refusals_name_the_argument(compat: str) -> None:
     with pytest.raises(PlanError) as err:
         plan_request(_d1_from_p1(compat, pc=True), [[5]], [[3, 4, 7]])
-    assert type(err.value) is PlanError
-    assert err.value.field == "num_tokens" and err.value.values == {"value": None}
+    assert type(err.value) is TokenCountError
+    assert err.value.field == "num_tokens" and err.value.values == {"value": None, "group": 0, "blocks": 1}
     # 12 tokens need 2 scheduler blocks of 8: 3 are too many
     with pytest.raises(PlanError) as err:
         plan_request(_d1_from_p1(compat), [[5, 6, 8]], [[7]], num_tokens=12)

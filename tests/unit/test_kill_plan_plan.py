@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvgeom.engine import EngineConfig
-from kvgeom.errors import BlockIdError, PlanError, UnsupportedError
+from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
 from kvgeom.geometry import rank_geometry
 from kvgeom.pairing import Pairing
 from kvgeom.plan import (
@@ -92,7 +92,7 @@ def test_describe_renders_every_part_of_a_plan() -> None:
 def test_describe_with_a_pairing_adds_the_bytes() -> None:
     # vLLM mode at equal TP reads into the whole local table; 2 blocks of 128 B
     pairing = _pair(compat="vllm")
-    plan = plan_request(pairing, [[2, 5]], [[1, 3]], request_id="r7")
+    plan = plan_request(pairing, [[2, 5]], [[1, 3]], request_id="r7", num_tokens=8)
     assert plan.describe(pairing).splitlines() == [
         "request 'r7': pull (READ), 1 transfer(s), 2 descriptor pairs",
         "  rank 0: 2 descs, local table whole at ratio 1, notif 'r7:1', 256 B",
@@ -103,11 +103,11 @@ def test_describe_with_a_pairing_adds_the_bytes() -> None:
 def test_moves_in_pull_and_push() -> None:
     # pull: P block 1 (offset 128) -> D block 2 (offset 256), P block 3 (384) -> D block 5 (640)
     pull = _pair()
-    plan = plan_request(pull, [[2, 5]], [[1, 3]])
+    plan = plan_request(pull, [[2, 5]], [[1, 3]], num_tokens=8)
     assert plan.moves(pull).tolist() == [[0, 0, 128, 0, 0, 256, 128], [0, 0, 384, 0, 0, 640, 128]]
     # push from P: local = P's blocks [1, 3] -> D's [2, 5]; the source is the local side
     push = _pair(mode="push")
-    plan = plan_request(push, [[1, 3]], [[2, 5]])
+    plan = plan_request(push, [[1, 3]], [[2, 5]], num_tokens=8)
     assert plan.moves(push).tolist() == [[0, 0, 128, 0, 0, 256, 128], [0, 0, 384, 0, 0, 640, 128]]
     assert plan.consumer_rank == -1 and plan.transfers[0].notif == "req:1"
     assert len(MOVE_COLUMNS) == 7
@@ -119,14 +119,14 @@ def test_moves_between_global_ranks() -> None:
     # P TP2 -> D TP1, K=2: D reads head 0 from P0 and head 1 from P1 (64 B each per 4-token block);
     # D's page holds both heads: head h of D block 1 at 128 + 64 h. Move ranks are global ranks.
     pairing = _pair(p=(2, 4, 8))
-    plan = plan_request(pairing, [[1]], [[6]])
+    plan = plan_request(pairing, [[1]], [[6]], num_tokens=4)
     got = sorted(map(tuple, plan.moves(pairing).tolist()))
     assert got == [(0, 0, 6 * 64, 0, 0, 128, 64), (1, 0, 6 * 64, 0, 0, 192, 64)]
 
 
 def test_moves_refuse_descriptors_of_unequal_length() -> None:
     pairing = _pair(HYBRID, p=(1, 4, 8), d=(1, 4, 8))
-    plan = plan_request(pairing, [[3], [1]], [[5], [7]])
+    plan = plan_request(pairing, [[3], [1]], [[5], [7]], num_tokens=4)
     (t,) = plan.transfers
     lrows = pairing.local_table(t.local_table).take(t.local_ids)
     rrows = pairing.remote_table(t.remote_rank).take(t.remote_ids)
@@ -148,12 +148,14 @@ def test_moves_refuse_descriptors_of_unequal_length() -> None:
 @pytest.mark.parametrize("side", ["local", "remote"])
 def test_ids_at_the_pool_edge(side: str) -> None:
     pairing = _pair()
-    ok = plan_request(pairing, [[0, 7]], [[7, 0]])  # 8 logical blocks: 0 and 7 are in the pool
+    ok = plan_request(pairing, [[0, 7]], [[7, 0]], num_tokens=8)  # 8 logical blocks: 0 and 7 are in the pool
     assert [t.local_ids.tolist() for t in ok.transfers] == [[0, 7]]
 
     def call(ids: list[list[int]]) -> None:
         other = [list(range(len(ids[0])))]
-        plan_request(pairing, *((ids, other) if side == "local" else (other, ids)))
+        plan_request(
+            pairing, *((ids, other) if side == "local" else (other, ids)), num_tokens=4 * len(ids[0])
+        )
 
     with pytest.raises(BlockIdError) as err:
         call([[3, 9, 8]])
@@ -206,16 +208,16 @@ def test_notifications_name_the_remote_request_and_the_count() -> None:
     # pull, P TP1 -> D TP2: each P rank is read by 2 D ranks ("tag:2"); push P TP1 -> D TP2: D waits for
     # P_TP = 1 writer ("tag:1")
     pull = _pair(p=(1, 4, 8), d=(2, 4, 8), rank=1)
-    plan = plan_request(pull, [[1]], [[2]], request_id="d-req", remote_request_id="p-req")
+    plan = plan_request(pull, [[1]], [[2]], request_id="d-req", remote_request_id="p-req", num_tokens=4)
     assert plan.request_id == "d-req"
     assert [t.notif for t in plan.transfers] == ["p-req:2"] and plan.expected_notifications == 2
     assert plan.consumer_rank == 1
-    plan = plan_request(pull, [[1]], [[2]], request_id="d-req")
+    plan = plan_request(pull, [[1]], [[2]], request_id="d-req", num_tokens=4)
     assert [t.notif for t in plan.transfers] == ["d-req:2"]
     # D rank 1 holds head 1 (64 B pages); P's 128 B page holds head 1 at +64: P block 2 -> D block 1
     assert plan.moves(pull).tolist() == [[0, 0, 2 * 128 + 64, 1, 0, 64, 64]]
     push = _pair(p=(1, 4, 8), d=(2, 4, 8), mode="push")
-    plan = plan_request(push, [[2]], [[1]], request_id="x", remote_request_id="y")
+    plan = plan_request(push, [[2]], [[1]], request_id="x", remote_request_id="y", num_tokens=4)
     assert sorted(t.notif for t in plan.transfers) == ["y:1", "y:1"]
     assert plan.consumer_rank == -1 and plan.mode == "push"
 
@@ -259,15 +261,15 @@ def test_repeated_shapes_plan_like_the_first(remote_request_id: str | None) -> N
 def test_the_shape_cache_is_bounded_and_forgets_the_oldest() -> None:
     pairing = _pair(p=(1, 4, 320), d=(1, 4, 320))
     for k in range(1, 301):  # 300 shapes: k blocks on each side
-        plan_request(pairing, [list(range(k))], [list(range(k))])
+        plan_request(pairing, [list(range(k))], [list(range(k))], num_tokens=4 * k)
     shapes = pairing._cache["shapes"]
     assert len(shapes) == 256  # the 44 oldest were forgotten
-    assert list(shapes)[0] == ((45,), (45,), None, None) and list(shapes)[-1] == ((300,), (300,), None, None)
+    assert list(shapes)[0] == ((45,), (45,), 180, None) and list(shapes)[-1] == ((300,), (300,), 1200, None)
     # the second request of a shape records its recipe in place; the third (a recipe hit) moves it last
-    plan_request(pairing, [list(range(45))], [list(range(45))])
-    assert list(shapes)[0] == ((45,), (45,), None, None)
-    plan = plan_request(pairing, [list(range(1, 46))], [list(range(45))])
-    assert list(shapes)[-1] == ((45,), (45,), None, None) and len(shapes) == 256
+    plan_request(pairing, [list(range(45))], [list(range(45))], num_tokens=180)
+    assert list(shapes)[0] == ((45,), (45,), 180, None)
+    plan = plan_request(pairing, [list(range(1, 46))], [list(range(45))], num_tokens=180)
+    assert list(shapes)[-1] == ((45,), (45,), 180, None) and len(shapes) == 256
     assert plan.transfers[0].local_ids.tolist() == list(range(1, 46))
 
 
@@ -277,7 +279,7 @@ def test_the_shape_cache_is_bounded_and_forgets_the_oldest() -> None:
 def test_receive_step_refuses_p_blocks_that_are_not_multiples_of_d_blocks() -> None:
     d, p = _geom(DENSE, 1, 8, 8), _geom(DENSE, 1, 4, 8)
     with pytest.raises(PlanError) as err:
-        receive_step(d, p, [[1]], [[2, 3]])
+        receive_step(d, p, [[1]], [[2, 3]], num_tokens=8)
     assert type(err.value) is PlanError
     assert err.value.field == "block_size" and err.value.values == {"local": 8, "remote": 4}
 
@@ -302,9 +304,10 @@ def test_receive_step_zeroes_what_p_did_not_send() -> None:
     regroup, zero = receive_step(d, p, [[1, 2, 6]], [[3]], num_tokens=12)
     assert regroup == ()
     assert zero.tolist() == [[0, 768, 128]]  # a whole block: one row per page
-    # the same without num_tokens: the lists start together, so the same block is zeroed
-    _, zero2 = receive_step(d, p, [[1, 2, 6]], [[3]])
-    assert sorted(map(tuple, zero2.tolist())) == sorted(map(tuple, zero.tolist()))
+    # without num_tokens D's list cannot be placed (a prefix hit leaves no trace in the lists): refused
+    with pytest.raises(TokenCountError) as err:
+        receive_step(d, p, [[1, 2, 6]], [[3]])
+    assert err.value.field == "num_tokens" and err.value.values == {"value": None, "group": 0, "blocks": 3}
     # P sent 12 tokens (2 blocks of 8): nothing to zero
     _, none = receive_step(d, p, [[1, 2, 6]], [[3, 4]], num_tokens=12)
     assert none.shape == (0, 3)
@@ -384,17 +387,17 @@ def test_contiguous_runs_sorts_by_every_key() -> None:
 
 def test_check_writes_accepts_the_request_own_blocks() -> None:
     pairing = _pair()
-    plan = plan_request(pairing, [[2, 7]], [[1, 3]])
+    plan = plan_request(pairing, [[2, 7]], [[1, 3]], num_tokens=8)
     assert check_writes(plan, pairing, [[2, 7]]) is None
     assert check_writes(RequestPlan("e", "pull", (), (), 1, 0), pairing, [[2]]) is None
     push = _pair(mode="push")
-    plan = plan_request(push, [[1, 3]], [[0, 7]])
+    plan = plan_request(push, [[1, 3]], [[0, 7]], num_tokens=8)
     assert check_writes(plan, push, [[0, 7]]) is None  # push: the remote (D) ids are written
 
 
 def test_check_writes_refuses_a_write_outside_the_request() -> None:
     pairing = _pair()
-    plan = plan_request(pairing, [[2, 7]], [[1, 3]])
+    plan = plan_request(pairing, [[2, 7]], [[1, 3]], num_tokens=8)
     with pytest.raises(PlanError) as err:
         check_writes(plan, pairing, [[2, 6]])  # block 7 (bytes 896..1023) is not the request's
     assert type(err.value) is PlanError
@@ -403,7 +406,7 @@ def test_check_writes_refuses_a_write_outside_the_request() -> None:
         check_writes(plan, pairing, [[3, 7]])  # block 2 is the first move
     assert err.value.values == {"value": (0, 256, 128)}
     push = _pair(mode="push")
-    plan = plan_request(push, [[1, 3]], [[0, 7]])
+    plan = plan_request(push, [[1, 3]], [[0, 7]], num_tokens=8)
     with pytest.raises(PlanError) as err:
         check_writes(plan, push, [[0, 6]])
     assert err.value.values == {"value": (0, 896, 128)}
@@ -411,7 +414,7 @@ def test_check_writes_refuses_a_write_outside_the_request() -> None:
 
 def test_check_writes_refuses_moves_across_a_block_edge_or_region() -> None:
     pairing = _pair()
-    plan = plan_request(pairing, [[2, 3]], [[1, 4]])
+    plan = plan_request(pairing, [[2, 3]], [[1, 4]], num_tokens=8)
     (t,) = plan.transfers
     table = pairing.local_table(t.local_table)
     rows = table.take(t.local_ids)
@@ -482,7 +485,7 @@ def test_int64_arrays_are_checked_like_lists() -> None:
 
     pairing = _pair()
     a = np.array([2, 5], dtype=np.int64)
-    plan = plan_request(pairing, [a], (np.array([1, 3], dtype=np.int64),))
+    plan = plan_request(pairing, [a], (np.array([1, 3], dtype=np.int64),), num_tokens=8)
     assert plan.transfers[0].local_ids.tolist() == [2, 5] and plan.transfers[0].remote_ids.tolist() == [1, 3]
     assert a.tolist() == [2, 5]
     two = [np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)]
@@ -506,7 +509,9 @@ def test_int64_arrays_are_checked_like_lists() -> None:
         plan_request(pairing, [[1, 2]], [np.array([3, -2], dtype=np.int64)])
     assert err.value.field == "remote_ids[0]" and err.value.values == {"value": -2}
     # other integer arrays are converted
-    plan = plan_request(pairing, [np.array([2, 5], dtype=np.int32)], [np.array([1, 3], dtype=np.uint16)])
+    plan = plan_request(
+        pairing, [np.array([2, 5], dtype=np.int32)], [np.array([1, 3], dtype=np.uint16)], num_tokens=8
+    )
     (t,) = plan.transfers
     assert t.local_ids.tolist() == [2, 5] and t.remote_ids.tolist() == [1, 3]
     assert t.local_ids.dtype == np.int64 and t.remote_ids.dtype == np.int64
@@ -533,7 +538,7 @@ def test_default_fields_of_a_plan() -> None:
     plan = RequestPlan("r", "push", (), (), 1, -1)
     assert plan.regroup == () and plan.zero.shape == (0, 3) and plan.zero.dtype == np.int64
     for compat in ("kvgeom", "vllm"):
-        plan = plan_request(_pair(compat=compat), [[1]], [[2]])
+        plan = plan_request(_pair(compat=compat), [[1]], [[2]], num_tokens=4)
         assert plan.zero.dtype == np.int64 and plan.zero.shape == (0, 3) and plan.regroup == ()
     assert plan.transfers[0].local_ids.dtype == np.int64 and plan.transfers[0].remote_ids.dtype == np.int64
 
@@ -572,7 +577,7 @@ def test_push_of_larger_p_blocks_into_d_halves(compat: str) -> None:
     # token-major: P block 3 (8 tokens x 32 B at 768) is two 128 B halves (table ids 6, 7) written to
     # D blocks 1 and 2 (128 B at 128 b)
     pairing = Pairing.create(_token_major(1, 8), [_token_major(1, 4)], "push", compat)
-    for kw in ({"num_tokens": 8}, {"num_tokens": 6}, {"num_tokens": 8, "prefill_tokens": 5}, {}):
+    for kw in ({"num_tokens": 8}, {"num_tokens": 6}, {"num_tokens": 8, "prefill_tokens": 5}):
         plan = plan_request(pairing, [[3]], [[1, 2]], **kw)  # type: ignore[arg-type]
         assert [(t.local_ids.tolist(), t.remote_ids.tolist(), t.notif) for t in plan.transfers] == [
             ([6, 7], [1, 2], "req:1")
@@ -580,10 +585,9 @@ def test_push_of_larger_p_blocks_into_d_halves(compat: str) -> None:
         assert plan.moves(pairing).tolist() == [[0, 0, 768, 0, 0, 128, 128], [0, 0, 896, 0, 0, 256, 128]]
         assert plan.consumer_rank == -1 and plan.zero.shape == (0, 3)
     # P's 2 blocks (16 tokens) into D's 2 blocks of 4: D's list must be a tail, so num_tokens is needed
-    with pytest.raises(PlanError) as err:
+    with pytest.raises(TokenCountError) as err:
         plan_request(pairing, [[3, 4]], [[1, 2]])
-    assert type(err.value) is PlanError
-    assert err.value.field == "num_tokens" and err.value.values == {"local": 8, "remote": 16}
+    assert err.value.field == "num_tokens" and err.value.values == {"value": None, "group": 0, "blocks": 2}
 
 
 def test_kvgeom_push_to_more_ranks_cuts_token_major_pages_per_token() -> None:
@@ -636,7 +640,7 @@ def test_pull_of_smaller_p_blocks_regroups_and_zeroes_the_tail(compat: str) -> N
     ([2, 2 heads, 4, 16 B] -> [2 heads, 8, 16 B]). vLLM's table is the whole one (ratio 2, -1)."""
     pairing = Pairing.create(_geom(DENSE, 1, 8, 8), [_geom(DENSE, 1, 4, 8)], "pull", compat)
     key = (2, 0) if compat == "kvgeom" else (2, -1)
-    plan = plan_request(pairing, [[1]], [[4, 5]])
+    plan = plan_request(pairing, [[1]], [[4, 5]], num_tokens=8)
     assert [(t.local_table, t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [
         (key, [2, 3], [4, 5])
     ]
@@ -647,7 +651,7 @@ def test_pull_of_smaller_p_blocks_regroups_and_zeroes_the_tail(compat: str) -> N
     )
     # 12 tokens: P's 3 blocks fill D block 1 and the first half of D block 2; tokens 4..7 of each head
     # of D block 2 (after the regroup: 512 + 128 h + 64, 64 B) are zeroed
-    for kw in ({"num_tokens": 12}, {}):
+    for kw in ({"num_tokens": 12}, {"num_tokens": 12, "prefill_tokens": 12}):
         plan = plan_request(pairing, [[1, 2]], [[4, 5, 6]], **kw)  # type: ignore[arg-type]
         assert [(t.local_ids.tolist(), t.remote_ids.tolist()) for t in plan.transfers] == [
             ([2, 3, 4], [4, 5, 6])
@@ -676,7 +680,7 @@ def test_check_writes_with_kernel_blocks_and_state_slots() -> None:
     g = _geom(HYBRID, 1, 8, 8, kernel_block_size=4)
     assert g.ppl == 2
     pairing = Pairing.create(g, [_geom(HYBRID, 1, 8, 8, kernel_block_size=4)], "pull", "kvgeom")
-    plan = plan_request(pairing, [[3], [1]], [[5], [7]])
+    plan = plan_request(pairing, [[3], [1]], [[5], [7]], num_tokens=8)
     assert check_writes(plan, pairing, [[3], [1]]) is None
     with pytest.raises(PlanError) as err:
         check_writes(plan, pairing, [[3], [2]])  # the state pieces land in slot 1's kernel block 2 (256)
@@ -778,16 +782,21 @@ def test_k_and_v_regions_regroup_and_zero_apart(compat: str) -> None:
 def test_pull_notifications_count_the_readers_not_the_local_ranks() -> None:
     # P TP2 -> D TP4: each P rank is read by 4 // 2 = 2 D ranks ("req:2"), though D has 4 ranks
     pairing = _pair(p=(2, 4, 8), d=(4, 4, 8), rank=3)
-    plan = plan_request(pairing, [[1]], [[2]])
+    plan = plan_request(pairing, [[1]], [[2]], num_tokens=4)
     assert [t.notif for t in plan.transfers] == ["req:2"] and plan.expected_notifications == 2
 
 
-def test_receive_step_with_prefix_caching_needs_num_tokens() -> None:
+def test_receive_step_needs_num_tokens_with_or_without_prefix_caching() -> None:
     d, p = _geom(DENSE, 1, 4, 8), _geom(DENSE, 1, 8, 8)
-    assert receive_step(d, p, [[6]], [[3]])[1].shape == (0, 3)  # no prefix caching: D's list starts at 0
-    with pytest.raises(PlanError) as err:
-        receive_step(d, p, [[6]], [[3]], prefix_caching=True)
-    assert type(err.value) is PlanError and err.value.field == "num_tokens"
+    for caching in (False, True):  # a pair that says it caches no prefix is no proof D's list starts at 0
+        with pytest.raises(TokenCountError) as err:
+            receive_step(d, p, [[6]], [[3]], prefix_caching=caching)
+        assert err.value.field == "num_tokens" and err.value.values == {
+            "value": None,
+            "group": 0,
+            "blocks": 1,
+        }
+    assert receive_step(d, p, [[6]], [[3]], num_tokens=4)[1].shape == (0, 3)  # told: D's list starts at 0
 
 
 @pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
@@ -808,8 +817,8 @@ def test_repeated_shapes_with_k_and_v_regroups(compat: str) -> None:
         ([[7, 4]], [[4, 5, 6, 7]]),
     ]
     for lids, rids in shapes:
-        got = plan_request(cached, lids, rids)
-        assert _fields(got) == _fields(plan_request(pairing(), lids, rids))
+        got = plan_request(cached, lids, rids, num_tokens=16)
+        assert _fields(got) == _fields(plan_request(pairing(), lids, rids, num_tokens=16))
         assert [_regroup_tuple(r) for r in got.regroup] == [
             ((0, 2), lids[0], 2, 2, 8, 8),
             ((1, 3), lids[0], 2, 2, 8, 8),

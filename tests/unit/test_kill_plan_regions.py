@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvgeom import AttentionSpec, EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
-from kvgeom.errors import BlockIdError, PlanError, UnsupportedError
+from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
 from kvgeom.plan import plan_request
 
 MLA4 = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 4)
@@ -80,7 +80,7 @@ def test_nothing_local_is_notification_only(compat: str) -> None:
 def test_prefix_caching_needs_num_tokens() -> None:
     with pytest.raises(PlanError) as err:
         plan_request(_pair("vllm", pc=True), [[2, 3], [6, 7]], [[4, 5]], prefill_tokens=8)
-    assert type(err.value) is PlanError and err.value.field == "num_tokens"
+    assert type(err.value) is TokenCountError and err.value.field == "num_tokens"
 
 
 def test_vllm_mode_refuses_other_logical_blocks_without_token_counts() -> None:

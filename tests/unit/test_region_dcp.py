@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, PlanError, plan_request, rank_geometry
+from kvgeom import (
+    EngineConfig,
+    MLASpec,
+    ModelSpec,
+    Pairing,
+    PlanError,
+    TokenCountError,
+    plan_request,
+    rank_geometry,
+)
 from kvgeom.testing import Request, run
 
 MLA3 = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 3)
@@ -122,16 +131,17 @@ def test_vllm_mode_needs_the_tokens_p_computed() -> None:
     assert plan.transfers[0].remote_ids.tolist() == [2, 4, 8 + 2, 8 + 4, 16 + 2, 16 + 4]
 
 
-def test_vllm_mode_places_d_by_num_tokens_only_with_prefix_caching() -> None:
-    """D's cached pages come from num_tokens; without prefix caching D's list starts at page 0 (D rank 1's
-    pages 1, 3 and 5, as with num_tokens=20), with it num_tokens is needed."""
+def test_vllm_mode_places_d_by_num_tokens() -> None:
+    """D's cached pages come from num_tokens (20: none cached, D rank 1's pages 1, 3 and 5); without it the
+    plan is refused, with prefix caching or without."""
     p, d = _engine(1), _engine(2, 2, rank=1, separate_group=SEP)
     ids = ([[1, 2, 3], [4, 5, 6]], [[1, 2, 3, 4, 5]])
-    plan = plan_request(_pairing(p, d, "vllm"), *ids, prefill_tokens=20)
+    plan = plan_request(_pairing(p, d, "vllm"), *ids, num_tokens=20, prefill_tokens=20)
     assert plan.transfers[0].remote_ids.tolist() == [2, 4, 8 + 2, 8 + 4, 16 + 2, 16 + 4]
-    with pytest.raises(PlanError) as err:
-        plan_request(_pairing(p, d, "vllm", prefix_caching=True), *ids, prefill_tokens=20)
-    assert (type(err.value), err.value.field, err.value.values) == (PlanError, "num_tokens", {"value": None})
+    for caching in (False, True):
+        with pytest.raises(TokenCountError) as err:
+            plan_request(_pairing(p, d, "vllm", prefix_caching=caching), *ids, prefill_tokens=20)
+        assert (err.value.field, err.value.values) == ("num_tokens", {"value": None, "group": 0, "blocks": 3})
 
 
 @pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
@@ -162,7 +172,8 @@ def test_d_lists_longer_than_the_tokens_need_or_unplaced_are_refused(compat: str
             [[1, 2, 3, 4, 5]],
             prefill_tokens=20,
         )
-    assert (type(err.value), err.value.field, err.value.values) == (PlanError, "num_tokens", {"value": None})
+    assert (type(err.value), err.value.field) == (TokenCountError, "num_tokens")
+    assert err.value.values == {"value": None, "group": 0, "blocks": 3}
 
 
 def test_kvgeom_mode_pairs_kernel_pages_by_token_where_vllm_refuses() -> None:

@@ -25,8 +25,24 @@ def _pair(model, p: dict, d: dict, rank: int = 0, mode: str = "pull", compat: st
     return Pairing.create(local, remotes, mode, compat)
 
 
+def _tokens(pairing: Pairing, local_ids, remote_ids) -> int | None:
+    """These examples have no prefix hit: D's attention lists hold the request's tokens (``None``: no
+    attention block to place)."""
+    d, ids = (
+        (pairing.local, local_ids)
+        if pairing.mode == "pull"
+        else (pairing.remotes[pairing.targets[0]], remote_ids)
+    )
+    blocks = max(len(x) for x, one in zip(ids, d.group_one_block) if not one)
+    return blocks * d.logical_block_size or None
+
+
+def _plan(pairing: Pairing, local_ids, remote_ids):
+    return plan_request(pairing, local_ids, remote_ids, num_tokens=_tokens(pairing, local_ids, remote_ids))
+
+
 def _moves(pairing: Pairing, local_ids, remote_ids):
-    plan = plan_request(pairing, local_ids, remote_ids)
+    plan = _plan(pairing, local_ids, remote_ids)
     return plan, sorted(map(tuple, plan.moves(pairing).tolist()))
 
 
@@ -266,7 +282,7 @@ def test_check_writes_accepts_plans_and_refuses_a_lying_remote() -> None:
     pairing = _pair(
         MAMBA2, dict(tp_size=4, block_size=4, num_blocks=8), dict(tp_size=1, block_size=8, num_blocks=4)
     )
-    plan = plan_request(pairing, [[3], [1]], [[5, 2], [7]])
+    plan = _plan(pairing, [[3], [1]], [[5, 2], [7]])
     check_writes(plan, pairing, [[3], [1]])
     with pytest.raises(KvgeomError, match="outside the request"):
         check_writes(plan, pairing, [[2], [1]])  # block 3 is not this request's
@@ -280,7 +296,7 @@ def test_check_writes_names_the_first_move_outside_the_request() -> None:
     pairing = _pair(
         MAMBA2, dict(tp_size=4, block_size=4, num_blocks=8), dict(tp_size=1, block_size=8, num_blocks=4)
     )
-    plan = plan_request(pairing, [[3], [1]], [[5, 2], [7]])
+    plan = _plan(pairing, [[3], [1]], [[5, 2], [7]])
     regions = pairing.local.regions
     outside = [
         (int(m[4]), int(m[5]), int(m[6]))

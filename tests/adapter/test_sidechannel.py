@@ -23,7 +23,8 @@ from kvgeom_nixl import (
     make_payload,
     query_generation,
 )
-from kvgeom_nixl.sidechannel import MAX_MESSAGE_BYTES, decode, encode
+from kvgeom_nixl.sidechannel import MAX_MESSAGE_BYTES, _dumps, _recv_frame, decode, encode
+from kvgeom_nixl.wire import GREETING_BYTES, make_request, parse_greeting, serve_request
 
 HOST = "127.0.0.1"
 AUTH = Auth(b"side-channel-test-secret-0123")
@@ -180,14 +181,17 @@ def test_bad_replies_are_protocol_errors():
     lsock.bind((HOST, 0))
     lsock.listen(8)
     port = lsock.getsockname()[1]
-    replies = [b"\x00\x00\x00\x03abc", (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big")]
+    replies = [b"\x00\x00\x00\x03abc", (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big"), None]
 
     def serve() -> None:
         for r in replies:
             c, _ = lsock.accept()
-            c.recv(65536)
-            c.sendall(r)
-            c.close()
+            with c:
+                if r is None:  # not a greeting of this protocol
+                    c.sendall(b"\x00" * GREETING_BYTES)
+                    continue
+                serve_request(c, time.monotonic() + 2, 1 << 20)
+                c.sendall(r)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
@@ -200,29 +204,35 @@ def test_bad_replies_are_protocol_errors():
         lsock.close()
 
 
-def _raw(port: int, msg: dict, auth: Auth = AUTH) -> dict:
-    """One hand-made request (fresh nonce and timestamp unless given); the decoded reply."""
-    msg = {"v": 2, "nonce": os.urandom(16).hex(), "ts": time.time(), **msg}
+def _raw(port: int, op: str, body: dict | None = None, auth: Auth = AUTH, **kw) -> dict:
+    """One hand-made request (``kw``: ``nonce``, ``ts``); the decoded reply."""
     with socket.create_connection((HOST, port), timeout=2) as s:
-        s.sendall(encode(msg, auth))
-        head = s.recv(4, socket.MSG_WAITALL)
-        body = s.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
-    return decode(body[32:])
+        greeting = parse_greeting(s.recv(GREETING_BYTES, socket.MSG_WAITALL))
+        data, _ = make_request(greeting, op, _dumps(body) if body is not None else b"", auth, **kw)
+        s.sendall(data)
+        _, reply = _recv_frame(s, time.monotonic() + 2, 1 << 20)
+    return decode(reply)
 
 
-def test_server_refuses_unknown_ops_and_versions():
+def test_server_refuses_bad_requests_and_stays_up():
     with SideChannelServer(HOST, 0, _payload(), auth=AUTH) as server:
-        for msg in (
-            {"op": "nope"},
-            {"v": 99, "op": "get"},
-            {"op": "exchange", "payload": 3},
-            {"op": "get", "ts": time.time() - 3600},
+        for op, body, kw in (
+            ("exchange", {"payload": 3}, {}),
+            ("get", None, {"ts": time.time() - 3600}),
         ):
-            reply = _raw(server.port, msg)
-            assert reply["ok"] is False and reply["error"], msg
+            reply = _raw(server.port, op, body, **kw)
+            assert reply["ok"] is False and reply["error"], (op, kw)
+        assert server.refusals[-1].field == "ts"
         # a client that sends garbage and hangs up does not disturb the server
         with socket.create_connection((HOST, server.port), timeout=2) as s:
             s.sendall(b"\xff\xff")
+        with socket.create_connection((HOST, server.port), timeout=2) as s:  # a v2 request: not a preamble
+            s.recv(GREETING_BYTES, socket.MSG_WAITALL)
+            s.sendall(
+                encode({"v": 2, "op": "get", "nonce": os.urandom(16).hex(), "ts": time.time()}, AUTH) * 2
+            )
+            s.settimeout(2)
+            assert decode(_recv_frame(s, time.monotonic() + 2, 1 << 20)[1])["ok"] is False
         assert query_generation(HOST, server.port, auth=AUTH) == 1
 
 

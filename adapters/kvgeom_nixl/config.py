@@ -11,7 +11,7 @@ __all__ = ["TransportConfig"]
 _ENV_PREFIX = "KVGEOM_NIXL_"
 _BOOLS = ("progress_thread", "telemetry", "insecure")
 _TUPLES = ("backends", "etcd_endpoints")
-_STRS = ("secret", "discovery", "etcd_prefix")
+_STRS = ("secret", "discovery", "etcd_prefix", "net_devices")
 DISCOVERY = ("sidechannel", "etcd")
 _INTS = ("max_message_bytes", "max_connections", "max_peer_payloads", "max_pending_notifs")
 MIN_SECRET_BYTES = 16
@@ -85,6 +85,14 @@ class TransportConfig:
     max_pending_notifs: int = 65536
     """At most this many unconsumed notifications are kept (oldest dropped first)."""
 
+    net_devices: str = "auto"
+    """Which network interfaces UCX may use, and so where its TCP transport listens (``UCX_NET_DEVICES``
+    while the agent is created). ``"auto"``: the operator's ``UCX_NET_DEVICES`` if set, else the interface
+    holding the address the rank's side channel binds (``lo`` for ``127.0.0.1``; every interface for
+    ``0.0.0.0``, or for an :class:`~kvgeom_nixl.agent.Endpoint` made without a host). ``"all"``: UCX's
+    default, every usable interface (NIXL 1.5.1 then listens on the external interface too, even in a
+    loopback run). Anything else is a UCX device list used as given (``eth0``, ``mlx5_0:1``)."""
+
     discovery: str = "sidechannel"
     """How a rank finds its peers' handshake payloads: ``"sidechannel"`` (ask each peer rank's side channel,
     whose addresses the caller gives) or ``"etcd"`` (every rank publishes its sealed, encrypted payload in
@@ -128,6 +136,11 @@ class TransportConfig:
             raise ValueError(
                 f"etcd_prefix: expected a key prefix starting with '/', got {self.etcd_prefix!r}"
             )
+        if not isinstance(self.net_devices, str) or not self.net_devices.strip():
+            raise ValueError(
+                f"net_devices: expected 'auto', 'all' or a UCX device list, got {self.net_devices!r}"
+            )
+        object.__setattr__(self, "net_devices", self.net_devices.strip())
         ttl = float(self.etcd_lease_ttl_s)
         if not ttl >= 1:
             raise ValueError(f"etcd_lease_ttl_s: must be >= 1, got {ttl!r}")

@@ -437,6 +437,7 @@ class SideChannelServer:
         self._max_handlers = int(max_connections)
         self._slots = threading.BoundedSemaphore(self._max_handlers)
         self._handlers = 0
+        self._buffered = 0  # bytes in the pending connections' buffers
         self.incarnation = os.urandom(16) if incarnation is None else bytes(incarnation)
         self.started = time.time()
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
@@ -492,7 +493,7 @@ class SideChannelServer:
         """Bytes buffered now for connections that have not authenticated (at most
         ``max_pending * PREAMBLE_BYTES``); ``stats["peak_pending_bytes"]`` is the most ever."""
         with self._lock:
-            return sum(len(p.buf) for p in list(self._pending.values()))
+            return self._buffered
 
     # -- peers that introduced themselves
     def _expire(self) -> None:
@@ -538,12 +539,17 @@ class SideChannelServer:
         self.close()
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """Stop accepting and close the socket (clients then get *connection refused*)."""
+        """Stop accepting and close the socket (clients then get *connection refused*); wait up to
+        ``timeout_s`` for the accept thread and for handlers still answering."""
         self._closed.set()
+        deadline = time.monotonic() + timeout_s
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         if self._thread is None:
             self._close_socket()
+        with self._lock:
+            while self._handlers and time.monotonic() < deadline:
+                self._lock.wait(max(deadline - time.monotonic(), 0.001))
 
     def _close_socket(self) -> None:
         try:
@@ -599,7 +605,8 @@ class SideChannelServer:
 
     def _drop(self, sel: selectors.BaseSelector, p: _Pending, why: str | None) -> None:
         with self._lock:
-            self._pending.pop(p.conn.fileno(), None)
+            if self._pending.pop(p.conn.fileno(), None) is not None:
+                self._buffered -= len(p.buf)
         try:
             sel.unregister(p.conn)
         except (KeyError, ValueError):
@@ -628,13 +635,13 @@ class SideChannelServer:
             return
         p.buf += chunk
         with self._lock:
-            self.stats["peak_pending_bytes"] = max(
-                self.stats["peak_pending_bytes"], sum(len(q.buf) for q in self._pending.values())
-            )
+            self._buffered += len(chunk)
+            self.stats["peak_pending_bytes"] = max(self.stats["peak_pending_bytes"], self._buffered)
         if len(p.buf) < PREAMBLE_BYTES:
             return
         with self._lock:
             self._pending.pop(p.conn.fileno(), None)
+            self._buffered -= len(p.buf)
         sel.unregister(p.conn)
         self._admit(p)
 
@@ -732,6 +739,7 @@ class SideChannelServer:
                 self._slots.release()
             with self._lock:
                 self._handlers -= 1
+                self._lock.notify_all()
 
     def _count(self, key: str) -> None:
         with self._lock:

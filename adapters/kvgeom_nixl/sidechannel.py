@@ -666,7 +666,12 @@ class SideChannelServer:
         if busy:
             self._refuse(p.conn, _busy(), pre.nonce_hex, "refused_busy")
             return
-        threading.Thread(target=self._handle, args=(p.conn, pre), daemon=True).start()
+        try:
+            threading.Thread(target=self._handle, args=(p.conn, pre), daemon=True).start()
+        except RuntimeError:  # no thread to be had: refused like a busy server
+            with self._lock:
+                self._handlers -= 1
+            self._refuse(p.conn, _busy(), pre.nonce_hex, "refused_busy")
 
     def _remember(self, pre: Preamble) -> None:
         """Accept each nonce once (within twice the replay window)."""

@@ -67,7 +67,8 @@ class TransportConfig:
     """Largest side-channel message accepted (a payload with a big model's card and metadata is < 2 MiB)."""
 
     max_connections: int = 32
-    """Side-channel connections served at once; more are closed on accept."""
+    """Authenticated side-channel requests handled at once. Connections that have not authenticated never
+    take a handler: the accept thread holds at most 512 of them, 132 bytes of buffer each, for 1 s."""
 
     max_peer_payloads: int = 256
     """Payloads kept from ``exchange`` requests (oldest dropped first)."""
@@ -77,7 +78,9 @@ class TransportConfig:
 
     replay_window_s: float = 60.0
     """Side-channel requests older (or newer) than this by their timestamp are refused, and each nonce
-    is accepted once within it. Hosts' clocks must agree to within this window."""
+    is accepted once within it. Hosts' clocks must agree to within this window. (A request is also bound to
+    the server's incarnation and to its connection's challenge: it is never good for another server, another
+    connection, or after a restart.)"""
 
     notif_ttl_s: float = 120.0
     """Notifications nobody consumed are dropped after this long."""

@@ -17,6 +17,7 @@ from .errors import (
     NotifTimeout,
     PeerGone,
     ProtocolError,
+    ReplayError,
     StaleMetadata,
     TransferError,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "HandshakeTimeout",
     "ProtocolError",
     "AuthenticationError",
+    "ReplayError",
     "TransferError",
     "NotifTimeout",
     "PeerGone",

@@ -26,6 +26,7 @@ import numpy as np
 
 from .config import TransportConfig
 from .errors import AdapterError, NotifTimeout, PeerGone, StaleMetadata, TransferError
+from .ifaces import ucx_net_devices, with_env
 
 __all__ = ["Region", "Telemetry", "Prepped", "Transfer", "Endpoint", "MEM_TYPES", "OPS"]
 
@@ -277,6 +278,10 @@ class Transfer:
 class Endpoint:
     """A named NIXL agent plus the registrations, peers and handles it must release.
 
+    ``host`` is the address the rank serves on: with ``config.net_devices="auto"`` UCX then uses, and
+    listens on, only the interface that holds it (``lo`` for ``127.0.0.1``); :attr:`net_devices` is what
+    ``UCX_NET_DEVICES`` was for this agent (``None``: the environment's, or UCX's default).
+
     >>> ep = Endpoint("decode-0")                       # doctest: +SKIP
     >>> regions = ep.register_tensors([kv])             # doctest: +SKIP
     >>> ep.add_peer("prefill-0", peer_metadata)         # doctest: +SKIP
@@ -284,11 +289,13 @@ class Endpoint:
     >>> ep.post("READ", lh, ids, rh, ids, b"req-7").wait()   # doctest: +SKIP
     """
 
-    def __init__(self, name: str, config: TransportConfig | None = None) -> None:
+    def __init__(self, name: str, config: TransportConfig | None = None, host: str | None = None) -> None:
         if not name:
             raise ValueError("name: an agent needs a non-empty name")
         self.name = str(name)
         self.config = config if config is not None else TransportConfig()
+        # where UCX may listen: the interface of ``host`` (the rank's side-channel address) by default
+        self.net_devices = ucx_net_devices(self.config.net_devices, host)
         from nixl._api import nixl_agent, nixl_agent_config  # lazy: ~1-2 s and ~200 MiB
 
         cfg = nixl_agent_config(
@@ -298,7 +305,8 @@ class Endpoint:
             backends=list(self.config.backends),
         )
         try:
-            self._agent = nixl_agent(self.name, cfg)
+            with with_env("UCX_NET_DEVICES", self.net_devices):
+                self._agent = nixl_agent(self.name, cfg)
         except Exception as e:
             raise AdapterError(
                 f"cannot create NIXL agent {self.name!r}: {type(e).__name__}: {e}", stage="agent"

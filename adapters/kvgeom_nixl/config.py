@@ -11,7 +11,7 @@ __all__ = ["TransportConfig"]
 _ENV_PREFIX = "KVGEOM_NIXL_"
 _BOOLS = ("progress_thread", "telemetry", "insecure")
 _TUPLES = ("backends", "etcd_endpoints")
-_STRS = ("secret", "discovery", "etcd_prefix")
+_STRS = ("secret", "discovery", "etcd_prefix", "net_devices")
 DISCOVERY = ("sidechannel", "etcd")
 _INTS = ("max_message_bytes", "max_connections", "max_peer_payloads", "max_pending_notifs")
 MIN_SECRET_BYTES = 16
@@ -67,7 +67,8 @@ class TransportConfig:
     """Largest side-channel message accepted (a payload with a big model's card and metadata is < 2 MiB)."""
 
     max_connections: int = 32
-    """Side-channel connections served at once; more are closed on accept."""
+    """Authenticated side-channel requests handled at once. Connections that have not authenticated never
+    take a handler: the accept thread holds at most 512 of them, 132 bytes of buffer each, for 1 s."""
 
     max_peer_payloads: int = 256
     """Payloads kept from ``exchange`` requests (oldest dropped first)."""
@@ -77,13 +78,23 @@ class TransportConfig:
 
     replay_window_s: float = 60.0
     """Side-channel requests older (or newer) than this by their timestamp are refused, and each nonce
-    is accepted once within it. Hosts' clocks must agree to within this window."""
+    is accepted once within it. Hosts' clocks must agree to within this window. (A request is also bound to
+    the server's incarnation and to its connection's challenge: it is never good for another server, another
+    connection, or after a restart.)"""
 
     notif_ttl_s: float = 120.0
     """Notifications nobody consumed are dropped after this long."""
 
     max_pending_notifs: int = 65536
     """At most this many unconsumed notifications are kept (oldest dropped first)."""
+
+    net_devices: str = "auto"
+    """Which network interfaces UCX may use, and so where its TCP transport listens (``UCX_NET_DEVICES``
+    while the agent is created). ``"auto"``: the operator's ``UCX_NET_DEVICES`` if set, else the interface
+    holding the address the rank's side channel binds (``lo`` for ``127.0.0.1``; every interface for
+    ``0.0.0.0``, or for an :class:`~kvgeom_nixl.agent.Endpoint` made without a host). ``"all"``: UCX's
+    default, every usable interface (NIXL 1.5.1 then listens on the external interface too, even in a
+    loopback run). Anything else is a UCX device list used as given (``eth0``, ``mlx5_0:1``)."""
 
     discovery: str = "sidechannel"
     """How a rank finds its peers' handshake payloads: ``"sidechannel"`` (ask each peer rank's side channel,
@@ -128,6 +139,11 @@ class TransportConfig:
             raise ValueError(
                 f"etcd_prefix: expected a key prefix starting with '/', got {self.etcd_prefix!r}"
             )
+        if not isinstance(self.net_devices, str) or not self.net_devices.strip():
+            raise ValueError(
+                f"net_devices: expected 'auto', 'all' or a UCX device list, got {self.net_devices!r}"
+            )
+        object.__setattr__(self, "net_devices", self.net_devices.strip())
         ttl = float(self.etcd_lease_ttl_s)
         if not ttl >= 1:
             raise ValueError(f"etcd_lease_ttl_s: must be >= 1, got {ttl!r}")

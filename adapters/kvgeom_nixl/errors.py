@@ -13,6 +13,7 @@ __all__ = [
     "HandshakeTimeout",
     "ProtocolError",
     "AuthenticationError",
+    "ReplayError",
     "TransferError",
     "NotifTimeout",
     "PeerGone",
@@ -57,6 +58,22 @@ class AuthenticationError(ProtocolError):
     """A peer did not prove that it holds the deployment's secret: its side-channel message, handshake
     payload or notification has no valid HMAC (wrong or missing secret, or a forgery), or it reused a
     nonce. Nothing it sent was used."""
+
+
+class ReplayError(AuthenticationError):
+    """A side-channel request carries a valid tag but is not fresh for this server: it was made for
+    another destination (``field="incarnation"``: another server, or this one before a restart), for
+    another connection (``field="challenge"``: a replay to the same server), outside the replay window
+    (``field="ts"``) or reuses a nonce (``field="nonce"``). ``expected`` and ``seen`` hold the server's
+    value and the request's (hex for byte fields)."""
+
+    def __init__(
+        self, message: str, *, field: str, expected: object = None, seen: object = None, **kw
+    ) -> None:
+        self.field = field
+        self.expected = expected
+        self.seen = seen
+        super().__init__(message, **kw)
 
 
 class TransferError(AdapterError):

@@ -345,7 +345,7 @@ class KVRank:
     def _new_endpoint(self) -> Endpoint:
         # a random suffix: two processes never share an agent name, so one cannot evict the other's handles
         return Endpoint(
-            f"{self.card.engine_id}-{self.card.engine.tp_rank}-{secrets.token_hex(4)}", self.config
+            f"{self.card.engine_id}-{self.card.engine.tp_rank}-{secrets.token_hex(4)}", self.config, self.host
         )
 
     def _new_server(self, host: str) -> SideChannelServer:

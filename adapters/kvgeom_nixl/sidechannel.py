@@ -6,20 +6,26 @@ metadata to anyone and fails silently when nobody listens. So each rank serves a
 (engine id, rank, agent name, agent metadata, geometry card, region addresses, device id,
 ``generation``) on a TCP port, and a peer fetches it with retries until a deadline.
 
-Wire format (protocol version 2): every message is a 4-byte big-endian length ``n``, a 32-byte tag and
-``n - 32`` bytes of UTF-8 JSON (an object). The tag is HMAC-SHA256 (:class:`~kvgeom_nixl.auth.Auth`)
-of the JSON: a request's tag binds ``"req"``, a reply's binds ``"rep"`` and the request's nonce, so a
-reply cannot be replayed to another request. The server checks the tag *before* parsing anything.
-Requests carry ``nonce`` (random, accepted once) and ``ts`` (seconds since the epoch, within
-``replay_window_s`` of the server's clock). ``bytes`` values travel as ``{"$b64": "<base64>"}``.
+Wire format (protocol version 3, see :mod:`kvgeom_nixl.wire`): at accept the server sends a 48-byte
+*greeting* (its random ``incarnation`` and a random per-connection ``challenge``). The client sends a
+132-byte *preamble* (op, body length, timestamp, nonce, the greeting's incarnation and challenge, the
+body's SHA-256, and an HMAC-SHA256 tag over all of it), then the body: UTF-8 JSON (an object), empty for
+``get`` and ``generation``. The server checks the preamble (tag, destination, freshness, length) before it
+reads or allocates the body, so a client without the secret costs it at most the preamble's bytes. The
+reply is a 4-byte big-endian length ``n``, a 32-byte tag and ``n - 32`` bytes of JSON; its tag binds
+``"rep"`` and the request's nonce, so a reply cannot be replayed to another request. A request is valid
+for one connection of one server incarnation: replayed anywhere else (another server sharing the secret,
+the same server again, or after a restart) it is refused with :class:`ReplayError`. Requests must also be
+within ``replay_window_s`` of the server's clock, and each nonce is accepted once. ``bytes`` values travel
+as ``{"$b64": "<base64>"}``.
 
 =========================================  ==================================================
-request                                    reply
+request (op, body)                         reply
 =========================================  ==================================================
-``{"op": "get"}``                          ``{"ok": true, "payload": {...}}``
-``{"op": "exchange", "payload": {...}}``   same; the server keeps the client's (sealed) payload
-``{"op": "generation"}``                   ``{"ok": true, "generation": <int>}``
-anything else, or an unauthenticated one   ``{"ok": false, "error": "..."}``
+``get``, empty                             ``{"ok": true, "payload": {...}}``
+``exchange``, ``{"payload": {...}}``       same; the server keeps the client's (sealed) payload
+``generation``, empty                      ``{"ok": true, "generation": <int>}``
+refused                                    ``{"ok": false, "error": "...", ["refused": field]}``
 =========================================  ==================================================
 
 Every deadline covers a whole message (not one ``recv``): a peer that sends one byte at a time cannot
@@ -35,18 +41,41 @@ from __future__ import annotations
 
 import base64
 import errno
+import hashlib
 import json
 import os
+import selectors
 import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .auth import TAG_BYTES, Auth
-from .errors import AuthenticationError, HandshakeTimeout, PeerGone, ProtocolError, StaleMetadata
+from .errors import (
+    AdapterError,
+    AuthenticationError,
+    HandshakeTimeout,
+    PeerGone,
+    ProtocolError,
+    ReplayError,
+    StaleMetadata,
+)
+from .wire import (
+    GREETING_BYTES,
+    PREAMBLE_BYTES,
+    PROTOCOL_VERSION,
+    Greeting,
+    Preamble,
+    check_preamble,
+    make_request,
+    new_greeting,
+    parse_greeting,
+    parse_preamble,
+    send_greeting,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -63,7 +92,6 @@ __all__ = [
     "decode",
 ]
 
-PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 16 << 20  # default bound of one message (TransportConfig.max_message_bytes)
 _HEADER = struct.Struct(">I")
 _B64 = "$b64"
@@ -350,15 +378,32 @@ def validate_payload(
 
 
 # ----------------------------------------------------------------------------------------- server
+class _Pending:
+    """A connection that has not authenticated yet: its greeting, deadline and the preamble bytes so far
+    (never more than :data:`PREAMBLE_BYTES`)."""
+
+    __slots__ = ("conn", "greeting", "deadline", "buf")
+
+    def __init__(self, conn: socket.socket, greeting: Greeting, deadline: float) -> None:
+        self.conn, self.greeting, self.deadline, self.buf = conn, greeting, deadline, bytearray()
+
+
 class SideChannelServer:
-    """Serve ``payload`` (sealed here) to authenticated clients from a daemon thread, answer ``generation`` queries,
-    and keep (for ``peer_ttl_s``, at most ``max_peers``) the sealed payloads clients send with
-    ``exchange``. At most ``max_connections`` connections are served at once (more are closed at
-    accept); each must deliver its whole request within ``io_timeout_s``.
+    """Serve ``payload`` (sealed here) to authenticated clients, answer ``generation`` queries, and keep
+    (for ``peer_ttl_s``, at most ``max_peers``) the sealed payloads clients send with ``exchange``.
+
+    One thread accepts connections and reads their fixed-size preambles without blocking: at most
+    ``max_pending`` unauthenticated connections are held (the oldest is dropped for a new one), each with
+    at most :data:`~kvgeom_nixl.wire.PREAMBLE_BYTES` of buffer, and each is dropped if its preamble is not
+    complete ``preamble_timeout_s`` after accept. Only an authenticated request, for this server and this
+    connection, gets a handler thread (at most ``max_connections`` at once; the body and the reply must
+    fit in ``io_timeout_s``). So a flood or a slow drip without the secret cannot take the handlers away
+    from the deployment's peers.
 
     The socket is bound in the constructor (``port=0`` picks a free port; read :attr:`port`), the
     thread starts in :meth:`start` (or ``with``). ``auth`` is required: ``Auth(secret)``, or
-    ``Auth.none()`` for the insecure mode.
+    ``Auth.none()`` for the insecure mode. ``incarnation`` (16 bytes, random by default) names this server
+    in every greeting; a request made for another incarnation is refused.
     """
 
     def __init__(
@@ -374,20 +419,32 @@ class SideChannelServer:
         max_peers: int = 256,
         peer_ttl_s: float = 600.0,
         replay_window_s: float = 60.0,
+        max_pending: int = 512,
+        preamble_timeout_s: float = 1.0,
+        incarnation: bytes | None = None,
     ) -> None:
         if not isinstance(auth, Auth):
             raise TypeError("auth: pass Auth(secret), or Auth.none() for the insecure mode")
         self._auth = auth
         self._lock = threading.Condition()
         self._io_timeout_s = float(io_timeout_s)
+        self._preamble_s = min(float(preamble_timeout_s), self._io_timeout_s)
         self._max_bytes = int(max_message_bytes)
         self._max_peers = int(max_peers)
         self._peer_ttl_s = float(peer_ttl_s)
         self._window = float(replay_window_s)
-        self._slots = threading.BoundedSemaphore(int(max_connections))
+        self._max_pending = int(max_pending)
+        self._max_handlers = int(max_connections)
+        self._slots = threading.BoundedSemaphore(self._max_handlers)
+        self._handlers = 0
+        self._buffered = 0  # bytes in the pending connections' buffers
+        self.incarnation = os.urandom(16) if incarnation is None else bytes(incarnation)
+        self.started = time.time()
+        self._pending: OrderedDict[int, _Pending] = OrderedDict()
         self._peers: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         self._nonces: OrderedDict[str, float] = OrderedDict()
-        self.stats = {"served": 0, "refused_busy": 0, "refused_auth": 0, "refused_replay": 0, "broken": 0}
+        self.stats = dict.fromkeys(_STATS, 0)
+        self.refusals: deque[AdapterError] = deque(maxlen=64)
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._set_payload(dict(payload or {}))
@@ -395,8 +452,8 @@ class SideChannelServer:
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
-            self._sock.listen(64)
-            self._sock.settimeout(0.1)
+            self._sock.listen(1024)
+            self._sock.setblocking(False)
         except BaseException:
             self._sock.close()
             raise
@@ -430,6 +487,13 @@ class SideChannelServer:
     @property
     def address(self) -> tuple[str, int]:
         return self.host, self.port
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes buffered now for connections that have not authenticated (at most
+        ``max_pending * PREAMBLE_BYTES``); ``stats["peak_pending_bytes"]`` is the most ever."""
+        with self._lock:
+            return self._buffered
 
     # -- peers that introduced themselves
     def _expire(self) -> None:
@@ -475,59 +539,212 @@ class SideChannelServer:
         self.close()
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """Stop accepting and close the socket (clients then get *connection refused*)."""
+        """Stop accepting and close the socket (clients then get *connection refused*); wait up to
+        ``timeout_s`` for the accept thread and for handlers still answering."""
         self._closed.set()
+        deadline = time.monotonic() + timeout_s
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        if self._thread is None:
+            self._close_socket()
+        with self._lock:
+            while self._handlers and time.monotonic() < deadline:
+                self._lock.wait(max(deadline - time.monotonic(), 0.001))
+
+    def _close_socket(self) -> None:
         try:
             self._sock.close()
         except OSError:
             pass
 
     def _serve(self) -> None:
-        while not self._closed.is_set():
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
+        try:
+            while not self._closed.is_set():
+                for key, _ in sel.select(0.05):
+                    if key.data is None:
+                        self._accept(sel)
+                    else:
+                        self._read_preamble(sel, key.data)
+                self._drop_late(sel)
+        finally:
+            for p in list(self._pending.values()):
+                self._drop(sel, p, None)
+            sel.close()
+            self._close_socket()
+
+    # -- the unauthenticated phase (the accept thread; nothing here blocks)
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        for _ in range(64):
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._closed.is_set():
-                    break
-                time.sleep(0.01)
-                continue
-            if not self._slots.acquire(blocking=False):
-                self._count("refused_busy")
-                conn.close()  # bounded: never more than max_connections handlers
-                continue
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except BlockingIOError:
+                return
+            except OSError:  # e.g. EMFILE: make room, try again on the next round
+                if self._pending:
+                    self._drop(sel, next(iter(self._pending.values())), "evicted")
+                time.sleep(0.005)
+                return
+            self._hold(sel, conn)
+
+    def _hold(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        greeting = new_greeting(self.incarnation, self.started)
+        if not send_greeting(conn, greeting):
+            conn.close()
+            self._count("broken")
+            return
+        while len(self._pending) >= self._max_pending:  # the oldest makes room: a new peer is not starved
+            self._drop(sel, next(iter(self._pending.values())), "evicted")
+        p = _Pending(conn, greeting, time.monotonic() + self._preamble_s)
+        with self._lock:
+            self._pending[conn.fileno()] = p
+            self.stats["peak_pending"] = max(self.stats["peak_pending"], len(self._pending))
+        sel.register(conn, selectors.EVENT_READ, p)
+
+    def _drop(self, sel: selectors.BaseSelector, p: _Pending, why: str | None) -> None:
+        with self._lock:
+            if self._pending.pop(p.conn.fileno(), None) is not None:
+                self._buffered -= len(p.buf)
         try:
-            self._sock.close()
+            sel.unregister(p.conn)
+        except (KeyError, ValueError):
+            pass
+        p.conn.close()
+        if why:
+            self._count(why)
+
+    def _drop_late(self, sel: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        while self._pending:
+            p = next(iter(self._pending.values()))  # oldest first: deadlines are in accept order
+            if p.deadline > now:
+                return
+            self._drop(sel, p, "dropped_slow")
+
+    def _read_preamble(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        try:
+            chunk = p.conn.recv(PREAMBLE_BYTES - len(p.buf))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(sel, p, "broken")
+            return
+        p.buf += chunk
+        with self._lock:
+            self._buffered += len(chunk)
+            self.stats["peak_pending_bytes"] = max(self.stats["peak_pending_bytes"], self._buffered)
+        if len(p.buf) < PREAMBLE_BYTES:
+            return
+        with self._lock:
+            self._pending.pop(p.conn.fileno(), None)
+            self._buffered -= len(p.buf)
+        sel.unregister(p.conn)
+        self._admit(p)
+
+    def _admit(self, p: _Pending) -> None:
+        """A complete preamble: refuse it (a short reply, then close) or give it a handler thread."""
+        try:
+            pre = parse_preamble(bytes(p.buf))
+        except ProtocolError as e:
+            self._refuse(p.conn, e)
+            return
+        try:
+            check_preamble(pre, self._auth, p.greeting, self._window, self._max_bytes)
+            self._remember(pre)
+        except AdapterError as e:  # a replay or an over-long body is answered for the request's nonce
+            tagged = not isinstance(e, AuthenticationError) or isinstance(e, ReplayError)
+            self._refuse(p.conn, e, pre.nonce_hex if tagged else None)
+            return
+        with self._lock:
+            busy = self._handlers >= 4 * self._max_handlers
+            if not busy:
+                self._handlers += 1
+        if busy:
+            self._refuse(p.conn, _busy(), pre.nonce_hex, "refused_busy")
+            return
+        try:
+            threading.Thread(target=self._handle, args=(p.conn, pre), daemon=True).start()
+        except RuntimeError:  # no thread to be had: refused like a busy server
+            with self._lock:
+                self._handlers -= 1
+            self._refuse(p.conn, _busy(), pre.nonce_hex, "refused_busy")
+
+    def _remember(self, pre: Preamble) -> None:
+        """Accept each nonce once (within twice the replay window)."""
+        now = time.monotonic()
+        nonce = pre.nonce_hex
+        with self._lock:
+            while self._nonces and next(iter(self._nonces.values())) < now - 2 * self._window:
+                self._nonces.popitem(last=False)
+            if nonce in self._nonces:
+                raise ReplayError(
+                    f"request field 'nonce': {nonce} already used (replayed request)",
+                    stage="sidechannel",
+                    field="nonce",
+                    expected=None,
+                    seen=nonce,
+                )
+            self._nonces[nonce] = now
+            while len(self._nonces) > 1 << 16:
+                self._nonces.popitem(last=False)
+
+    def _refuse(
+        self, conn: socket.socket, err: AdapterError, nonce: str | None = None, key: str | None = None
+    ) -> None:
+        """Count ``err``, send its short reply (best effort, never blocking) and close."""
+        self.refusals.append(err)
+        if key is None:
+            key = "broken"
+            if isinstance(err, AuthenticationError):
+                key = "refused_replay" if isinstance(err, ReplayError) else "refused_auth"
+        self._count(key)
+        try:
+            conn.send(self._refusal(err, nonce))
         except OSError:
             pass
+        conn.close()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _refusal(self, err: AdapterError, nonce: str | None) -> bytes:
+        if nonce is not None:
+            body: dict[str, Any] = {"ok": False, "error": str(err)[:300], "nonce": nonce}
+            if isinstance(err, ReplayError):
+                body["refused"] = err.field
+            return self._reply(nonce, _dumps(body))
+        auth = False if isinstance(err, AuthenticationError) else None
+        return _frame(
+            _dumps({"auth": auth, "error": str(err)[:200], "ok": False}), None, b"", self._max_bytes
+        )
+
+    # -- the authenticated phase (a handler thread per request)
+    def _handle(self, conn: socket.socket, pre: Preamble) -> None:
         deadline = time.monotonic() + self._io_timeout_s
+        got = self._slots.acquire(timeout=self._io_timeout_s)
         try:
             with conn:
+                if not got:
+                    self._refuse(conn, _busy(), pre.nonce_hex, "refused_busy")
+                    return
                 try:
-                    tag, body = _recv_frame(conn, deadline, self._max_bytes)
-                    if not self._auth.check("sidechannel", tag, b"req", body):
-                        self._count("refused_auth")
-                        reply = _frame(
-                            b'{"auth":false,"error":"authentication failed: this side channel needs '
-                            b'the deployment\'s secret","ok":false}',
-                            None,
-                            b"",
-                            self._max_bytes,
+                    body = _recv_exact(conn, pre.length, deadline) if pre.length else b""
+                    if hashlib.sha256(body).digest() != pre.digest:
+                        raise ProtocolError(
+                            "request body does not match its preamble's digest", stage="sidechannel"
                         )
-                    else:
-                        reply = self._answer(decode(body))
+                    reply = self._answer(pre, decode(body) if body else {})
                     _send_all(conn, reply, deadline)
                     self._count("served")
                 except (OSError, ProtocolError, ValueError, TypeError, RecursionError, MemoryError):
-                    self._count("broken")  # a broken or hostile client must not disturb the server
+                    self._count("broken")  # a broken client must not disturb the server
         finally:
-            self._slots.release()
+            if got:
+                self._slots.release()
+            with self._lock:
+                self._handlers -= 1
+                self._lock.notify_all()
 
     def _count(self, key: str) -> None:
         with self._lock:
@@ -539,36 +756,8 @@ class SideChannelServer:
     def _error(self, nonce: str, text: str) -> bytes:
         return self._reply(nonce, _dumps({"ok": False, "error": text, "nonce": nonce}))
 
-    def _fresh(self, nonce: str, ts: Any) -> str | None:
-        """``None`` if the request is fresh (and remember its nonce), else why not."""
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or abs(time.time() - ts) > self._window:
-            return f"request timestamp {ts!r} is outside the {self._window:.3g}s replay window"
-        now = time.monotonic()
-        with self._lock:
-            while self._nonces and next(iter(self._nonces.values())) < now - 2 * self._window:
-                self._nonces.popitem(last=False)
-            if nonce in self._nonces:
-                return "nonce already used (replayed request)"
-            self._nonces[nonce] = now
-            while len(self._nonces) > 1 << 16:
-                self._nonces.popitem(last=False)
-        return None
-
-    def _answer(self, msg: dict[str, Any]) -> bytes:
-        nonce = msg.get("nonce")
-        if not isinstance(nonce, str) or not 16 <= len(nonce) <= 64:
-            return _frame(
-                _dumps({"ok": False, "error": "request without a nonce"}), None, b"", self._max_bytes
-            )
-        if msg.get("v") != PROTOCOL_VERSION:
-            return self._error(
-                nonce, f"unsupported protocol version {msg.get('v')!r} (this side speaks {PROTOCOL_VERSION})"
-            )
-        stale = self._fresh(nonce, msg.get("ts"))
-        if stale:
-            self._count("refused_replay")
-            return self._error(nonce, stale)
-        op = msg.get("op")
+    def _answer(self, pre: Preamble, msg: dict[str, Any]) -> bytes:
+        nonce, op = pre.nonce_hex, pre.op
         if op == "generation":
             with self._lock:
                 gen = self._generation
@@ -580,20 +769,38 @@ class SideChannelServer:
                 )
             except ProtocolError as e:
                 return self._error(nonce, f"exchange refused: {e}")
-            with self._lock:
-                key = peer["agent_name"]
-                self._peers.pop(key, None)
-                self._peers[key] = (time.monotonic(), peer)
-                self._expire()
-                while len(self._peers) > self._max_peers:
-                    self._peers.popitem(last=False)
-                self._lock.notify_all()
-        if op in ("get", "exchange"):
-            with self._lock:
-                payload = self._payload_json
-            head = _dumps({"nonce": nonce, "ok": True})[:-1]
-            return self._reply(nonce, head + b',"payload":' + payload + b"}")
-        return self._error(nonce, f"unknown op {op!r}")
+            self._keep_peer(peer)
+        with self._lock:
+            payload = self._payload_json
+        head = _dumps({"nonce": nonce, "ok": True})[:-1]
+        return self._reply(nonce, head + b',"payload":' + payload + b"}")
+
+    def _keep_peer(self, peer: dict[str, Any]) -> None:
+        with self._lock:
+            key = peer["agent_name"]
+            self._peers.pop(key, None)
+            self._peers[key] = (time.monotonic(), peer)
+            self._expire()
+            while len(self._peers) > self._max_peers:
+                self._peers.popitem(last=False)
+            self._lock.notify_all()
+
+
+_STATS = (
+    "served",
+    "refused_busy",
+    "refused_auth",
+    "refused_replay",
+    "broken",
+    "dropped_slow",
+    "evicted",
+    "peak_pending",
+    "peak_pending_bytes",
+)
+
+
+def _busy() -> ProtocolError:
+    return ProtocolError("server busy: every handler is taken", stage="sidechannel")
 
 
 # ----------------------------------------------------------------------------------------- client
@@ -612,30 +819,46 @@ def _request(
     auth: Auth,
     max_bytes: int = MAX_MESSAGE_BYTES,
 ) -> dict[str, Any]:
-    """One connection, one request, one reply, all before the absolute ``deadline``; the reply must be
-    tagged for this request's nonce."""
+    """One connection, one request, one reply, all before the absolute ``deadline``: read the server's
+    greeting, send a preamble tagged for it and the body (``msg`` without ``op``); the reply must be tagged
+    for this request's nonce."""
     where = f"{host}:{port}"
-    nonce = os.urandom(16).hex()
-    data = encode(dict(msg, v=PROTOCOL_VERSION, nonce=nonce, ts=time.time()), auth, b"req", max_bytes)
+    rest = {k: v for k, v in msg.items() if k != "op"}
+    body = _dumps(rest) if rest else b""
+    if len(body) + PREAMBLE_BYTES > max_bytes:
+        raise ValueError(f"message of {len(body)} bytes exceeds the limit of {max_bytes}")
     left = deadline - time.monotonic()
     if left <= 0:
         raise _DeadlinePassed("deadline passed")
     with socket.create_connection((host, port), timeout=left) as sock:
+        greeting = parse_greeting(_recv_exact(sock, GREETING_BYTES, deadline), where)
+        data, nonce = make_request(greeting, msg["op"], body, auth)
         _send_all(sock, data, deadline)
-        tag, body = _recv_frame(sock, deadline, max_bytes)
+        tag, reply = _recv_frame(sock, deadline, max_bytes)
+    return _check_reply(where, nonce.hex(), tag, reply, auth)
+
+
+def _check_reply(where: str, nonce: str, tag: bytes, body: bytes, auth: Auth) -> dict[str, Any]:
+    """The decoded reply if it is tagged for ``nonce`` and says ``ok``; a typed error otherwise."""
     if not auth.check("sidechannel", tag, b"rep" + nonce.encode(), body):
         try:
-            said = decode(body).get("error")
+            said = decode(body)
         except ProtocolError:
-            said = None
-        raise AuthenticationError(
-            f"{where} {'refused us: ' + repr(said) if said else 'sent a reply without a valid tag'} (do both sides "
-            "have the same secret?)",
-            stage="sidechannel",
-            peer=where,
+            said = {}
+        if said.get("auth") is False or not said.get("error"):
+            text = (
+                "refused us: " + repr(said.get("error"))
+                if said.get("error")
+                else "sent a reply without a valid tag"
+            )
+            raise AuthenticationError(
+                f"{where} {text} (do both sides have the same secret?)", stage="sidechannel", peer=where
+            )
+        raise ProtocolError(
+            f"{where} refused the request: {said.get('error')!r}", stage="sidechannel", peer=where
         )
     reply = decode(body)
-    if reply.get("auth") is False:
+    if reply.get("auth") is False:  # (a client in the insecure mode accepts any tag)
         raise AuthenticationError(
             f"{where} refused us: {reply.get('error')!r} (do both sides have the same secret?)",
             stage="sidechannel",
@@ -644,6 +867,13 @@ def _request(
     if reply.get("nonce") != nonce:
         raise AuthenticationError(
             f"{where} answered another request (nonce mismatch)", stage="sidechannel", peer=where
+        )
+    if isinstance(reply.get("refused"), str):
+        raise ReplayError(
+            f"{where} refused the request as not fresh: {reply.get('error')!r}",
+            stage="sidechannel",
+            peer=where,
+            field=reply["refused"],
         )
     if reply.get("ok") is not True:
         raise ProtocolError(

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvgeom_nixl import Auth, TransportConfig
-from kvgeom_nixl.sidechannel import _dumps, _frame, _recv_frame, decode
+from kvgeom_nixl.sidechannel import _dumps, _frame, decode
+from kvgeom_nixl.wire import serve_request
 
 from kvgeom import AttentionSpec, GeometryCard, ModelSpec
 from kvgeom.engine import EngineConfig
@@ -81,8 +82,7 @@ class ReplyServer:
                 continue
             with conn:
                 try:
-                    _, body = _recv_frame(conn, time.monotonic() + 2.0, 64 << 20)
-                    req = decode(body)
+                    req = read_request(conn, time.monotonic() + 2.0)
                     out = self.reply(req)
                     bind = b"rep" + str(req.get("nonce", "")).encode()
                     conn.settimeout(5.0)
@@ -100,6 +100,13 @@ class ReplyServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_request(conn: socket.socket, deadline: float) -> dict:
+    """One request on a hand-made server (greeting sent, nothing checked): its body with ``op`` and
+    ``nonce`` (hex) added, as the replies here need them."""
+    _, pre, body = serve_request(conn, deadline, 64 << 20)
+    return dict(decode(body) if body else {}, op=pre.op, nonce=pre.nonce_hex)
 
 
 def payload_reply(payload: Any, auth: Auth = AUTH, seal: bool = True) -> Callable[[dict], bytes]:

@@ -13,17 +13,28 @@ import pytest
 from kvgeom_nixl import (
     AdapterError,
     Auth,
+    AuthenticationError,
     HandshakeTimeout,
     PeerGone,
     ProtocolError,
+    ReplayError,
     SideChannelServer,
     StaleMetadata,
     check_generation,
     fetch,
     make_payload,
     query_generation,
+    seal_payload,
 )
-from kvgeom_nixl.sidechannel import MAX_MESSAGE_BYTES, decode, encode
+from kvgeom_nixl.sidechannel import MAX_MESSAGE_BYTES, _check_reply, _dumps, _recv_frame, decode, encode
+from kvgeom_nixl.wire import (
+    GREETING_BYTES,
+    PREAMBLE_BYTES,
+    make_request,
+    parse_greeting,
+    parse_preamble,
+    serve_request,
+)
 
 HOST = "127.0.0.1"
 AUTH = Auth(b"side-channel-test-secret-0123")
@@ -180,14 +191,17 @@ def test_bad_replies_are_protocol_errors():
     lsock.bind((HOST, 0))
     lsock.listen(8)
     port = lsock.getsockname()[1]
-    replies = [b"\x00\x00\x00\x03abc", (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big")]
+    replies = [b"\x00\x00\x00\x03abc", (MAX_MESSAGE_BYTES + 1).to_bytes(4, "big"), None]
 
     def serve() -> None:
         for r in replies:
             c, _ = lsock.accept()
-            c.recv(65536)
-            c.sendall(r)
-            c.close()
+            with c:
+                if r is None:  # not a greeting of this protocol
+                    c.sendall(b"\x00" * GREETING_BYTES)
+                    continue
+                serve_request(c, time.monotonic() + 2, 1 << 20)
+                c.sendall(r)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
@@ -200,29 +214,35 @@ def test_bad_replies_are_protocol_errors():
         lsock.close()
 
 
-def _raw(port: int, msg: dict, auth: Auth = AUTH) -> dict:
-    """One hand-made request (fresh nonce and timestamp unless given); the decoded reply."""
-    msg = {"v": 2, "nonce": os.urandom(16).hex(), "ts": time.time(), **msg}
+def _raw(port: int, op: str, body: dict | None = None, auth: Auth = AUTH, **kw) -> dict:
+    """One hand-made request (``kw``: ``nonce``, ``ts``); the decoded reply."""
     with socket.create_connection((HOST, port), timeout=2) as s:
-        s.sendall(encode(msg, auth))
-        head = s.recv(4, socket.MSG_WAITALL)
-        body = s.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
-    return decode(body[32:])
+        greeting = parse_greeting(s.recv(GREETING_BYTES, socket.MSG_WAITALL))
+        data, _ = make_request(greeting, op, _dumps(body) if body is not None else b"", auth, **kw)
+        s.sendall(data)
+        _, reply = _recv_frame(s, time.monotonic() + 2, 1 << 20)
+    return decode(reply)
 
 
-def test_server_refuses_unknown_ops_and_versions():
+def test_server_refuses_bad_requests_and_stays_up():
     with SideChannelServer(HOST, 0, _payload(), auth=AUTH) as server:
-        for msg in (
-            {"op": "nope"},
-            {"v": 99, "op": "get"},
-            {"op": "exchange", "payload": 3},
-            {"op": "get", "ts": time.time() - 3600},
+        for op, body, kw in (
+            ("exchange", {"payload": 3}, {}),
+            ("get", None, {"ts": time.time() - 3600}),
         ):
-            reply = _raw(server.port, msg)
-            assert reply["ok"] is False and reply["error"], msg
+            reply = _raw(server.port, op, body, **kw)
+            assert reply["ok"] is False and reply["error"], (op, kw)
+        assert server.refusals[-1].field == "ts"
         # a client that sends garbage and hangs up does not disturb the server
         with socket.create_connection((HOST, server.port), timeout=2) as s:
             s.sendall(b"\xff\xff")
+        with socket.create_connection((HOST, server.port), timeout=2) as s:  # a v2 request: not a preamble
+            s.recv(GREETING_BYTES, socket.MSG_WAITALL)
+            s.sendall(
+                encode({"v": 2, "op": "get", "nonce": os.urandom(16).hex(), "ts": time.time()}, AUTH) * 2
+            )
+            s.settimeout(2)
+            assert decode(_recv_frame(s, time.monotonic() + 2, 1 << 20)[1])["ok"] is False
         assert query_generation(HOST, server.port, auth=AUTH) == 1
 
 
@@ -237,3 +257,83 @@ def test_server_rejects_bad_payloads():
         assert server.generation == 1
         with pytest.raises(HandshakeTimeout):
             server.wait_peer("nobody", timeout_s=0.1)
+
+
+# ------------------------------------------------------------------------------ replays (issue 22, finding 2)
+def _capture(port: int, op: str, body: dict | None = None) -> tuple[bytes, dict]:
+    """A genuine request to ``port`` as it went on the wire, and the reply it got."""
+    with socket.create_connection((HOST, port), timeout=2) as s:
+        greeting = parse_greeting(s.recv(GREETING_BYTES, socket.MSG_WAITALL))
+        data, _ = make_request(greeting, op, _dumps(body) if body is not None else b"", AUTH)
+        s.sendall(data)
+        _, reply = _recv_frame(s, time.monotonic() + 2, 1 << 20)
+    return data, decode(reply)
+
+
+def _replay(port: int, data: bytes) -> tuple[bytes, bytes]:
+    """Send captured bytes to ``port`` (after its greeting); the reply's ``(tag, body)``."""
+    with socket.create_connection((HOST, port), timeout=2) as s:
+        s.recv(GREETING_BYTES, socket.MSG_WAITALL)
+        s.sendall(data)
+        return _recv_frame(s, time.monotonic() + 2, 1 << 20)
+
+
+def _refused(port: int, data: bytes, field: str) -> ReplayError:
+    """Replay ``data`` to ``port``; the reply must refuse it for ``field``, as the client reads it too."""
+    tag, body = _replay(port, data)
+    nonce = parse_preamble(data[:PREAMBLE_BYTES]).nonce_hex
+    with pytest.raises(ReplayError) as ei:
+        _check_reply(f"{HOST}:{port}", nonce, tag, body, AUTH)
+    assert ei.value.field == field and decode(body)["refused"] == field
+    return ei.value
+
+
+def test_request_replayed_to_another_server_sharing_the_secret_is_refused():
+    """Issue 22, finding 2: a captured ``exchange`` (or ``generation``) request, refused by the server it
+    was sent to, was accepted by another server with the same secret, which kept the stale payload as a
+    peer. The tag now covers the destination (the server's incarnation and the connection's challenge)."""
+    mine = _payload("D", gen=4, md=b"decode-md")
+    with (
+        SideChannelServer(HOST, 0, _payload("A"), auth=AUTH) as a,
+        SideChannelServer(HOST, 0, _payload("B"), auth=AUTH) as b,
+    ):
+        exchange, reply = _capture(a.port, "exchange", {"payload": seal_payload(mine, AUTH)})
+        generation, gen_reply = _capture(a.port, "generation")
+        assert reply["ok"] is True and gen_reply["generation"] == 1 and set(a.peers()) == {"D"}
+        for data in (exchange, generation):
+            _refused(b.port, data, "incarnation")
+            _refused(a.port, data, "challenge")  # and to the same server, on a new connection
+        assert b.peers() == {} and set(a.peers()) == {"D"}
+        err = b.refusals[-1]
+        assert isinstance(err, ReplayError) and isinstance(err, AuthenticationError)
+        assert (err.field, err.expected, err.seen) == (
+            "incarnation",
+            b.incarnation.hex(),
+            a.incarnation.hex(),
+        )
+        assert (b.stats["refused_replay"], a.stats["refused_replay"], b.stats["served"]) == (2, 2, 0)
+
+
+def test_request_captured_before_a_restart_is_refused_after_it():
+    """Issue 22, finding 2: the used-nonce set lives in the process, so a server restarted on the same
+    port (an empty set, inside the 60 s window) accepted a request captured before. A new server has a
+    new incarnation: everything made for the old one is refused, whatever its nonce set holds."""
+    old = SideChannelServer(HOST, 0, _payload("P"), auth=AUTH).start()
+    port = old.port
+    try:
+        exchange, reply = _capture(port, "exchange", {"payload": seal_payload(_payload("D"), AUTH)})
+        generation, _ = _capture(port, "generation")
+        assert reply["ok"] is True
+    finally:
+        old.close()
+    with SideChannelServer(HOST, port, _payload("P", gen=2), auth=AUTH) as new:
+        assert new.incarnation != old.incarnation and new.started >= old.started
+        for data in (exchange, generation):
+            err = _refused(port, data, "incarnation")
+        assert new.peers() == {} and new.stats["served"] == 0 and new.stats["refused_replay"] == 2
+        assert (new.refusals[-1].expected, new.refusals[-1].seen) == (
+            new.incarnation.hex(),
+            old.incarnation.hex(),
+        )
+        assert query_generation(HOST, port, auth=AUTH) == 2  # a fresh request is served
+    assert err.stage == "sidechannel"

@@ -16,7 +16,9 @@ from .errors import (
     HandshakeTimeout,
     NotifTimeout,
     PeerGone,
+    PeerUnknown,
     ProtocolError,
+    QuarantinedBlockError,
     StaleMetadata,
     TransferError,
 )
@@ -67,6 +69,8 @@ __all__ = [
     "TransferError",
     "NotifTimeout",
     "PeerGone",
+    "PeerUnknown",
+    "QuarantinedBlockError",
     "StaleMetadata",
     "DiscoveryError",
 ]

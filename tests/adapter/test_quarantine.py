@@ -136,10 +136,48 @@ def test_a_full_server_and_a_silent_one_are_unknown():
         silent.close()
 
 
+_NO_ROUTE = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from kvgeom_nixl import Auth, PeerGone, PeerUnknown, query_generation
+t0 = time.monotonic()
+try:
+    query_generation("10.77.9.9", 7000, timeout_s=2.0, auth=Auth(b"k" * 32))
+except PeerUnknown as e:
+    print("unknown", e.status, time.monotonic() - t0)
+except PeerGone as e:
+    print("gone", e.status, time.monotonic() - t0)
+"""
+
+
+def test_a_real_unreachable_route_is_unknown():
+    """In a fresh network namespace (``unshare -n``: no interface up, so no packet leaves) every route is
+    unreachable: ``connect`` fails with ENETUNREACH in about a millisecond. Before: PeerGone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    adapters = str(Path(__file__).resolve().parents[2] / "adapters")
+    try:
+        run = subprocess.run(
+            ["unshare", "-n", sys.executable, "-c", _NO_ROUTE, adapters],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"unshare -n unavailable: {e}")
+    if run.returncode != 0 and "unshare" in run.stderr:
+        pytest.skip(f"unshare -n not permitted here: {run.stderr.strip()[:200]}")
+    verdict, status, seconds = run.stdout.split()
+    assert (verdict, status) == ("unknown", "ENETUNREACH"), run.stdout + run.stderr
+    assert float(seconds) < 1.0
+
+
 @pytest.mark.parametrize("code", [errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNABORTED])
 def test_an_unreachable_route_is_unknown(monkeypatch, code):
-    """No traffic leaves loopback here: the route error is what ``connect`` would raise on a host whose
-    route to the peer is gone (measured: ENETUNREACH within 1 ms)."""
+    """The route errors ``connect`` raises on a host whose route to the peer is gone, raised here
+    without any traffic (the real one: above)."""
 
     def unreachable(*_a, **_k):
         raise OSError(code, "simulated route failure")

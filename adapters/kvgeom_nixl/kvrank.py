@@ -13,7 +13,10 @@ authenticated side channel, and then:
   request's own blocks, checks the peers' metadata generation, posts one transfer per source rank and
   waits, bounded. Each call is one *attempt* of the request (``(request id, attempt)`` is its token,
   carried by every notification); a failed attempt's blocks are zeroed and *quarantined*
-  (:mod:`~kvgeom_nixl.fence`) until nothing can write them any more: :meth:`KVRank.settle` returns them;
+  (:mod:`~kvgeom_nixl.fence`) until nothing can write them any more: :meth:`KVRank.settle` returns them
+  (a writer is gone only on positive evidence: NIXL's disconnect or a refused side channel; past
+  ``quarantine_bound_s`` an attempt is retired and reported, :meth:`KVRank.retired`), and the calls that
+  take ids refuse quarantined ones (:class:`~kvgeom_nixl.errors.QuarantinedBlockError`);
 * ``wait_received(...)`` (D in push) — waits for the authenticated ``W`` notice of exactly this attempt
   from every producer rank that writes to it; ``wait_released(...)`` (P in pull) — for the consumers'
   ``D`` (done) notices.

@@ -1018,8 +1018,9 @@ class KVRank:
         raise QuarantinedBlockError(
             name,
             f"block id(s) {hit[:16]}{' ...' if len(hit) > 16 else ''} are {state} by attempt "
-            f"{held.token[1]} of request {held.token[0]!r} (a transfer may still write them); use them "
-            "only once settle() returns them",
+            f"{held.token[1]} of request {held.token[0]!r} "
+            + ("(a transfer may still write them)" if held.open else "(nothing writes them any more)")
+            + "; use them only once settle() returns them",
             ids=hit,
             held_by=held.token,
             retired=held.retired,

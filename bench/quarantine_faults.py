@@ -84,7 +84,13 @@ def flood() -> dict:
     ]
     faults = {
         "busy": {"engine": "prefill", "at": "r1", "seconds": T + 3.0},
-        "flood": {"engine": "prefill", "at": "r1", "seconds": T + 6.0, "connections": 40},
+        "flood": {
+            "engine": "prefill",
+            "at": "r1",
+            "seconds": T + 6.0,
+            "connections": 40,
+            "max_connects": 60000,
+        },
     }
     out = run_cluster(_spec(reqs, faults, linger_s=2.0), timeout_s=150)
     return _rows(out, {("r1", 1)}, {("r2", 1)}) | {"flood": out["results"]["flood"]}

@@ -154,7 +154,13 @@ def test_push_a_connection_flood_on_the_live_producer_never_releases_its_blocks(
     ]
     faults = {
         "busy": {"engine": "prefill", "at": "r1", "seconds": T + 3.0},
-        "flood": {"engine": "prefill", "at": "r1", "seconds": T + 6.0, "connections": 40},
+        "flood": {
+            "engine": "prefill",
+            "at": "r1",
+            "seconds": T + 6.0,
+            "connections": 40,
+            "max_connects": 60000,
+        },
     }
     out = _run("push", reqs, faults, linger_s=2.0)
     a = _by_attempt(out)

@@ -16,7 +16,9 @@ from .errors import (
     HandshakeTimeout,
     NotifTimeout,
     PeerGone,
+    PeerUnknown,
     ProtocolError,
+    QuarantinedBlockError,
     ReplayError,
     StaleMetadata,
     TransferError,
@@ -69,6 +71,8 @@ __all__ = [
     "TransferError",
     "NotifTimeout",
     "PeerGone",
+    "PeerUnknown",
+    "QuarantinedBlockError",
     "StaleMetadata",
     "DiscoveryError",
 ]

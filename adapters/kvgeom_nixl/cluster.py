@@ -75,6 +75,9 @@ FAULTS = {
     "net": "a list of {at, attempt, when: before | after_post, delay_s, do, undo, seconds}: the scheduler runs "
     "actions[do]() `delay_s` after attempt `attempt` of request `at` is sent (after_post: after D starts "
     "it) and actions[undo]() `seconds` later",
+    "flood": "a process without the secret holds `connections` (default 40) TCP connections to every side channel "
+    "of engine `engine` (loopback only) from attempt `attempt` (default 1) of request `at` on, for `seconds`, "
+    "reopening each one the server closes (at most `max_connects` connects in all)",
     "readdress": "{engine, after, action}: once request `after` is done, actions[action]() gives engine's host a "
     "new address (returned) and the engine's ranks rebind to it; with side-channel discovery D "
     "learns the new addresses only after the next attempt (as from an orchestrator)",
@@ -390,14 +393,14 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
             for e in spec.get("prefill_engines", ["prefill"]):
                 kv.watch(e, None if _etcd(spec) else ports[e])
         rows: list[dict] = []
+        retired: set[tuple[str, int]] = set()
         last_settle = 0.0
         deadline = time.monotonic() + 20 * STEP_S
         while time.monotonic() < deadline:
             now = time.monotonic()
             if now - last_settle > 0.02:
                 last_settle = now
-                for s in kv.settle():
-                    events.put(("settled", "decode", rank, (s.request_id, s.attempt, s.held_s, s.cleared_by)))
+                _settle(kv, events, rank, retired)
             msg = _poll_inbox(inbox, 0.005)
             if msg is None:
                 continue
@@ -413,10 +416,7 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                         kv.tensors, card, space, data["d_ids"], data["tokens"], data["salt"]
                     )
                 rows.append(row)
-                for st in kv.settle():  # before "done": the scheduler reuses what is settled at once
-                    events.put(
-                        ("settled", "decode", rank, (st.request_id, st.attempt, st.held_s, st.cleared_by))
-                    )
+                _settle(kv, events, rank, retired)  # before "done": the scheduler reuses it at once
                 events.put(("done", "decode", rank, row))
             elif cmd == "drop":  # a request failed on another rank: its blocks are invalid here too
                 kv.invalidate(data)
@@ -432,10 +432,7 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                 while time.monotonic() < t_fin + drain_s and (
                     kv.quarantined() or time.monotonic() < t_fin + linger_s
                 ):
-                    for s in kv.settle():
-                        events.put(
-                            ("settled", "decode", rank, (s.request_id, s.attempt, s.held_s, s.cleared_by))
-                        )
+                    _settle(kv, events, rank, retired)
                     time.sleep(0.01)
                 events.put(("finished", "decode", rank, [h.token for h in kv.quarantined()]))
             elif cmd == "verify":
@@ -460,6 +457,18 @@ def _consumer_main(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
                     "sidechannel": dict(kv.server.stats),
                 }
         raise TimeoutError("consumer: no verify command in time")
+
+
+def _settle(kv: KVRank, events: Any, rank: int, retired: set[tuple[str, int]]) -> None:
+    """``kv.settle()``; each settled attempt and each newly retired one (past the quarantine bound) is
+    reported to the scheduler."""
+    for s in kv.settle():
+        events.put(("settled", "decode", rank, (s.request_id, s.attempt, s.held_s, s.cleared_by)))
+    for h in kv.retired():
+        if h.token not in retired:
+            retired.add(h.token)
+            data = (h.token[0], h.token[1], h.retired_at - h.since, h.ids, time.time())
+            events.put(("retired", "decode", rank, data))
 
 
 def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict | None) -> dict:
@@ -574,6 +583,64 @@ def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------------------- flood
+def _flood_main(spec: dict, events: Any, inbox: Any) -> dict:
+    """A process without the secret that only opens and holds TCP connections to one engine's side
+    channels (the ``flood`` fault): bounded in connections, connects and time; loopback only."""
+    ports = _wait_ports(inbox)
+    out = {"connects": 0, "closed_by_server": 0, "connect_errors": 0, "seconds": 0.0}
+    cmd, f = inbox.get(timeout=10 * STEP_S)
+    if cmd != "flood":
+        return out
+    addrs = [tuple(a) for a in ports[f["engine"]].values()]
+    if any(not str(h).startswith("127.") for h, _ in addrs):
+        raise ValueError(f"flood: loopback side channels only, got {addrs}")
+    socks: dict[Any, tuple] = {}
+    t0 = time.monotonic()
+    end, cap = t0 + float(f["seconds"]), int(f.get("max_connects", 20000))
+    try:
+        _flood_fill(socks, addrs, int(f.get("connections", 40)), cap, out)
+        events.put(("flooding", "flood", 0, len(socks)))
+        while time.monotonic() < end:
+            _flood_reap(socks, out)
+            _flood_fill(socks, addrs, int(f.get("connections", 40)), cap, out)
+    finally:
+        for sock in socks:
+            sock.close()
+    out["seconds"] = time.monotonic() - t0
+    _poll_inbox(inbox, 10 * STEP_S)  # the scheduler says when to go (a rank ending early is a failure)
+    return out
+
+
+def _flood_fill(socks: dict, addrs: list[tuple], per: int, cap: int, out: dict) -> None:
+    import socket
+
+    for addr in addrs:
+        for _ in range(per - sum(a == addr for a in socks.values())):
+            if out["connects"] >= cap:
+                return
+            out["connects"] += 1
+            try:
+                socks[socket.create_connection(addr, timeout=0.5)] = addr
+            except OSError:
+                out["connect_errors"] += 1
+
+
+def _flood_reap(socks: dict, out: dict) -> None:
+    """Close (and forget) every held connection the server has closed."""
+    import select
+
+    for sock in select.select(list(socks), [], [], 0.005)[0]:
+        try:
+            data = sock.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            out["closed_by_server"] += 1
+            del socks[sock]
+            sock.close()
+
+
 # ----------------------------------------------------------------------------------------- parent
 class _Scheduler:
     def __init__(
@@ -593,6 +660,8 @@ class _Scheduler:
         self.timers: list[tuple[float, Callable[[], None]]] = []
         self.settled: dict[tuple[str, int], set[int]] = {}
         self.settle_log: list[tuple] = []
+        self.retire_log: list[tuple] = []  # (rank, request id, attempt, held s, ids, wall time)
+        self.signal_log: list[tuple[float, str, int]] = []  # (wall time, engine, signal)
         self.pushed: list[dict] = []
         self.killed: set[str] = set()
         self.leaks: dict[tuple[str, int], dict] = {}
@@ -628,6 +697,8 @@ class _Scheduler:
             if kind == "settled":
                 self.settled.setdefault((data[0], data[1]), set()).add(rank)
                 self.settle_log.append((rank, *data))
+            elif kind == "retired":
+                self.retire_log.append((rank, *data))
             elif kind == "pushed":
                 self.pushed.append(dict(data, engine=engine, rank=rank))
             elif kind == "leak":
@@ -683,6 +754,7 @@ class _Scheduler:
                 and proc.is_alive()
             ):
                 os.kill(proc.pid, sig)
+                self.signal_log.append((time.time(), engine, int(sig)))
 
 
 def run_cluster(
@@ -718,6 +790,9 @@ def run_cluster(
             group.spawn(
                 _rogue_main, (spec, events, inboxes[("rogue", 0)]), "rogue", netns=_netns(spec, "rogue")
             )
+        if "flood" in faults:
+            inboxes[("flood", 0)] = group.queue()
+            group.spawn(_flood_main, (spec, events, inboxes[("flood", 0)]), "flood")
         s = _Scheduler(spec, group, events, inboxes, progress, time.monotonic() + timeout_s, actions)
         ports: dict[str, dict[int, int]] = {}
         while sum(len(v) for v in ports.values()) < len(names):
@@ -737,13 +812,16 @@ def run_cluster(
         for n in names:
             if n[0] != "decode" and n[0] not in s.killed:
                 inboxes[n].put(("exit", None))
-        if "rogue" in faults:
-            inboxes[("rogue", 0)].put(("exit", None))
+        for extra in ("rogue", "flood"):
+            if extra in faults:
+                inboxes[(extra, 0)].put(("exit", None))
         results = group.collect(max(1.0, s.deadline - time.monotonic()))
     return {
         "spec": spec,
         "attempts": attempts,
         "settled": s.settle_log,
+        "retired": s.retire_log,
+        "signals": s.signal_log,
         "pushed": s.pushed,
         "actions": [(t, name, out) for t, name, out in s.action_log],
         "results": {
@@ -882,6 +960,10 @@ def _before(s: _Scheduler, faults: dict, rid: str, attempt: int, engine: str) ->
         for n in s.inboxes:
             if n[0] == busy["engine"] and busy.get("rank", n[1]) == n[1]:
                 s.inboxes[n].put(("busy", float(busy["seconds"])))
+    flood = faults.get("flood")
+    if flood and _hits(flood, rid, attempt):
+        s.inboxes[("flood", 0)].put(("flood", flood))
+        s.expect("flooding", 1)
     rogue = faults.get("rogue")
     if rogue and _hits(rogue, rid, attempt):
         s.inboxes[("rogue", 0)].put(("forge", {"id": rid, "attempt": attempt, "engine": engine}))

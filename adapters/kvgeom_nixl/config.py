@@ -95,6 +95,13 @@ class TransportConfig:
     ``0.0.0.0``, or for an :class:`~kvgeom_nixl.agent.Endpoint` made without a host). ``"all"``: UCX's
     default, every usable interface (NIXL 1.5.1 then listens on the external interface too, even in a
     loopback run). Anything else is a UCX device list used as given (``eth0``, ``mlx5_0:1``)."""
+    quarantine_bound_s: float = 60.0
+    """How long a failed attempt's blocks may stay quarantined before they are **retired**: reported
+    (a ``WARNING`` log line naming the request, the ids and the writers it still waits for;
+    ``KVRank.retired()``; ``stats["retired"]`` / ``stats["retired_blocks"]``) and kept out of the pool.
+    Retiring hands nothing back: no step is known on NIXL/UCX that stops a live writer's late bytes
+    (docs/reliability.md), so a retired entry is returned by ``settle()`` only on the same positive
+    evidence as any other (the writer's notice, the transfer's end, the writer's death)."""
 
     discovery: str = "sidechannel"
     """How a rank finds its peers' handshake payloads: ``"sidechannel"`` (ask each peer rank's side channel,
@@ -158,7 +165,7 @@ class TransportConfig:
             if not v >= 0:
                 raise ValueError(f"{f}: must be >= 0, got {v!r}")
             object.__setattr__(self, f, v)
-        for f in ("peer_payload_ttl_s", "replay_window_s", "notif_ttl_s"):
+        for f in ("peer_payload_ttl_s", "replay_window_s", "notif_ttl_s", "quarantine_bound_s"):
             v = float(getattr(self, f))
             if not v > 0:
                 raise ValueError(f"{f}: must be > 0, got {v!r}")

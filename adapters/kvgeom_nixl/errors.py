@@ -8,9 +8,12 @@ callers can decide to retry, re-handshake or give up without parsing messages.
 
 from __future__ import annotations
 
+from kvgeom.errors import BlockIdError
+
 __all__ = [
     "AdapterError",
     "HandshakeTimeout",
+    "PeerUnknown",
     "ProtocolError",
     "AuthenticationError",
     "ReplayError",
@@ -19,6 +22,7 @@ __all__ = [
     "PeerGone",
     "StaleMetadata",
     "DiscoveryError",
+    "QuarantinedBlockError",
 ]
 
 
@@ -48,6 +52,13 @@ class AdapterError(RuntimeError):
 
 class HandshakeTimeout(AdapterError):
     """A peer's side channel did not answer (refused, silent or too slow) before the deadline."""
+
+
+class PeerUnknown(HandshakeTimeout):
+    """A peer's side channel did not answer, and that is no evidence that its process is gone: the
+    connection was reset or closed before a reply (a busy or flooded server closes connections at
+    accept), it timed out, or the route is unreachable. Only a refused connection is
+    :class:`PeerGone`. A :class:`HandshakeTimeout`, so that code waiting for an answer treats both alike."""
 
 
 class ProtocolError(AdapterError):
@@ -86,8 +97,9 @@ class NotifTimeout(TransferError):
 
 
 class PeerGone(TransferError):
-    """The peer is no longer reachable: NIXL reports a remote disconnect, or the peer's side channel
-    refuses connections after a successful handshake (the process has exited). A
+    """The peer is gone, on positive evidence only: NIXL reports a remote disconnect, or the peer's side
+    channel refuses the connection (``ECONNREFUSED``: nothing listens on its port any more, the process
+    has exited). A reset, an EOF, a timeout or an unreachable route is :class:`PeerUnknown`. A
     :class:`TransferError`, so that ``except TransferError`` covers everything a transfer can raise."""
 
 
@@ -104,3 +116,11 @@ class StaleMetadata(AdapterError):
 class DiscoveryError(AdapterError):
     """The discovery service (etcd) could not be reached, or refused a request, before the deadline.
     Nothing read from it was used."""
+
+
+class QuarantinedBlockError(BlockIdError):
+    """Block ids given to a call are quarantined (or retired) by a failed attempt whose transfers may
+    still write them: the caller's scheduler must not hand them to a request before
+    :meth:`~kvgeom_nixl.kvrank.KVRank.settle` returns them. A :class:`~kvgeom.errors.BlockIdError` (a
+    ``ValueError``: bad input). ``field`` names the argument; ``values`` carry ``ids`` (the offending
+    ids), ``held_by`` (the attempt's ``(request id, attempt)``) and ``retired``."""

@@ -8,7 +8,15 @@ removing the producer's metadata). So the only safe rule is: a block that a tran
 write is never handed to another request. A :class:`Held` entry names the blocks, our own transfers that
 may still write them (``transfers``: polled until they end) and the peers whose WRITE may still land
 (``writers``: cleared by that peer's authenticated notice for this very attempt, its ``A``bort notice,
-or its death). The blocks are zeroed again and returned by :meth:`Fence.ready` once both are empty.
+or its death: a refused side channel or a NIXL disconnect, never a reset, an EOF or a timeout). The
+blocks are zeroed again and returned by :meth:`Fence.ready` once both are empty.
+
+No step is known on NIXL/UCX here that makes a late byte impossible while the writer lives, so the
+quarantine's *time* bound (``TransportConfig.quarantine_bound_s``) cannot hand blocks back: an entry held
+longer is **retired** (:meth:`Fence.retire`): reported once, counted, and kept out of the pool. A retired
+entry still comes back through :meth:`Fence.ready` on the same positive evidence as any other (its
+writer's notice, its transfers' end, its writer's death), never on time alone. :meth:`Fence.owner` is
+the guard where ids enter: an id held here belongs to the attempt that holds it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,15 @@ class Held:
     reason: str = ""
     since: float = field(default_factory=time.monotonic)
     cleared_by: list[str] = field(default_factory=list)
+    retired_at: float | None = None  # monotonic time the entry passed the quarantine bound
+
+    @property
+    def retired(self) -> bool:
+        return self.retired_at is not None
+
+    @property
+    def blocks(self) -> int:
+        return len({b for g in self.ids for b in g})
 
     @property
     def open(self) -> bool:
@@ -98,8 +115,31 @@ class Fence:
         done = [t for t, e in self._held.items() if not e.open]
         return [self._held.pop(t) for t in done]
 
+    def retire(self, bound_s: float, now: float | None = None) -> list[Held]:
+        """Mark every entry held longer than ``bound_s`` retired; return the newly retired ones. Retiring
+        frees nothing: the entry stays until positive evidence clears it (see the module docstring)."""
+        now = time.monotonic() if now is None else now
+        out = [e for e in self._held.values() if not e.retired and now - e.since >= bound_s]
+        for e in out:
+            e.retired_at = now
+        return out
+
+    def owner(self, ids: Any) -> tuple[Held, list[int]] | None:
+        """The first entry holding any of ``ids`` (one id list per group), with the ids it holds."""
+        wanted = _flat(ids)
+        if not wanted:
+            return None
+        for entry in self._held.values():
+            hit = sorted(wanted & {b for g in entry.ids for b in g})
+            if hit:
+                return entry, hit
+        return None
+
     def writers(self) -> set[tuple[str, int]]:
         return {w for e in self._held.values() for w in e.writers}
+
+    def retired(self) -> list[Held]:
+        return [e for e in self._held.values() if e.retired]
 
     def held(self) -> list[Held]:
         return list(self._held.values())
@@ -109,3 +149,12 @@ class Fence:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def _flat(ids: Any) -> set[int]:
+    """Every id of ``ids`` (one id list per group); an empty set for input that is not id lists (the
+    caller's own validation then names what is wrong with it)."""
+    try:
+        return {int(b) for g in ids for b in g}
+    except (TypeError, ValueError, OverflowError):
+        return set()

@@ -13,7 +13,10 @@ authenticated side channel, and then:
   request's own blocks, checks the peers' metadata generation, posts one transfer per source rank and
   waits, bounded. Each call is one *attempt* of the request (``(request id, attempt)`` is its token,
   carried by every notification); a failed attempt's blocks are zeroed and *quarantined*
-  (:mod:`~kvgeom_nixl.fence`) until nothing can write them any more: :meth:`KVRank.settle` returns them;
+  (:mod:`~kvgeom_nixl.fence`) until nothing can write them any more: :meth:`KVRank.settle` returns them
+  (a writer is gone only on positive evidence: NIXL's disconnect or a refused side channel; past
+  ``quarantine_bound_s`` an attempt is retired and reported, :meth:`KVRank.retired`), and the calls that
+  take ids refuse quarantined ones (:class:`~kvgeom_nixl.errors.QuarantinedBlockError`);
 * ``wait_received(...)`` (D in push) — waits for the authenticated ``W`` notice of exactly this attempt
   from every producer rank that writes to it; ``wait_released(...)`` (P in pull) — for the consumers'
   ``D`` (done) notices.
@@ -24,6 +27,7 @@ valid tag for its claimed sender and for us is dropped and counted (``stats["rej
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -49,7 +53,9 @@ from .errors import (
     HandshakeTimeout,
     NotifTimeout,
     PeerGone,
+    PeerUnknown,
     ProtocolError,
+    QuarantinedBlockError,
     TransferError,
 )
 from .fence import Fence, Held, Token
@@ -70,6 +76,7 @@ _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whethe
 _GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
 _ETCD_RETRY_S = 5.0  # after etcd failed a freshness check, peers' side channels are asked for this long
 MAX_REQUEST_ID = 1024  # a notice carries the request id and must fit MAX_NOTICE_BYTES
+log = logging.getLogger(__name__)
 
 
 def allocate(card: GeometryCard, device: str = "cpu") -> list[Any]:
@@ -219,6 +226,7 @@ class Settled:
     held_s: float
     cleared_by: tuple[str, ...]
     reason: str
+    retired: bool = False  # it had passed the quarantine bound (reported) before it cleared
 
 
 class _Bounded(OrderedDict):
@@ -295,6 +303,9 @@ class KVRank:
             "impersonations": 0,
             "notice_send_errors": 0,
             "etcd_fallbacks": 0,
+            "probes_unknown": 0,  # a writer's side channel did not answer: no evidence, kept holding
+            "retired": 0,  # attempts whose blocks passed quarantine_bound_s (ever)
+            "retired_blocks": 0,  # blocks retired now (out of the pool until positive evidence)
         }
         self._etcd_down_until = 0.0
         cap = self.config.max_pending_notifs
@@ -830,7 +841,7 @@ class KVRank:
         """A failed attempt: zero its blocks now and quarantine them until nothing can write them."""
         try:
             if zero:
-                self.invalidate(ids)
+                self._zero(ids)
             self.fence.hold(
                 token, ids, [x for x in posted if x.live], writers, f"{type(exc).__name__}: {exc}"
             )
@@ -854,7 +865,9 @@ class KVRank:
     ) -> RequestResult:
         """Read a request's blocks from the remote engine into ours, then regroup and zero, then tell
         every producer rank that we are done (``D`` notice). On any failure (whatever the exception)
-        the blocks are zeroed and quarantined, and the error is raised (bounded by ``timeout_s``)."""
+        the blocks are zeroed and quarantined, and the error is raised (bounded by ``timeout_s``).
+        Ids still quarantined are refused first (:class:`QuarantinedBlockError`)."""
+        self._check_free("local_ids", local_ids)
         attempt = self._attempt(request_id, attempt)
         posted: list[Transfer] = []
         try:
@@ -888,7 +901,9 @@ class KVRank:
         ``attempt`` (given by whoever asked for it; D waits for exactly that one). ``not_after`` (seconds
         since the epoch): past it, nothing is posted and every target gets an ``A`` notice. A WRITE that
         misses its deadline is never cancelled (cancelling would not stop its bytes, only its
-        notice): it stays fenced here and its ``W`` notice reaches D when it ends."""
+        notice): it stays fenced here and its ``W`` notice reaches D when it ends. Source ids that an
+        attempt of another request still holds are refused (:class:`QuarantinedBlockError`)."""
+        self._check_free("local_ids", local_ids, remote_request_id)
         attempt = self._attempt(remote_request_id, attempt)
         posted: list[Transfer] = []
         token = (remote_request_id, attempt)
@@ -936,7 +951,9 @@ class KVRank:
         every producer rank that writes to this rank, then apply kvgeom's post-receive step (vLLM never
         zeroes in push). An ``A`` notice, the deadline or any other failure zeroes the blocks and
         quarantines them until every writer that did not finish is cleared (its notice for this
-        attempt, even late, or its process gone)."""
+        attempt, even late, or its process gone). Ids still quarantined are refused first
+        (:class:`QuarantinedBlockError`)."""
+        self._check_free("local_ids", local_ids)
         t0 = time.monotonic()
         attempt = self._attempt(request_id, attempt)
         token = (request_id, attempt)
@@ -984,20 +1001,71 @@ class KVRank:
 
     def invalidate(self, ids) -> int:
         """Zero every block of a request on this rank (a failed receive must leave no partial or stale
-        bytes behind). Returns bytes zeroed."""
+        bytes behind). Returns bytes zeroed. Quarantined ids are refused (:class:`QuarantinedBlockError`):
+        the quarantine zeroes them itself when it returns them."""
+        self._check_free("ids", ids)
+        return self._zero(ids)
+
+    def _zero(self, ids) -> int:
         return _zero_rows(self.tensors, request_block_rows(self.card, ids))
+
+    def _check_free(self, name: str, ids, request_id: str | None = None) -> None:
+        """The guard where ids enter: none may be held by the quarantine (``request_id``: except by an
+        attempt of that same request, for a producer's source blocks)."""
+        found = self.fence.owner(ids)
+        if found is None or found[0].token[0] == request_id:
+            return
+        held, hit = found
+        state = "retired (past quarantine_bound_s)" if held.retired else "quarantined"
+        raise QuarantinedBlockError(
+            name,
+            f"block id(s) {hit[:16]}{' ...' if len(hit) > 16 else ''} are {state} by attempt "
+            f"{held.token[1]} of request {held.token[0]!r} "
+            + ("(a transfer may still write them)" if held.open else "(nothing writes them any more)")
+            + "; use them only once settle() returns them",
+            ids=hit,
+            held_by=held.token,
+            retired=held.retired,
+        )
 
     # -- quarantine ------------------------------------------------------------------------------------
     def settle(self) -> list[Settled]:
         """Drive the quarantine: take notices, poll our fenced transfers, ask silent writers' side
-        channels whether their process is alive; return the entries nothing can write any more, with
-        their blocks zeroed again (late bytes may have landed in them). Give those ids back to the pool;
-        never reuse a quarantined id before it comes back from here."""
+        channels whether their process is alive (only a refused connection says it is gone; a reset, an
+        EOF, a timeout or an unreachable route keeps holding); return the entries nothing can write any
+        more, with their blocks zeroed again (late bytes may have landed in them). Give those ids back to
+        the pool; never reuse a quarantined id before it comes back from here (the calls that take ids
+        refuse it). An entry held past ``quarantine_bound_s`` is retired (:meth:`retired`, logged once)."""
         self.drain()
         for x, (rid, attempt) in [a for a in self._aborts if not a[0].live]:
             if x.state != "DONE":  # ended in error: its W will never come, say so
                 self._send(x.peer, self._notice("A", rid, attempt, 1, x.peer))
         self._aborts = [a for a in self._aborts if a[0].live]
+        if self._probe_writers():  # bytes it sent before dying may still wait in our sockets
+            self.ep._drain(_GONE_DRAIN_S)
+        out = []
+        for held in self.fence.ready():
+            self._zero(held.ids)
+            if held.retired:
+                self.stats["retired_blocks"] -= held.blocks
+                log.warning("reclaimed retired blocks of %s: %s", held.token, ", ".join(held.cleared_by))
+            out.append(
+                Settled(
+                    held.token[0],
+                    held.token[1],
+                    held.ids,
+                    time.monotonic() - held.since,
+                    tuple(held.cleared_by),
+                    held.reason,
+                    held.retired,
+                )
+            )
+        self._retire()
+        return out
+
+    def _probe_writers(self) -> bool:
+        """Ask each silent writer's side channel (at most every ``_PROBE_EVERY_S``) whether its process is
+        alive; a refused connection (positive evidence) clears it. True if one was cleared."""
         now = time.monotonic()
         gone = False
         for w in self.fence.writers():
@@ -1007,26 +1075,41 @@ class KVRank:
             self._probed[w] = now
             try:
                 query_generation(addr[0], addr[1], timeout_s=0.25, auth=self.auth)
-            except PeerGone:  # refused: the process is gone (a stopped one still accepts)
+            except PeerGone:  # refused: nothing listens any more (a stopped process still accepts)
                 gone = self.fence.writer_gone(w) > 0 or gone
+            except PeerUnknown:  # reset, EOF, timeout, unreachable: no evidence, keep holding
+                self.stats["probes_unknown"] += 1
             except AdapterError:
                 pass
-        if gone:  # bytes it sent before dying may still wait in our sockets: let UCX apply them first
-            self.ep._drain(_GONE_DRAIN_S)
-        out = []
-        for held in self.fence.ready():
-            self.invalidate(held.ids)
-            out.append(
-                Settled(
-                    held.token[0],
-                    held.token[1],
-                    held.ids,
-                    time.monotonic() - held.since,
-                    tuple(held.cleared_by),
-                    held.reason,
-                )
+        return gone
+
+    def _retire(self) -> None:
+        """Report every entry that passed ``quarantine_bound_s`` (once): its blocks leave the pool."""
+        for held in self.fence.retire(self.config.quarantine_bound_s):
+            self.stats["retired"] += 1
+            self.stats["retired_blocks"] += held.blocks
+            waiting = sorted(f"{e}:{r}" for e, r in held.writers)
+            live = sum(x.live for x in held.transfers)
+            log.warning(
+                "retired %d block(s) of attempt %d of request %r after %.1fs in quarantine "
+                "(quarantine_bound_s=%.3g): waiting for writer(s) %s and %d live transfer(s) of ours; "
+                "they stay out of the pool until that writer's notice or death, or the transfers' end "
+                "(restart the writer, or this rank, to get them back); ids %s; failure: %s",
+                held.blocks,
+                held.token[1],
+                held.token[0],
+                held.retired_at - held.since,
+                self.config.quarantine_bound_s,
+                waiting or "none",
+                live,
+                held.ids,
+                held.reason,
             )
-        return out
+
+    def retired(self) -> list[Held]:
+        """Quarantined attempts that passed ``quarantine_bound_s``: their blocks are out of the pool
+        (reported once by a ``WARNING`` log line) until positive evidence clears them."""
+        return self.fence.retired()
 
     def quarantined(self) -> list[Held]:
         """Attempts whose blocks are still quarantined."""

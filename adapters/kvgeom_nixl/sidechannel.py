@@ -59,6 +59,7 @@ from .errors import (
     AuthenticationError,
     HandshakeTimeout,
     PeerGone,
+    PeerUnknown,
     ProtocolError,
     ReplayError,
     StaleMetadata,
@@ -939,21 +940,26 @@ def fetch(
 
 
 def query_generation(host: str, port: int, timeout_s: float = 2.0, *, auth: Auth) -> int:
-    """One cheap ``generation`` query, bounded as a whole by ``timeout_s``. A peer that refuses the
-    connection (its process is gone) raises :class:`PeerGone`; one that does not answer in time
-    :class:`HandshakeTimeout`."""
+    """One cheap ``generation`` query, bounded as a whole by ``timeout_s``. Only positive evidence of
+    death is :class:`PeerGone`: the connection refused (``ECONNREFUSED``: nothing listens on the port).
+    Anything else that leaves us without an answer (a reset or an EOF before the reply, which a flooded
+    server's accept-time close produces, a timeout, an unreachable route) is :class:`PeerUnknown`."""
     where = f"{host}:{port}"
     try:
         reply = _request(host, port, {"op": "generation"}, time.monotonic() + timeout_s, auth)
-    except TimeoutError:
-        raise HandshakeTimeout(
-            f"side channel {where} did not answer a generation query within {timeout_s:.3g}s",
+    except ConnectionRefusedError as e:
+        raise PeerGone(
+            f"side channel {where} refused the connection ({e}): its process is gone",
             stage="generation",
             peer=where,
         ) from None
-    except OSError as e:
-        raise PeerGone(
-            f"side channel {where} is gone ({type(e).__name__}: {e})", stage="generation", peer=where
+    except OSError as e:  # TimeoutError, ConnectionResetError, EOF, ENETUNREACH, ...: no evidence
+        raise PeerUnknown(
+            f"side channel {where} did not answer a generation query within {timeout_s:.3g}s "
+            f"({type(e).__name__}: {e}); its process may be alive",
+            stage="generation",
+            peer=where,
+            status=errno.errorcode.get(e.errno, None) if e.errno else None,
         ) from None
     gen = reply.get("generation")
     if isinstance(gen, bool) or not isinstance(gen, int):

@@ -11,6 +11,7 @@ pull test ~0.6 MB of wrong bytes in a request that had been verified)."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -137,3 +138,71 @@ def test_pull_over_tcp_a_partial_timeout_fences_the_late_read():
     producers = {k: v for k, v in out["results"].items() if k.startswith("prefill")}
     assert all("r1" not in v["released"] for v in producers.values())  # P keeps r1: D never said done
     assert time.monotonic() - t0 < 120
+
+
+def test_push_a_connection_flood_on_the_live_producer_never_releases_its_blocks():
+    """Issue 22 finding 1. ``prefill`` is alive, its side channel answers, but it is busy past the
+    timeout, so its WRITE of r1 lands late. Meanwhile a process without the secret only holds TCP
+    connections to ``prefill``'s side channels: the server closes the surplus at accept, so D's liveness
+    probes read a reset or an EOF. Before: that was PeerGone, D released r1's blocks within a second,
+    r2 got them, and the late WRITE damaged the verified r2 (~1.3 MB). Now a reset is no evidence: the
+    blocks stay held until the late ``W`` notices, and no byte lands outside r1's blocks."""
+    reqs = [
+        {"id": "r0", "tokens": 300, "engine": "prefill"},
+        {"id": "r1", "tokens": 900, "engine": "prefill"},
+        {"id": "r2", "tokens": 900, "engine": "backup"},
+        {"id": "r3", "tokens": 300, "engine": "backup", "delay_s": 5.0},  # past the late WRITE
+    ]
+    faults = {
+        "busy": {"engine": "prefill", "at": "r1", "seconds": T + 3.0},
+        "flood": {
+            "engine": "prefill",
+            "at": "r1",
+            "seconds": T + 6.0,
+            "connections": 40,
+            "max_connects": 60000,
+        },
+    }
+    out = _run("push", reqs, faults, linger_s=2.0)
+    a = _by_attempt(out)
+    assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r2", 1), ("r3", 1)], a
+    assert "NotifTimeout" in a[("r1", 1)]["errors"][0], a[("r1", 1)]
+    assert not _ids(a[("r1", 1)]) & _ids(a[("r2", 1)])  # handed out while the writer lived: never
+    settled = {(rid, att): (held, cleared) for _, rid, att, held, cleared in out["settled"]}
+    held, cleared = settled[("r1", 1)]
+    assert sorted(cleared) == ["prefill:0 late W", "prefill:1 late W"], cleared
+    d = _decode(out)
+    assert d["stats"]["probes_unknown"] >= 1, d["stats"]  # the flood did make probes fail
+    assert d["mismatches"] == [] and d["bad_bytes"] == 0 and d["skipped_bytes"] == 0, d["mismatches"][:3]
+    flood = out["results"]["flood"]
+    assert flood["closed_by_server"] >= 1 and flood["connects"] >= 80, flood
+
+
+def test_push_a_stopped_producer_past_the_bound_retires_its_blocks_and_d_serves_on():
+    """Issue 22 finding 3. ``prefill`` is SIGSTOPped with r1's WRITE not yet posted, long past the
+    quarantine bound (1.5 s here). D retires r1's blocks (reported while the producer is still stopped),
+    serves r2 from its remaining blocks meanwhile, and after SIGCONT the late WRITE lands only in the
+    retired blocks; its late ``W`` notices then return them, and r3 may reuse them safely."""
+    bound = 1.5
+    stop_s = T + bound + 4.0
+    reqs = [
+        {"id": "r0", "tokens": 300, "engine": "prefill"},
+        {"id": "r1", "tokens": 900, "engine": "prefill"},
+        {"id": "r2", "tokens": 900, "engine": "backup", "delay_s": bound + 1.0},  # after the retirement
+        {"id": "r3", "tokens": 900, "engine": "backup", "delay_s": 6.0},  # after SIGCONT
+    ]
+    faults = {"stop": {"engine": "prefill", "at": "r1", "seconds": stop_s}}
+    out = _run("push", reqs, faults, config=dict(CONFIG, quarantine_bound_s=bound), linger_s=2.0)
+    a = _by_attempt(out)
+    assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r2", 1), ("r3", 1)], a
+    assert "NotifTimeout" in a[("r1", 1)]["errors"][0]
+    [(_, rid, att, held_s, ids, t_retired)] = out["retired"]
+    assert (rid, att) == ("r1", 1) and bound <= held_s < bound + 3.0, out["retired"]
+    cont = [t for t, e, sig in out["signals"] if e == "prefill" and sig == signal.SIGCONT]
+    assert cont and t_retired < min(cont), (t_retired, out["signals"])  # retired while still stopped
+    assert not _ids(a[("r1", 1)]) & _ids(a[("r2", 1)])
+    settled = {(r, n): cleared for _, r, n, _, cleared in out["settled"]}
+    assert sorted(settled[("r1", 1)]) == ["prefill:0 late W", "prefill:1 late W"]
+    d = _decode(out)
+    assert d["stats"]["retired"] == 1 and d["stats"]["retired_blocks"] == 0, d["stats"]
+    assert d["mismatches"] == [] and d["bad_bytes"] == 0 and d["skipped_bytes"] == 0 and d["held"] == []

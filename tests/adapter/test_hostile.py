@@ -496,6 +496,8 @@ def test_duplicate_and_aliasing_block_ids_are_refused(ranks):
             with pytest.raises(BlockIdError, match="appears twice in group 0") as ei:
                 d.pull("prefill", local, remote, "dup", "dup", num_tokens=20)
             assert ei.value.field == where
+            # nothing was posted: the failed attempt's ids come back from the next settle()
+            assert [s.request_id for s in d.settle()] == ["dup"] and d.quarantined() == []
     assert d.ep.live_transfers() == []
     hybrid = ModelSpec.from_layers(
         "h",

@@ -143,10 +143,11 @@ def test_pull_over_tcp_a_partial_timeout_fences_the_late_read():
 def test_push_a_connection_flood_on_the_live_producer_never_releases_its_blocks():
     """Issue 22 finding 1. ``prefill`` is alive, its side channel answers, but it is busy past the
     timeout, so its WRITE of r1 lands late. Meanwhile a process without the secret only holds TCP
-    connections to ``prefill``'s side channels: the server closes the surplus at accept, so D's liveness
-    probes read a reset or an EOF. Before: that was PeerGone, D released r1's blocks within a second,
-    r2 got them, and the late WRITE damaged the verified r2 (~1.3 MB). Now a reset is no evidence: the
-    blocks stay held until the late ``W`` notices, and no byte lands outside r1's blocks."""
+    connections to ``prefill``'s side channels. Before: the server closed the surplus at accept, D's
+    liveness probes read a reset or an EOF, that was PeerGone, D released r1's blocks within a second,
+    r2 got them, and the late WRITE damaged the verified r2 (~1.3 MB). Now the server keeps answering
+    authenticated probes under the flood, and a reset or an EOF would be no evidence anyway: the blocks
+    stay held until the late ``W`` notices, and no byte lands outside r1's blocks."""
     reqs = [
         {"id": "r0", "tokens": 300, "engine": "prefill"},
         {"id": "r1", "tokens": 900, "engine": "prefill"},
@@ -172,7 +173,6 @@ def test_push_a_connection_flood_on_the_live_producer_never_releases_its_blocks(
     held, cleared = settled[("r1", 1)]
     assert sorted(cleared) == ["prefill:0 late W", "prefill:1 late W"], cleared
     d = _decode(out)
-    assert d["stats"]["probes_unknown"] >= 1, d["stats"]  # the flood did make probes fail
     assert d["mismatches"] == [] and d["bad_bytes"] == 0 and d["skipped_bytes"] == 0, d["mismatches"][:3]
     flood = out["results"]["flood"]
     assert flood["closed_by_server"] >= 1 and flood["connects"] >= 80, flood

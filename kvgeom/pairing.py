@@ -16,7 +16,6 @@ from typing import Any, cast
 from .align import Page, group_pages, page_heads
 from .card import GeometryCard
 from .conv import remote_conv_offsets
-from .dcp import dcp_handshake_targets
 from .dlist import Dlist, EngineView, local_dlist, remote_dlist, routed_tables
 from .dtypes import dtype_size
 from .errors import IncompatiblePairError, UnsupportedError
@@ -25,7 +24,7 @@ from .handshake import Compat, PairShape, check_pair
 from .route import Route, dcp_pages_differ, route
 from .splits import build_local_splits
 from .streams import region_mapped, unpseudo
-from .tp import TPMapping, compute_tp_mapping, needs_split_local_handles
+from .tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
 
 __all__ = ["Pairing", "LocalKey"]
 

@@ -34,7 +34,7 @@ from .blocks import (
     map_checked,
     prefix_checked,
 )
-from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
+from .dcp import apply_dcp_prefix_caching, dcp_units
 from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
 from .engine import KVLayout
@@ -46,7 +46,7 @@ from .recipe import Recipe, trace
 from .regionmap import apply_prefix_caching_by_region, block_ids_by_region, region_zero_ids, region_zero_rows
 from .spec import AttentionSpec
 from .streams import region_group_ids
-from .tp import compute_tp_mapping
+from .tp import compute_tp_mapping, dcp_handshake_targets
 
 __all__ = [
     "Transfer",

@@ -53,7 +53,8 @@ def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
 
 @dataclass(frozen=True, eq=False)
 class Pairing:
-    """This local rank paired with a remote engine (``remotes``: the remote ranks it talks to)."""
+    """This local rank paired with a remote engine (``remotes``: the remote ranks it talks to). Build it with
+    :meth:`create`, which validates the pair and fills ``views`` and ``tables``."""
 
     local: RankGeometry
     remotes: Mapping[int, RankGeometry]

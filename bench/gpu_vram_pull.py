@@ -8,7 +8,7 @@ rank's cache a set of CUDA tensors registered as VRAM (``KVRank(card, device="cu
 1. checks that every rank registered VRAM (device 0), and that D's handshake prepared VRAM tables;
 2. pulls the e2e requests (97, 1000, 31, 640 tokens) with ``KVRank.pull`` (plan, NIXL READ, regroup,
    zero ranges) and checks every byte of D's cache against the oracle's layout model
-   (``kvgeom_nixl.content``: fill and verify go through CPU copies of the CUDA tensors);
+   (``kvgeom.testing.content``: fill and verify go through CPU copies of the CUDA tensors);
 3. times one large request (``--bench-tokens``, default 65,536: ~96 MiB, 4 KiB descriptors): NIXL
    post -> done of the plan's transfers, against device-to-device copies of the same bytes in the D
    process (torch ``index_select`` + ``index_copy_`` of the same moves, one ``copy_`` per move, and one
@@ -154,7 +154,7 @@ def _space(sc: Scenario, requests: list[dict]) -> CoordSpace:
 
 
 def _fill_producer(tensors: list, card: GeometryCard, space: CoordSpace, requests: list[dict]) -> None:
-    from kvgeom_nixl.content import BACKGROUND, fill_source
+    from kvgeom.testing.content import BACKGROUND, fill_source
 
     for t in tensors:
         t.fill_(BACKGROUND)
@@ -181,7 +181,8 @@ def _producer(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
 
 def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
     import torch
-    from kvgeom_nixl.content import POISON_BYTE, verify
+
+    from kvgeom.testing.content import POISON_BYTE, verify
 
     sc, card, kv = _open_rank(spec, "decode", 0)
     dev, reps, sync = spec["device"], spec["reps"], _sync(spec["device"])

@@ -26,7 +26,6 @@ __all__ = [
     "transfer_rank",
     "dcp_source_ranks",
     "dcp_consumer_count",
-    "dcp_handshake_targets",
     "check_parallel_pair",
     "global_pages",
     "apply_dcp_prefix_caching",
@@ -116,21 +115,6 @@ def dcp_consumer_count(
             remote=remote_tp,
         )
     return 1
-
-
-def dcp_handshake_targets(
-    local_rank: int, local_tp: int, local_dcp_size: int, remote_tp: int, remote_dcp_size: int
-) -> tuple[int, ...]:
-    """Remote ranks a rank fetches metadata from (vLLM ``handshake_target_ranks``): the DCP source ranks
-    when the remote shards its cache, else the TP rule of :func:`kvgeom.tp.handshake_targets`."""
-    from .tp import handshake_targets
-
-    if remote_dcp_size > 1:
-        return dcp_source_ranks(
-            dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp, remote_dcp_size
-        )
-    _check_sizes(local_dcp_size, remote_dcp_size)
-    return handshake_targets(local_rank, local_tp, remote_tp)
 
 
 def check_parallel_pair(

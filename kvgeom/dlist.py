@@ -46,6 +46,7 @@ class Dlist:
 
     def __init__(self, rows: np.ndarray, num_fa: int) -> None:
         arr = np.asarray(rows, dtype=np.int64)
+        self._rows: np.ndarray | None = None  # the expanded rows: given (N x 3), or built by :attr:`rows`
         if arr.size == 0:
             arr = arr.reshape(0, arr.shape[1] if arr.ndim == 2 and arr.shape[1] in (3, 5) else 5)
         if arr.ndim != 2 or arr.shape[1] not in (3, 5):
@@ -67,7 +68,7 @@ class Dlist:
             runs[:, 2] = 0
             runs[:, 3] = arr[:, 2]
             runs[:, 4] = 1
-            self.__dict__["rows"] = arr
+            self._rows = arr
             arr = runs
         self.runs = arr
         self.num_fa = int(num_fa)
@@ -83,15 +84,17 @@ class Dlist:
     def __len__(self) -> int:
         return self._len
 
-    @cached_property
+    @property
     def rows(self) -> np.ndarray:
         """The expanded N x 3 ``(region, offset, length)`` rows, one per descriptor (built on first use)."""
-        pseudo = expand_strided(self.runs)
-        out = np.empty((pseudo.shape[0], 3), dtype=np.int64)
-        out[:, 0] = pseudo[:, 0] >> _REGION_SHIFT
-        out[:, 1] = pseudo[:, 0] & _OFFSET_MASK
-        out[:, 2] = pseudo[:, 1]
-        return out
+        if self._rows is None:
+            pseudo = expand_strided(self.runs)
+            out = np.empty((pseudo.shape[0], 3), dtype=np.int64)
+            out[:, 0] = pseudo[:, 0] >> _REGION_SHIFT
+            out[:, 1] = pseudo[:, 0] & _OFFSET_MASK
+            out[:, 2] = pseudo[:, 1]
+            self._rows = out
+        return self._rows
 
     def take(self, ids: np.ndarray) -> np.ndarray:
         """``(region, offset, length)`` of descriptors ``ids`` without expanding the table."""
@@ -103,8 +106,8 @@ class Dlist:
                 value=int(ids.max()),
                 expected=len(self),
             )
-        if "rows" in self.__dict__:
-            return np.asarray(self.rows[ids], dtype=np.int64)
+        if self._rows is not None:
+            return np.asarray(self._rows[ids], dtype=np.int64)
         run = np.searchsorted(self._ends, ids, side="right")
         r = self.runs[run]
         addr = r[:, 0] + (ids - (self._ends[run] - r[:, 4])) * r[:, 3]

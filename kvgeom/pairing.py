@@ -4,6 +4,9 @@
 mapping, the block-size ratio, and the descriptor tables this rank prepares once: its own whole-region
 table (and, when P_TP > D_TP, one split table per source rank) and one table per remote rank. Per-request
 plans (:mod:`kvgeom.plan`) only pick rows of these tables.
+
+A pairing is a value: what it prepares is computed in :meth:`Pairing.create` and held in its fields
+(``views``, the remote ranks' streams; ``tables``, a :class:`PairTables`), never filled in later.
 """
 
 from __future__ import annotations
@@ -11,12 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, cast
 
 from .align import Page, group_pages, page_heads
 from .card import GeometryCard
 from .conv import remote_conv_offsets
-from .dcp import dcp_handshake_targets
 from .dlist import Dlist, EngineView, local_dlist, remote_dlist, routed_tables
 from .dtypes import dtype_size
 from .errors import IncompatiblePairError, UnsupportedError
@@ -25,11 +26,25 @@ from .handshake import Compat, PairShape, check_pair
 from .route import Route, dcp_pages_differ, route
 from .splits import build_local_splits
 from .streams import region_mapped, unpseudo
-from .tp import TPMapping, compute_tp_mapping, needs_split_local_handles
+from .tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
 
-__all__ = ["Pairing", "LocalKey"]
+__all__ = ["Pairing", "PairTables", "LocalKey"]
 
 LocalKey = tuple[int, int]  # (rows per kernel block, remote rank the table is cut for, or -1: whole table)
+
+
+@dataclass(frozen=True)
+class PairTables:
+    """What a pairing prepares once, at handshake: per remote rank its route (:mod:`kvgeom.route`), the
+    groups whose ids travel to/from it and its descriptor table; this rank's tables by :data:`LocalKey`;
+    per local group the pages of its layers and the pages this pairing fills."""
+
+    routes: Mapping[int, Route] = field(default_factory=dict)
+    masks: Mapping[int, tuple[bool, ...]] = field(default_factory=dict)
+    local: Mapping[LocalKey, Dlist] = field(default_factory=dict)
+    remote: Mapping[int, Dlist] = field(default_factory=dict)
+    group_pages: tuple[list[Page], ...] = ()
+    zero_pages: tuple[list[Page], ...] = ()
 
 
 def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
@@ -38,7 +53,8 @@ def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
 
 @dataclass(frozen=True, eq=False)
 class Pairing:
-    """This local rank paired with a remote engine (``remotes``: the remote ranks it talks to)."""
+    """This local rank paired with a remote engine (``remotes``: the remote ranks it talks to). Build it with
+    :meth:`create`, which validates the pair and fills ``views`` and ``tables``."""
 
     local: RankGeometry
     remotes: Mapping[int, RankGeometry]
@@ -48,7 +64,9 @@ class Pairing:
     mapping: TPMapping
     prefix_caching: bool = False
     draft_mapping: TPMapping | None = None
-    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+    #: the remote ranks' streams as planned with (:meth:`remote_view`)
+    views: Mapping[int, EngineView] = field(default_factory=dict, repr=False)
+    tables: PairTables = field(default_factory=PairTables, repr=False)
 
     @classmethod
     def create(
@@ -142,9 +160,22 @@ class Pairing:
                 first.dcp_size,
                 head_sharded_kv_heads=_kv_heads(lg),
             )
-        pairing = cls(lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching, draft)
+        views = {t: _remote_view(shape, rg[t], t) for t in targets}
+        base = cls(
+            lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching, draft, views
+        )
+        pairing = replace(base, tables=base._prepare())
         pairing._validate_routes()
         return pairing
+
+    def _prepare(self) -> PairTables:
+        """Every value the pairing prepares once (from its fields and ``views``)."""
+        routes = {rank: self._route(rank) for rank in self.targets}
+        masks = {rank: self._group_mask(rank, routes[rank]) for rank in self.targets}
+        local, remote = self._routed(routes) if self.compat == "kvgeom" else self._vllm_tables()
+        pages = tuple(group_pages(self.local, g) for g in range(len(self.local.groups)))
+        zero = tuple(self._zero_pages(g, pages[g]) for g in range(len(pages)))
+        return PairTables(routes, masks, local, remote, pages, zero)
 
     def _validate_routes(self) -> None:
         """Handshake-time checks of what every remote rank exchanges: kvgeom mode derives each route (a
@@ -235,44 +266,33 @@ class Pairing:
 
     def remote_view(self, rank: int) -> EngineView:
         """The remote rank's streams as planned with (rescaled for non-dividing block sizes)."""
-        key = ("view", rank)
-        if key not in self._cache:
-            view = (
-                replace(self.shape.streams[1], tp_rank=rank)
-                if self.shape.streams is not None
-                else EngineView.of(self.remotes[rank])
-            )
-            self._cache[key] = view.rescaled(self.shape.remote_split) if self.shape.remote_split > 1 else view
-        return cast("EngineView", self._cache[key])
+        return self.views[rank]
 
     def zero_pages(self, group: int) -> list[Page]:
         """The local pages of group ``group`` this pairing fills (pull): every page of the group's layers, or,
         when streams pair layer by layer, the pages of the layers this pairing transfers."""
-        key = ("pages", group)
-        if key not in self._cache:
-            view = self.local_view
-            if view.transfer_groups or (
-                view.num_regions != self.local.num_regions and not view.group_streams
-            ):  # layer by layer
-                pages = []
-                for b, length, stride, g in zip(
-                    view.bases, view.block_lens, view.block_strides, view.transfer_groups
-                ):
-                    region, offset = unpseudo(b)
-                    layer = next(
-                        (
-                            name
-                            for k, (gg, name) in enumerate(self.local.regions[region].members)
-                            if gg == g and self.local.regions[region].slot(name)[0] == offset
-                        ),
-                        None,
-                    )
-                    if g == group and layer is not None:
-                        pages.append(Page(region, offset, length, stride, page_heads(self.local, layer)))
-                self._cache[key] = pages
-            else:
-                self._cache[key] = group_pages(self.local, group)
-        return cast("list[Page]", self._cache[key])
+        return self.tables.zero_pages[group]
+
+    def _zero_pages(self, group: int, every: list[Page]) -> list[Page]:
+        view = self.local_view
+        if not view.transfer_groups and (view.num_regions == self.local.num_regions or view.group_streams):
+            return every
+        pages = []  # streams pair layer by layer
+        for b, length, stride, g in zip(
+            view.bases, view.block_lens, view.block_strides, view.transfer_groups
+        ):
+            region, offset = unpseudo(b)
+            layer = next(
+                (
+                    name
+                    for k, (gg, name) in enumerate(self.local.regions[region].members)
+                    if gg == g and self.local.regions[region].slot(name)[0] == offset
+                ),
+                None,
+            )
+            if g == group and layer is not None:
+                pages.append(Page(region, offset, length, stride, page_heads(self.local, layer)))
+        return pages
 
     def carries(self, group: int) -> bool:
         """Whether any stream carries group ``group`` (under layer-name routing a pipeline stage may hold no
@@ -300,26 +320,26 @@ class Pairing:
 
     def route(self, rank: int) -> Route:
         """kvgeom mode: what this rank exchanges with remote rank ``rank`` (:mod:`kvgeom.route`)."""
-        key = ("route", rank)
-        if key not in self._cache:
-            rows = self.token_rows
-            lview = self.local_view
-            self._cache[key] = route(
-                self.local,
-                self.remotes[rank],
-                rank,
-                self.mode,
-                self.local_rows,
-                tuple(x // rows for x in self.remote_view(rank).block_lens),
-                lview.block_lens,
-                lview.region_is_mla,
-                frozenset(
-                    i
-                    for i, g in enumerate(lview.group_ids)
-                    if lview.group_streams and self.local.groups[g].is_ssm
-                ),
-            )
-        return cast("Route", self._cache[key])
+        return self.tables.routes[rank]
+
+    def _route(self, rank: int) -> Route:
+        rows = self.token_rows
+        lview = self.local_view
+        return route(
+            self.local,
+            self.remotes[rank],
+            rank,
+            self.mode,
+            self.local_rows,
+            tuple(x // rows for x in self.remote_view(rank).block_lens),
+            lview.block_lens,
+            lview.region_is_mla,
+            frozenset(
+                i
+                for i, g in enumerate(lview.group_ids)
+                if lview.group_streams and self.local.groups[g].is_ssm
+            ),
+        )
 
     @cached_property
     def transfer_ranks(self) -> tuple[int, ...]:
@@ -333,19 +353,19 @@ class Pairing:
 
     def group_mask(self, rank: int) -> tuple[bool, ...]:
         """Which groups' ids travel to/from remote rank ``rank``."""
-        key = ("mask", rank)
-        if key not in self._cache:
-            if self.compat == "kvgeom":
-                mask = self.route(rank).groups
-            elif self.mode == "push" and self.local.is_csa_linear and self.tp_ratio < 0:
-                mask = tuple(True for _ in self.local.groups)  # vLLM: every group to every written rank
-            elif self.mode == "push" and self.local.is_mla and self.tp_ratio < 0:
-                srcs = self.mapping.source_ranks_per_group
-                mask = tuple((not ssm) or rank in s for ssm, s in zip(self.local.group_is_ssm, srcs))
-            else:
-                mask = tuple(rank in s for s in self.mapping.source_ranks_per_group)
-            self._cache[key] = tuple(m and self.carries(g) for g, m in enumerate(mask))
-        return cast("tuple[bool, ...]", self._cache[key])
+        return self.tables.masks[rank]
+
+    def _group_mask(self, rank: int, r: Route) -> tuple[bool, ...]:
+        if self.compat == "kvgeom":
+            mask = r.groups
+        elif self.mode == "push" and self.local.is_csa_linear and self.tp_ratio < 0:
+            mask = tuple(True for _ in self.local.groups)  # vLLM: every group to every written rank
+        elif self.mode == "push" and self.local.is_mla and self.tp_ratio < 0:
+            srcs = self.mapping.source_ranks_per_group
+            mask = tuple((not ssm) or rank in s for ssm, s in zip(self.local.group_is_ssm, srcs))
+        else:
+            mask = tuple(rank in s for s in self.mapping.source_ranks_per_group)
+        return tuple(m and self.carries(g) for g, m in enumerate(mask))
 
     def local_key(self, rank: int) -> LocalKey:
         """The local table a transfer to/from remote rank ``rank`` uses."""
@@ -355,58 +375,56 @@ class Pairing:
 
     def local_table(self, key: LocalKey) -> Dlist:
         """The local table ``(bsr, -1)`` (whole) or ``(bsr, rank)`` (cut for remote rank ``rank``)."""
-        if key not in self._cache:
-            bsr, rank = key
-            if rank < 0:
-                self._cache[key] = local_dlist(self.local_view, bsr)
-            elif self.compat == "kvgeom":
-                self._routed(rank)
-            else:
-                whole = self.local_table((bsr, -1))
-                view = self.local_view
-                splits = build_local_splits(
-                    whole.runs,
-                    self.mapping,
-                    whole.num_fa,
-                    bsr,
-                    self.local.group_is_ssm,
-                    view.region_is_mla,
-                    [view.num_blocks] * view.num_regions,
-                    num_replicated_tail=view.logical_num_blocks if view.ple_region is not None else 0,
-                )
-                for src, rows in zip(self.mapping.all_source_ranks, splits):
-                    self._cache[(bsr, src)] = Dlist.from_pseudo(rows, whole.num_fa)
-        return cast("Dlist", self._cache[key])
+        return self.tables.local[key]
 
     def remote_table(self, rank: int) -> Dlist:
         """Remote rank ``rank``'s table, every row cut to what this rank exchanges with it."""
-        key = ("remote", rank)
-        if key not in self._cache:
-            if self.compat == "kvgeom":
-                self._routed(rank)
-            else:
-                attn_reads = len(self._first_sources(ssm=False)) or 1
-                draft = self.draft_mapping
-                self._cache[key] = remote_dlist(
-                    self.local_view,
-                    self.remote_view(rank),
-                    self.bsr,
-                    attn_reads,
-                    self.mapping.rank_offset_factor,
-                    self._vllm_ssm_pieces(self.remote_view(rank)),
-                    None
-                    if draft is None
-                    else (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor),
-                )
-        return cast("Dlist", self._cache[key])
+        return self.tables.remote[rank]
 
-    def _routed(self, rank: int) -> None:
-        r = self.route(rank)
-        local, remote = routed_tables(
-            self.local_view, self.remote_view(rank), self.local_rows, self.token_rows, r.fa, r.ssm
-        )
-        self._cache[(self.local_rows, rank)] = local
-        self._cache[("remote", rank)] = remote
+    def _routed(self, routes: Mapping[int, Route]) -> tuple[dict[LocalKey, Dlist], dict[int, Dlist]]:
+        """kvgeom mode: this rank's whole table and, per remote rank, both sides' tables cut to its route."""
+        local: dict[LocalKey, Dlist] = {(self.local_rows, -1): local_dlist(self.local_view, self.local_rows)}
+        remote: dict[int, Dlist] = {}
+        for rank, r in routes.items():
+            local[(self.local_rows, rank)], remote[rank] = routed_tables(
+                self.local_view, self.remote_view(rank), self.local_rows, self.token_rows, r.fa, r.ssm
+            )
+        return local, remote
+
+    def _vllm_tables(self) -> tuple[dict[LocalKey, Dlist], dict[int, Dlist]]:
+        """vLLM mode: the whole local table (and one split per source rank when P_TP > D_TP), and each remote
+        rank's table."""
+        bsr, view = self.bsr, self.local_view
+        whole = local_dlist(view, bsr)
+        local: dict[LocalKey, Dlist] = {(bsr, -1): whole}
+        if self.needs_split:
+            splits = build_local_splits(
+                whole.runs,
+                self.mapping,
+                whole.num_fa,
+                bsr,
+                self.local.group_is_ssm,
+                view.region_is_mla,
+                [view.num_blocks] * view.num_regions,
+                num_replicated_tail=view.logical_num_blocks if view.ple_region is not None else 0,
+            )
+            for src, rows in zip(self.mapping.all_source_ranks, splits):
+                local[(bsr, src)] = Dlist.from_pseudo(rows, whole.num_fa)
+        attn_reads = len(self._first_sources(ssm=False)) or 1
+        draft = self.draft_mapping
+        remote = {
+            rank: remote_dlist(
+                view,
+                self.remote_view(rank),
+                bsr,
+                attn_reads,
+                self.mapping.rank_offset_factor,
+                self._vllm_ssm_pieces(self.remote_view(rank)),
+                None if draft is None else (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor),
+            )
+            for rank in self.targets
+        }
+        return local, remote
 
     def _vllm_ssm_pieces(self, view: EngineView) -> tuple[tuple[int, int], ...] | None:
         """vLLM's remote SSM reads: conv pieces scaled by the TP ratio, then the temporal slice (B.2.4)."""
@@ -438,6 +456,12 @@ class Pairing:
             + ", ".join(f"rank {r}: {len(self.remote_table(r))}" for r in self.targets),
         ]
         return "\n".join(lines)
+
+
+def _remote_view(shape: PairShape, geom: RankGeometry, rank: int) -> EngineView:
+    """Remote rank ``rank``'s streams as planned with (rescaled for non-dividing block sizes)."""
+    view = replace(shape.streams[1], tp_rank=rank) if shape.streams is not None else EngineView.of(geom)
+    return view.rescaled(shape.remote_split) if shape.remote_split > 1 else view
 
 
 def _kv_heads(geom: RankGeometry) -> int | None:

@@ -14,7 +14,6 @@ Block ids are logical and per KV-cache group; the plan follows vLLM 0.33.0's NIX
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ from .blocks import (
     map_checked,
     prefix_checked,
 )
-from .dcp import apply_dcp_prefix_caching, dcp_handshake_targets, dcp_units
+from .dcp import apply_dcp_prefix_caching, dcp_units
 from .descids import Segments, apply_segments, desc_segments
 from .dlist import EngineView
 from .engine import KVLayout
@@ -42,11 +41,12 @@ from .errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
 from .geometry import Group, RankGeometry
 from .handshake import check_permute
 from .pairing import LocalKey, Pairing
+from .planmemo import memo_of
 from .recipe import Recipe, trace
 from .regionmap import apply_prefix_caching_by_region, block_ids_by_region, region_zero_ids, region_zero_rows
 from .spec import AttentionSpec
 from .streams import region_group_ids
-from .tp import compute_tp_mapping
+from .tp import compute_tp_mapping, dcp_handshake_targets
 
 __all__ = [
     "Transfer",
@@ -255,7 +255,7 @@ def plan_request(
         return _plan(pairing, lids, rids, request_id, remote_request_id, num_tokens, prefill_tokens)
     # a shape seen twice gets a recipe (kvgeom.recipe): later requests of that shape are one gather
     key = (tuple(x.size for x in lids), tuple(x.size for x in rids), num_tokens, prefill_tokens)
-    shapes = pairing._cache.setdefault("shapes", OrderedDict())
+    shapes = memo_of(pairing).shapes
     entry = shapes.get(key)
     if isinstance(entry, _Shape):
         shapes.move_to_end(key)
@@ -619,12 +619,12 @@ def _region_plan(
     expected = pairing.mapping.local_consumers
     transfers = []
     for rank, (la, ra) in by_rank.items():
-        key = ("segments-by-region", rank)
+        memo = memo_of(pairing).region_segments
         rows = pairing.token_rows  # kvgeom mode cuts token-major pages per token when heads differ
-        if key not in pairing._cache:
+        if rank not in memo:
             flat = [False] * n
             lv, rv = pairing.local_view, pairing.remote_view(rank)
-            pairing._cache[key] = tuple(
+            memo[rank] = tuple(
                 desc_segments(
                     n,
                     v.num_blocks,
@@ -637,7 +637,7 @@ def _region_plan(
                 )
                 for v in (lv, rv)
             )
-        lseg, rseg = pairing._cache[key]
+        lseg, rseg = memo[rank]
         lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
         rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
         transfers.append(
@@ -742,19 +742,15 @@ def _cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: 
 
 
 def _pages(pairing: Pairing, group: int) -> list[Page]:
-    """Every page of the local rank's layers of ``group`` (cached on the pairing: a shape, not a request)."""
-    key = ("group pages", group)
-    if key not in pairing._cache:
-        pairing._cache[key] = group_pages(pairing.local, group)
-    pages: list[Page] = pairing._cache[key]
-    return pages
+    """Every page of the local rank's layers of ``group`` (prepared by the pairing: a shape, not a request)."""
+    return pairing.tables.group_pages[group]
 
 
 def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
     """The descriptor-id segment table of one side of the transfer to/from ``rank`` (built once per
     pairing: per request only the ids are gathered)."""
-    key = ("segments", side, rank)
-    if key not in pairing._cache:
+    memo = memo_of(pairing).segments
+    if (side, rank) not in memo:
         kinds, rows = pairing.local.group_is_ssm, pairing.token_rows
         if side == "remote":
             v = pairing.remote_view(rank)
@@ -779,9 +775,8 @@ def _segments(pairing: Pairing, side: str, rank: int) -> Segments:
             ple_group=pairing.local.ple.group if pairing.local.ple else None,
             group_streams=v.group_streams,
         )
-        pairing._cache[key] = seg
-    out: Segments = pairing._cache[key]
-    return out
+        memo[(side, rank)] = seg
+    return memo[(side, rank)]
 
 
 def _first_position(
@@ -999,8 +994,8 @@ def _vllm_push_covers(
     """vLLM's push writes D rank ``rank`` only from the P ranks whose TP mapping names it: refuse when some
     unit P computed for that D rank lives on another P rank (it would stay unwritten)."""
     local, d = pairing.local, pairing.remotes[rank]
-    key = ("push-writers", rank)
-    if key not in pairing._cache:  # shape-only: the P ranks vLLM's mappings send to D rank ``rank``
+    memo = memo_of(pairing).push_writers
+    if rank not in memo:  # shape-only: the P ranks vLLM's mappings send to D rank ``rank``
         writers = set()
         for q in range(local.tp_size):
             m = compute_tp_mapping(
@@ -1017,8 +1012,8 @@ def _vllm_push_covers(
             targets = dcp_handshake_targets(q, local.tp_size, local.dcp_size, d.tp_size, d.dcp_size)
             if rank in (targets if every else m.all_source_ranks):
                 writers.add(q % local.dcp_size)
-        pairing._cache[key] = writers
-    writers = pairing._cache[key]
+        memo[rank] = writers
+    writers = memo[rank]
     for g, (c, p) in enumerate(zip(d_ids, p_ids)):
         if local.groups[g].is_ssm or not c.size or not p.size:
             continue

@@ -26,6 +26,7 @@ members and packed layouts, and the transfer layers); :func:`pair_streams` retur
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from .descids import SHARED_GROUP
@@ -99,12 +100,11 @@ def region_group_ids(geom: RankGeometry) -> tuple[int, ...]:
     return tuple(_group_id(r.members) for r in geom.regions)
 
 
+@functools.lru_cache(maxsize=128)
 def registration(geom: RankGeometry, mode: str) -> Registration:
-    """:func:`_registration`, kept on the geometry value (it depends on nothing else)."""
-    cache: dict[str, Registration] = geom.__dict__.setdefault("_registrations", {})
-    if mode not in cache:
-        cache[mode] = _registration(geom, mode)
-    return cache[mode]
+    """:func:`_registration`, memoised by value (a geometry is an immutable, hashable value and the
+    registration depends on nothing else; the pairings of one engine's ranks share it)."""
+    return _registration(geom, mode)
 
 
 def _registration(geom: RankGeometry, mode: str) -> Registration:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .blocks import check_positive_int
+from .dcp import _check_sizes, dcp_consumer_count, dcp_rank, dcp_source_ranks
 from .errors import ConfigError, PlanError, RatioError, SpecError
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "compute_tp_mapping",
     "head_offset",
     "handshake_targets",
+    "dcp_handshake_targets",
     "needs_split_local_handles",
     "consumers_per_producer",
 ]
@@ -142,8 +144,6 @@ def compute_tp_mapping(
        attn[0]*K//remote_tp`` if ``local_tp > K``; else ``local_rank % (local_tp // remote_tp)``.
     6. ``local_consumers``: :func:`kvgeom.dcp.dcp_consumer_count` (``max(1, tp_ratio)`` without DCP).
     """
-    from .dcp import dcp_consumer_count, dcp_rank, dcp_source_ranks
-
     tp_ratio(local_tp, remote_tp)
     local_rank = _check_rank(local_rank, local_tp)
     if head_sharded_kv_heads is not None:
@@ -215,6 +215,19 @@ def handshake_targets(local_rank: int, local_tp: int, remote_tp: int) -> tuple[i
     if r > 0:
         return (local_rank // r,)
     return tuple(local_rank * -r + i for i in range(-r))
+
+
+def dcp_handshake_targets(
+    local_rank: int, local_tp: int, local_dcp_size: int, remote_tp: int, remote_dcp_size: int
+) -> tuple[int, ...]:
+    """Remote ranks a rank fetches metadata from (vLLM ``handshake_target_ranks``): the DCP source ranks
+    when the remote shards its cache, else the TP rule of :func:`handshake_targets`."""
+    if remote_dcp_size > 1:
+        return dcp_source_ranks(
+            dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp, remote_dcp_size
+        )
+    _check_sizes(local_dcp_size, remote_dcp_size)
+    return handshake_targets(local_rank, local_tp, remote_tp)
 
 
 def needs_split_local_handles(tp_ratio: int, mapping: TPMapping, use_mla: bool) -> bool:

@@ -49,9 +49,9 @@ from kvgeom import GeometryCard, KvgeomError
 from kvgeom.geometry import rank_geometry
 from kvgeom.scenario import Scenario
 from kvgeom.testing import CoordSpace
+from kvgeom.testing.content import BACKGROUND, POISON_BYTE, check_request, fill_source, verify_report
 
 from .config import TransportConfig
-from .content import BACKGROUND, POISON_BYTE, check_request, fill_source, verify_report
 from .errors import AdapterError, StaleMetadata
 from .kvrank import KVRank
 from .procs import ProcGroup

@@ -9,6 +9,7 @@ against kvgeom.testing's independent layout model (received content, zeroed tail
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import secrets
 import sys
@@ -45,6 +46,19 @@ DEFAULT_SCENARIO = {
     "decode": {"tp_size": 1, "block_size": 64, "kernel_block_size": 16, "num_blocks": 256},
 }
 DEFAULT_TOKENS = [97, 1000, 2500, 31, 4096, 640, 1777, 64]
+
+
+def missing() -> list[str]:
+    """What the demo's processes import and this environment lacks, as ``module (error)``; empty when the
+    demo can run. ``kvgeom demo`` (the core's command line, which finds this module as its ``demo``
+    plugin) asks before it starts any process."""
+    out = []
+    for module in ("torch", "nixl"):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            out.append(f"{module} ({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    return out
 
 
 def _fmt_bytes(n: float) -> str:

@@ -16,41 +16,22 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import Counter
-from dataclasses import dataclass, fields
 from typing import Any
 
 from kvgeom import GeometryCard, Pairing
 from kvgeom.errors import IncompatiblePairError, KvgeomError, UnsupportedError
+from kvgeom.layerroute import slice_regions
 
+from . import kvgeom_mode
+from .answers.regions import _table
+from .calls import as_vllm_error
 from .card import card_of_worker, check_registration
+from .metadata import CARDLESS, KvgeomAgentMetadata
 from .table import CALLS, REFUSED
 
 __all__ = ["CARDLESS", "KvgeomAgentMetadata", "card_of_worker", "check_registration", "pair_with_card"]
 
 logger = logging.getLogger("kvgeom_vllm")
-
-#: why ranks registered without a card, by the field kvgeom refused (for the test report)
-CARDLESS: Counter[str] = Counter()
-#: one example refusal per field (for the test report)
-CARDLESS_EXAMPLE: dict[str, str] = {}
-
-
-def _metadata_module() -> Any:
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
-
-    return metadata
-
-
-_META = _metadata_module()
-_PlainAgentMetadata = _META.NixlAgentMetadata
-
-
-@dataclass
-class KvgeomAgentMetadata(_PlainAgentMetadata):
-    """vLLM's agent metadata plus this rank's geometry card (JSON; ``None`` from plain vLLM peers)."""
-
-    kvgeom_card: str | None = None
 
 
 def _outside_kvgeom(worker: Any, meta: Any) -> tuple[str, str, Any] | None:
@@ -135,10 +116,6 @@ def _slice_pp_window(worker: Any, meta: Any) -> None:
         or (meta.packed_member_layouts and not worker._packed_member_layouts)
     ):
         return
-    from kvgeom.layerroute import slice_regions
-
-    from .answers.regions import _table
-
     packed = meta.packed_member_layouts
     table = slice_regions(_table(meta), int(worker._remote_region_offset), n)
     meta.kv_caches_base_addr, meta.block_lens = list(table.bases), list(table.block_lens)
@@ -179,21 +156,13 @@ def add_remote_agent_wrapper(add: Any) -> Any:
             _slice_pp_window(self, nixl_agent_meta)
         except KvgeomError as exc:
             REFUSED[name] += 1
-            from .worker import as_vllm_error
-
             raise as_vllm_error(exc, RuntimeError) from None
         if pairing is not None:
             self.kvgeom_pairings = {**getattr(self, "kvgeom_pairings", {}), engine_id: pairing}
         if pairing is not None:  # both sides carry a card: kvgeom prepares the pair (in either compat mode)
-            from . import kvgeom_mode
-
             return kvgeom_mode.add_remote_agent(
                 self, nixl_agent_meta, pairing, remote_tp_rank, remote_tp_size, remote_dcp_size
             )
         return add(self, nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
     return add_remote_agent
-
-
-def plain_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(_PlainAgentMetadata))

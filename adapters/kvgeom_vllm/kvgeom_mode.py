@@ -32,7 +32,9 @@ from kvgeom.errors import IncompatiblePairError, KvgeomError
 from kvgeom.plan import RequestPlan
 
 from .answers import region_bytes, to_vllm_mapping
+from .answers._common import KVI, representative_type
 from .devicebytes import regroup_blocks, zero_rows
+from .table import REFUSED
 
 __all__ = ["Receive", "add_remote_agent", "read_blocks_for_req", "xfer_blocks_for_req", "request_tokens"]
 
@@ -140,8 +142,6 @@ def request_tokens(worker: Any, meta: Any) -> int | None:
     """The tokens D holds blocks for, rounded up to its block: a full-attention group's cached blocks plus
     the blocks it pulls (vLLM's request metadata carries the per-group prefix counts, not the prompt
     length; any length in the last block places the lists alike). ``None`` without a full-attention group."""
-    from .answers._common import KVI, representative_type
-
     full = (KVI.FullAttentionSpec, KVI.MLAAttentionSpec)
     groups = [
         g
@@ -215,8 +215,6 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
     except (
         KvgeomError
     ) as e:  # this request cannot be moved right (e.g. vLLM's pairing would move wrong tokens)
-        from .table import REFUSED
-
         REFUSED["NixlPullConnectorWorker._read_blocks_for_req"] += 1
         worker._log_failure(
             failure_type="plan_refused",

@@ -55,7 +55,7 @@ def install() -> None:
     check_vllm_version()
     import importlib
 
-    from . import connector, handshake, worker
+    from . import connector, metadata, worker
     from .answers import ORIGINAL_CONV_SPLIT_INFO
 
     for e in TABLE:  # module functions: the tests import them by name
@@ -73,7 +73,7 @@ def install() -> None:
         (worker._PushWorker, worker.KvgeomPushConnectorWorker),
         (worker._PullScheduler, worker.KvgeomPullConnectorScheduler),
         (worker._PushScheduler, worker.KvgeomPushConnectorScheduler),
-        (handshake._PlainAgentMetadata, handshake.KvgeomAgentMetadata),
+        (metadata.PlainAgentMetadata, metadata.KvgeomAgentMetadata),
         (connector._nixl.NixlPullConnector, connector.KvgeomNixlConnector),
         (connector._nixl.NixlPushConnector, connector.KvgeomNixlPushConnector),
     ]
@@ -106,7 +106,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
             f"   <- {e.kvgeom}{mark}"
         )
     tr.write_line(f"  total: {sum(CALLS[e.qualname] for e in TABLE)} calls reached kvgeom")
-    from .handshake import CARDLESS, CARDLESS_EXAMPLE
+    from .metadata import CARDLESS, CARDLESS_EXAMPLE
 
     if CARDLESS:
         tr.write_line(

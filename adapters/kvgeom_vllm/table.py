@@ -120,7 +120,7 @@ TABLE: tuple[Entry, ...] = (
         UTILS,
         f"{T}.handshake_target_ranks",
         "handshake_target_ranks",
-        "kvgeom.dcp.dcp_handshake_targets",
+        "kvgeom.tp.dcp_handshake_targets",
         exercised=False,
     ),
     Entry(

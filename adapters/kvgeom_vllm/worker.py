@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvgeom.errors import KvgeomError
-
-from . import answers
-from .table import CALLS, REFUSED, TABLE, Entry, entry
+from . import answers, handshake, kvgeom_mode, metadata
+from .calls import as_vllm_error, counted_call
+from .table import TABLE, Entry, entry
 
 __all__ = [
     "KvgeomTransferTopology",
@@ -42,45 +41,6 @@ __all__ = [
     "as_vllm_error",
     "kvgeom_active",
 ]
-
-_COMPAT_CLASSES: dict[tuple[type, ...], type] = {}
-_BUILTIN_ERRORS = {
-    "AssertionError": AssertionError,
-    "ValueError": ValueError,
-    "RuntimeError": RuntimeError,
-    "NotImplementedError": NotImplementedError,
-    "IndexError": IndexError,
-}
-
-
-def as_vllm_error(exc: KvgeomError, *vllm_classes: type[BaseException]) -> KvgeomError:
-    """kvgeom's typed error, also an instance of every class vLLM raises at that point (an assert is an
-    ``AssertionError``), so that vLLM's callers catch what they always caught."""
-    missing = tuple(c for c in vllm_classes if not isinstance(exc, c))
-    # the most specific classes suffice (NotImplementedError is a RuntimeError)
-    missing = tuple(c for c in missing if not any(d is not c and issubclass(d, c) for d in missing))
-    if not missing:
-        return exc
-    key = (type(exc), *missing)
-    cls = _COMPAT_CLASSES.get(key)
-    if cls is None:
-        cls = type(type(exc).__name__, (type(exc), *missing), {"__module__": type(exc).__module__})
-        _COMPAT_CLASSES[key] = cls
-    out = cls.__new__(cls, *exc.args)
-    out.__dict__.update(exc.__dict__)
-    out.args = exc.args
-    return out
-
-
-def counted_call(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call the adapter of table row ``name``: count it, translate a refusal to vLLM's exception types."""
-    CALLS[name] += 1
-    try:
-        return fn(*args, **kwargs)
-    except KvgeomError as exc:
-        REFUSED[name] += 1
-        raised = tuple(_BUILTIN_ERRORS[n] for n in entry(name).raises)
-        raise as_vllm_error(exc, *raised).with_traceback(exc.__traceback__) from None
 
 
 def counted(e: Entry) -> Callable[..., Any]:
@@ -193,8 +153,6 @@ class KvgeomWorkerMixin:
         without a card."""
         if not self._kvgeom_plans(meta.remote.engine_id):
             return super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
-        from . import kvgeom_mode
-
         return counted_call(
             "NixlPullConnectorWorker._read_blocks_for_req",
             kvgeom_mode.read_blocks_for_req,
@@ -217,8 +175,6 @@ class KvgeomWorkerMixin:
         """Push: kvgeom's plan, or vLLM's per-request code for a peer without a card."""
         if not self._kvgeom_plans(meta.remote.engine_id):
             return super()._xfer_blocks_for_req(req_id, meta)  # type: ignore[misc]
-        from . import kvgeom_mode
-
         return counted_call(
             "NixlPushConnectorWorker._xfer_blocks_for_req",
             kvgeom_mode.xfer_blocks_for_req,
@@ -236,13 +192,15 @@ class KvgeomRegistration(_BaseWorker):
     pull and push workers in the class order, so that their own ``register_kv_caches`` (the push writer
     thread) still runs around it."""
 
+    #: the transfer topology kvgeom's ``register_kv_caches`` builds (:mod:`kvgeom_vllm.answers.registration`
+    #: reads it here: the answers sit below the workers and import none of them)
+    kvgeom_topology = KvgeomTransferTopology
+
 
 _install(KvgeomRegistration, "NixlBaseConnectorWorker", base=True)
 
 
 def _with_handshake(cls: type) -> type:
-    from . import handshake
-
     cls.register_kv_caches = _marked(cls.register_kv_caches)
     cls.add_remote_agent = handshake.add_remote_agent_wrapper(_marked(cls.add_remote_agent))
     return cls
@@ -324,10 +282,8 @@ def install_dispatchers() -> None:
             DISPATCHERS[name] = dispatcher
         # The handshake decodes peers' metadata with this name: the subclass keeps their card (a plain vLLM
         # worker ignores the field, and reads None from a plain peer).
-        from .handshake import KvgeomAgentMetadata, _PlainAgentMetadata
-
-        if base_worker.NixlAgentMetadata is _PlainAgentMetadata:
-            base_worker.NixlAgentMetadata = KvgeomAgentMetadata
+        if base_worker.NixlAgentMetadata is metadata.PlainAgentMetadata:
+            base_worker.NixlAgentMetadata = metadata.KvgeomAgentMetadata
         _DISPATCHED = True
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.metadata
 import io
 import json
 import os
@@ -331,28 +332,43 @@ def _have_matplotlib() -> bool:
 
 
 # -- demo ------------------------------------------------------------------------------------------------
-def demo_hint() -> str | None:
-    """Why the demo cannot run here (a missing extra), or ``None``. Imports what the demo's processes
-    import, so that a broken install is reported here, once, instead of inside a child."""
-    missing = []
-    for module in ("torch", "nixl", "kvgeom_nixl"):
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            missing.append(
-                f"{module} ({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-            )
+#: the entry-point group where adapters offer what the command line runs (kvgeom_nixl: ``demo``)
+PLUGIN_GROUP = "kvgeom.plugins"
+NIXL_EXTRA = "pip install 'kvgeom[nixl]'"
+
+
+def demo_plugin() -> tuple[Any, str | None]:
+    """The demo (entry point ``demo`` of :data:`PLUGIN_GROUP`, which the nixl extra's adapter declares), or
+    ``None`` and why it cannot run here. The plugin's ``missing()`` imports what its processes import, so
+    that a broken install is reported here, once, instead of inside a child; the core imports no adapter."""
+    found = importlib.metadata.entry_points(group=PLUGIN_GROUP, name="demo")
+    if not found:
+        return None, f"needs the nixl extra: {NIXL_EXTRA} (no {PLUGIN_GROUP!r} plugin 'demo' is installed)"
+    ep = next(iter(found))
+    try:
+        plugin = ep.load()
+    except ImportError as exc:
+        return None, f"needs the nixl extra: {NIXL_EXTRA} (cannot load {ep.value}: {_first_line(exc)})"
+    missing = list(plugin.missing())
     if missing:
-        return f"needs the nixl extra: pip install 'kvgeom[nixl]' (cannot import {'; '.join(missing)})"
-    return None
+        return None, f"needs the nixl extra: {NIXL_EXTRA} (cannot import {'; '.join(missing)})"
+    return plugin, None
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def demo_hint() -> str | None:
+    """Why the demo cannot run here (a missing extra), or ``None``."""
+    return demo_plugin()[1]
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     overrides = _overrides(args)
-    hint = demo_hint()
+    demo, hint = demo_plugin()
     if hint:
         raise UsageError("demo", hint, "an environment with the nixl extra")
-    demo = importlib.import_module("kvgeom_nixl.demo")  # only now: its processes need torch and nixl
 
     # without a scenario file the built-in pair is the default; a --model replaces it whole
     default = None if args.scenario is not None or "model" in overrides else dict(demo.DEFAULT_SCENARIO)

@@ -32,19 +32,19 @@ from .oracle import (
 )
 
 __all__ = [
-    "INVARIANTS",
-    "POISON",
-    "ZERO",
     "CoordSpace",
+    "INVARIANTS",
     "LayoutError",
     "NixlFabric",
     "Oracle",
+    "POISON",
     "RankPlan",
     "RecordingAgent",
     "Report",
     "Request",
     "RequestError",
     "Violation",
+    "ZERO",
     "check_moves",
     "describe_tag",
     "engine_geometries",

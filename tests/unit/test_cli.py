@@ -225,6 +225,27 @@ def test_demo_without_the_nixl_extra_says_so_at_once(
     assert "nixl" in err and err.count("\n") == 1
 
 
+def test_demo_without_a_demo_plugin_names_the_extra_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+
+    from kvgeom.cli import _commands
+
+    assert [
+        ep.value for ep in importlib.metadata.entry_points(group=_commands.PLUGIN_GROUP, name="demo")
+    ] == ["kvgeom_nixl.demo"]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
+    assert _commands.demo_plugin()[0] is None
+    code, out, err = _run(capsys, "demo", "--json")
+    error = json.loads(out)["error"]
+    assert code == 2 and (error["kind"], error["type"], error["field"]) == ("usage", "UsageError", "demo")
+    assert (
+        _commands.NIXL_EXTRA in error["message"] and error["accepted"] == "an environment with the nixl extra"
+    )
+    assert err.count("\n") == 1  # one line, no traceback
+
+
 def test_every_option_has_help() -> None:
     parser = build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

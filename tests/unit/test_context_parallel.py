@@ -9,13 +9,12 @@ from kvgeom.dcp import (
     apply_dcp_prefix_caching,
     check_parallel_pair,
     dcp_consumer_count,
-    dcp_handshake_targets,
     dcp_source_ranks,
     global_pages,
     transfer_rank,
 )
 from kvgeom.errors import ConfigError, IncompatiblePairError, PlanError, RatioError
-from kvgeom.tp import compute_tp_mapping
+from kvgeom.tp import compute_tp_mapping, dcp_handshake_targets
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from kvgeom.dcp import (
     apply_dcp_prefix_caching,
     check_parallel_pair,
     dcp_consumer_count,
-    dcp_handshake_targets,
     dcp_rank,
     dcp_source_ranks,
     dcp_units,
@@ -20,6 +19,7 @@ from kvgeom.dcp import (
     transfer_rank,
 )
 from kvgeom.errors import BlockIdError, ConfigError, IncompatiblePairError, KvgeomError, PlanError, RatioError
+from kvgeom.tp import dcp_handshake_targets
 
 
 def refused(cls: type[KvgeomError], field: str, fn: Callable[[], object], **values: object) -> None:

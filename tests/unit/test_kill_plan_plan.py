@@ -27,6 +27,7 @@ from kvgeom.plan import (
     post_receive,
     receive_step,
 )
+from kvgeom.planmemo import memo_of
 from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
 
 DENSE = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")])
@@ -262,7 +263,7 @@ def test_the_shape_cache_is_bounded_and_forgets_the_oldest() -> None:
     pairing = _pair(p=(1, 4, 320), d=(1, 4, 320))
     for k in range(1, 301):  # 300 shapes: k blocks on each side
         plan_request(pairing, [list(range(k))], [list(range(k))], num_tokens=4 * k)
-    shapes = pairing._cache["shapes"]
+    shapes = memo_of(pairing).shapes
     assert len(shapes) == 256  # the 44 oldest were forgotten
     assert list(shapes)[0] == ((45,), (45,), 180, None) and list(shapes)[-1] == ((300,), (300,), 1200, None)
     # the second request of a shape records its recipe in place; the third (a recipe hit) moves it last

@@ -21,6 +21,7 @@ from kvgeom.geometry import RankGeometry, rank_geometry
 from kvgeom.handshake import check_pair, check_permute
 from kvgeom.pairing import Pairing
 from kvgeom.plan import Regroup, permuted_heads, plan_request, post_receive, receive_step
+from kvgeom.planmemo import memo_of
 from kvgeom.scenario import Scenario
 from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 
@@ -246,7 +247,7 @@ def test_a_recipe_keeps_the_regroups_layout() -> None:
     for local, remote in (([3, 5], [1, 2]), ([4, 6], [0, 3]), ([7, 1], [5, 6])):
         plan = plan_request(pairing, [local], [remote], num_tokens=32)
         assert [_regroup_row(r) for r in plan.regroup] == [((0,), local, 1, 2, 16, 32, TOKEN_MAJOR)]
-    assert any(type(v).__name__ == "_Shape" for v in pairing._cache["shapes"].values())
+    assert any(type(v).__name__ == "_Shape" for v in memo_of(pairing).shapes.values())
 
 
 # -- scenarios and the CLI ---------------------------------------------------------------------------------

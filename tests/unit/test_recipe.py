@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvgeom.plan import _plan, _Shape, plan_request
+from kvgeom.planmemo import memo_of
 from kvgeom.recipe import trace
 from kvgeom.scenario import Scenario
 
@@ -74,7 +75,7 @@ def test_recipe_plans_equal_the_general_planners(pair: tuple, tokens: int) -> No
         rids = [np.asarray(x, dtype=np.int64) for x in remote]
         got = plan_request(p, lids, rids, f"r{seed}", num_tokens=tokens)
         _same(got, _plan(p, lids, rids, f"r{seed}", None, tokens, None))
-    assert any(isinstance(v, _Shape) for v in p._cache["shapes"].values())
+    assert any(isinstance(v, _Shape) for v in memo_of(p).shapes.values())
 
 
 def test_a_shape_the_planner_refuses_stays_refused() -> None:

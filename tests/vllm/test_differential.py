@@ -28,7 +28,7 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from kvgeom.blocks import apply_prefix_caching, logical_to_kernel, map_block_ids_for_block_size_ratio
-from kvgeom.dcp import apply_dcp_prefix_caching, dcp_consumer_count, dcp_handshake_targets
+from kvgeom.dcp import apply_dcp_prefix_caching, dcp_consumer_count
 from kvgeom.descids import compute_desc_ids
 from kvgeom.errors import KvgeomError
 from kvgeom.exchange import clip_ssm_state_blocks, exchange_clipped_blocks
@@ -37,7 +37,7 @@ from kvgeom.layerroute import RegionTable, align_regions_by_layer, split_packed_
 from kvgeom.regionmap import apply_prefix_caching_by_region, block_ids_by_region
 from kvgeom.splits import build_local_splits
 from kvgeom.strided import fa_local_rows, fa_remote_rows, mamba_local_rows, mamba_remote_rows
-from kvgeom.tp import compute_tp_mapping
+from kvgeom.tp import compute_tp_mapping, dcp_handshake_targets
 
 EXAMPLES = {
     "tp_mapping": 1500,

@@ -17,7 +17,11 @@ from typing import Any
 from kvgeom.errors import ConfigError, KvgeomError, UnsupportedError
 from kvgeom.registration import CacheTensor, RegistrationLayout, discover_regions
 
+from ..calls import counted_call
+from ..card import card_of_worker, check_registration
+from ..metadata import CARDLESS, CARDLESS_EXAMPLE, KvgeomAgentMetadata
 from ._common import KVI
+from .regions import pp_region_offset, region_sort_key
 
 logger = logging.getLogger("kvgeom_vllm")
 
@@ -76,13 +80,8 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
     """``register_kv_caches`` (see the module doc)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
-    from ..card import card_of_worker, check_registration
-    from ..handshake import CARDLESS, CARDLESS_EXAMPLE, KvgeomAgentMetadata
-    from ..worker import KvgeomTransferTopology, counted_call
-    from .regions import pp_region_offset, region_sort_key
-
     routing = self._requires_layer_name_routing()
-    self.transfer_topo = KvgeomTransferTopology(
+    self.transfer_topo = self.kvgeom_topology(  # kvgeom_vllm.worker.KvgeomTransferTopology
         tp_rank=self.transfer_tp_rank,
         tp_size=self.transfer_tp_size,
         block_size=self.block_size,

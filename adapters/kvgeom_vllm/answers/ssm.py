@@ -11,6 +11,7 @@ from kvgeom.conv import physical_blocks_per_logical as _kv_ppl
 from kvgeom.conv import remote_conv_offsets as _kv_remote_conv_offsets
 from kvgeom.errors import ConfigError, SpecError
 
+from ..calls import counted_call
 from ._common import ORIGINAL_CONV_SPLIT_INFO
 
 MAMBA_TYPES = {"MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn"}
@@ -24,8 +25,6 @@ class KvgeomConvSplitInfo(ORIGINAL_CONV_SPLIT_INFO):
     """vLLM's ``MambaConvSplitInfo`` whose remote conv offsets come from kvgeom."""
 
     def remote_conv_offsets(self, local_rank_offset: int, tp_ratio: int) -> list[tuple[int, int]]:
-        from ..worker import counted_call
-
         return counted_call(
             "MambaConvSplitInfo.remote_conv_offsets", remote_conv_offsets, self, local_rank_offset, tp_ratio
         )

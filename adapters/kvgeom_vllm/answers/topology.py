@@ -8,11 +8,11 @@ from typing import Any
 
 from kvgeom.blocksize import block_size_ratio as _kv_block_size_ratio
 from kvgeom.dcp import dcp_consumer_count as _kv_dcp_consumer_count
-from kvgeom.dcp import dcp_handshake_targets as _kv_dcp_handshake_targets
 from kvgeom.dcp import dcp_rank as _kv_dcp_rank
 from kvgeom.dcp import dcp_source_ranks as _kv_dcp_source_ranks
 from kvgeom.spec import Shard
 from kvgeom.tp import compute_tp_mapping as _kv_compute_tp_mapping
+from kvgeom.tp import dcp_handshake_targets as _kv_dcp_handshake_targets
 from kvgeom.tp import handshake_targets as _kv_handshake_targets
 from kvgeom.tp import head_offset as _kv_head_offset
 from kvgeom.tp import needs_split_local_handles as _kv_needs_split

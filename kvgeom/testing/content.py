@@ -1,23 +1,30 @@
 """Known content for real transfers: every source byte encodes its logical coordinate, so that the
-consumer can check each received byte against kvgeom.testing's independent layout model.
+consumer can check each received byte against the independent layout model (:mod:`kvgeom.testing._layout`).
 
 ``byte_of(tag, salt)`` maps a coordinate tag (see :class:`kvgeom.testing.CoordSpace`) to a byte by hashing;
 the ``salt`` (one per request) makes two requests of equal length hold different bytes, so that one
 request's bytes landing in another's blocks is seen. ``fill_source`` writes a request's coordinates into a
 producer rank's tensors; ``verify_report`` compares a consumer rank's tensors with the expected bytes of
 all its requests, zero-or-poison in free blocks, and the poison everywhere else, and counts bad bytes.
+
+The tensors are numpy arrays or torch tensors (CPU or CUDA: read through ``.cpu().numpy()``, a CUDA tensor
+written back with ``copy_``); this module imports no torch. The demo and the transport's test host
+(``kvgeom_nixl``) fill and check their ranks with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from kvgeom import GeometryCard
-from kvgeom.testing import CoordSpace
-from kvgeom.testing._layout import NEEDED, OPTIONAL, OUTSIDE, rank_image
+from ..blocks import as_group_ids, logical_to_kernel
+from ..card import GeometryCard
+from ..geometry import RankGeometry
+from ._coords import CoordSpace
+from ._layout import NEEDED, OPTIONAL, OUTSIDE, rank_image
 
 __all__ = [
     "BACKGROUND",
@@ -41,15 +48,17 @@ def byte_of(tags: np.ndarray, salt: int = 0) -> np.ndarray:
     h = (
         np.asarray(tags, dtype=np.uint64) + np.uint64(1) + np.uint64(salt) * np.uint64(0x100000001B3)
     ) * np.uint64(0x9E3779B97F4A7C15)
-    return (h >> np.uint64(56)).astype(np.uint8)
+    return np.asarray(h >> np.uint64(56), dtype=np.uint8)
 
 
-def _np(t) -> np.ndarray:
-    return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
+def _np(t: Any) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    return np.asarray(t.cpu().numpy() if t.device.type != "cpu" else t.numpy())
 
 
 def fill_source(
-    tensors: Sequence,
+    tensors: Sequence[Any],
     card: GeometryCard,
     space: CoordSpace,
     ids: Sequence[Sequence[int]],
@@ -63,10 +72,8 @@ def fill_source(
         mask = img.tags[region] >= 0
         host = _np(t)  # CPU tensors: a view; CUDA tensors: a copy, written back below
         host[mask] = byte_of(img.tags[region][mask], salt)
-        if t.device.type != "cpu":
-            import torch
-
-            t.copy_(torch.from_numpy(host).to(t.device))
+        if not isinstance(t, np.ndarray) and t.device.type != "cpu":
+            t.copy_(t.new_tensor(host))  # a tensor of t's dtype on t's device, from the host copy
         written += int(mask.sum())
     return written
 
@@ -107,26 +114,39 @@ class Report:
 
 
 def verify(
-    tensors: Sequence, card: GeometryCard, space: CoordSpace, requests: Sequence[tuple], limit: int = 20
+    tensors: Sequence[Any],
+    card: GeometryCard,
+    space: CoordSpace,
+    requests: Sequence[tuple[Any, ...]],
+    limit: int = 20,
 ) -> list[Mismatch]:
     """Check a consumer rank after its requests (see :func:`verify_report`); the mismatching runs."""
     return verify_report(tensors, card, space, requests, limit=limit).mismatches
 
 
-def _page_mask(geom, ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
-    from .kvrank import block_rows
-
-    masks = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
-    for region, off, n in block_rows(geom, ids).tolist():
-        masks[region][off : off + n] = True
+def _page_mask(geom: RankGeometry, ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Per region, the bytes of the kernel blocks the ids name (an SSM group's id: all its kernel blocks)."""
+    kinds = geom.group_is_ssm
+    kernel = logical_to_kernel(as_group_ids(ids, kinds, "ids"), geom.ppl, kinds)
+    blocks = [
+        k if not ssm else (k[:, None] * geom.ppl + np.arange(geom.ppl)).ravel()
+        for k, ssm in zip(kernel, kinds)
+    ]
+    whole = np.unique(np.concatenate([np.zeros(0, np.int64), *blocks]))
+    masks = []
+    for r in geom.regions:
+        mask = np.zeros(r.nbytes, dtype=bool)
+        for b in whole.tolist():
+            mask[b * r.block_stride : (b + 1) * r.block_stride] = True
+        masks.append(mask)
     return masks
 
 
 def verify_report(
-    tensors: Sequence,
+    tensors: Sequence[Any],
     card: GeometryCard,
     space: CoordSpace,
-    requests: Sequence[tuple],
+    requests: Sequence[tuple[Any, ...]],
     free_ids: Sequence[Sequence[int]] = (),
     skip_ids: Sequence[Sequence[int]] = (),
     limit: int = 20,
@@ -190,7 +210,7 @@ def verify_report(
 
 
 def check_request(
-    tensors: Sequence,
+    tensors: Sequence[Any],
     card: GeometryCard,
     space: CoordSpace,
     ids: Sequence[Sequence[int]],

@@ -1,0 +1,234 @@
+"""The import rules of docs/architecture.md, drawn from the source: every ``import`` and ``from ... import``
+of ``kvgeom`` and of each package under ``adapters/`` (those inside functions too: they hide cycles), and
+``importlib.import_module`` of a literal name.
+
+* no import cycle among the modules;
+* layers: the core (``kvgeom``) imports no test facility and no adapter; the test facility
+  (``kvgeom.testing``) imports the core only; adapters import the core, not one another's modules;
+* the core imports none of the accelerator stacks (torch, NIXL, vLLM, Mooncake);
+* the adapters' production modules import no ``kvgeom.testing`` (only the test-host tooling still
+  living in ``kvgeom_nixl``, listed in :data:`TOOLING`, does until it moves out);
+* ``kvgeom`` and ``kvgeom.testing`` are facades: ``__all__`` sorted, without repeats, every name there.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE, TESTING = "kvgeom", "kvgeom.testing"
+FORBIDDEN_IN_CORE = frozenset({"torch", "nixl", "vllm", "mooncake", "kvgeom_nixl", "kvgeom_vllm"})
+#: test-host tooling that still lives in the transport package and reads the oracle's layout model
+#: (kvgeom.testing); it moves to a tooling package once the work on it has merged (docs/architecture.md)
+TOOLING = frozenset({"kvgeom_nixl.cluster"})
+
+
+@dataclass
+class Graph:
+    """Modules (dotted name -> source file), and per module the modules of the tree it imports and the
+    top-level names of everything it imports (the tree's own packages included)."""
+
+    files: dict[str, Path] = field(default_factory=dict)
+    internal: dict[str, set[str]] = field(default_factory=dict)
+    external: dict[str, set[str]] = field(default_factory=dict)
+
+
+def packages(root: Path = ROOT) -> dict[str, Path]:
+    """The core and every adapter package (a folder of ``adapters/`` with an ``__init__.py``)."""
+    found = {CORE: root / CORE}
+    for d in sorted((root / "adapters").iterdir()):
+        if (d / "__init__.py").is_file():
+            found[d.name] = d
+    return found
+
+
+def _modules(pkgs: Mapping[str, Path]) -> dict[str, tuple[Path, bool]]:
+    out: dict[str, tuple[Path, bool]] = {}
+    for name, root in pkgs.items():
+        for f in sorted(root.rglob("*.py")):
+            parts = [name, *f.relative_to(root).with_suffix("").parts]
+            is_pkg = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if is_pkg else parts)] = (f, is_pkg)
+    return out
+
+
+def _absolute(target: str, level: int, module: str, is_pkg: bool) -> str:
+    """``from .x import`` seen from ``module``: the dotted name it means."""
+    if not level:
+        return target
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, target] if target else base)
+
+
+def _literal_import(node: ast.Call) -> str | None:
+    """The name in ``importlib.import_module("name")`` / ``import_module("name")``, if a literal."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    arg = node.args[0]
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def imported_names(tree: ast.AST, module: str, is_pkg: bool) -> Iterator[tuple[str, str | None]]:
+    """Every ``(module, name)`` the tree imports, anywhere in it (``name``: what a ``from`` imports)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, None) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = _absolute(node.module or "", node.level, module, is_pkg)
+            yield from ((target, a.name) for a in node.names)
+        elif isinstance(node, ast.Call) and (lit := _literal_import(node)) is not None:
+            yield (_absolute(lit.lstrip("."), len(lit) - len(lit.lstrip(".")), module, is_pkg), None)
+
+
+def _resolve(name: str, known: Mapping[str, object]) -> str | None:
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def draw(pkgs: Mapping[str, Path]) -> Graph:
+    """The import graph of these packages' modules."""
+    mods = _modules(pkgs)
+    g = Graph()
+    for module, (path, is_pkg) in mods.items():
+        g.files[module] = path
+        g.internal[module], g.external[module] = set(), set()
+        for target, name in imported_names(ast.parse(path.read_text(), str(path)), module, is_pkg):
+            g.external[module].add(target.split(".")[0])
+            full = f"{target}.{name}" if name else target
+            hit = full if full in mods else _resolve(target, mods)
+            if hit is not None and hit != module:
+                g.internal[module].add(hit)
+    return g
+
+
+def find_cycle(edges: Mapping[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or ``None`` when the graph has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return draw(packages())
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _layer(module: str) -> str:
+    if _in(module, TESTING):
+        return "testing"
+    return "core" if _in(module, CORE) else module.split(".")[0]
+
+
+# -- the rules -------------------------------------------------------------------------------------------
+def test_the_modules_import_one_another_without_a_cycle(graph: Graph) -> None:
+    assert len(graph.files) > 80  # the whole tree was drawn: the core and both adapters
+    assert {m.split(".")[0] for m in graph.files} == {"kvgeom", "kvgeom_nixl", "kvgeom_vllm"}
+    cycle = find_cycle(graph.internal)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_each_layer_imports_only_the_layers_below(graph: Graph) -> None:
+    allowed = {"core": {"core"}, "testing": {"core", "testing"}}
+    upward = sorted(
+        (m, t)
+        for m, targets in graph.internal.items()
+        for t in targets
+        if _layer(t) not in allowed.get(_layer(m), {"core", _layer(m)})
+        and not (m in TOOLING and _layer(t) == "testing")
+    )
+    assert upward == []
+
+
+def test_the_core_imports_no_accelerator_stack_and_no_adapter(graph: Graph) -> None:
+    found = sorted(
+        (m, name) for m, names in graph.external.items() if _in(m, CORE) for name in names & FORBIDDEN_IN_CORE
+    )
+    assert found == []
+
+
+def test_only_test_tooling_imports_the_test_facility(graph: Graph) -> None:
+    users = {m for m, targets in graph.internal.items() if any(_in(t, TESTING) for t in targets)}
+    assert sorted(u for u in users if not _in(u, TESTING) and u not in TOOLING) == []
+    assert TOOLING <= set(graph.files)  # an exemption names a module that exists (drop it once moved)
+
+
+@pytest.mark.parametrize("name", [CORE, TESTING])
+def test_the_facades_list_their_names_sorted_and_every_name_resolves(name: str) -> None:
+    facade = importlib.import_module(name)
+    names = list(facade.__all__)
+    assert names == sorted(set(names))
+    assert [n for n in names if not hasattr(facade, n)] == []
+
+
+# -- the graph drawer itself -----------------------------------------------------------------------------
+def _tree(root: Path, files: Mapping[str, str]) -> dict[str, Path]:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return {"pkg": root / "pkg"}
+
+
+def test_a_cycle_hidden_in_a_function_import_is_found(tmp_path: Path) -> None:
+    pkgs = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from .b import f\n",
+            "pkg/b.py": "import importlib\n\ndef f():\n    return importlib.import_module('pkg.sub.c')\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/c.py": "def g():\n    from .. import a\n    return a\n",
+            "pkg/d.py": "import numpy\nfrom pkg import a\n",
+        },
+    )
+    g = draw(pkgs)
+    assert g.internal == {
+        "pkg": set(),
+        "pkg.a": {"pkg.b"},
+        "pkg.b": {"pkg.sub.c"},
+        "pkg.sub": set(),
+        "pkg.sub.c": {"pkg.a"},
+        "pkg.d": {"pkg.a"},
+    }
+    assert g.external["pkg.d"] == {"numpy", "pkg"}
+    assert find_cycle(g.internal) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
+
+
+def test_an_acyclic_tree_has_no_cycle(tmp_path: Path) -> None:
+    pkgs = _tree(
+        tmp_path,
+        {"pkg/__init__.py": "from .a import x\n", "pkg/a.py": "x = 1\n", "pkg/b.py": "from . import a\n"},
+    )
+    g = draw(pkgs)
+    assert g.internal == {"pkg": {"pkg.a"}, "pkg.a": set(), "pkg.b": {"pkg.a"}}
+    assert find_cycle(g.internal) is None
+    assert find_cycle({"x": {"x"}}) == ["x", "x"]

@@ -59,7 +59,7 @@ from .errors import (
     TransferError,
 )
 from .fence import Fence, Held, Token
-from .sidechannel import SideChannelServer, check_generation, fetch, make_payload, query_generation
+from .sidechannel import SideChannelServer, check_generation, fetch, make_payload, probe
 
 __all__ = [
     "KVRank",
@@ -260,9 +260,9 @@ class KVRank:
         self.auth = Auth.from_config(self.config)  # no secret and not insecure: refused here
         self.card_limits = card_limits
         self.host = host
-        self.incarnation = secrets.token_hex(
-            8
-        )  # this process's registrations; with ``started``, orders records
+        # this process's registrations (with ``started``, orders records); its side channel announces it
+        # in every greeting, so a peer that sees another incarnation on this port knows we are gone
+        self.incarnation = secrets.token_hex(16)
         self.started = time.time()
         self._gen_base = 0  # generations of earlier agents of this rank (rebind): the payload's only grows
         self.tensors = allocate(card, device)
@@ -304,6 +304,7 @@ class KVRank:
             "notice_send_errors": 0,
             "etcd_fallbacks": 0,
             "probes_unknown": 0,  # a writer's side channel did not answer: no evidence, kept holding
+            "probes_new_incarnation": 0,  # another process answered on a writer's port: it is gone
             "retired": 0,  # attempts whose blocks passed quarantine_bound_s (ever)
             "retired_blocks": 0,  # blocks retired now (out of the pool until positive evidence)
         }
@@ -313,6 +314,8 @@ class KVRank:
         self._released: _Bounded = _Bounded(cap)  # request id -> {consumer: time}
         self._attempts: _Bounded = _Bounded(cap)  # request id -> last attempt on this rank
         self._watch: dict[tuple[str, int], tuple[str, int]] = {}  # (engine, rank) -> side channel
+        # (engine, rank) -> the incarnation its process announced (sealed payload, or the first answer)
+        self._incarnations: dict[tuple[str, int], bytes] = {}
         self._agents: dict[
             tuple[str, int], str
         ] = {}  # (engine, rank) -> agent name, from authenticated payloads
@@ -372,6 +375,7 @@ class KVRank:
             max_peers=cfg.max_peer_payloads,
             peer_ttl_s=cfg.peer_payload_ttl_s,
             replay_window_s=cfg.replay_window_s,
+            incarnation=bytes.fromhex(self.incarnation),
         )
         self.server = server
         server.update(self.payload())  # knows its own port now
@@ -551,6 +555,7 @@ class KVRank:
         for r, link in links.items():
             self._agents[(engine_id, r)] = link.agent
             self._watch[(engine_id, r)] = (link.host, link.port)
+            self._know_incarnation((engine_id, r), payloads[r])
         self.pairings[engine_id], self.links[engine_id] = pairing, links
         self.rejected.pop(engine_id, None)
         return pairing
@@ -642,6 +647,17 @@ class KVRank:
         self._watched[engine_id] = payloads
         for r, p in payloads.items():
             self._watch[(engine_id, r)] = (p["sidechannel"][0], p["sidechannel"][1])
+            self._know_incarnation((engine_id, r), p)
+
+    def _know_incarnation(self, key: tuple[str, int], payload: Mapping[str, Any]) -> None:
+        """Remember the incarnation a peer's sealed payload names (16 bytes in hex; older peers' shorter
+        ones are not a server incarnation and are not kept)."""
+        try:
+            inc = bytes.fromhex(str(payload.get("incarnation", "")))
+        except ValueError:
+            return
+        if len(inc) == 16:
+            self._incarnations[key] = inc
 
     def _local_handle(self, engine_id: str, key: tuple[int, int]) -> Prepped:
         if (engine_id, key) not in self._local:
@@ -1065,7 +1081,8 @@ class KVRank:
 
     def _probe_writers(self) -> bool:
         """Ask each silent writer's side channel (at most every ``_PROBE_EVERY_S``) whether its process is
-        alive; a refused connection (positive evidence) clears it. True if one was cleared."""
+        alive; positive evidence of its death clears it: a refused connection, or an authenticated answer
+        from another incarnation than the one it was known by. True if one was cleared."""
         now = time.monotonic()
         gone = False
         for w in self.fence.writers():
@@ -1074,13 +1091,20 @@ class KVRank:
                 continue
             self._probed[w] = now
             try:
-                query_generation(addr[0], addr[1], timeout_s=0.25, auth=self.auth)
+                seen = probe(addr[0], addr[1], timeout_s=0.25, auth=self.auth).incarnation
             except PeerGone:  # refused: nothing listens any more (a stopped process still accepts)
                 gone = self.fence.writer_gone(w) > 0 or gone
+                continue
             except PeerUnknown:  # reset, EOF, timeout, unreachable: no evidence, keep holding
                 self.stats["probes_unknown"] += 1
+                continue
             except AdapterError:
-                pass
+                continue
+            known = self._incarnations.setdefault(w, seen)  # first answer: who serves the port now
+            if seen != known:  # authenticated, and another process: the one we knew is gone
+                self.stats["probes_new_incarnation"] += 1
+                self._incarnations[w] = seen
+                gone = self.fence.writer_gone(w) > 0 or gone
         return gone
 
     def _retire(self) -> None:

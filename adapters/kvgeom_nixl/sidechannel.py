@@ -51,6 +51,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .auth import TAG_BYTES, Auth
@@ -88,6 +89,8 @@ __all__ = [
     "validate_payload",
     "fetch",
     "query_generation",
+    "probe",
+    "Liveness",
     "check_generation",
     "encode",
     "decode",
@@ -823,6 +826,20 @@ def _request(
     """One connection, one request, one reply, all before the absolute ``deadline``: read the server's
     greeting, send a preamble tagged for it and the body (``msg`` without ``op``); the reply must be tagged
     for this request's nonce."""
+    return _exchange(host, port, msg, deadline, auth, max_bytes)[0]
+
+
+def _exchange(
+    host: str,
+    port: int,
+    msg: Mapping[str, Any],
+    deadline: float,
+    auth: Auth,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> tuple[dict[str, Any], Greeting]:
+    """:func:`_request`, also returning the server's greeting. The reply's tag binds the request's nonce,
+    and the request's preamble binds the greeting's incarnation: an authenticated reply proves that a
+    holder of the secret served this request as that incarnation."""
     where = f"{host}:{port}"
     rest = {k: v for k, v in msg.items() if k != "op"}
     body = _dumps(rest) if rest else b""
@@ -836,7 +853,7 @@ def _request(
         data, nonce = make_request(greeting, msg["op"], body, auth)
         _send_all(sock, data, deadline)
         tag, reply = _recv_frame(sock, deadline, max_bytes)
-    return _check_reply(where, nonce.hex(), tag, reply, auth)
+    return _check_reply(where, nonce.hex(), tag, reply, auth), greeting
 
 
 def _check_reply(where: str, nonce: str, tag: bytes, body: bytes, auth: Auth) -> dict[str, Any]:
@@ -944,9 +961,25 @@ def query_generation(host: str, port: int, timeout_s: float = 2.0, *, auth: Auth
     death is :class:`PeerGone`: the connection refused (``ECONNREFUSED``: nothing listens on the port).
     Anything else that leaves us without an answer (a reset or an EOF before the reply, which a flooded
     server's accept-time close produces, a timeout, an unreachable route) is :class:`PeerUnknown`."""
+    return probe(host, port, timeout_s, auth=auth).generation
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """An authenticated answer to a ``generation`` query: the peer's registration generation and the
+    incarnation of the server that answered (a rank's server announces its process's incarnation)."""
+
+    generation: int
+    incarnation: bytes
+
+
+def probe(host: str, port: int, timeout_s: float = 2.0, *, auth: Auth) -> Liveness:
+    """:func:`query_generation`, with the answering server's authenticated incarnation: a different
+    incarnation than the one a peer was known by is positive evidence that the process it knew is gone
+    (another process serves its port). Errors as :func:`query_generation`."""
     where = f"{host}:{port}"
     try:
-        reply = _request(host, port, {"op": "generation"}, time.monotonic() + timeout_s, auth)
+        reply, greeting = _exchange(host, port, {"op": "generation"}, time.monotonic() + timeout_s, auth)
     except ConnectionRefusedError as e:
         raise PeerGone(
             f"side channel {where} refused the connection ({e}): its process is gone",
@@ -964,7 +997,7 @@ def query_generation(host: str, port: int, timeout_s: float = 2.0, *, auth: Auth
     gen = reply.get("generation")
     if isinstance(gen, bool) or not isinstance(gen, int):
         raise ProtocolError(f"{where} answered generation={gen!r}", stage="generation", peer=where)
-    return gen
+    return Liveness(gen, greeting.incarnation)
 
 
 def check_generation(host: str, port: int, expected: int, timeout_s: float = 2.0, *, auth: Auth) -> int:

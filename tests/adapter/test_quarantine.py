@@ -206,6 +206,50 @@ def test_settle_keeps_holding_while_the_writer_is_unknown_and_frees_on_refusal(d
     assert kv.quarantined() == []
 
 
+def test_another_incarnation_on_the_writers_port_is_evidence_and_the_same_one_is_not(d_rank):
+    """A writer's process is gone when a holder of the secret answers on its port as another
+    incarnation (a restarted rank on a fixed port): its blocks are returned. While the incarnation it was
+    known by answers (alive, just late), they stay held, however often it is asked."""
+    kv = d_rank
+    first = SideChannelServer(HOST, 0, None, auth=AUTH, incarnation=b"A" * 16).start()
+    port = first.port
+    kv.watch("prefill", {0: port})
+    kv.fence.hold(("r1", 1), [[3, 4, 5]], writers=[WRITER], reason="test")
+    try:
+        held = _settle_until(kv, lambda out: first.stats["served"] >= 3, 10.0)
+        assert held == [] and first.stats["served"] >= 3, first.stats
+        assert [h.token for h in kv.quarantined()] == [("r1", 1)]
+        assert kv.stats["probes_new_incarnation"] == 0
+    finally:
+        first.close()
+    second = SideChannelServer(HOST, port, None, auth=AUTH, incarnation=b"B" * 16).start()
+    try:
+        out = _settle_until(kv, bool, 10.0)
+    finally:
+        second.close()
+    assert [(s.request_id, s.attempt, s.cleared_by) for s in out] == [("r1", 1, ("prefill:0 gone",))]
+    assert kv.stats["probes_new_incarnation"] == 1 and second.stats["served"] >= 1
+    assert kv.quarantined() == []
+
+
+def test_a_rank_announces_its_process_incarnation_in_every_greeting():
+    """What the evidence above rests on: a rank's side channel answers as the incarnation its sealed
+    payload names, the same across a rebind of its server (same process), another for another process."""
+    from kvgeom_nixl.sidechannel import probe
+
+    a = KVRank(card("prefill"), CONFIG)
+    b = KVRank(card("prefill"), CONFIG)
+    try:
+        seen = probe(HOST, a.port, timeout_s=5.0, auth=AUTH).incarnation
+        assert seen == bytes.fromhex(a.payload()["incarnation"]) and len(seen) == 16
+        assert probe(HOST, b.port, timeout_s=5.0, auth=AUTH).incarnation != seen
+        a.rebind(HOST)  # a new server and agent, the same process
+        assert probe(HOST, a.port, timeout_s=5.0, auth=AUTH).incarnation == seen
+    finally:
+        a.close()
+        b.close()
+
+
 def test_quarantined_ids_are_refused_where_they_enter(d_rank):
     kv = d_rank
     kv.fence.hold(("r1", 1), [[3, 4, 5]], writers=[WRITER], reason="test")

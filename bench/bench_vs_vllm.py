@@ -45,6 +45,7 @@ import _e2e  # noqa: E402  (tests/vllm/_e2e.py: the vLLM worker harness of the d
 import numpy as np  # noqa: E402
 
 from kvgeom.plan import plan_request  # noqa: E402
+from kvgeom.planmemo import memo_of  # noqa: E402
 from kvgeom.scenario import Scenario  # noqa: E402
 from kvgeom.splits import expand_strided  # noqa: E402
 
@@ -189,7 +190,7 @@ def request_row(sc: Scenario, side: VllmSide, tokens: int, budget: float) -> dic
     t_v = timed(lambda: side.desc_ids(local, remote), budget)
 
     def cold() -> None:  # a shape never seen: the general planner (no recipe yet)
-        pairing._cache.pop("shapes", None)
+        memo_of(pairing).shapes.clear()
         plan_request(pairing, larr, rarr, "req", num_tokens=req.num_tokens)
 
     t_new = timed(cold, budget)

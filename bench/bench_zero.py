@@ -26,7 +26,12 @@ row by row), then timed, interleaved rep by rep, against
   A case meets the target at ratio >= 0.5, or, where the floor itself is below that, within 1.2x of the
   floor.
 
-Run: ``.venv/bin/python bench/bench_zero.py [--reps R] [--quick] [--tokens N ...] [--only PAIR] [--json]``.
+By default the timed calls run back to back, so each finds the bytes the previous one wrote in the caches
+(which favours small cases' memset); ``--cold`` writes 256 MiB elsewhere before every timed call, as a
+failed request's blocks would be found.
+
+Run: ``.venv/bin/python bench/bench_zero.py [--reps R] [--quick] [--cold] [--tokens N ...] [--only PAIR]
+[--json]``.
 """
 
 from __future__ import annotations
@@ -109,7 +114,18 @@ def check(tensors: list, rows: np.ndarray) -> None:
             raise SystemExit(f"region {region}: zeroing wrote other bytes than its rows")
 
 
-def timed(fns: dict, reps: int) -> dict:
+_EVICT = np.ones(0, dtype=np.uint8)
+
+
+def evict() -> None:
+    """Write 256 MiB elsewhere, so that the next timed call finds none of its bytes in the caches."""
+    global _EVICT
+    if not _EVICT.size:
+        _EVICT = np.ones(256 << 20, dtype=np.uint8)
+    _EVICT += 1
+
+
+def timed(fns: dict, reps: int, cold: bool = False) -> dict:
     """Least seconds of each function over ``reps``, run interleaved (one of each per rep) after one warm-up
     each: on a shared machine the least is the run least disturbed by others, for all three alike."""
     times: dict = {k: [] for k in fns}
@@ -117,13 +133,15 @@ def timed(fns: dict, reps: int) -> dict:
         fn()
     for _ in range(reps):
         for k, fn in fns.items():
+            if cold:
+                evict()
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
     return {k: min(v) for k, v in times.items()}
 
 
-def case(name: str, tensors: list, make_rows, reps: int) -> dict:  # noqa: ANN001
+def case(name: str, tensors: list, make_rows, reps: int, cold: bool = False) -> dict:  # noqa: ANN001
     rows = make_rows()
     check(tensors, rows)
     nbytes = int(rows[:, 2].sum())
@@ -153,6 +171,7 @@ def case(name: str, tensors: list, make_rows, reps: int) -> dict:  # noqa: ANN00
             "same_bytes": same_bytes,
         },
         reps,
+        cold,
     )
     floor = min(s["per_row"], s["same_bytes"])
     ratio = s["memset"] / s["kvgeom"]
@@ -180,9 +199,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="shorter long requests")
     ap.add_argument("--tokens", type=int, nargs="+", help="these request lengths for every pair")
     ap.add_argument("--only", help="run only the pairs whose label contains this")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the caches before every timed call (default: back to back, hot)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    out: dict = {"target": TARGET, "pairs": [], "cases": []}
+    out: dict = {"target": TARGET, "cold": args.cold, "pairs": [], "cases": []}
     for label, data, lengths in pairs(args.quick, args.tokens):
         if args.only and args.only not in label:
             continue
@@ -199,7 +223,7 @@ def main() -> None:
             ):
                 if not len(make()):
                     continue  # nothing to zero (every received block full)
-                c = case(f"{label} {n} tok, {kind}", tensors, make, args.reps)
+                c = case(f"{label} {n} tok, {kind}", tensors, make, args.reps, args.cold)
                 c.update(pair=label, tokens=n, kind=kind)
                 out["cases"].append(c)
         del tensors

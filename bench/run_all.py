@@ -458,6 +458,10 @@ Profiled with pyinstrument and cProfile (the numbers below are from the Kimi-Lin
   of the time and memset speed is out of reach; kvgeom is 0.3-0.7x of the floor there, which does no
   checking and finds its ranges ahead of time. Zeroing by dropping pages (`madvise(MADV_DONTNEED)`) would
   be faster for whole pages but is unsafe on memory NIXL has registered (pinned pages), so it is not used.
+  With the caches evicted before every timed call (`bench_zero.py --cold`, one run: a failed request's
+  blocks are rarely hot), 7 of the 10 cases meet the target (post-receive 0.56-0.71x for the long
+  Kimi-Linear and 12,000-token hybrid requests); the misses are the 97-token hybrid failure (0.21x,
+  0.81 of the floor) and the 100-token Llama receive (0.19x, 0.49 of the floor).
 * **Descriptors posted.** In vLLM mode the plan posts exactly vLLM's descriptors (checked equal), one
   per kernel block and region, so "no more than vLLM" holds; "equal to the minimal contiguous runs" does
   not (see the runs column). Posting runs would take per-request descriptor lists (NIXL's

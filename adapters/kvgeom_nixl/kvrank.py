@@ -27,6 +27,7 @@ valid tag for its claimed sender and for us is dropped and counted (``stats["rej
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import secrets
 import time
@@ -40,6 +41,7 @@ import numpy as np
 from kvgeom import GeometryCard, KvgeomError, Pairing, RequestPlan, check_pair, plan_request
 from kvgeom.blocks import as_group_ids, logical_to_kernel
 from kvgeom.card import DEFAULT_LIMITS, CardLimits
+from kvgeom.errors import PlanError
 from kvgeom.plan import Regroup, check_writes, contiguous_runs, receive_step
 from kvgeom.tp import handshake_targets
 
@@ -70,6 +72,7 @@ __all__ = [
     "apply_post_receive",
     "block_rows",
     "request_block_rows",
+    "zero_runs",
 ]
 
 _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
@@ -86,37 +89,169 @@ def allocate(card: GeometryCard, device: str = "cpu") -> list[Any]:
     return [torch.zeros(r.nbytes, dtype=torch.uint8, device=device) for r in card.geometry.regions]
 
 
-def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
-    """Zero ``(region, offset, length)`` rows; vectorised per (region, length) bucket. Each bucket is cut
-    into chunks of ``g`` bytes, the largest size dividing every offset, the length and the region (a whole
-    block's rows: one chunk per row), and zeroed as rows of a ``[-1, g]`` view: CPU tensors through numpy's
-    row assignment (in 8-byte words where aligned), device tensors by torch's ``index_fill_``. Never one index
-    per byte unless the rows share no alignment at all."""
+_MAX_CHUNKS_PER_RUN = 4
+"""Short runs split into more chunks than this each are zeroed one ``memset`` each (measured: numpy's indexed
+write costs about as much per chunk as a call costs per run once a run is a few chunks)."""
+_VEC_MIN_RUNS = 64
+"""A region's short runs are zeroed together (:func:`_zero_short`) from this many on; fewer, one call each
+(the indexed write's fixed cost, tens of microseconds, is that of a few dozen calls)."""
+_FEW_ROWS = 64
+"""Up to this many rows are zeroed as given, one call each (:func:`_zero_few`), without merging."""
+_LOOP_MIN_BYTES = 16384
+"""Runs at least this long are zeroed one call each (a memset); shorter ones together, by one indexed write.
+Measured on CPU tensors (``bench/bench_zero.py``): a per-run call costs about a microsecond of Python, which a
+16 KiB memset hides; below that one indexed write over all the short runs is faster."""
+
+
+def _host(t: Any) -> bool:
+    """Whether ``t``'s bytes are host memory this process may write directly (libc, numpy); the other
+    devices' tensors are zeroed by torch alone (tests force that path on CPU tensors through this)."""
+    return bool(t.is_cpu)
+
+
+def zero_runs(rows: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(region, offset, length)`` rows as the fewest disjoint runs: ``(region, start, end)`` arrays sorted
+    by region then start, where touching or overlapping rows of one region are one run (never across
+    regions), and the rows' byte total (every row counted, as zeroed). Rows of length 0 are dropped. A row
+    outside its region (``sizes``) or a region that is not one raises :class:`~kvgeom.errors.PlanError`."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        e = np.zeros(0, np.int64)
+        return e, e, e, 0
+    if rows.ndim != 2 or rows.shape[1] != 3:
+        raise PlanError("zero", f"rows must be (region, offset, length) triples, got shape {rows.shape}")
+    size = np.asarray(sizes, dtype=np.int64)
+    region, offset, length = rows.T
+    lo, hi = int(region.min()), int(region.max())
+    if lo < 0 or hi >= size.size:
+        raise PlanError("zero", f"rows name region {lo if lo < 0 else hi}; there are {size.size}")
+    over = (offset < 0) | (length < 0) | (offset + length > size[region])
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise PlanError(
+            "zero", f"row {i} {rows[i].tolist()} lies outside its region ({int(size[region[i]])} B)"
+        )
+    total = int(length.sum())
+    if total == 0:
+        e = np.zeros(0, np.int64)
+        return e, e, e, 0
+    if not length.all():
+        keep = length > 0
+        region, offset, length = region[keep], offset[keep], length[keep]
+    # one address space with a 1-byte gap after every region: sorting and merging never join two regions
+    base = np.cumsum(size + 1) - (size + 1)
+    start = base[region] + offset
+    end = start + length
+    if (start[1:] < start[:-1]).any():
+        order = np.argsort(start, kind="stable")
+        start, end = start[order], end[order]
+    reach = np.maximum.accumulate(end)  # an overlapping row may end before the one it lies in
+    first = np.flatnonzero(start[1:] > reach[:-1]) + 1
+    run_start = start[np.append(0, first)]
+    run_end = reach[np.append(first - 1, start.size - 1)]
+    run_region = np.searchsorted(base, run_start, side="right") - 1
+    local = base[run_region]
+    return run_region, run_start - local, run_end - local, total
+
+
+def _chunks(start: np.ndarray, end: np.ndarray, nbytes: int) -> tuple[int, np.ndarray]:
+    """The runs as ``g``-byte chunks: ``g`` the largest size dividing every start, every length and the
+    region, and the chunk indices (a ``[-1, g]`` view's rows) in run order."""
+    g = int(np.gcd.reduce(np.concatenate([start, end - start, [nbytes]])))
+    per = (end - start) // g
+    first = start // g
+    if (per == 1).all():
+        return g, first
+    at = np.repeat(np.cumsum(per) - per, per)
+    return g, np.repeat(first, per) + (np.arange(int(per.sum())) - at)
+
+
+def _zero_short(t: Any, start: np.ndarray, end: np.ndarray) -> None:
+    """Zero ``[start, end)`` runs of one flat uint8 tensor by one indexed write of a ``[-1, g]`` view
+    (:func:`_chunks`): numpy's on CPU tensors (in 8-byte words where aligned), ``index_fill_`` on others.
+    On a contiguous CPU tensor whose runs would need more than ``_MAX_CHUNKS_PER_RUN`` chunks each (their
+    starts share little alignment), one ``memset`` per run instead."""
     import torch
 
+    g, idx = _chunks(start, end, t.numel())
+    cpu = _host(t)
+    if cpu and idx.size > _MAX_CHUNKS_PER_RUN * start.size and t.is_contiguous():
+        p, memset = t.data_ptr(), ctypes.memset
+        for s, e in zip(start.tolist(), end.tolist()):
+            memset(p + s, 0, e - s)
+        return
+    if cpu:
+        rows2d = t.view(-1, g).numpy()  # a view: writes land in the tensor
+        if g % 8 == 0 and rows2d.ctypes.data % 8 == 0 and rows2d.strides[1] == 1:
+            rows2d = rows2d.view(np.uint64)  # 8-byte words: numpy's row copy runs 8x fewer elements
+        rows2d[idx] = 0
+    else:
+        t.view(-1, g).index_fill_(0, torch.from_numpy(idx).to(t.device), 0)
+
+
+def _zero_few(tensors: Sequence[Any], rows: list[list[int]]) -> int:
+    """:func:`_zero_rows` for a few rows: each checked, then zeroed by one call, in plain Python (numpy's
+    per-call cost would be most of the time)."""
+    where: dict[int, tuple[int, int]] = {}
+    for r, o, n in rows:
+        if not 0 <= r < len(tensors):
+            raise PlanError("zero", f"rows name region {r}; there are {len(tensors)}")
+        if r not in where:
+            t = tensors[r]
+            where[r] = (t.data_ptr() if _host(t) and t.is_contiguous() else 0, t.numel())
+        if o < 0 or n < 0 or o + n > where[r][1]:
+            raise PlanError("zero", f"row {[r, o, n]} lies outside its region ({where[r][1]} B)")
+    memset = ctypes.memset
     total = 0
-    if not len(rows):
-        return 0
-    rows = np.asarray(rows, dtype=np.int64)
-    for region in np.unique(rows[:, 0]):
-        sel = rows[rows[:, 0] == region]
-        t = tensors[int(region)]
-        for length in np.unique(sel[:, 2]):
-            offs = sel[sel[:, 2] == length, 1]
-            n = int(length)
-            if n <= 0:
-                continue
-            g = int(np.gcd.reduce(np.concatenate([offs, [n, t.numel()]])))
-            chunks = n // g
-            idx = offs // g if chunks == 1 else ((offs // g)[:, None] + np.arange(chunks)[None, :]).ravel()
-            if t.device.type == "cpu":
-                rows2d = t.view(-1, g).numpy()  # a view: writes land in the tensor
-                if g % 8 == 0 and rows2d.ctypes.data % 8 == 0 and rows2d.strides[1] == 1:
-                    rows2d = rows2d.view(np.uint64)  # 8-byte words: numpy's row copy runs 8x fewer elements
-                rows2d[idx] = 0
+    for r, o, n in rows:
+        if n:
+            p = where[r][0]
+            if p:
+                memset(p + o, 0, n)
             else:
-                t.view(-1, g).index_fill_(0, torch.from_numpy(idx).to(t.device), 0)
-            total += offs.size * n
+                tensors[r][o : o + n].zero_()
+            total += n
+    return total
+
+
+def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
+    """Zero ``(region, offset, length)`` rows of one flat uint8 tensor per region; returns the rows' byte
+    total. Up to ``_FEW_ROWS`` rows are zeroed as given (:func:`_zero_few`). More are merged first into the
+    fewest disjoint runs (:func:`zero_runs`: a request's blocks that lie side by side are one run); a
+    region's short runs (under ``_LOOP_MIN_BYTES``), when it has at least ``_VEC_MIN_RUNS`` of them, are
+    zeroed together (:func:`_zero_short`), every other run by one call (libc's ``memset`` on contiguous CPU
+    tensors, ``zero_()`` of a slice on others). Rows outside their region raise
+    :class:`~kvgeom.errors.PlanError` before any byte is written."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if 0 < len(rows) <= _FEW_ROWS and rows.ndim == 2 and rows.shape[1] == 3:
+        return _zero_few(tensors, rows.tolist())
+    sizes = [t.numel() for t in tensors]
+    region, start, end, total = zero_runs(rows, sizes)
+    if not region.size:
+        return 0
+    if (start < 0).any() or (end > np.asarray(sizes, dtype=np.int64)[region]).any():  # libc writes unchecked
+        raise AssertionError("zero runs left their regions")
+    short = end - start < _LOOP_MIN_BYTES
+    many = np.flatnonzero(np.bincount(region[short], minlength=len(tensors)) >= _VEC_MIN_RUNS)
+    together = short & np.isin(region, many) if many.size else np.zeros(region.size, dtype=bool)
+    one = ~together
+    region1, start1, end1 = region[one], start[one], end[one]
+    ptr = np.zeros(len(tensors), dtype=np.int64)  # 0: not a contiguous CPU tensor, zeroed by torch
+    for r in np.unique(region1).tolist():
+        t = tensors[r]
+        if _host(t) and t.is_contiguous():
+            ptr[r] = t.data_ptr()
+    addr = ptr[region1]
+    direct = addr != 0
+    memset = ctypes.memset
+    for a, n in zip((addr[direct] + start1[direct]).tolist(), (end1 - start1)[direct].tolist()):
+        memset(a, 0, n)
+    if not direct.all():
+        for r, s, e in zip(region1[~direct].tolist(), start1[~direct].tolist(), end1[~direct].tolist()):
+            tensors[r][s:e].zero_()
+    for r in many.tolist():
+        m = together & (region == r)
+        _zero_short(tensors[r], start[m], end[m])
     return total
 
 
@@ -172,14 +307,14 @@ def block_rows(geom: Any, ids: Sequence[Sequence[int]]) -> np.ndarray:
             ]
         )
     )
-    rows = [
-        np.stack(
-            [np.full(blocks.size, r.index), blocks * r.block_stride, np.full(blocks.size, r.block_stride)],
-            axis=1,
-        )
-        for r in geom.regions
-    ]
-    return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), np.int64)
+    # region-major, one row per (region, block): every region's rows at once, no per-region arrays
+    index = np.asarray([r.index for r in geom.regions], dtype=np.int64)
+    stride = np.asarray([r.block_stride for r in geom.regions], dtype=np.int64)
+    rows = np.empty((index.size, blocks.size, 3), dtype=np.int64)
+    rows[:, :, 0] = index[:, None]
+    rows[:, :, 1] = stride[:, None] * blocks[None, :]
+    rows[:, :, 2] = stride[:, None]
+    return rows.reshape(-1, 3)
 
 
 @dataclass

@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvgeom_nixl.kvrank import _zero_rows
+from kvgeom_nixl import kvrank
+from kvgeom_nixl.kvrank import _zero_rows, block_rows, zero_runs
+
+from kvgeom.errors import PlanError
 
 
 def _reference(sizes: list[int], rows: np.ndarray) -> list[np.ndarray]:
@@ -57,13 +60,176 @@ def test_bench_zero_smoke() -> None:
 
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [sys.executable, str(root / "bench" / "bench_zero.py"), "--tokens", "16", "--reps", "1", "--json"],
+        [
+            sys.executable,
+            str(root / "bench" / "bench_zero.py"),
+            "--tokens",
+            "100",
+            "300",
+            "--reps",
+            "1",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=root,
     )
     assert out.returncode == 0, out.stderr
-    cases = json.loads(out.stdout.strip().splitlines()[-1])["cases"]
-    assert [c["case"] for c in cases] == ["failure (invalidate)", "post-receive"]
-    assert all(c["bytes"] > 0 and c["kvgeom_s"] > 0 for c in cases)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    cases = data["cases"]
+    assert {c["kind"] for c in cases} == {"failure", "post-receive"}
+    assert {c["pair"] for c in cases} == {"kimi-linear", "demo-mamba2-hybrid", "llama-3.1-8b"}
+    assert all(c["bytes"] > 0 and c["kvgeom_s"] > 0 and c["memset_s"] > 0 for c in cases)
+    assert all(0 < c["runs"] <= c["rows"] for c in cases)
+
+
+def _random_rows(rng: np.random.Generator, sizes: list[int], n: int) -> np.ndarray:
+    """Rows of every shape zeroing meets: unaligned, aligned, empty, adjacent (one ending where the next
+    starts, also at a region's end and the next region's start), overlapping and duplicated."""
+    rows: list[tuple[int, int, int]] = []
+    while len(rows) < n:
+        region = int(rng.integers(0, len(sizes)))
+        kind = rng.random()
+        length = int(rng.choice([0, 1, 3, 7, 8, 64, 100, 512, 4096, 20000]))
+        length = min(length, sizes[region])
+        offset = int(rng.integers(0, sizes[region] - length + 1))
+        if kind < 0.3:
+            offset -= offset % max(length, 1)  # aligned to its own length
+        rows.append((region, offset, length))
+        if kind > 0.7 and offset + 2 * length <= sizes[region]:
+            rows.append((region, offset + length, length))  # adjacent
+        elif kind > 0.6 and length > 1:
+            rows.append((region, offset + length // 2, length))  # overlapping
+            rows[-1] = (region, min(rows[-1][1], sizes[region] - length), length)
+        elif kind > 0.55:
+            rows.append(rows[-1])  # duplicated
+    if rng.random() < 0.3:  # touching across a region boundary: never one run
+        rows += [(0, sizes[0] - 5, 5), (1, 0, 5)]
+    order = rng.permutation(len(rows))
+    return np.asarray(rows, dtype=np.int64)[order].reshape(-1, 3)
+
+
+# every path _zero_rows has, on CPU tensors: (_FEW_ROWS, _LOOP_MIN_BYTES, _VEC_MIN_RUNS, _MAX_CHUNKS_PER_RUN, host)
+_PATHS = {
+    "as-is": None,
+    "few rows, one call each": (10**9, 16384, 64, 4, True),
+    "merged, one memset per run": (0, 0, 10**9, 4, True),
+    "merged, short runs by numpy": (0, 10**9, 1, 10**9, True),
+    "merged, short runs by memset": (0, 10**9, 1, 0, True),
+    "torch only, zero_ per run": (0, 0, 10**9, 4, False),
+    "torch only, index_fill_": (0, 10**9, 1, 4, False),
+    "torch only, few rows": (10**9, 16384, 64, 4, False),
+}
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("seed", range(12))
+def test_zero_rows_every_path_matches_the_reference(
+    path: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # random range sets against one slice per row; bytes outside the rows keep their value
+    if _PATHS[path] is not None:
+        few, loop_min, vec_min, chunks, host = _PATHS[path]
+        monkeypatch.setattr(kvrank, "_FEW_ROWS", few)
+        monkeypatch.setattr(kvrank, "_LOOP_MIN_BYTES", loop_min)
+        monkeypatch.setattr(kvrank, "_VEC_MIN_RUNS", vec_min)
+        monkeypatch.setattr(kvrank, "_MAX_CHUNKS_PER_RUN", chunks)
+        if not host:
+            monkeypatch.setattr(kvrank, "_host", lambda t: False)
+    rng = np.random.default_rng(seed)
+    sizes = [int(rng.integers(1, 40)) * 1024 + int(rng.integers(0, 9)) for _ in range(3)]
+    rows = _random_rows(rng, sizes, int(rng.choice([1, 5, 70, 300])))
+    tensors = [torch.from_numpy(rng.integers(1, 256, n, dtype=np.uint8)) for n in sizes]
+    want = [t.numpy().copy() for t in tensors]
+    for region, offset, length in rows.tolist():
+        want[region][offset : offset + length] = 0
+    assert _zero_rows(tensors, rows) == int(rows[:, 2].sum())
+    for t, w in zip(tensors, want):
+        assert np.array_equal(t.numpy(), w)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_zero_runs_are_the_rows_bytes_as_the_fewest_runs(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    sizes = [int(rng.integers(1, 5)) * 1000 + int(rng.integers(0, 3)) for _ in range(3)]
+    rows = _random_rows(rng, sizes, int(rng.integers(1, 200)))
+    region, start, end, total = zero_runs(rows, sizes)
+    assert total == int(rows[:, 2].sum())
+    covered = [np.zeros(n, dtype=bool) for n in sizes]
+    for r, o, n in rows.tolist():
+        covered[r][o : o + n] = True
+    got = [np.zeros(n, dtype=bool) for n in sizes]
+    for r, s, e in zip(region.tolist(), start.tolist(), end.tolist()):
+        assert 0 <= s < e <= sizes[r]
+        got[r][s:e] = True
+    assert all(np.array_equal(a, b) for a, b in zip(got, covered))
+    # the fewest: sorted, disjoint and not touching within a region
+    key = np.stack([region, start], axis=1).tolist()
+    assert key == sorted(key)
+    same = region[1:] == region[:-1]
+    assert (start[1:][same] > end[:-1][same]).all()
+    # as many runs as maximal stretches of covered bytes
+    stretches = sum(
+        int(np.count_nonzero(np.diff(np.concatenate([[0], c.astype(np.int8), [0]])) == 1)) for c in covered
+    )
+    assert region.size == stretches
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [[0, 60, 5]],  # past the region's end
+        [[0, -1, 2]],
+        [[0, 4, -1]],
+        [[2, 0, 1]],  # no such region
+        [[-1, 0, 1]],
+    ],
+)
+@pytest.mark.parametrize("many", [False, True])
+def test_zero_rows_outside_a_region_are_refused_before_any_write(rows: list, many: bool) -> None:
+    tensors = [torch.full((64,), 7, dtype=torch.uint8), torch.full((32,), 7, dtype=torch.uint8)]
+    arr = np.asarray([[0, 0, 8]] * (100 if many else 1) + rows, dtype=np.int64)  # a good row first
+    with pytest.raises(PlanError) as err:
+        _zero_rows(tensors, arr)
+    assert isinstance(err.value, ValueError)
+    assert all((t == 7).all() for t in tensors)
+
+
+def test_zero_rows_refuse_rows_that_are_not_triples() -> None:
+    with pytest.raises(PlanError):
+        _zero_rows([torch.zeros(8, dtype=torch.uint8)], np.zeros((100, 2), dtype=np.int64))
+    assert _zero_rows([torch.zeros(8, dtype=torch.uint8)], np.zeros((0, 3), dtype=np.int64)) == 0
+
+
+def test_block_rows_every_region_every_block() -> None:
+    # the rows a failed request zeroes: one per (region, block), region-major, whole block strides
+    from kvgeom.scenario import Scenario
+
+    sc = Scenario.from_json(
+        {
+            "model": "nemotron-h-8b",
+            "mode": "pull",
+            "prefill": {"tp_size": 2, "block_size": 1056, "kernel_block_size": 16, "num_blocks": 40},
+            "decode": {"tp_size": 1, "block_size": 1056, "kernel_block_size": 32, "num_blocks": 20},
+        }
+    )
+    geom = sc.cards("decode")[0].geometry
+    req = sc.request(5000, seed=3)
+    rows = block_rows(geom, req.decode)
+    blocks = np.unique(rows[rows[:, 0] == 0, 1]) // geom.regions[0].block_stride
+    assert blocks.size > 0
+    want = np.concatenate(
+        [
+            np.stack(
+                [
+                    np.full(blocks.size, r.index),
+                    blocks * r.block_stride,
+                    np.full(blocks.size, r.block_stride),
+                ],
+                1,
+            )
+            for r in geom.regions
+        ]
+    )
+    assert np.array_equal(rows, want)

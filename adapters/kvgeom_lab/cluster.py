@@ -505,6 +505,7 @@ def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict | None) -> dict:
                 req["id"],
                 num_tokens=req["tokens"],
                 attempt=req["attempt"],
+                compat=sc.compat,
             )
         return res.__dict__ | {"telemetry": None}
     except (AdapterError, KvgeomError) as exc:

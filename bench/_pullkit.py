@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # run from a bare checkout (no editable install),
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-from kvgeom_nixl.procs import ProcGroup  # noqa: E402
+from kvgeom_lab.procs import ProcGroup  # noqa: E402
 
 from kvgeom.geometry import rank_geometry  # noqa: E402
 

@@ -35,10 +35,10 @@ for p in (ROOT, ROOT / "adapters"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from kvgeom_nixl.cluster import run_cluster  # noqa: E402
-from kvgeom_nixl.demo import DEFAULT_SCENARIO  # noqa: E402
-from kvgeom_nixl.hostrun import ucx_env  # noqa: E402
-from kvgeom_nixl.netns import VirtualNet, measure_capacity  # noqa: E402
+from kvgeom_lab.cluster import run_cluster  # noqa: E402
+from kvgeom_lab.demo import DEFAULT_SCENARIO  # noqa: E402
+from kvgeom_lab.hostrun import ucx_env  # noqa: E402
+from kvgeom_lab.netns import VirtualNet, measure_capacity  # noqa: E402
 
 
 def _iperf(net: VirtualNet, streams: int, seconds: float) -> float:
@@ -148,7 +148,7 @@ def _read(env: dict, peer_q, done_q, nbytes: int, desc_bytes: list[int], reps: i
 
 
 def _raw(net: VirtualNet, nbytes: int, desc_bytes: list[int], reps: int) -> dict:
-    from kvgeom_nixl import ProcGroup
+    from kvgeom_lab import ProcGroup
 
     env = ucx_env()
     with ProcGroup() as g:

@@ -37,7 +37,7 @@ for p in (ROOT, ROOT / "adapters", ROOT / "tests" / "adapter"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from kvgeom_nixl.cluster import run_cluster  # noqa: E402
+from kvgeom_lab.cluster import run_cluster  # noqa: E402
 
 from kvgeom.scenario import Scenario  # noqa: E402
 
@@ -62,14 +62,14 @@ def _scenario(args: argparse.Namespace, mode: str, reqs: list[dict]) -> dict:
     """The scenario with pools sized for every entry (successful requests keep their blocks to the end)."""
     base, push_decode, _ = MODELS[args.model]
     if base is None:
-        from kvgeom_nixl.demo import DEFAULT_SCENARIO
+        from kvgeom_lab.demo import DEFAULT_SCENARIO
 
         base = DEFAULT_SCENARIO
     sc = dict(base, mode=mode)
     if mode == "push":
         sc["decode"] = dict(sc["decode"], **push_decode)
     s = Scenario.from_json(sc)
-    from kvgeom_nixl.cluster import _need
+    from kvgeom_lab.cluster import _need
 
     d = sum(sum(_need(s, s.decode, r["tokens"])) for r in reqs)
     per = Counter()

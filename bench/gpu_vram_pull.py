@@ -1,6 +1,6 @@
 """VRAM pull on a GPU: scenario (a) of the e2e tests with CUDA tensors, verified, against a device copy.
 
-Scenario (a) (``tests/adapter/test_kv_e2e.py``, ``kvgeom_nixl.demo.DEFAULT_SCENARIO``): a Mamba2
+Scenario (a) (``tests/adapter/test_kv_e2e.py``, ``kvgeom_lab.demo.DEFAULT_SCENARIO``): a Mamba2
 hybrid (3 attention + 9 Mamba2 layers), P TP2 with 32-token blocks -> D TP1 with 64-token blocks,
 pull. Each P rank and the D rank is a process with its own NIXL agent (UCX), all on GPU 0, every
 rank's cache a set of CUDA tensors registered as VRAM (``KVRank(card, device="cuda")``). The script:
@@ -366,8 +366,8 @@ def _timed(fn: Any, sync: Any) -> Any:
 
 # ----------------------------------------------------------------------------------------- parent
 def build_spec(args: argparse.Namespace) -> dict[str, Any]:
-    from kvgeom_nixl.cluster import assign_blocks
-    from kvgeom_nixl.demo import DEFAULT_SCENARIO
+    from kvgeom_lab.cluster import assign_blocks
+    from kvgeom_lab.demo import DEFAULT_SCENARIO
 
     base = json.load(open(args.scenario)) if args.scenario else dict(DEFAULT_SCENARIO)
     tokens = [*args.tokens, args.bench_tokens]

@@ -1,5 +1,5 @@
 """The cross-host fault table (docs/deployment.md), measured: each network fault of
-``kvgeom_nixl.hostrun.FAULTS`` injected into real P and D processes on separate hosts (network namespaces,
+``kvgeom_lab.hostrun.FAULTS`` injected into real P and D processes on separate hosts (network namespaces,
 UCX over TCP), every byte of D checked, ``--trials`` times, each trial on a fresh virtual network.
 
     .venv/bin/python bench/net_faults.py [--trials 3] [--rows link_cut-pull,link_cut-push,...] [--json out.json]
@@ -33,7 +33,7 @@ for p in (ROOT, ROOT / "adapters"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from kvgeom_nixl.hostrun import FAULTS, Lab, summarize  # noqa: E402
+from kvgeom_lab.hostrun import FAULTS, Lab, summarize  # noqa: E402
 
 T = 2.5
 ROWS = {  # row: (fault, mode, etcd, the faulty attempts, description)
@@ -162,9 +162,9 @@ def etcd_bounds(trials: int, timeout_s: float = 0.5, ttl_s: float = 2.0) -> dict
 def _etcd_trial(out: dict[str, list[float]], timeout_s: float, ttl_s: float) -> None:
     import signal
 
+    from kvgeom_lab.netns import EtcdServer, VirtualNet
     from kvgeom_nixl.discovery import EtcdClient, Registration
     from kvgeom_nixl.errors import DiscoveryError
-    from kvgeom_nixl.netns import EtcdServer, VirtualNet
 
     key = "/bounds/engines/prefill/0"
 

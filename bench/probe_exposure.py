@@ -97,7 +97,8 @@ def flood(trials: int) -> list[str]:
 
     from _exposed import exposed_rank  # noqa: F401  (spawned by _rank)
     from _inproc import AUTH as RANK_AUTH  # the rank's secret
-    from kvgeom_nixl import ProcGroup, fetch, query_generation
+    from kvgeom_lab import ProcGroup
+    from kvgeom_nixl import fetch, query_generation
     from test_exposure import _Attack, _event, _rank
 
     rows = []

@@ -28,7 +28,8 @@ for p in (ROOT, ROOT / "adapters"):
         sys.path.insert(0, str(p))
 
 import numpy as np  # noqa: E402
-from kvgeom_nixl import Auth, Endpoint, ProcGroup, SideChannelServer, TransportConfig, fetch, make_payload  # noqa: E402
+from kvgeom_lab import ProcGroup  # noqa: E402
+from kvgeom_nixl import Auth, Endpoint, SideChannelServer, TransportConfig, fetch, make_payload  # noqa: E402
 
 N = 64 << 20
 BLK = 1 << 20

@@ -28,8 +28,8 @@ for p in (ROOT, ROOT / "adapters"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from kvgeom_nixl.cluster import run_cluster  # noqa: E402
-from kvgeom_nixl.demo import DEFAULT_SCENARIO  # noqa: E402
+from kvgeom_lab.cluster import run_cluster  # noqa: E402
+from kvgeom_lab.demo import DEFAULT_SCENARIO  # noqa: E402
 
 T = 2.5
 CONFIG = {

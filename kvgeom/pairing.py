@@ -28,7 +28,7 @@ from .splits import build_local_splits
 from .streams import region_mapped, unpseudo
 from .tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
 
-__all__ = ["Pairing", "PairTables", "LocalKey"]
+__all__ = ["Pairing", "PairTables", "LocalKey", "pair_targets", "push_writers"]
 
 LocalKey = tuple[int, int]  # (rows per kernel block, remote rank the table is cut for, or -1: whole table)
 
@@ -49,6 +49,38 @@ class PairTables:
 
 def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
     return x.geometry if isinstance(x, GeometryCard) else x
+
+
+def _spread(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> bool:
+    """kvgeom mode pairs a rank with every rank of the other side when DCP pages differ
+    (:func:`kvgeom.route.dcp_pages_differ`): any remote rank may hold (pull) or need (push) its tokens."""
+    return compat == "kvgeom" and dcp_pages_differ(local, remote, mode)
+
+
+def pair_targets(
+    local: RankGeometry | GeometryCard,
+    remote: RankGeometry | GeometryCard,
+    mode: str,
+    compat: Compat = "kvgeom",
+    local_rank: int | None = None,
+) -> tuple[int, ...]:
+    """The remote ranks local rank ``local_rank`` (default: ``local``'s own) talks to, as
+    :meth:`Pairing.create` pairs it: vLLM's handshake targets with DCP (:func:`kvgeom.tp.dcp_handshake_targets`),
+    widened to every remote rank where kvgeom mode spreads DCP pages. ``remote``: any rank of that engine."""
+    lg, rg = _as_geometry(local), _as_geometry(remote)
+    if _spread(lg, rg, mode, compat):
+        return tuple(range(rg.tp_size))
+    rank = lg.tp_rank if local_rank is None else local_rank
+    return dcp_handshake_targets(rank, lg.tp_size, lg.dcp_size, rg.tp_size, rg.dcp_size)
+
+
+def push_writers(
+    producer: RankGeometry | GeometryCard, consumer: RankGeometry | GeometryCard, compat: Compat = "kvgeom"
+) -> tuple[int, ...]:
+    """The producer ranks that write to (or notify) decode rank ``consumer.tp_rank`` in push: those whose
+    pairing (:func:`pair_targets`, the producer local) names it. ``producer``: any rank of that engine."""
+    pg, cg = _as_geometry(producer), _as_geometry(consumer)
+    return tuple(p for p in range(pg.tp_size) if cg.tp_rank in pair_targets(pg, cg, "push", compat, p))
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,10 +158,8 @@ class Pairing:
                     remote=g.engine.to_json(),
                 )
         shape = check_pair(lg, first, mode, compat, prefix_caching)
-        targets = dcp_handshake_targets(lg.tp_rank, lg.tp_size, lg.dcp_size, first.tp_size, first.dcp_size)
-        spread = compat == "kvgeom" and dcp_pages_differ(lg, first, mode)
-        if spread:  # any remote rank may hold (pull) or need (push) some of this rank's tokens
-            targets = tuple(range(first.tp_size))
+        targets = pair_targets(lg, first, mode, compat)
+        spread = _spread(lg, first, mode, compat)
         missing = [t for t in targets if t not in rg]
         if missing:
             raise IncompatiblePairError(

@@ -1,6 +1,7 @@
 """NIXL transport for kvgeom: bounded, typed wrappers around a NIXL agent, an authenticated TCP side
-channel for the handshake, discovery through etcd, fencing of failed transfers, and a process launcher
-for multi-rank runs and tests (also across network namespaces as hosts: ``kvgeom_nixl.netns``).
+channel for the handshake, discovery through etcd and fencing of failed transfers. The test host and the
+demo (process launcher, clusters, network namespaces as hosts) live in ``kvgeom_lab``, which this
+package does not import.
 
 Importing this package is cheap: ``nixl`` and ``torch`` are imported only when an
 :class:`Endpoint` is created or tensors are registered. See ``docs/adapter.md``.
@@ -24,7 +25,6 @@ from .errors import (
     TransferError,
 )
 from .fence import Fence, Held
-from .procs import ChildFailed, Proc, ProcGroup, Result, spawn
 from .sidechannel import (
     SideChannelServer,
     check_generation,
@@ -58,11 +58,6 @@ __all__ = [
     "fetch",
     "query_generation",
     "check_generation",
-    "spawn",
-    "Proc",
-    "ProcGroup",
-    "Result",
-    "ChildFailed",
     "AdapterError",
     "HandshakeTimeout",
     "ProtocolError",

@@ -42,8 +42,8 @@ from kvgeom import GeometryCard, KvgeomError, Pairing, RequestPlan, check_pair, 
 from kvgeom.blocks import as_group_ids, logical_to_kernel
 from kvgeom.card import DEFAULT_LIMITS, CardLimits
 from kvgeom.errors import PlanError
+from kvgeom.pairing import push_writers
 from kvgeom.plan import Regroup, check_writes, contiguous_runs, receive_step
-from kvgeom.tp import handshake_targets
 
 from .agent import Endpoint, Prepped, Telemetry, Transfer
 from .auth import Auth, Notice, decode_notice, encode_notice
@@ -1078,14 +1078,11 @@ class KVRank:
             self._fail(exc, token, local_ids, posted, zero=False)  # our source blocks: keep, do not zero
             raise
 
-    def _writers(self, producer: GeometryCard) -> set[tuple[str, int]]:
-        """The producer ranks that write to this rank in push (their handshake targets include us)."""
-        p_tp = producer.engine.tp_size
-        return {
-            (producer.engine_id, p)
-            for p in range(p_tp)
-            if self.rank in handshake_targets(p, p_tp, self.card.engine.tp_size)
-        }
+    def _writers(self, producer: GeometryCard, compat: str = "kvgeom") -> set[tuple[str, int]]:
+        """The producer ranks that write to this rank in push: the core's answer
+        (:func:`kvgeom.pairing.push_writers`: the ranks whose pairing names this one, DCP's widening
+        included), not one derived here."""
+        return {(producer.engine_id, p) for p in push_writers(producer, self.card, compat)}
 
     def wait_received(
         self,
@@ -1097,18 +1094,20 @@ class KVRank:
         timeout_s: float | None = None,
         num_tokens: int | None = None,
         attempt: int = 1,
+        compat: str = "kvgeom",
     ) -> RequestResult:
         """D in push: wait for the ``W`` notice of exactly attempt ``attempt`` of ``request_id`` from
         every producer rank that writes to this rank, then apply kvgeom's post-receive step (vLLM never
         zeroes in push). An ``A`` notice, the deadline or any other failure zeroes the blocks and
         quarantines them until every writer that did not finish is cleared (its notice for this
         attempt, even late, or its process gone). Ids still quarantined are refused first
-        (:class:`QuarantinedBlockError`)."""
+        (:class:`QuarantinedBlockError`). ``compat``: the pair's mode as the producer paired it (its
+        ``Pairing.compat``); with it the core names the writers."""
         self._check_free("local_ids", local_ids)
         t0 = time.monotonic()
         attempt = self._attempt(request_id, attempt)
         token = (request_id, attempt)
-        writers = self._writers(producer)
+        writers = self._writers(producer, compat)
         if expected is not None and expected != len(writers):
             raise ValueError(
                 f"expected: {len(writers)} producer ranks write to rank {self.rank}, not {expected}"

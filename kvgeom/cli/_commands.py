@@ -332,7 +332,7 @@ def _have_matplotlib() -> bool:
 
 
 # -- demo ------------------------------------------------------------------------------------------------
-#: the entry-point group where adapters offer what the command line runs (kvgeom_nixl: ``demo``)
+#: the entry-point group where adapters offer what the command line runs (kvgeom_lab: ``demo``)
 PLUGIN_GROUP = "kvgeom.plugins"
 NIXL_EXTRA = "pip install 'kvgeom[nixl]'"
 

@@ -9,7 +9,7 @@ all its requests, zero-or-poison in free blocks, and the poison everywhere else,
 
 The tensors are numpy arrays or torch tensors (CPU or CUDA: read through ``.cpu().numpy()``, a CUDA tensor
 written back with ``copy_``); this module imports no torch. The demo and the transport's test host
-(``kvgeom_nixl``) fill and check their ranks with it.
+(``kvgeom_lab``) fill and check their ranks with it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Fixtures for the cross-host tests: hosts are network namespaces (``kvgeom_nixl.netns``), every test
+"""Fixtures for the cross-host tests: hosts are network namespaces (``kvgeom_lab.netns``), every test
 runs under a watchdog, and nothing a test creates survives it.
 
 * ``no_leftovers`` (session): fails the run if an earlier run left namespaces behind (a test process
   killed before it could clean up), and removes them, so that the next run starts clean.
 * ``watchdog``: the test's overall bound; past it the test fails with ``TestTimeout`` (SIGALRM), and the
   fixtures below still clean up.
-* ``lab`` / ``etcd_lab``: a :class:`kvgeom_nixl.hostrun.Lab` (hosts p, b, d, e; with an etcd member on e),
+* ``lab`` / ``etcd_lab``: a :class:`kvgeom_lab.hostrun.Lab` (hosts p, b, d, e; with an etcd member on e),
   closed after the test, which then checks that its namespaces and processes are gone.
 
 The tests need root and Debian's iproute2, ethtool, etcd-server and iperf3 (``make test`` installs them
@@ -18,8 +18,8 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from kvgeom_nixl.hostrun import Lab
-from kvgeom_nixl.netns import missing_tools, remove_leftovers
+from kvgeom_lab.hostrun import Lab
+from kvgeom_lab.netns import missing_tools, remove_leftovers
 
 TEST_BOUND_S = 150.0
 

@@ -1,5 +1,5 @@
 """Rank programs for the NIXL transport tests. Each runs in its own ``spawn`` process (see
-``kvgeom_nixl.procs``), talks to the parent through queues of ``(who, event, data)`` tuples, and
+``kvgeom_lab.procs``), talks to the parent through queues of ``(who, event, data)`` tuples, and
 returns a plain dict of observations that the test asserts on.
 
 Buffers: a rank's region is ``nbytes`` of int64, seen as ``nblocks`` blocks of ``block`` bytes. The

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from _slack import SLACK_S
+from kvgeom_lab.netns import EtcdServer, VirtualNet
 from kvgeom_nixl import (
     AuthenticationError,
     DiscoveryError,
@@ -24,7 +25,6 @@ from kvgeom_nixl import (
 )
 from kvgeom_nixl.auth import Auth
 from kvgeom_nixl.discovery import Directory, EtcdClient, Registration, engine_key, open_record, seal_record
-from kvgeom_nixl.netns import EtcdServer, VirtualNet
 from kvgeom_nixl.sidechannel import make_payload
 
 from kvgeom import AttentionSpec, GeometryCard, ModelSpec
@@ -354,7 +354,7 @@ def test_nixl_own_etcd_exchange_works_and_loads_whatever_the_key_holds(etcd):
     records are authenticated instead."""
     pytest.importorskip("nixl")
     from _netchildren import nixl_etcd_exchange
-    from kvgeom_nixl import ProcGroup
+    from kvgeom_lab import ProcGroup
 
     net, server = etcd
     with ProcGroup() as g:

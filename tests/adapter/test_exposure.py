@@ -19,7 +19,8 @@ pytest.importorskip("nixl")
 
 from _exposed import exposed_rank  # noqa: E402
 from _inproc import AUTH, HOST  # noqa: E402
-from kvgeom_nixl import Auth, ProcGroup, fetch, query_generation  # noqa: E402
+from kvgeom_lab import ProcGroup  # noqa: E402
+from kvgeom_nixl import Auth, fetch, query_generation  # noqa: E402
 from kvgeom_nixl.ifaces import interfaces  # noqa: E402
 from kvgeom_nixl.wire import GREETING_BYTES, PREAMBLE_BYTES, make_request, parse_greeting  # noqa: E402
 

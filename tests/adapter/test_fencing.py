@@ -20,8 +20,8 @@ from _slack import SLACK_S
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from kvgeom_nixl.cluster import run_cluster  # noqa: E402
-from kvgeom_nixl.demo import DEFAULT_SCENARIO  # noqa: E402
+from kvgeom_lab.cluster import run_cluster  # noqa: E402
+from kvgeom_lab.demo import DEFAULT_SCENARIO  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

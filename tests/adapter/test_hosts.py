@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from kvgeom_nixl import ProcGroup  # noqa: E402
+from kvgeom_lab import ProcGroup  # noqa: E402
+from kvgeom_lab.hostrun import summarize, ucx_env  # noqa: E402
+from kvgeom_lab.netns import VirtualNet, leftovers, remove_leftovers  # noqa: E402
+from kvgeom_lab.ucxinfo import read_logs, transports  # noqa: E402
 from kvgeom_nixl.discovery import EtcdClient  # noqa: E402
-from kvgeom_nixl.hostrun import summarize, ucx_env  # noqa: E402
-from kvgeom_nixl.netns import VirtualNet, leftovers, remove_leftovers  # noqa: E402
-from kvgeom_nixl.ucxinfo import read_logs, transports  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 
@@ -100,7 +100,7 @@ def test_namespaces_alone_do_not_make_ucx_use_the_network(no_leftovers, watchdog
 
 _CHILD = r"""
 import sys, time
-from kvgeom_nixl.netns import VirtualNet, EtcdServer
+from kvgeom_lab.netns import VirtualNet, EtcdServer
 net = VirtualNet(["a", "b"])
 etcd = EtcdServer(net, "b").start()
 net.netem("a", delay_ms=5)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvgeom_nixl.cluster import run_cluster
-from kvgeom_nixl.demo import DEFAULT_SCENARIO
+from kvgeom_lab.cluster import run_cluster
+from kvgeom_lab.demo import DEFAULT_SCENARIO
 
 from kvgeom import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 

@@ -3,7 +3,7 @@ and loss, the P host's address changing after the handshake, etcd stopped mid-ru
 data. Each faulty request fails with a typed error within its stated bound, its blocks are zeroed and
 quarantined until nothing can write them (late bytes land only there: every byte of D is checked when
 each request completes, again at the end, after the late transfers could have landed), nothing hangs,
-and requests succeed again once the link or etcd is back. Scenarios: ``kvgeom_nixl.hostrun``."""
+and requests succeed again once the link or etcd is back. Scenarios: ``kvgeom_lab.hostrun``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from _slack import SLACK_S
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from kvgeom_nixl.hostrun import etcd_restart, impaired, link_cut, readdress, summarize  # noqa: E402
+from kvgeom_lab.hostrun import etcd_restart, impaired, link_cut, readdress, summarize  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

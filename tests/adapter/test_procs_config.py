@@ -7,7 +7,8 @@ import time
 
 import pytest
 from _children import add, boom, die_hard, echo_queue, ignore_sigterm_and_sleep, sleep_forever, unpicklable
-from kvgeom_nixl import ChildFailed, ProcGroup, TransportConfig
+from kvgeom_lab import ChildFailed, ProcGroup
+from kvgeom_nixl import TransportConfig
 
 
 def test_results_errors_deaths_and_timeouts_come_back_as_data():

@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
 from _ranks import decode_rank, prefill_rank  # noqa: E402
-from kvgeom_nixl import ProcGroup  # noqa: E402
+from kvgeom_lab import ProcGroup  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

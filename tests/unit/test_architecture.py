@@ -3,11 +3,13 @@ of ``kvgeom`` and of each package under ``adapters/`` (those inside functions to
 ``importlib.import_module`` of a literal name.
 
 * no import cycle among the modules;
-* layers: the core (``kvgeom``) imports no test facility and no adapter; the test facility
-  (``kvgeom.testing``) imports the core only; adapters import the core, not one another's modules;
+* layers (:data:`LAYERS`): the core (``kvgeom``) imports no test facility and no adapter; the test facility
+  (``kvgeom.testing``) imports the core only; adapters import the core, not one another's modules; the
+  test host and demo tooling (``kvgeom_lab``) sits above the transport: it may import the core, the test
+  facility and ``kvgeom_nixl``, and nothing imports it;
 * the core imports none of the accelerator stacks (torch, NIXL, vLLM, Mooncake);
-* the adapters' production modules import no ``kvgeom.testing`` (only the test-host tooling still
-  living in ``kvgeom_nixl``, listed in :data:`TOOLING`, does until it moves out);
+* no production module (the core, the transport, the vLLM connector) imports ``kvgeom.testing``: only the
+  tooling does;
 * ``kvgeom`` and ``kvgeom.testing`` are facades: ``__all__`` sorted, without repeats, every name there.
 """
 
@@ -23,10 +25,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE, TESTING = "kvgeom", "kvgeom.testing"
-FORBIDDEN_IN_CORE = frozenset({"torch", "nixl", "vllm", "mooncake", "kvgeom_nixl", "kvgeom_vllm"})
-#: test-host tooling that still lives in the transport package and reads the oracle's layout model
-#: (kvgeom.testing); it moves to a tooling package once the work on it has merged (docs/architecture.md)
-TOOLING = frozenset({"kvgeom_nixl.cluster"})
+LAB, TRANSPORT = "kvgeom_lab", "kvgeom_nixl"
+FORBIDDEN_IN_CORE = frozenset({"torch", "nixl", "vllm", "mooncake", TRANSPORT, "kvgeom_vllm", LAB})
+#: the layers each layer may import (docs/architecture.md); an adapter not named here: the core and itself
+LAYERS = {
+    "core": {"core"},
+    "testing": {"core", "testing"},
+    TRANSPORT: {"core", TRANSPORT},
+    "kvgeom_vllm": {"core", "kvgeom_vllm"},
+    LAB: {"core", "testing", TRANSPORT, LAB},
+}
 
 
 @dataclass
@@ -152,21 +160,30 @@ def _layer(module: str) -> str:
 # -- the rules -------------------------------------------------------------------------------------------
 def test_the_modules_import_one_another_without_a_cycle(graph: Graph) -> None:
     assert len(graph.files) > 80  # the whole tree was drawn: the core and both adapters
-    assert {m.split(".")[0] for m in graph.files} == {"kvgeom", "kvgeom_nixl", "kvgeom_vllm"}
+    assert {m.split(".")[0] for m in graph.files} == {"kvgeom", TRANSPORT, "kvgeom_vllm", LAB}
     cycle = find_cycle(graph.internal)
     assert cycle is None, " -> ".join(cycle or [])
 
 
 def test_each_layer_imports_only_the_layers_below(graph: Graph) -> None:
-    allowed = {"core": {"core"}, "testing": {"core", "testing"}}
     upward = sorted(
         (m, t)
         for m, targets in graph.internal.items()
         for t in targets
-        if _layer(t) not in allowed.get(_layer(m), {"core", _layer(m)})
-        and not (m in TOOLING and _layer(t) == "testing")
+        if _layer(t) not in LAYERS.get(_layer(m), {"core", _layer(m)})
     )
     assert upward == []
+
+
+def test_the_lab_sits_above_the_transport_and_nothing_imports_it(graph: Graph) -> None:
+    transport = {m for m in graph.files if _in(m, TRANSPORT)}
+    lab = {m for m in graph.files if _in(m, LAB)}
+    assert {"kvgeom_lab.cluster", "kvgeom_lab.demo", "kvgeom_lab.procs", "kvgeom_lab.netns"} <= lab
+    assert not any(m.split(".")[-1] in {"cluster", "demo", "procs", "netns", "hostrun"} for m in transport)
+    importers = sorted(m for m, targets in graph.internal.items() if m not in lab and targets & lab)
+    assert importers == []
+    assert sorted(m for m in transport if LAB in graph.external[m]) == []  # not even by a literal name
+    assert any(targets & transport for m, targets in graph.internal.items() if m in lab)
 
 
 def test_the_core_imports_no_accelerator_stack_and_no_adapter(graph: Graph) -> None:
@@ -178,8 +195,8 @@ def test_the_core_imports_no_accelerator_stack_and_no_adapter(graph: Graph) -> N
 
 def test_only_test_tooling_imports_the_test_facility(graph: Graph) -> None:
     users = {m for m, targets in graph.internal.items() if any(_in(t, TESTING) for t in targets)}
-    assert sorted(u for u in users if not _in(u, TESTING) and u not in TOOLING) == []
-    assert TOOLING <= set(graph.files)  # an exemption names a module that exists (drop it once moved)
+    assert sorted(u for u in users if not _in(u, TESTING) and not _in(u, LAB)) == []
+    assert "kvgeom_lab.cluster" in users  # the lab's byte checks read the independent layout model
 
 
 @pytest.mark.parametrize("name", [CORE, TESTING])

@@ -74,7 +74,7 @@ def test_examples_are_installed_and_usable_by_name(capsys: pytest.CaptureFixture
 
 
 def test_demo_example_is_the_demos_default_pair() -> None:
-    from kvgeom_nixl.demo import DEFAULT_SCENARIO
+    from kvgeom_lab.demo import DEFAULT_SCENARIO
 
     data = json.loads((ROOT / "kvgeom" / "examples" / "demo-mamba2-hybrid_p2_d1_pull.json").read_text())
     data.pop("_comment")
@@ -212,12 +212,12 @@ def test_draw_without_matplotlib_names_the_plot_extra(
 def test_demo_without_the_nixl_extra_says_so_at_once(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvgeom_nixl.cluster
+    import kvgeom_lab.cluster
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("no process may start without the extra")
 
-    monkeypatch.setattr(kvgeom_nixl.cluster, "run_cluster", never)
+    monkeypatch.setattr(kvgeom_lab.cluster, "run_cluster", never)
     monkeypatch.setitem(sys.modules, "nixl", None)
     code, out, err = _run(capsys, "demo")
     assert code == 2 and out == ""
@@ -234,7 +234,7 @@ def test_demo_without_a_demo_plugin_names_the_extra_to_install(
 
     assert [
         ep.value for ep in importlib.metadata.entry_points(group=_commands.PLUGIN_GROUP, name="demo")
-    ] == ["kvgeom_nixl.demo"]
+    ] == ["kvgeom_lab.demo"]
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
     assert _commands.demo_plugin()[0] is None
     code, out, err = _run(capsys, "demo", "--json")

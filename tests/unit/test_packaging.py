@@ -35,7 +35,7 @@ def test_wheel(dist: Path) -> None:
     (wheel,) = dist.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
-    assert tops == {"kvgeom", "kvgeom_nixl"} | (
+    assert tops == {"kvgeom", "kvgeom_nixl", "kvgeom_lab"} | (
         {"kvgeom_vllm"} if any(n.startswith("kvgeom_vllm/") for n in names) else set()
     )
     for name in (
@@ -53,7 +53,12 @@ def test_wheel(dist: Path) -> None:
     assert meta["Version"] == kvgeom.__version__ and wheel.name.startswith(f"kvgeom-{kvgeom.__version__}-")
     assert meta["License-Expression"] == "Apache-2.0"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-    assert set(meta.get_all("Provides-Extra")) >= {"nixl", "plot", "test", "vllm", "dev"}
+    assert set(meta.get_all("Provides-Extra")) >= {"nixl", "lab", "plot", "test", "vllm", "dev"}
+    for name in ("kvgeom_lab/demo.py", "kvgeom_lab/cluster.py", "kvgeom_nixl/kvrank.py"):
+        assert name in names
+    assert not any(n.startswith("kvgeom_nixl/") and n.endswith(("/demo.py", "/cluster.py")) for n in names)
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "demo = kvgeom_lab.demo" in zipfile.ZipFile(wheel).read(entry).decode()
     requires = meta.get_all("Requires-Dist")
     torch = [r for r in requires if r.startswith("torch")]
     assert torch and not any("<" in r.split(";")[0] for r in torch)  # the current torch release installs
@@ -81,7 +86,7 @@ def test_sdist(dist: Path) -> None:
         "tests/unit/test_cli.py",
         "tests/data/hf/qwen3-8b/config.json",
         "examples/nemotron-h-8b_p2_d1_pull.json",
-        "adapters/kvgeom_nixl/demo.py",
+        "adapters/kvgeom_lab/demo.py",
         "bench/bench_plan.py",
     ):
         assert name in names, name

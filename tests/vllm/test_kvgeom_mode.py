@@ -20,7 +20,7 @@ import pytest
 from _nixl_pairs import HEAD_BYTES as HEAD_BYTES_
 from _nixl_pairs import HEADS, consumer_main, make_worker, producer_main
 from _vllm_workers import RecordingNixl
-from kvgeom_nixl.procs import ProcGroup
+from kvgeom_lab.procs import ProcGroup
 
 from kvgeom import GeometryCard
 from kvgeom.testing import POISON, ZERO, Oracle, Request

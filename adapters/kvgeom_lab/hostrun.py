@@ -1,11 +1,11 @@
-"""Cross-host runs: P and D engines on separate hosts of a :class:`~kvgeom_nixl.netns.VirtualNet`, found
+"""Cross-host runs: P and D engines on separate hosts of a :class:`~kvgeom_lab.netns.VirtualNet`, found
 through the side channel or through etcd, moving bytes over UCX's TCP transport, with the network faults
 of docs/deployment.md. Shared by the cross-host tests and ``bench/bench_hosts.py``.
 
 A :class:`Lab` is four hosts: ``p`` (engine ``prefill``), ``b`` (engine ``backup``: serves requests while
 ``prefill`` is cut off), ``d`` (engine ``decode``) and ``e`` (an etcd member, started when the lab uses
 etcd). Every rank runs with ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES=kvh0`` (without them UCX moves the
-bytes between namespaces of one machine with CMA, see :mod:`kvgeom_nixl.ucxinfo`) and, if asked, writes
+bytes between namespaces of one machine with CMA, see :mod:`kvgeom_lab.ucxinfo`) and, if asked, writes
 UCX's protocol report to a log per rank.
 
 :data:`FAULTS` builds each fault scenario: its requests, its fault entries for ``run_cluster`` and what

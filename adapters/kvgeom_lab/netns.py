@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import AdapterError
+from kvgeom_nixl.errors import AdapterError
 
 __all__ = [
     "Host",
@@ -360,7 +360,7 @@ class VirtualNet:
                 ]
             )
             _run(["ip", "-n", self.switch, "link", "set", host.port, "master", "br0", "up"])
-            if self.impairable:  # checksummed frames of at most the MTU on the wire (see kvgeom_nixl.impair)
+            if self.impairable:  # checksummed frames of at most the MTU on the wire (see kvgeom_lab.impair)
                 _run(["ip", "netns", "exec", ns, "ethtool", "-K", DEVICE, "tx", "off"])
             _run(["ip", "-n", ns, "addr", "add", f"{host.addr}/24", "dev", DEVICE])
             _run(["ip", "-n", ns, "link", "set", DEVICE, "up"])
@@ -403,7 +403,7 @@ class VirtualNet:
     ) -> str:
         """Impair what ``host`` sends, as ``tc qdisc replace dev kvh0 root netem delay <d>ms loss <l>%``
         on the host would (``both``: what it receives too; ``rate_mbit`` caps the rate). Uses ``tc netem``
-        when the kernel has it, else the userspace impairer (:mod:`kvgeom_nixl.impair`, which needs the
+        when the kernel has it, else the userspace impairer (:mod:`kvgeom_lab.impair`, which needs the
         network created ``impairable``). Returns which: ``"tc-netem"`` or ``"impair"``."""
         self.clear_netem(host)
         h = self.hosts[host]
@@ -437,7 +437,7 @@ class VirtualNet:
             [
                 sys.executable,
                 "-m",
-                "kvgeom_nixl.impair",
+                "kvgeom_lab.impair",
                 "--netns",
                 self.switch,
                 "--host-port",

@@ -2,7 +2,7 @@
 without ``sch_netem``.
 
 It forwards Ethernet frames between two interfaces of the switch namespace of a
-:class:`~kvgeom_nixl.netns.VirtualNet` (the host's switch port, taken off the bridge, and one end of a
+:class:`~kvgeom_lab.netns.VirtualNet` (the host's switch port, taken off the bridge, and one end of a
 veth pair whose other end is on the bridge), with ``AF_PACKET`` sockets. Frames *leaving* the host (the
 direction ``tc netem`` on the host's interface affects) are delayed by ``delay_ms`` (+ uniform jitter),
 dropped with probability ``loss_pct`` and paced to ``rate_mbit``; frames towards the host pass at once
@@ -15,7 +15,7 @@ segment to the MTU before sending. Otherwise a frame read here carries a partial
 "hardware" that a veth does not have) and is dropped by the receiver (measured: every TCP segment
 counted in ``InCsumErrors``).
 
-Run as ``python -m kvgeom_nixl.impair --netns NS --host-port p1 --bridge-port q1 --delay-ms 100
+Run as ``python -m kvgeom_lab.impair --netns NS --host-port p1 --bridge-port q1 --delay-ms 100
 --loss-pct 5`` (``VirtualNet.netem`` does it); ends on SIGTERM.
 """
 
@@ -154,7 +154,7 @@ def forward(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvgeom_nixl.impair", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvgeom_lab.impair", description=__doc__.splitlines()[0])
     ap.add_argument("--netns", help="enter this network namespace first (the switch of a VirtualNet)")
     ap.add_argument("--host-port", required=True)
     ap.add_argument("--bridge-port", required=True)

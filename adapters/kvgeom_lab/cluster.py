@@ -44,6 +44,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from kvgeom_nixl.config import TransportConfig
+from kvgeom_nixl.errors import AdapterError, StaleMetadata
+from kvgeom_nixl.kvrank import KVRank
 
 from kvgeom import GeometryCard, KvgeomError
 from kvgeom.geometry import rank_geometry
@@ -51,9 +54,6 @@ from kvgeom.scenario import Scenario
 from kvgeom.testing import CoordSpace
 from kvgeom.testing.content import BACKGROUND, POISON_BYTE, check_request, fill_source, verify_report
 
-from .config import TransportConfig
-from .errors import AdapterError, StaleMetadata
-from .kvrank import KVRank
 from .procs import ProcGroup
 
 __all__ = ["FAULTS", "BlockPool", "assign_blocks", "run_cluster"]
@@ -505,6 +505,7 @@ def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict | None) -> dict:
                 req["id"],
                 num_tokens=req["tokens"],
                 attempt=req["attempt"],
+                compat=sc.compat,
             )
         return res.__dict__ | {"telemetry": None}
     except (AdapterError, KvgeomError) as exc:
@@ -523,8 +524,8 @@ def _consume(kv: KVRank, sc: Scenario, req: dict, ports: dict | None) -> dict:
 def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
     """A process with no role: no secret (or a wrong one), NIXL metadata only if it leaked."""
     _env(spec, "rogue")
-    from .auth import Auth, Notice, encode_notice
-    from .sidechannel import fetch, query_generation
+    from kvgeom_nixl.auth import Auth, Notice, encode_notice
+    from kvgeom_nixl.sidechannel import fetch, query_generation
 
     ports = _wait_ports(inbox)
     out: dict[str, Any] = {"sidechannel": [], "forged": 0}
@@ -543,7 +544,7 @@ def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
                         result = type(exc).__name__
                     out["sidechannel"].append((engine, r, label, op, result, time.monotonic() - t0))
     cmd, leaked = inbox.get(timeout=10 * STEP_S)
-    from .agent import Endpoint
+    from kvgeom_nixl.agent import Endpoint
 
     with Endpoint(f"rogue-{os.getpid()}", _config(spec)) as ep:
         import torch

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import AdapterError
+from kvgeom_nixl.errors import AdapterError
 
 __all__ = ["Result", "ChildFailed", "Proc", "ProcGroup", "spawn"]
 
@@ -144,7 +144,7 @@ def spawn(
     """Start ``target(*args, **kwargs)`` in a fresh ``spawn`` process. ``target`` must be importable
     by name (a module-level function). Its outcome is put on ``results`` (a queue from
     :meth:`ProcGroup.queue` or ``multiprocessing.get_context("spawn").Queue()``) if given. With ``netns``
-    the child first enters that network namespace (a host of a :class:`~kvgeom_nixl.netns.VirtualNet`):
+    the child first enters that network namespace (a host of a :class:`~kvgeom_lab.netns.VirtualNet`):
     its sockets, and UCX's view of network devices, are that host's."""
     name = name or getattr(target, "__name__", "child")
     if results is None:

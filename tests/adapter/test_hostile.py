@@ -169,9 +169,10 @@ def test_server_bounds_connections_bytes_and_payloads():
                 c.close()
         with socket.create_connection(
             (HOST, server.port), timeout=2
-        ) as s:  # announce 64 MiB: refused at once
+        ) as s:  # announce 16 times the limit: refused at once (a larger body only takes longer to hash
+            # here, and past the server's 1 s preamble deadline on a busy machine the server drops us)
             greeting = parse_greeting(s.recv(GREETING_BYTES, socket.MSG_WAITALL))
-            data, _ = make_request(greeting, "exchange", b"x" * (64 << 20), AUTH)
+            data, _ = make_request(greeting, "exchange", b"x" * (1 << 20), AUTH)
             s.sendall(data[:PREAMBLE_BYTES])
             s.settimeout(2)
             assert decode(_recv_frame(s, time.monotonic() + 2, 1 << 16)[1])["ok"] is False
@@ -192,7 +193,7 @@ def test_server_bounds_connections_bytes_and_payloads():
                 auth=AUTH,
                 max_bytes=1 << 20,
             )
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < SLACK_S
         assert type(server.refusals[-1]) is ProtocolError
 
 

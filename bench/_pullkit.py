@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # run from a bare checkout (no editable install),
 import numpy as np  # noqa: E402
 from kvgeom_lab.procs import ProcGroup  # noqa: E402
 
-from kvgeom.geometry import rank_geometry  # noqa: E402
+from kvgeom.layout.geometry import rank_geometry  # noqa: E402
 
 STEP_S = 60.0  # bound of one coordination step (a rank starting, a port map arriving)
 
@@ -44,7 +44,7 @@ def blocks_needed(model: Any, engine: Any, tokens: int) -> int:
 def sized(scenario: dict[str, Any], tokens: list[int], slack: float) -> dict[str, Any]:
     """``scenario`` with each engine's ``num_blocks`` raised, if needed, to what ``tokens`` (disjoint
     requests) take times ``slack`` (> 1 leaves free blocks so that shuffled ids scatter)."""
-    from kvgeom.scenario import Scenario
+    from kvgeom.tools.scenario import Scenario
 
     sc = Scenario.from_json(scenario)
     out = dict(scenario)

@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from kvgeom.blocks import logical_to_kernel
-from kvgeom.descids import compute_desc_ids
-from kvgeom.scenario import Scenario
+from kvgeom.plan.descids import compute_desc_ids
+from kvgeom.tools.scenario import Scenario
 
 
 def timed(fn, repeat: int) -> float:

@@ -40,8 +40,8 @@ import numpy as np
 from _pullkit import LocalTables, gbps, median_time, run_ranks, serve, sized, timed_pull, wait_ranks
 
 from kvgeom import GeometryCard
-from kvgeom.plan import check_writes, contiguous_runs
-from kvgeom.scenario import Scenario
+from kvgeom.plan.request import check_writes, contiguous_runs
+from kvgeom.tools.scenario import Scenario
 
 EXAMPLE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "examples", "nemotron-h-8b_p2_d1_pull.json"

@@ -12,7 +12,7 @@ registration state vLLM's ``register_kv_caches`` would record for the same geome
   chained as ``_read_blocks_for_req`` / ``_read_blocks`` do; against kvgeom's ``plan_request`` (which also
   derives the post-receive zero ranges and refuses count-based pairings that would move wrong tokens),
   twice: for a request shape never seen (the general planner) and for a repeated one (its recipe,
-  :mod:`kvgeom.recipe`). Before timing, kvgeom's descriptor ids are checked equal to vLLM's for every
+  :mod:`kvgeom.plan.recipe`). Before timing, kvgeom's descriptor ids are checked equal to vLLM's for every
   source rank, and the recipe's plan equal to the general planner's.
 * handshake: vLLM's ``add_remote_agent`` for both P ranks (split local handles, remote tables, checks)
   against kvgeom's ``Pairing.create`` with every table it builds and bounds-checks. Before timing, the
@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 import _e2e  # noqa: E402  (tests/vllm/_e2e.py: the vLLM worker harness of the differential tests)
 import numpy as np  # noqa: E402
 
-from kvgeom.plan import plan_request  # noqa: E402
-from kvgeom.planmemo import memo_of  # noqa: E402
-from kvgeom.scenario import Scenario  # noqa: E402
-from kvgeom.splits import expand_strided  # noqa: E402
+from kvgeom.plan.planmemo import memo_of  # noqa: E402
+from kvgeom.plan.request import plan_request  # noqa: E402
+from kvgeom.plan.splits import expand_strided  # noqa: E402
+from kvgeom.tools.scenario import Scenario  # noqa: E402
 
 TOKENS = (16, 449, 4096, 32768, 131072, 1048576)
 BLOCKS = (100, 1000, 10000, 100000)
@@ -219,7 +219,7 @@ def request_row(sc: Scenario, side: VllmSide, tokens: int, budget: float) -> dic
 
 
 def _runs(plan: Any, pairing: Any) -> int:
-    from kvgeom.plan import contiguous_runs
+    from kvgeom.plan.request import contiguous_runs
 
     return contiguous_runs(plan.moves(pairing))
 
@@ -230,8 +230,8 @@ def handshake_row(blocks: int, budget: float) -> dict[str, Any]:
     side = VllmSide(sc)
     check_tables(sc, side)
     d, p = sc.cards("decode")[0], sc.cards("prefill")
-    from kvgeom.card import GeometryCard
-    from kvgeom.pairing import Pairing
+    from kvgeom.layout.card import GeometryCard
+    from kvgeom.plan.pairing import Pairing
 
     def vllm() -> None:
         w = side.fresh()  # not timed separately: a fresh worker per handshake (registration is in `fresh`)

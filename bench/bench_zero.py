@@ -50,8 +50,8 @@ sys.path.insert(0, str(ROOT / "adapters"))
 
 from kvgeom_nixl.kvrank import _zero_rows, allocate, request_block_rows, zero_runs  # noqa: E402
 
-from kvgeom.plan import plan_request  # noqa: E402
-from kvgeom.scenario import Scenario  # noqa: E402
+from kvgeom.plan.request import plan_request  # noqa: E402
+from kvgeom.tools.scenario import Scenario  # noqa: E402
 
 TARGET = 0.5
 FLOOR_SLACK = 1.2  # where memset speed is out of reach: kvgeom within this factor of the floor

@@ -39,7 +39,7 @@ for p in (ROOT, ROOT / "adapters", ROOT / "tests" / "adapter"):
 
 from kvgeom_lab.cluster import run_cluster  # noqa: E402
 
-from kvgeom.scenario import Scenario  # noqa: E402
+from kvgeom.tools.scenario import Scenario  # noqa: E402
 
 MODELS = {
     "nemotron": (

@@ -74,9 +74,9 @@ from _pullkit import (
 from bench_pull import CHUNK, NixlMoves, contiguous_moves
 
 from kvgeom import GeometryCard
-from kvgeom.plan import check_writes, contiguous_runs
-from kvgeom.scenario import Scenario
+from kvgeom.plan.request import check_writes, contiguous_runs
 from kvgeom.testing import CoordSpace
+from kvgeom.tools.scenario import Scenario
 
 E2E_TOKENS = [97, 1000, 31, 640]  # test_mamba2_hybrid_p_tp2_to_d_tp1_pull_different_block_sizes
 NO_CUDA = "no CUDA device: this script needs a GPU machine"

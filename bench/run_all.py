@@ -237,7 +237,7 @@ def render(
             "pairing by tokens). Descriptor ids are checked equal to vLLM's before timing.",
             "",
             "kvgeom is timed twice: on a request shape it has never seen (the general planner) and on a",
-            "repeated shape (its recipe, `kvgeom.recipe`); the recipe's plan is checked equal to the general",
+            "repeated shape (its recipe, `kvgeom.plan.recipe`); the recipe's plan is checked equal to the general",
             "planner's first.",
             "",
             "| tokens | descriptor pairs | contiguous runs | vLLM µs | kvgeom µs, new shape | ÷ vLLM | kvgeom µs, repeated shape | ÷ vLLM |",
@@ -437,7 +437,7 @@ Profiled with pyinstrument and cProfile (the numbers below are from the Kimi-Lin
   count-based pairings vLLM would get wrong). Above ~30k tokens the per-descriptor cost dominates and
   kvgeom is 0.1-0.7x vLLM.
 * **Repeated shapes.** Everything the planner computes outside DCP and region-mapped pairs depends on
-  the request's shape only, up to one gather of its ids (`kvgeom.recipe`): the second time a shape is
+  the request's shape only, up to one gather of its ids (`kvgeom.plan.recipe`): the second time a shape is
   seen it is traced on probe ids, checked against the general planner, and later requests of that shape
   cost one gather (~30 µs at small sizes, about 0.15-0.3x vLLM at every size). A workload whose request
   shapes never repeat gains nothing from it: closing the gap there needs the general planner itself

@@ -16,10 +16,7 @@ Data flows one way: model spec -> rank geometry -> TP mapping -> plan -> descrip
 
 from typing import Any
 
-from .card import CARD_VERSION, GeometryCard, card_of
-from .dlist import Dlist, EngineView
-from .engine import ConvLayout, EngineConfig, KVLayout
-from .errors import (
+from kvgeom.errors import (
     BlockIdError,
     CardError,
     ConfigError,
@@ -32,7 +29,9 @@ from .errors import (
     TokenCountError,
     UnsupportedError,
 )
-from .geometry import (
+from kvgeom.layout.card import CARD_VERSION, GeometryCard, card_of
+from kvgeom.layout.engine import ConvLayout, EngineConfig, KVLayout
+from kvgeom.layout.geometry import (
     Group,
     RankGeometry,
     Region,
@@ -41,10 +40,8 @@ from .geometry import (
     align_hybrid_block_size,
     rank_geometry,
 )
-from .handshake import PairShape, check_pair
-from .pairing import Pairing
-from .plan import MOVE_COLUMNS, Regroup, RequestPlan, Transfer, plan_request, post_receive, receive_step
-from .spec import (
+from kvgeom.layout.view import EngineView
+from kvgeom.model.spec import (
     AttentionSpec,
     CircularBufferSpec,
     Layer,
@@ -55,7 +52,19 @@ from .spec import (
     ReplicatedStateSpec,
     Shard,
 )
-from .tp import TPMapping, compute_tp_mapping, tp_ratio
+from kvgeom.pair.handshake import PairShape, check_pair
+from kvgeom.pair.tp import TPMapping, compute_tp_mapping, tp_ratio
+from kvgeom.plan.dlist import Dlist
+from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.request import (
+    MOVE_COLUMNS,
+    Regroup,
+    RequestPlan,
+    Transfer,
+    plan_request,
+    post_receive,
+    receive_step,
+)
 
 __version__ = "0.1.0"
 
@@ -116,5 +125,5 @@ def __getattr__(name: str) -> Any:  # presets load lazily (they read JSON files)
     if name == "presets":
         import importlib
 
-        return importlib.import_module(".presets", __name__)
+        return importlib.import_module("kvgeom.model.presets")
     raise AttributeError(name)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BlockIdError, GroupMismatchError, KvgeomError, PlanError, RatioError
+from kvgeom.errors import BlockIdError, GroupMismatchError, KvgeomError, PlanError, RatioError
 
 __all__ = [
     "BlockIds",

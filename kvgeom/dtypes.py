@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import SpecError
+from kvgeom.errors import SpecError
 
 __all__ = ["DTYPE_BYTES", "dtype_size"]
 

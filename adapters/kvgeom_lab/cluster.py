@@ -9,7 +9,7 @@ the D ranks (pull: they read; push: they wait while the P ranks write), retries 
 new attempt, and gives a failed attempt's blocks back only once every D rank reports them *settled*
 (:meth:`KVRank.settle`: nothing can write them any more). A spec is a plain dict::
 
-    {"scenario": {...},                      # kvgeom.scenario.Scenario JSON: model, prefill, decode, mode
+    {"scenario": {...},                      # kvgeom.tools.scenario.Scenario JSON: model, prefill, decode, mode
      "requests": [{"id": "r0", "tokens": 700, "engine": "prefill"}, ...],  # an id listed again: a later retry;
                                               # "delay_s": pause before sending this entry
      "prefill_engines": ["prefill"],          # several P engines may serve one D engine
@@ -49,10 +49,10 @@ from kvgeom_nixl.errors import AdapterError, StaleMetadata
 from kvgeom_nixl.kvrank import KVRank
 
 from kvgeom import GeometryCard, KvgeomError
-from kvgeom.geometry import rank_geometry
-from kvgeom.scenario import Scenario
+from kvgeom.layout.geometry import rank_geometry
 from kvgeom.testing import CoordSpace
 from kvgeom.testing.content import BACKGROUND, POISON_BYTE, check_request, fill_source, verify_report
+from kvgeom.tools.scenario import Scenario
 
 from .procs import ProcGroup
 

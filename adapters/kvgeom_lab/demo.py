@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": [{"id": f"req-{i}", "tokens": n} for i, n in enumerate(args.tokens)],
         "config": {"progress_thread": args.progress_thread, "secret": secrets.token_hex(32)},
     }
-    from kvgeom.scenario import Scenario
+    from kvgeom.tools.scenario import Scenario
 
     sc = Scenario.from_json(scenario)
     print(f"kvgeom demo: {sc.describe()}")

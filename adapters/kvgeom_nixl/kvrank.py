@@ -40,10 +40,10 @@ import numpy as np
 
 from kvgeom import GeometryCard, KvgeomError, Pairing, RequestPlan, check_pair, plan_request
 from kvgeom.blocks import as_group_ids, logical_to_kernel
-from kvgeom.card import DEFAULT_LIMITS, CardLimits
 from kvgeom.errors import PlanError
-from kvgeom.pairing import push_writers
-from kvgeom.plan import Regroup, check_writes, contiguous_runs, receive_step
+from kvgeom.layout.card import DEFAULT_LIMITS, CardLimits
+from kvgeom.plan.pairing import push_writers
+from kvgeom.plan.request import Regroup, check_writes, contiguous_runs, receive_step
 
 from .agent import Endpoint, Prepped, Telemetry, Transfer
 from .auth import Auth, Notice, decode_notice, encode_notice
@@ -295,7 +295,7 @@ def request_block_rows(card: GeometryCard, ids: Sequence[Sequence[int]]) -> np.n
 
 
 def block_rows(geom: Any, ids: Sequence[Sequence[int]]) -> np.ndarray:
-    """:func:`request_block_rows` for a :class:`~kvgeom.geometry.RankGeometry`."""
+    """:func:`request_block_rows` for a :class:`~kvgeom.layout.geometry.RankGeometry`."""
     kinds = geom.group_is_ssm
     kernel = logical_to_kernel(as_group_ids(ids, kinds, "ids"), geom.ppl, kinds)
     blocks = np.unique(
@@ -1080,7 +1080,7 @@ class KVRank:
 
     def _writers(self, producer: GeometryCard, compat: str = "kvgeom") -> set[tuple[str, int]]:
         """The producer ranks that write to this rank in push: the core's answer
-        (:func:`kvgeom.pairing.push_writers`: the ranks whose pairing names this one, DCP's widening
+        (:func:`kvgeom.plan.pairing.push_writers`: the ranks whose pairing names this one, DCP's widening
         included), not one derived here."""
         return {(producer.engine_id, p) for p in push_writers(producer, self.card, compat)}
 

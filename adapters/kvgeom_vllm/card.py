@@ -7,7 +7,7 @@ Every cache-holding layer of the rank's transfer groups becomes a kvgeom layer o
 * MLA (full or sliding window): the latent size and dtype;
 * a recurrent state (Mamba1, Mamba2, GDN): its *global* sizes. vLLM's spec holds one rank's shapes,
   which do not tell a sharded piece from a replicated one (Mamba2's B and C when ``n_groups < TP``): the
-  global sizes come from the model's Hugging Face config (:func:`kvgeom.hfconfig.read_config`, the
+  global sizes come from the model's Hugging Face config (:func:`kvgeom.model.hfconfig.read_config`, the
   families kvgeom reads) when it describes this kind of state; otherwise from the rank's shapes, which
   is unambiguous only at TP 1 (at TP > 1 the rank is refused). Either way kvgeom's per-rank shapes of
   the result must equal vLLM's, else the rank is refused.
@@ -15,7 +15,7 @@ Every cache-holding layer of the rank's transfer groups becomes a kvgeom layer o
 The engine numbers (TP size and rank, logical and kernel block sizes, block count, KV layout, conv
 layout, transfer mode) come from the worker. A CSA-linear rank (rings, vLLM's ``CircularBufferSpec``, and
 the TP-replicated PLE state) is described in vLLM's block-outermost rows (``EngineConfig(packed_rows=True)``,
-:mod:`kvgeom.csarows`). A rank kvgeom cannot describe (host-resident groups, a layout kvgeom has no geometry
+:mod:`kvgeom.layout.csarows`). A rank kvgeom cannot describe (host-resident groups, a layout kvgeom has no geometry
 for, shapes no model has) is refused with a
 :class:`~kvgeom.errors.KvgeomError` naming the layer and the numbers; :func:`check_registration` then
 checks kvgeom's geometry of the card against what vLLM registered (groups, regions, SSM pieces).
@@ -30,7 +30,7 @@ from typing import Any
 
 from kvgeom import EngineConfig, GeometryCard, ModelSpec
 from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError
-from kvgeom.spec import (
+from kvgeom.model.spec import (
     AttentionSpec,
     CircularBufferSpec,
     Layer,
@@ -75,7 +75,7 @@ def vllm_state_shapes(spec: MambaSpec, tp: int) -> tuple[tuple[int, ...], tuple[
 def _hf_states(worker: Any) -> dict[LayerKind, MambaSpec]:
     """The model's recurrent-state specs by kind, from its Hugging Face config (empty when kvgeom does not
     read that family or the config describes no such layer)."""
-    from kvgeom.hfconfig import model_types, read_config
+    from kvgeom.model.hfconfig import model_types, read_config
 
     model_config = getattr(worker.vllm_config, "model_config", None)
     hf = getattr(model_config, "hf_config", None)
@@ -195,7 +195,7 @@ def _csa_overlays(layers: list[Layer]) -> list[Layer]:
     """The layers of a CSA-linear rank in vLLM's block-outermost rows, with kvgeom's tensor sharing: token
     caches own their pages, each ring overlays an MLA page (its decoder layer's, else the first), each state
     the first token cache. In those rows the sharing names no memory (every page has its place in the row,
-    :mod:`kvgeom.csarows`); it marks which caches overlay which, as kvgeom's spec requires."""
+    :mod:`kvgeom.layout.csarows`); it marks which caches overlay which, as kvgeom's spec requires."""
     owners = [la for la in layers if la.kind in (LayerKind.MLA, LayerKind.ATTENTION)]
     mla = [la for la in owners if la.kind is LayerKind.MLA]
     if not owners or not mla:

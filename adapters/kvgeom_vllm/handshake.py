@@ -20,7 +20,7 @@ from typing import Any
 
 from kvgeom import GeometryCard, Pairing
 from kvgeom.errors import IncompatiblePairError, KvgeomError, UnsupportedError
-from kvgeom.layerroute import slice_regions
+from kvgeom.pair.layerroute import slice_regions
 
 from . import kvgeom_mode
 from .answers.regions import _table
@@ -90,7 +90,7 @@ def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: 
         local, ranks, mode=local.mode, compat=worker.kvgeom_compat, prefix_caching=prefix
     )
     if pairing.mode == "push" and pairing.permute:
-        # kvgeom plans it (the D step is kvgeom.plan.receive_step), but vLLM's push D runs no receive step
+        # kvgeom plans it (the D step is kvgeom.plan.request.receive_step), but vLLM's push D runs no receive step
         # this drop-in could answer: the head-major pages would stay unpermuted in D's token-major cache
         lay, ray = local.engine.kv_layout.value, remote.engine.kv_layout.value
         raise UnsupportedError(
@@ -106,7 +106,7 @@ def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: 
 
 def _slice_pp_window(worker: Any, meta: Any) -> None:
     """A PP stage (no layer-name routing) reads the window of a PP-1 peer's regions that holds its layers
-    (:func:`kvgeom.layerroute.slice_regions` from the stage's :func:`~kvgeom.layerroute.pp_region_offset`).
+    (:func:`kvgeom.pair.layerroute.slice_regions` from the stage's :func:`~kvgeom.pair.layerroute.pp_region_offset`).
     vLLM slices inline in ``add_remote_agent``; done here first, its own slicing finds nothing left to do."""
     n = len(worker.block_len_per_layer)
     if (

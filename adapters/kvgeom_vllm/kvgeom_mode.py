@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from kvgeom import Pairing, plan_request
-from kvgeom.engine import KVLayout
 from kvgeom.errors import IncompatiblePairError, KvgeomError
-from kvgeom.plan import RequestPlan
+from kvgeom.layout.engine import KVLayout
+from kvgeom.plan.request import RequestPlan
 
 from .answers import region_bytes, to_vllm_mapping
 from .answers._common import KVI, representative_type

@@ -84,68 +84,87 @@ T = "TransferTopology"
 S = "NixlBaseConnectorScheduler"
 TABLE: tuple[Entry, ...] = (
     # -- who reads whom: TP mapping, topology, decode context parallelism
-    Entry(TPM, "compute_tp_mapping", "compute_tp_mapping", "kvgeom.tp.compute_tp_mapping", kind="function"),
+    Entry(
+        TPM, "compute_tp_mapping", "compute_tp_mapping", "kvgeom.pair.tp.compute_tp_mapping", kind="function"
+    ),
     # vLLM calls compute_head_offset only from compute_tp_mapping, which kvgeom answers whole
     Entry(
         TPM,
         "compute_head_offset",
         "compute_head_offset",
-        "kvgeom.tp.head_offset",
+        "kvgeom.pair.tp.head_offset",
         kind="function",
         exercised=False,
     ),
-    Entry(UTILS, f"{T}.tp_ratio", "topology_tp_ratio", "kvgeom.tp.tp_ratio"),
-    Entry(UTILS, f"{T}.block_size_ratio", "topology_block_size_ratio", "kvgeom.blocksize.block_size_ratio"),
+    Entry(UTILS, f"{T}.tp_ratio", "topology_tp_ratio", "kvgeom.pair.tp.tp_ratio"),
+    Entry(
+        UTILS, f"{T}.block_size_ratio", "topology_block_size_ratio", "kvgeom.pair.blocksize.block_size_ratio"
+    ),
     Entry(
         UTILS,
         f"{T}.local_physical_heads",
         "topology_local_physical_heads",
-        "kvgeom.spec.Shard.units_per_rank",
+        "kvgeom.model.spec.Shard.units_per_rank",
         kind="attribute",
     ),
     # vLLM's compute_tp_mapping and handshake_target_ranks ask these; kvgeom answers both whole
     Entry(
-        UTILS, f"{T}.dcp_rank", "topology_dcp_rank", "kvgeom.dcp.dcp_rank", kind="property", exercised=False
+        UTILS,
+        f"{T}.dcp_rank",
+        "topology_dcp_rank",
+        "kvgeom.pair.dcp.dcp_rank",
+        kind="property",
+        exercised=False,
     ),
-    Entry(UTILS, f"{T}.dcp_source_ranks", "dcp_source_ranks", "kvgeom.dcp.dcp_source_ranks", exercised=False),
+    Entry(
+        UTILS,
+        f"{T}.dcp_source_ranks",
+        "dcp_source_ranks",
+        "kvgeom.pair.dcp.dcp_source_ranks",
+        exercised=False,
+    ),
     Entry(
         UTILS,
         f"{T}.dcp_consumer_count",
         "dcp_consumer_count",
-        "kvgeom.dcp.dcp_consumer_count",
+        "kvgeom.pair.dcp.dcp_consumer_count",
         exercised=False,
-    ),  # vLLM's mapping asks kvgeom.tp.compute_tp_mapping, which counts consumers itself
+    ),  # vLLM's mapping asks kvgeom.pair.tp.compute_tp_mapping, which counts consumers itself
     # called by vLLM's side-channel handshake (vLLM's unit tests call add_remote_agent directly instead)
     Entry(
         UTILS,
         f"{T}.handshake_target_ranks",
         "handshake_target_ranks",
-        "kvgeom.tp.dcp_handshake_targets",
+        "kvgeom.pair.tp.dcp_handshake_targets",
         exercised=False,
     ),
     Entry(
         UTILS,
         f"{T}.target_remote_ranks",
         "target_remote_ranks",
-        "kvgeom.tp.handshake_targets",
+        "kvgeom.pair.tp.handshake_targets",
         exercised=False,
     ),
-    # vLLM's handshake validation asks it; kvgeom.advertised answers the validation whole
+    # vLLM's handshake validation asks it; kvgeom.compat.vllm.advertised answers the validation whole
     Entry(
-        UTILS, f"{T}.is_kv_replicated", "is_kv_replicated", "kvgeom.spec.Shard.replicated", exercised=False
+        UTILS,
+        f"{T}.is_kv_replicated",
+        "is_kv_replicated",
+        "kvgeom.model.spec.Shard.replicated",
+        exercised=False,
     ),
     Entry(
         UTILS,
         f"{T}.replicates_kv_cache",
         "replicates_kv_cache",
-        "kvgeom.spec.Shard.replicated",
+        "kvgeom.model.spec.Shard.replicated",
         exercised=False,
     ),
     Entry(
         UTILS,
         f"{T}.local_replicates_kv_cache",
         "topology_local_replicates_kv_cache",
-        "kvgeom.spec.Shard.replicated",
+        "kvgeom.model.spec.Shard.replicated",
         kind="property",
         exercised=False,
     ),
@@ -153,14 +172,14 @@ TABLE: tuple[Entry, ...] = (
         BW,
         f"{W}._needs_split_local_xfer_handles",
         "needs_split_local_xfer_handles",
-        "kvgeom.tp.needs_split_local_handles",
+        "kvgeom.pair.tp.needs_split_local_handles",
     ),
     # -- handshake validation (a card-carrying peer is also paired on both cards, see the wrapper rows)
     Entry(
         BW,
         f"{W}._validate_remote_parallel_config",
         "validate_remote_parallel_config",
-        "kvgeom.dcp.check_parallel_pair",
+        "kvgeom.pair.dcp.check_parallel_pair",
         raises=("NotImplementedError",),
         exercised=False,
     ),
@@ -168,38 +187,40 @@ TABLE: tuple[Entry, ...] = (
         BW,
         f"{W}._validate_remote_agent_handshake",
         "validate_remote_agent_handshake",
-        "kvgeom.advertised.check_advertised_pair",
+        "kvgeom.compat.vllm.advertised.check_advertised_pair",
         raises=_ALL,
     ),
     Entry(
         BW,
         f"{W}._validate_csa_linear_tp_layout",
         "validate_csa_linear_tp_layout",
-        "kvgeom.handshake.check_csa_linear_tp_layout",
+        "kvgeom.pair.handshake.check_csa_linear_tp_layout",
         raises=("ValueError",),
     ),
     # -- advertised regions: layer order, routing, packed rows, block sizes
-    Entry(BW, "_region_sort_key", "region_sort_key", "kvgeom.layerroute.region_sort_key", kind="function"),
-    Entry(BW, f"{W}._set_region_layers", "set_region_layers", "kvgeom.layerroute.transfer_layers"),
+    Entry(
+        BW, "_region_sort_key", "region_sort_key", "kvgeom.pair.layerroute.region_sort_key", kind="function"
+    ),
+    Entry(BW, f"{W}._set_region_layers", "set_region_layers", "kvgeom.pair.layerroute.transfer_layers"),
     Entry(
         BW,
         f"{W}._align_remote_regions_by_layer",
         "align_remote_regions_by_layer",
-        "kvgeom.layerroute.align_regions_by_layer",
+        "kvgeom.pair.layerroute.align_regions_by_layer",
     ),
     Entry(
         BW,
         f"{W}._split_remote_packed_rows",
         "split_remote_packed_rows",
-        "kvgeom.layerroute.split_packed_rows",
+        "kvgeom.pair.layerroute.split_packed_rows",
         raises=("AssertionError", "NotImplementedError"),
     ),
-    Entry(BW, f"{W}._split_remote_blocks", "split_remote_blocks", "kvgeom.blocksize.remote_block_split"),
+    Entry(BW, f"{W}._split_remote_blocks", "split_remote_blocks", "kvgeom.pair.blocksize.remote_block_split"),
     Entry(
         BW,
         f"{W}._sync_block_size_with_kernel",
         "sync_block_size_with_kernel",
-        "kvgeom.blocksize.kernel_blocks_per_logical",
+        "kvgeom.pair.blocksize.kernel_blocks_per_logical",
     ),
     # -- block ids
     # vLLM calls it only from _map_block_ids_for_block_size_ratio, which kvgeom answers whole
@@ -223,14 +244,14 @@ TABLE: tuple[Entry, ...] = (
         BW,
         f"{W}._apply_dcp_prefix_caching",
         "apply_dcp_prefix_caching",
-        "kvgeom.dcp.apply_dcp_prefix_caching",
+        "kvgeom.pair.dcp.apply_dcp_prefix_caching",
         raises=("ValueError",),
     ),
     Entry(
         BW,
         f"{W}._block_ids_by_region",
         "block_ids_by_region",
-        "kvgeom.regionmap.block_ids_by_region",
+        "kvgeom.plan.regionmap.block_ids_by_region",
         raises=("IndexError",),
         kind="static",
     ),
@@ -238,16 +259,16 @@ TABLE: tuple[Entry, ...] = (
         BW,
         f"{W}._apply_prefix_caching_by_region",
         "apply_prefix_caching_by_region",
-        "kvgeom.regionmap.apply_prefix_caching_by_region",
+        "kvgeom.plan.regionmap.apply_prefix_caching_by_region",
         raises=("AssertionError", "ValueError"),
     ),
-    Entry(BW, f"{W}._compute_desc_ids", "compute_desc_ids", "kvgeom.descids.compute_desc_ids"),
+    Entry(BW, f"{W}._compute_desc_ids", "compute_desc_ids", "kvgeom.plan.descids.compute_desc_ids"),
     # -- SSM state pages
     Entry(
         SSM,
         "derive_mamba_conv_split",
         "derive_mamba_conv_split",
-        "kvgeom.conv.derive_conv_split",
+        "kvgeom.layout.conv.derive_conv_split",
         raises=("NotImplementedError", "AssertionError"),
         kind="function",
     ),
@@ -255,13 +276,13 @@ TABLE: tuple[Entry, ...] = (
         SSM,
         "MambaConvSplitInfo.remote_conv_offsets",
         "remote_conv_offsets",
-        "kvgeom.conv.remote_conv_offsets",
+        "kvgeom.layout.conv.remote_conv_offsets",
     ),
     Entry(
         SSM,
         "compute_physical_blocks_per_logical",
         "compute_physical_blocks_per_logical",
-        "kvgeom.conv.physical_blocks_per_logical",
+        "kvgeom.layout.conv.physical_blocks_per_logical",
         kind="function",
     ),
     # -- descriptor tables (NIXL's strided rows)
@@ -269,7 +290,7 @@ TABLE: tuple[Entry, ...] = (
         BW,
         f"{W}._block_strided_descs",
         "block_strided_descs",
-        "kvgeom.strided.block_strided_rows",
+        "kvgeom.plan.strided.block_strided_rows",
         kind="static",
         exercised=False,
     ),  # called by _build_fa_local, which kvgeom answers whole
@@ -278,52 +299,52 @@ TABLE: tuple[Entry, ...] = (
         BW,
         f"{W}._strided_desc_starts",
         "strided_desc_starts",
-        "kvgeom.strided.strided_starts",
+        "kvgeom.plan.strided.strided_starts",
         kind="static",
         exercised=False,
     ),
-    Entry(BW, f"{W}._build_fa_local", "build_fa_local", "kvgeom.strided.fa_local_rows"),
-    Entry(BW, f"{W}._build_mamba_local", "build_mamba_local", "kvgeom.strided.mamba_local_rows"),
-    Entry(BW, f"{W}._build_fa_remote", "build_fa_remote", "kvgeom.strided.fa_remote_rows"),
+    Entry(BW, f"{W}._build_fa_local", "build_fa_local", "kvgeom.plan.strided.fa_local_rows"),
+    Entry(BW, f"{W}._build_mamba_local", "build_mamba_local", "kvgeom.plan.strided.mamba_local_rows"),
+    Entry(BW, f"{W}._build_fa_remote", "build_fa_remote", "kvgeom.plan.strided.fa_remote_rows"),
     Entry(
         BW,
         f"{W}._build_mamba_remote",
         "build_mamba_remote",
-        "kvgeom.strided.mamba_remote_rows + kvgeom.conv.remote_conv_offsets",
+        "kvgeom.plan.strided.mamba_remote_rows + kvgeom.layout.conv.remote_conv_offsets",
         raises=("AssertionError", "ValueError"),
     ),
     Entry(
         BW,
         f"{W}._build_local_splits_from_plan",
         "build_local_splits_from_plan",
-        "kvgeom.splits.build_local_splits",
+        "kvgeom.plan.splits.build_local_splits",
     ),
     # -- after the bytes land
     Entry(
         BW,
         f"{W}.post_process_device_kv_on_receive",
         "post_process_device_kv_on_receive",
-        "kvgeom.align.consumer_zero_rows + regroup (kvgeom_vllm.devicebytes)",
+        "kvgeom.plan.align.consumer_zero_rows + regroup (kvgeom_vllm.devicebytes)",
     ),
     Entry(
         BW,
         f"{W}._zero_region_blocks",
         "zero_region_blocks",
-        "kvgeom.regionmap.region_zero_rows (kvgeom mode: the plan's regroup and zero rows)",
+        "kvgeom.plan.regionmap.region_zero_rows (kvgeom mode: the plan's regroup and zero rows)",
     ),
     # -- the scheduler: which blocks and tokens a request exchanges
     Entry(
         SCHED,
         f"{S}.blocks_per_sw",
         "blocks_per_window",
-        "kvgeom.exchange.sliding_window_blocks",
+        "kvgeom.plan.exchange.sliding_window_blocks",
         kind="attribute",
     ),
     Entry(
         UTILS,
         "clip_ssm_state_blocks",
         "clip_ssm_state_blocks",
-        "kvgeom.exchange.clip_ssm_state_blocks",
+        "kvgeom.plan.exchange.clip_ssm_state_blocks",
         kind="function",
         exercised=False,
     ),  # called by get_exchange_clipped_blocks, which kvgeom answers whole
@@ -331,14 +352,14 @@ TABLE: tuple[Entry, ...] = (
         SCHED,
         f"{S}.get_exchange_clipped_blocks",
         "get_exchange_clipped_blocks",
-        "kvgeom.exchange.exchange_clipped_blocks",
+        "kvgeom.plan.exchange.exchange_clipped_blocks",
     ),
-    Entry(SCHED, f"{S}._prefill_backoff", "prefill_backoff", "kvgeom.exchange.prefill_backoff"),
+    Entry(SCHED, f"{S}._prefill_backoff", "prefill_backoff", "kvgeom.plan.exchange.prefill_backoff"),
     Entry(
         SCHED,
         f"{S}._get_remote_prefill_token_count",
         "get_remote_prefill_token_count",
-        "kvgeom.exchange.prefill_tokens",
+        "kvgeom.plan.exchange.prefill_tokens",
     ),
     # -- the per-request path: kvgeom's plan when both sides carry a card (always in kvgeom mode); for a peer
     # without a card vLLM's own per-request code runs on the answers above. vLLM's tests pair no cards.
@@ -365,7 +386,7 @@ TABLE: tuple[Entry, ...] = (
         BW,
         f"{W}.register_kv_caches",
         "register_kv_caches",
-        "kvgeom.registration.discover_regions + kvgeom.layerroute.pp_region_offset; then the rank's geometry card "
+        "kvgeom.compat.vllm.registration.discover_regions + kvgeom.pair.layerroute.pp_region_offset; then the rank's geometry card "
         "(kvgeom_vllm.card, checked against the regions)",
         raises=("AssertionError", "NotImplementedError"),
         kind="base",
@@ -376,7 +397,7 @@ TABLE: tuple[Entry, ...] = (
         f"{W}.add_remote_agent",
         "add_remote_agent_wrapper",
         "kvgeom.GeometryCard.from_json + Pairing.create (the peer's card, checked on receipt; the pair's tables "
-        "prepared from the pairing); kvgeom.layerroute.slice_regions (a PP stage's window)",
+        "prepared from the pairing); kvgeom.pair.layerroute.slice_regions (a PP stage's window)",
         raises=("RuntimeError",),
         kind="wrapper",
     ),

@@ -19,10 +19,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .. import __version__
-from ..errors import KvgeomError, PlanError
-from ._commands import COMMANDS, Refused, demo_hint
-from ._inputs import WIDTH, UsageError, field_for_cli
+from kvgeom import __version__
+from kvgeom.cli._commands import COMMANDS, Refused, demo_hint
+from kvgeom.cli._inputs import WIDTH, UsageError, field_for_cli
+from kvgeom.errors import KvgeomError, PlanError
 
 __all__ = ["main", "SCHEMA_VERSION"]
 
@@ -59,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _pair_args(p: argparse.ArgumentParser, demo: bool = False) -> None:
-    from ..hfconfig import KV_CACHE_DTYPES, SSM_CACHE_DTYPES
+    from kvgeom.model.hfconfig import KV_CACHE_DTYPES, SSM_CACHE_DTYPES
 
     p.add_argument(
         "scenario",

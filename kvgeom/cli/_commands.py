@@ -18,12 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..card import GeometryCard
-from ..errors import KvgeomError
-from ..models import preset_ids, resolve
-from ..plan import MOVE_COLUMNS, contiguous_runs
-from ..scenario import Scenario
-from ._inputs import (
+from kvgeom.cli._inputs import (
     DEMO_REQUESTS,
     MOVES,
     SEED,
@@ -36,6 +31,11 @@ from ._inputs import (
     load_scenario,
     parse_engine,
 )
+from kvgeom.errors import KvgeomError
+from kvgeom.layout.card import GeometryCard
+from kvgeom.model.models import preset_ids, resolve
+from kvgeom.plan.request import MOVE_COLUMNS, contiguous_runs
+from kvgeom.tools.scenario import Scenario
 
 __all__ = ["COMMANDS", "Refused", "demo_hint"]
 
@@ -267,7 +267,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_draw(args: argparse.Namespace) -> dict[str, Any]:
-    from .. import draw
+    from kvgeom.tools import draw
 
     sc = _scenario(args)
     tokens = _tokens(sc, args.tokens)

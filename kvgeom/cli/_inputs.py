@@ -14,9 +14,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..errors import KvgeomError
-from ..geometry import rank_geometry
-from ..scenario import ENGINE_KEYS, MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks
+from kvgeom.errors import KvgeomError
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.tools.scenario import ENGINE_KEYS, MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks
 
 __all__ = [
     "UsageError",

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._coords import POISON, ZERO, CoordSpace, describe_tag
-from ._layout import LayoutError
-from ._report import INVARIANTS, Report, Violation
-from .nixl_double import NixlFabric, RecordingAgent, fake_bases
-from .oracle import (
+from kvgeom.testing._coords import POISON, ZERO, CoordSpace, describe_tag
+from kvgeom.testing._layout import LayoutError
+from kvgeom.testing._report import INVARIANTS, Report, Violation
+from kvgeom.testing.nixl_double import NixlFabric, RecordingAgent, fake_bases
+from kvgeom.testing.oracle import (
     Oracle,
     RankPlan,
     Request,

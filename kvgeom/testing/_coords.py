@@ -21,8 +21,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dtypes import dtype_size
-from ..spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
+from kvgeom.dtypes import dtype_size
+from kvgeom.model.spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    MambaSpec,
+    MLASpec,
+    ModelSpec,
+    ReplicatedStateSpec,
+)
 
 __all__ = ["POISON", "ZERO", "CoordSpace", "location_tags", "describe_tag"]
 

@@ -1,8 +1,8 @@
 """Where each logical coordinate of a request lives on one engine rank: an independent model.
 
 This module restates kvgeom's physical layout from first principles, per element, for clarity. It
-reads from :func:`~kvgeom.geometry.rank_geometry` only what is *allocated* (region sizes, which layer
-views which region, the groups) and uses the specs' sharding rules (:class:`~kvgeom.spec.Shard`); it
+reads from :func:`~kvgeom.layout.geometry.rank_geometry` only what is *allocated* (region sizes, which layer
+views which region, the groups) and uses the specs' sharding rules (:class:`~kvgeom.model.spec.Shard`); it
 never calls the planner's address arithmetic (dlists, descriptor ids, plans).
 
 Layout facts (kernel block ``kb``, ``ppl = block_size // kb``):
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dtypes import dtype_size
-from ..engine import ConvLayout, KVLayout
-from ..geometry import RankGeometry, Region
-from ..spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
-from ._coords import CoordSpace
+from kvgeom.dtypes import dtype_size
+from kvgeom.layout.engine import ConvLayout, KVLayout
+from kvgeom.layout.geometry import RankGeometry, Region
+from kvgeom.model.spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
+from kvgeom.testing._coords import CoordSpace
 
 __all__ = [
     "OUTSIDE",
@@ -95,7 +95,7 @@ class RankImage:
 
 def region_arrays(geom: RankGeometry, fill: int, dtype: type) -> list[np.ndarray]:
     """One array per region, ``nbytes`` long, filled with ``fill``: separate arrays, or, where regions share rows
-    (:attr:`~kvgeom.geometry.Region.row_offset`, vLLM's packed CSA-linear rows), views of one array of the
+    (:attr:`~kvgeom.layout.geometry.Region.row_offset`, vLLM's packed CSA-linear rows), views of one array of the
     rank's rows, so that a byte written through one region is seen through every region that aliases it."""
     sizes = [r.nbytes for r in geom.regions]
     if all(r.row_offset is None for r in geom.regions):

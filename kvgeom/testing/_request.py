@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..engine import EngineConfig
-from ..geometry import RankGeometry, rank_geometry
-from ..spec import ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.model.spec import ModelSpec
 
 __all__ = ["Request", "RequestError", "check_side", "engine_geometries"]
 
@@ -28,7 +28,7 @@ class Request:
 
     ``num_tokens`` is the request's length on D (D holds ``ceil(num_tokens / D block)`` blocks);
     ``prefill_tokens`` (default ``num_tokens``) the tokens P computed: in the N-1 flow of Mamba hybrids P
-    stops short and D recomputes the rest (:mod:`kvgeom.exchange`). ``p_ids[g]`` are P's logical block
+    stops short and D recomputes the rest (:mod:`kvgeom.plan.exchange`). ``p_ids[g]`` are P's logical block
     ids of group ``g`` (attention groups: ``ceil(prefill_tokens / P block)`` blocks covering every
     computed token; SSM groups: one state slot); ``d_ids[g]`` D's (``ceil(num_tokens / D block)``
     blocks), without its ``prefix_blocks`` leading blocks that are already cached (their tokens are not

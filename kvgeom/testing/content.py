@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import as_group_ids, logical_to_kernel
-from ..card import GeometryCard
-from ..geometry import RankGeometry
-from ._coords import CoordSpace
-from ._layout import NEEDED, OPTIONAL, OUTSIDE, rank_image
+from kvgeom.blocks import as_group_ids, logical_to_kernel
+from kvgeom.layout.card import GeometryCard
+from kvgeom.layout.geometry import RankGeometry
+from kvgeom.testing._coords import CoordSpace
+from kvgeom.testing._layout import NEEDED, OPTIONAL, OUTSIDE, rank_image
 
 __all__ = [
     "BACKGROUND",

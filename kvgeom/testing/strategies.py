@@ -9,10 +9,10 @@ choices are ``sampled_from`` lists in order of simplicity and small integers are
   :func:`csa_linear_models`) CSA-linear models: MLA layers with a ring overlaid, a sharded SSM state and
   a TP-replicated state page on their tensors;
 * :func:`engine_configs` -- one engine for a model (TP size, logical and kernel block sizes, pool size,
-  layouts); a hybrid's block size comes from :func:`~kvgeom.geometry.align_hybrid_block_size`, so the
+  layouts); a hybrid's block size comes from :func:`~kvgeom.layout.geometry.align_hybrid_block_size`, so the
   attention page holds the SSM state (TP-dependent, as in vLLM);
 * :func:`pd_pairs` -- a :class:`PDPair` (model, P engine, D engine, mode, compat) that
-  :meth:`~kvgeom.pairing.Pairing.create` accepts on every local rank (MLA models, with or without SSM
+  :meth:`~kvgeom.plan.pairing.Pairing.create` accepts on every local rank (MLA models, with or without SSM
   layers, sometimes with decode context parallelism on either side; models without SSM state sometimes in pipeline stages; pure MLA
   models sometimes with packed block-outermost rows);
 * :func:`requests` -- a :class:`~kvgeom.testing.oracle.Request` for a pair: token count, sparse and
@@ -39,13 +39,11 @@ from typing import Any, cast
 from hypothesis import assume, event
 from hypothesis import strategies as st
 
-from ..csa import csa_linear_model
-from ..engine import ConvLayout, EngineConfig, KVLayout
-from ..errors import KvgeomError
-from ..exchange import prefill_tokens
-from ..geometry import RankGeometry, align_hybrid_block_size, rank_geometry
-from ..pairing import Pairing
-from ..spec import (
+from kvgeom.errors import KvgeomError
+from kvgeom.layout.engine import ConvLayout, EngineConfig, KVLayout
+from kvgeom.layout.geometry import RankGeometry, align_hybrid_block_size, rank_geometry
+from kvgeom.model.csa import csa_linear_model
+from kvgeom.model.spec import (
     AttentionSpec,
     CircularBufferSpec,
     LayerKind,
@@ -56,9 +54,11 @@ from ..spec import (
     ReplicatedStateSpec,
     Shard,
 )
-from ..streams import packed_streams
-from ._report import Report
-from .oracle import Request, engine_geometries, run
+from kvgeom.pair.streams import packed_streams
+from kvgeom.plan.exchange import prefill_tokens
+from kvgeom.plan.pairing import Pairing
+from kvgeom.testing._report import Report
+from kvgeom.testing.oracle import Request, engine_geometries, run
 
 __all__ = [
     "TP_SIZES",
@@ -128,7 +128,7 @@ def _windowed(spec: AttentionSpec | MLASpec, window: int) -> AttentionSpec | MLA
 
 @st.composite
 def csa_linear_models(draw: st.DrawFn) -> ModelSpec:
-    """Small CSA-linear models (:func:`kvgeom.csa.csa_linear_model`): 1-2 MLA layers of 4-16 elements per
+    """Small CSA-linear models (:func:`kvgeom.model.csa.csa_linear_model`): 1-2 MLA layers of 4-16 elements per
     token, each with a ring (compression ratio 2 or 4, 0-2 speculative tokens) and an SSM layer of any
     family overlaid, and a replicated short-conv page of 2-8 channels on the first tensor; half of them with a
     head-sharded main KV of 1, 2 or 4 KV heads per CSA decoder layer (vLLM's ``Qwen4ExpQSAAttention``)."""
@@ -435,7 +435,9 @@ def pd_pairs(
     ):  # block-outermost rows, mostly on both sides
         p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
     elif model.is_csa_linear and model.has_ssm and draw(st.integers(0, 2)) == 0:
-        p_packed = d_packed = True  # vLLM's block-outermost allocation of a CSA-linear model (kvgeom.csarows)
+        p_packed = d_packed = (
+            True  # vLLM's block-outermost allocation of a CSA-linear model (kvgeom.layout.csarows)
+        )
     p_conv = d_conv = conv
     if model.has_ssm and draw(st.integers(0, 7)) == 0:  # mixed conv layouts (equal or unequal TP): refused
         p_conv, d_conv = draw(

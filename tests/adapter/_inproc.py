@@ -15,7 +15,7 @@ from kvgeom_nixl.sidechannel import _dumps, _frame, decode
 from kvgeom_nixl.wire import serve_request
 
 from kvgeom import AttentionSpec, GeometryCard, ModelSpec
-from kvgeom.engine import EngineConfig
+from kvgeom.layout.engine import EngineConfig
 
 HOST = "127.0.0.1"
 SECRET = b"attack-tests-shared-secret-0123456789"

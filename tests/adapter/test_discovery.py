@@ -28,7 +28,7 @@ from kvgeom_nixl.discovery import Directory, EtcdClient, Registration, engine_ke
 from kvgeom_nixl.sidechannel import make_payload
 
 from kvgeom import AttentionSpec, GeometryCard, ModelSpec
-from kvgeom.engine import EngineConfig
+from kvgeom.layout.engine import EngineConfig
 
 SECRET = b"discovery-tests-secret-0123456789"
 AUTH = Auth(SECRET)

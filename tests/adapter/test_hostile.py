@@ -484,8 +484,8 @@ def test_duplicate_and_aliasing_block_ids_are_refused(ranks):
     """Item 10: ``plan_request`` accepted duplicate block ids, and one id in two groups, silently. Both
     are a BlockIdError naming the group and the id, and nothing is posted."""
     from kvgeom import AttentionSpec, MambaSpec, ModelSpec, Pairing
-    from kvgeom.card import GeometryCard
-    from kvgeom.engine import EngineConfig
+    from kvgeom.layout.card import GeometryCard
+    from kvgeom.layout.engine import EngineConfig
 
     p, d = ranks
     with Pump(p):

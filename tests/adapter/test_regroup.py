@@ -10,10 +10,10 @@ import torch
 from kvgeom_nixl.kvrank import apply_post_receive
 from kvgeom_vllm.devicebytes import ByteRegion, regroup_blocks
 
-from kvgeom.card import GeometryCard
-from kvgeom.engine import EngineConfig, KVLayout
-from kvgeom.plan import Regroup
-from kvgeom.spec import AttentionSpec, ModelSpec
+from kvgeom.layout.card import GeometryCard
+from kvgeom.layout.engine import EngineConfig, KVLayout
+from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.plan.request import Regroup
 from kvgeom.testing import Oracle, Request, pull_plans
 
 # 2 KV heads of head size 1 in float16: one head of one token is 4 bytes; 4 tokens: a 32-byte block, 2 blocks

@@ -1,4 +1,4 @@
-"""D in push waits for the writers the core names (kvgeom.pairing.push_writers), DCP's widening included:
+"""D in push waits for the writers the core names (kvgeom.plan.pairing.push_writers), DCP's widening included:
 ``KVRank._writers`` on a stand-in rank (it reads only the rank's card). No NIXL needed."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from kvgeom_nixl.kvrank import KVRank
 
 from kvgeom import GeometryCard
-from kvgeom.engine import EngineConfig
-from kvgeom.pairing import Pairing, push_writers
-from kvgeom.spec import MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.model.spec import MLASpec, ModelSpec
+from kvgeom.plan.pairing import Pairing, push_writers
 
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)
 

@@ -204,7 +204,7 @@ def test_zero_rows_refuse_rows_that_are_not_triples() -> None:
 
 def test_block_rows_every_region_every_block() -> None:
     # the rows a failed request zeroes: one per (region, block), region-major, whole block strides
-    from kvgeom.scenario import Scenario
+    from kvgeom.tools.scenario import Scenario
 
     sc = Scenario.from_json(
         {

@@ -14,12 +14,12 @@ import pytest
 from _golden import load_table  # tests/golden/_golden.py
 
 from kvgeom import KvgeomError
-from kvgeom.card import GeometryCard, card_of
-from kvgeom.engine import EngineConfig
-from kvgeom.geometry import rank_geometry
-from kvgeom.pairing import Pairing
-from kvgeom.plan import plan_request
-from kvgeom.spec import LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.layout.card import GeometryCard, card_of
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.model.spec import LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.request import plan_request
 
 CASES = load_table("e2e_pull", "run_mla_kda_pull")
 

@@ -19,11 +19,11 @@ from kvgeom.blocks import (
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
 )
-from kvgeom.conv import derive_conv_split, physical_blocks_per_logical, remote_conv_offsets
-from kvgeom.descids import compute_desc_ids
 from kvgeom.errors import GroupMismatchError, KvgeomError, PlanError, SpecError, UnsupportedError
-from kvgeom.splits import build_local_splits, expand_strided
-from kvgeom.tp import TPMapping, compute_tp_mapping, head_offset, needs_split_local_handles, tp_ratio
+from kvgeom.layout.conv import derive_conv_split, physical_blocks_per_logical, remote_conv_offsets
+from kvgeom.pair.tp import TPMapping, compute_tp_mapping, head_offset, needs_split_local_handles, tp_ratio
+from kvgeom.plan.descids import compute_desc_ids
+from kvgeom.plan.splits import build_local_splits, expand_strided
 
 Input = dict[str, Any]
 

@@ -46,7 +46,16 @@ EQUIVALENTS_DOC = ROOT / "docs" / "mutation-equivalents.md"
 MUTMUT = [sys.executable, "-m", "mutmut"]
 
 #: the most important modules: the CI sample draws from each of them
-CI_MODULES = ("plan", "tp", "descids", "blocks", "handshake", "route", "align", "testing.oracle")
+CI_MODULES = (
+    "plan.request",
+    "pair.tp",
+    "plan.descids",
+    "blocks",
+    "pair.handshake",
+    "pair.route",
+    "plan.align",
+    "testing.oracle",
+)
 CI_PER_MODULE = 3
 #: the CI sample's tests: the ones that exercise planning end to end (bounded stats collection)
 CI_TESTS = [
@@ -86,7 +95,7 @@ SURVIVED = (0, 5, 33)
 
 @dataclass(frozen=True)
 class Mutant:
-    name: str  # mutmut's key, e.g. kvgeom.plan.x_plan_request__mutmut_12
+    name: str  # mutmut's key, e.g. kvgeom.plan.request.x_plan_request__mutmut_12
     module: str  # e.g. plan, testing.oracle
     function: str  # e.g. x_plan_request
     before: str  # the original line(s) the mutant changes, stripped

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from kvgeom import KvgeomError, UnsupportedError
-from kvgeom.engine import EngineConfig
-from kvgeom.geometry import align_hybrid_block_size
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import align_hybrid_block_size
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Request, run
 
 

@@ -1,6 +1,6 @@
 """A connector hands the planner what the scheduler exchanges: an SSM group's block list as the Mamba
 manager allocates it (null placeholders and superseded states before the running state, speculative
-scratch slots after it) clips to the running-state slot (:func:`kvgeom.exchange.exchange_clipped_blocks`),
+scratch slots after it) clips to the running-state slot (:func:`kvgeom.plan.exchange.exchange_clipped_blocks`),
 and the clipped request plans to bytes the oracle accepts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
 from kvgeom import KvgeomError
-from kvgeom.exchange import exchange_clipped_blocks
+from kvgeom.plan.exchange import exchange_clipped_blocks
 from kvgeom.testing import Request, engine_geometries
 from kvgeom.testing import strategies as kst
 

@@ -19,10 +19,10 @@ from kvgeom import (
     plan_request,
     presets,
 )
-from kvgeom.align import list_starts
-from kvgeom.exchange import prefill_backoff, prefill_tokens
-from kvgeom.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.plan.align import list_starts
+from kvgeom.plan.exchange import prefill_backoff, prefill_tokens
 from kvgeom.testing import Request, run
 
 TINY = ModelSpec.from_layers(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import event, given
 
 from kvgeom import IncompatiblePairError, KvgeomError
-from kvgeom.spec import ModelSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import engine_geometries
 from kvgeom.testing.strategies import PDPair, check_geometries, one_sided_windows
 

@@ -12,9 +12,9 @@ from hypothesis import event, given, reject, settings
 from hypothesis import strategies as st
 
 from kvgeom import KvgeomError, UnsupportedError
-from kvgeom.engine import EngineConfig
-from kvgeom.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Report, Request, run
 from kvgeom.testing import strategies as kst
 

@@ -15,8 +15,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvgeom import KvgeomError, TokenCountError, UnsupportedError
-from kvgeom.engine import EngineConfig
-from kvgeom.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
 from kvgeom.testing import RankPlan, Request, engine_geometries, pull_plans, push_plans, run_plans
 from kvgeom.testing import strategies as kst
 

@@ -21,9 +21,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvgeom import KvgeomError
-from kvgeom.engine import EngineConfig
-from kvgeom.geometry import align_hybrid_block_size
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import align_hybrid_block_size
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Request, run
 
 OK = "ok"

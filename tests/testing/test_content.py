@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvgeom import card_of, presets
-from kvgeom.engine import EngineConfig
+from kvgeom.layout.engine import EngineConfig
 from kvgeom.testing import CoordSpace
 from kvgeom.testing.content import POISON_BYTE, check_request, fill_source, verify_report
 

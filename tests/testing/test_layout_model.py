@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from kvgeom.engine import EngineConfig
-from kvgeom.geometry import rank_geometry
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import POISON, ZERO, CoordSpace, Request, describe_tag
 from kvgeom.testing._coords import location_tags
 from kvgeom.testing._layout import NEEDED, OPTIONAL, OUTSIDE, PADDING, rank_image

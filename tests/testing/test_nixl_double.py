@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom.engine import EngineConfig
-from kvgeom.pairing import Pairing
-from kvgeom.plan import plan_request, receive_step
-from kvgeom.spec import AttentionSpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.request import plan_request, receive_step
 from kvgeom.testing import NixlFabric, Request, check_moves, engine_geometries, fake_bases
 from kvgeom.testing.nixl_double import RecordingAgent, nixlInvalidParamError, nixlNotFoundError
 

@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvgeom.engine import EngineConfig
-from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
 from kvgeom.testing import Oracle, RankPlan, Report, Request, engine_geometries, pull_plans, push_plans
 
 SRC_OFF, DST_RANK, DST_REGION, DST_OFF, LENGTH = 2, 3, 4, 5, 6

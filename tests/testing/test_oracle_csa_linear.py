@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom.csa import csa_linear_model
-from kvgeom.engine import EngineConfig
-from kvgeom.spec import MambaSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.model.csa import csa_linear_model
+from kvgeom.model.spec import MambaSpec
 from kvgeom.testing import ZERO, Oracle, RankPlan, Report, Request, pull_plans, push_plans
 
 SRC_REGION, SRC_OFF, DST_REGION, DST_OFF, LENGTH = 1, 2, 4, 5, 6
@@ -129,7 +129,7 @@ def test_a_replicated_page_from_the_wrong_region() -> None:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_packed_rows_pass(compat: str, mode: str, tp: int) -> None:
-    """vLLM's block-outermost allocation (kvgeom.csarows): regions at row offsets 0 (MLA 256 B), 256 (MLA),
+    """vLLM's block-outermost allocation (kvgeom.layout.csarows): regions at row offsets 0 (MLA 256 B), 256 (MLA),
     64 (ring, 64 B) and 208 (GDN, 208 B; at TP2 104 at 104). Per D rank, vllm mode: the MLA groups read their 3
     blocks from every region (256 + 256 + 64 + 208 = 784 B, TP2 680 B, each), the ring its block from the
     scratch regions (256 + 64), the GDN state from regions 0 and 3 (2 x 208, TP2 2 x 104), the PLE page 48 B.

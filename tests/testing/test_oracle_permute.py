@@ -10,9 +10,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvgeom.engine import EngineConfig, KVLayout
-from kvgeom.plan import Regroup, receive_step
-from kvgeom.spec import AttentionSpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig, KVLayout
+from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.plan.request import Regroup, receive_step
 from kvgeom.testing import Oracle, Request, pull_plans, push_plans, run_pull, run_push
 
 TM = KVLayout.TOKEN_MAJOR

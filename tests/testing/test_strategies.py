@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, find, given, reject, settings
 from hypothesis import strategies as st
 
 from kvgeom import KvgeomError
-from kvgeom.engine import EngineConfig, KVLayout
-from kvgeom.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig, KVLayout
+from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
 from kvgeom.testing import Oracle, pull_plans, push_plans
 from kvgeom.testing import strategies as kst
 

@@ -1,4 +1,4 @@
-"""kvgeom.advertised: vLLM 0.33.0's handshake rules on the numbers a peer advertises (no card)."""
+"""kvgeom.compat.vllm.advertised: vLLM 0.33.0's handshake rules on the numbers a peer advertises (no card)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvgeom.advertised import Advertised, LocalFacts, check_advertised_pair
+from kvgeom.compat.vllm.advertised import Advertised, LocalFacts, check_advertised_pair
 from kvgeom.errors import IncompatiblePairError, KvgeomError, RatioError, UnsupportedError
 
 PAGE = 16 * 8 * 256  # 16 tokens x 8 heads x 256 bytes per token-head

@@ -175,6 +175,58 @@ def test_each_layer_imports_only_the_layers_below(graph: Graph) -> None:
     assert upward == []
 
 
+#: the core's stages in pipeline order (docs/architecture.md): a module imports only its own stage and
+#: the stages before it; the facade (``kvgeom``, ``kvgeom.__main__``) sits above them all
+STAGES = (
+    ("kvgeom.errors", "kvgeom.dtypes", "kvgeom.blocks"),
+    ("kvgeom.model",),
+    ("kvgeom.layout",),
+    ("kvgeom.pair",),
+    ("kvgeom.plan",),
+    ("kvgeom.compat",),
+    ("kvgeom.tools",),
+    ("kvgeom.cli",),
+)
+
+
+def stage_of(module: str) -> int | None:
+    """The pipeline stage of a core module (``None``: the test facility, the facade, an adapter)."""
+    for rank, prefixes in enumerate(STAGES):
+        if any(_in(module, p) for p in prefixes):
+            return rank
+    return None
+
+
+def test_every_core_module_lies_in_a_stage_and_imports_only_earlier_stages(graph: Graph) -> None:
+    core = [m for m in graph.files if _layer(m) == "core" and m not in (CORE, f"{CORE}.__main__")]
+    assert core and [m for m in core if stage_of(m) is None] == []
+    upward = sorted(
+        (m, t)
+        for m in core
+        for t in graph.internal[m]
+        if _layer(t) == "core" and stage_of(t) is not None and stage_of(t) > stage_of(m)  # type: ignore[operator]
+    )
+    assert upward == []
+
+
+def test_a_stage_importing_a_later_stage_is_found(tmp_path: Path) -> None:
+    _tree(
+        tmp_path,
+        {
+            "kvgeom/__init__.py": "",
+            "kvgeom/errors.py": "",
+            "kvgeom/layout/__init__.py": "",
+            "kvgeom/layout/geometry.py": "from kvgeom.plan.request import plan_request\n",
+            "kvgeom/plan/__init__.py": "",
+            "kvgeom/plan/request.py": "from kvgeom.layout.geometry import x\n",
+        },
+    )
+    g = draw({CORE: tmp_path / CORE})
+    assert find_cycle(g.internal) is not None
+    up = [(m, t) for m in g.files for t in g.internal[m] if (stage_of(t) or 0) > (stage_of(m) or 0)]
+    assert up == [("kvgeom.layout.geometry", "kvgeom.plan.request")]
+
+
 def test_the_lab_sits_above_the_transport_and_nothing_imports_it(graph: Graph) -> None:
     transport = {m for m in graph.files if _in(m, TRANSPORT)}
     lab = {m for m in graph.files if _in(m, LAB)}

@@ -1,11 +1,16 @@
-"""kvgeom.blocksize: the block-size ratio and the remote block split, in the numbers a handshake carries."""
+"""kvgeom.pair.blocksize: the block-size ratio and the remote block split, in the numbers a handshake carries."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvgeom.blocksize import MAX_BLOCK_SPLIT, block_size_ratio, kernel_blocks_per_logical, remote_block_split
 from kvgeom.errors import ConfigError, RatioError
+from kvgeom.pair.blocksize import (
+    MAX_BLOCK_SPLIT,
+    block_size_ratio,
+    kernel_blocks_per_logical,
+    remote_block_split,
+)
 
 
 def test_ratio_of_dividing_block_sizes() -> None:

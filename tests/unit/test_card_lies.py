@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from kvgeom import CardError, EngineConfig, KvgeomError, Pairing, card_of
-from kvgeom.card import GeometryCard
-from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.layout.card import GeometryCard
+from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
 
 MODEL = ModelSpec.from_layers(
     "attn+mamba2", [AttentionSpec(2, 4, "float16"), MambaSpec.mamba2(4, 2, 2, 2, 4, "float16")]

@@ -1,11 +1,12 @@
-"""Decode context parallelism (kvgeom.dcp) and the TP mapping with DCP or a head-sharded draft: examples
+"""Decode context parallelism (kvgeom.pair.dcp) and the TP mapping with DCP or a head-sharded draft: examples
 worked by hand from the page layout (global page ``j * dcp + rank``), and vLLM 0.33.0's documented cases."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvgeom.dcp import (
+from kvgeom.errors import ConfigError, IncompatiblePairError, PlanError, RatioError
+from kvgeom.pair.dcp import (
     apply_dcp_prefix_caching,
     check_parallel_pair,
     dcp_consumer_count,
@@ -13,8 +14,7 @@ from kvgeom.dcp import (
     global_pages,
     transfer_rank,
 )
-from kvgeom.errors import ConfigError, IncompatiblePairError, PlanError, RatioError
-from kvgeom.tp import compute_tp_mapping, dcp_handshake_targets
+from kvgeom.pair.tp import compute_tp_mapping, dcp_handshake_targets
 
 
 @pytest.mark.parametrize(
@@ -138,11 +138,11 @@ def test_parallel_pair_rules() -> None:
 def test_pull_from_a_dcp8_remote_reads_every_rank() -> None:
     """Local TP1 MLA, remote TP8 with DCP 8: pages are read from ranks 0..7, each its own pages (global
     page ``j * 8 + r`` is rank ``r``'s list entry ``j``), and P ranks free after one reader each."""
-    from kvgeom.engine import EngineConfig
-    from kvgeom.geometry import rank_geometry
-    from kvgeom.pairing import Pairing
-    from kvgeom.plan import plan_request
-    from kvgeom.spec import MLASpec, ModelSpec
+    from kvgeom.layout.engine import EngineConfig
+    from kvgeom.layout.geometry import rank_geometry
+    from kvgeom.model.spec import MLASpec, ModelSpec
+    from kvgeom.plan.pairing import Pairing
+    from kvgeom.plan.request import plan_request
 
     model = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)
     d = rank_geometry(model, EngineConfig(tp_size=1, block_size=4, num_blocks=32))

@@ -21,12 +21,12 @@ from kvgeom import (
     SpecError,
     presets,
 )
-from kvgeom.card import GeometryCard, card_of
-from kvgeom.engine import EngineConfig
-from kvgeom.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.pairing import Pairing
-from kvgeom.plan import plan_request
-from kvgeom.spec import AttentionSpec, LayerKind, MambaSpec, ModelSpec
+from kvgeom.layout.card import GeometryCard, card_of
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.model.spec import AttentionSpec, LayerKind, MambaSpec, ModelSpec
+from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.request import plan_request
 
 
 def test_nemotron_h_8b_geometry_matches_hand_numbers() -> None:
@@ -192,7 +192,7 @@ def test_no_assertion_error_escapes_for_garbage_cards() -> None:
 
 def test_import_kvgeom_pulls_neither_torch_nor_nixl() -> None:
     code = (
-        "import sys, kvgeom, kvgeom.cli, kvgeom.scenario, kvgeom.testing; "
+        "import sys, kvgeom, kvgeom.cli, kvgeom.tools.scenario, kvgeom.testing; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl', 'nixl_cu12', 'nixl_cu13')]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -14,15 +14,12 @@ import numpy as np
 import pytest
 
 from kvgeom.cli import main
-from kvgeom.csa import csa_linear_model, ring_capacity
-from kvgeom.dlist import EngineView, local_dlist, remote_dlist
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import ConfigError, IncompatiblePairError, SpecError, UnsupportedError
-from kvgeom.geometry import rank_geometry
-from kvgeom.handshake import check_pair
-from kvgeom.pairing import Pairing
-from kvgeom.plan import plan_request
-from kvgeom.spec import (
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.layout.view import EngineView
+from kvgeom.model.csa import csa_linear_model, ring_capacity
+from kvgeom.model.spec import (
     AttentionSpec,
     CircularBufferSpec,
     Layer,
@@ -32,6 +29,10 @@ from kvgeom.spec import (
     ModelSpec,
     ReplicatedStateSpec,
 )
+from kvgeom.pair.handshake import check_pair
+from kvgeom.plan.dlist import local_dlist, remote_dlist
+from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.request import plan_request
 from kvgeom.testing import Request, run
 from kvgeom.testing._coords import CoordSpace
 from kvgeom.testing._layout import LayoutError, rank_image

@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import pytest
 
-from kvgeom.csa import csa_linear_model
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError, UnsupportedError
-from kvgeom.geometry import rank_geometry
-from kvgeom.handshake import check_pair
-from kvgeom.spec import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.model.csa import csa_linear_model
+from kvgeom.model.spec import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
+from kvgeom.pair.handshake import check_pair
 from kvgeom.testing import Request
 from kvgeom.testing import strategies as kst
 

@@ -1,4 +1,4 @@
-"""vLLM's block-outermost allocation of a CSA-linear model and its worker's registration (kvgeom.csarows,
+"""vLLM's block-outermost allocation of a CSA-linear model and its worker's registration (kvgeom.layout.csarows,
 docs/vllm-behaviour.md B.6.14 "Allocation").
 
 Hand-derived from the default ``csa_linear_model()`` at block 16, TP1: MLA page 16 x 8 x 2 B = 256 B; ring
@@ -12,12 +12,12 @@ from dataclasses import replace
 
 import pytest
 
-from kvgeom.csa import csa_linear_model
-from kvgeom.csarows import RowRegion, RowView, packed_groups, packed_registration, packed_row_offsets
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import ConfigError, IncompatiblePairError, SpecError
-from kvgeom.geometry import rank_geometry
-from kvgeom.spec import CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.csarows import RowRegion, RowView, packed_groups, packed_registration, packed_row_offsets
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.model.csa import csa_linear_model
+from kvgeom.model.spec import CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Request, pull_plans
 
 MODEL = csa_linear_model()

@@ -7,17 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom.descids import compute_desc_ids, desc_segments
 from kvgeom.errors import BlockIdError, GroupMismatchError, IncompatiblePairError
-from kvgeom.splits import build_local_splits, expand_strided
-from kvgeom.strided import (
+from kvgeom.pair.tp import TPMapping
+from kvgeom.plan.descids import compute_desc_ids, desc_segments
+from kvgeom.plan.splits import build_local_splits, expand_strided
+from kvgeom.plan.strided import (
     block_strided_rows,
     fa_local_rows,
     fa_remote_rows,
     mamba_local_rows,
     mamba_remote_rows,
 )
-from kvgeom.tp import TPMapping
 
 
 def test_layer_name_routing_follows_the_transfer_layers() -> None:

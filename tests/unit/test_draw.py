@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgeom import draw
-from kvgeom.scenario import Scenario
+from kvgeom.tools import draw
+from kvgeom.tools.scenario import Scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -141,10 +141,10 @@ def test_the_readme_picture_is_small() -> None:
 def test_core_imports_without_matplotlib() -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "import kvgeom, kvgeom.draw, kvgeom.cli, kvgeom.scenario, kvgeom.hfconfig\n"
-        "from kvgeom.scenario import Scenario\n"
+        "import kvgeom, kvgeom.tools.draw, kvgeom.cli, kvgeom.tools.scenario, kvgeom.model.hfconfig\n"
+        "from kvgeom.tools.scenario import Scenario\n"
         "sc = Scenario.from_json({'model': 'qwen3-8b', 'decode': {'tp_size': 2}})\n"
-        "print(kvgeom.draw.ascii_art(kvgeom.draw.transfer_map(sc, sc.request(40)), 16).splitlines()[-1])\n"
+        "print(kvgeom.tools.draw.ascii_art(kvgeom.tools.draw.transfer_map(sc, sc.request(40)), 16).splitlines()[-1])\n"
         "assert 'matplotlib' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -1,5 +1,5 @@
-"""What a request exchanges (kvgeom.exchange), region-mapped pulls (kvgeom.regionmap) and layer-name
-routing / packed rows (kvgeom.layerroute): examples worked by hand, including vLLM 0.33.0's documented
+"""What a request exchanges (kvgeom.plan.exchange), region-mapped pulls (kvgeom.plan.regionmap) and layer-name
+routing / packed rows (kvgeom.pair.layerroute): examples worked by hand, including vLLM 0.33.0's documented
 ones."""
 
 from __future__ import annotations
@@ -9,15 +9,8 @@ import math
 import pytest
 
 from kvgeom.errors import GroupMismatchError, IncompatiblePairError, PlanError, UnsupportedError
-from kvgeom.exchange import (
-    clip_ssm_state_blocks,
-    exchange_clipped_blocks,
-    prefill_backoff,
-    prefill_tokens,
-    sliding_window_blocks,
-)
-from kvgeom.handshake import check_csa_linear_tp_layout
-from kvgeom.layerroute import (
+from kvgeom.pair.handshake import check_csa_linear_tp_layout
+from kvgeom.pair.layerroute import (
     RegionTable,
     align_regions_by_layer,
     pp_region_offset,
@@ -26,7 +19,14 @@ from kvgeom.layerroute import (
     split_packed_rows,
     transfer_layers,
 )
-from kvgeom.regionmap import (
+from kvgeom.plan.exchange import (
+    clip_ssm_state_blocks,
+    exchange_clipped_blocks,
+    prefill_backoff,
+    prefill_tokens,
+    sliding_window_blocks,
+)
+from kvgeom.plan.regionmap import (
     apply_prefix_caching_by_region,
     block_ids_by_region,
     region_zero_ids,

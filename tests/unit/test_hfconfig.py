@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 
 from kvgeom import presets
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import KvgeomError, SpecError, UnsupportedError
-from kvgeom.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.hfconfig import apply_cache_dtypes, layer_kinds, read_config
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.model.hfconfig import apply_cache_dtypes, layer_kinds, read_config
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "data" / "hf"
-CARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "presets").glob("*.json"))}
+CARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "model" / "presets").glob("*.json"))}
 SUPPORTED = [n for n in CARDS if n != "minimax-text-01"]
 
 

@@ -1,7 +1,7 @@
 """An independent source for what the byte oracle shares with the core (issue 12).
 
-The oracle takes element sizes, state and page sizes and the layer of each region from ``kvgeom.spec`` /
-``kvgeom.geometry``, so a wrong number there fools core and oracle alike. Here every number comes from
+The oracle takes element sizes, state and page sizes and the layer of each region from ``kvgeom.model.spec`` /
+``kvgeom.layout.geometry``, so a wrong number there fools core and oracle alike. Here every number comes from
 elsewhere:
 
 * dtype sizes from torch and numpy themselves;
@@ -24,11 +24,11 @@ import pytest
 
 from kvgeom import presets
 from kvgeom.dtypes import DTYPE_BYTES
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "data" / "hf"
-CARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "presets").glob("*.json"))}
+CARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "model" / "presets").glob("*.json"))}
 PRESETS = [n for n in CARDS if n != "minimax-text-01"]  # lightning attention: no kvgeom spec
 
 TORCH_NAMES = {

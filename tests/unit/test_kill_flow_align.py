@@ -1,4 +1,4 @@
-"""Exact behaviour of kvgeom.align: list placement on the token axis (every branch and boundary, every
+"""Exact behaviour of kvgeom.plan.align: list placement on the token axis (every branch and boundary, every
 refusal's field and values), overlaps, pages, and the consumer's zero rows (hand-derived byte rows)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvgeom.align import Page, consumer_zero_rows, group_pages, list_starts, overlap, page_heads
-from kvgeom.engine import EngineConfig, KVLayout
 from kvgeom.errors import PlanError
-from kvgeom.geometry import rank_geometry
-from kvgeom.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig, KVLayout
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.plan.align import Page, consumer_zero_rows, group_pages, list_starts, overlap, page_heads
 
 
 def _refused(*args: object, field: str, **kw: object) -> dict:

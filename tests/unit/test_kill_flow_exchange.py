@@ -1,4 +1,4 @@
-"""Exact behaviour of kvgeom.exchange (hand-derived clipping, backoff, token counts, every refusal)."""
+"""Exact behaviour of kvgeom.plan.exchange (hand-derived clipping, backoff, token counts, every refusal)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvgeom.errors import BlockIdError, GroupMismatchError, PlanError
-from kvgeom.exchange import (
+from kvgeom.plan.exchange import (
     clip_ssm_state_blocks,
     exchange_clipped_blocks,
     prefill_backoff,

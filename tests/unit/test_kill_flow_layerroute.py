@@ -1,11 +1,11 @@
-"""Exact behaviour of kvgeom.layerroute on small hand-built region tables (every field, every refusal)."""
+"""Exact behaviour of kvgeom.pair.layerroute on small hand-built region tables (every field, every refusal)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvgeom.errors import GroupMismatchError, IncompatiblePairError, UnsupportedError
-from kvgeom.layerroute import (
+from kvgeom.pair.layerroute import (
     RegionTable,
     align_regions_by_layer,
     pp_region_offset,

@@ -1,4 +1,4 @@
-"""Exact behaviour of kvgeom.scenario: the JSON form key by key (defaults, ranges at both ends, every
+"""Exact behaviour of kvgeom.tools.scenario: the JSON form key by key (defaults, ranges at both ends, every
 refusal's class, field and values), the request ids, the pools' limits, the plans and check_ranks."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvgeom.engine import ConvLayout, KVLayout
 from kvgeom.errors import ConfigError, PlanError, SpecError
-from kvgeom.plan import plan_request
-from kvgeom.scenario import MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import ConvLayout, KVLayout
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.plan.request import plan_request
+from kvgeom.tools.scenario import MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks
 
 # attention: 2 KV heads of 8, bf16 -> 2 * (8 + 8) * 2 = 64 B per token at TP1
 ATTN = AttentionSpec(2, 8)
@@ -380,7 +380,7 @@ def test_messages_list_what_is_accepted() -> None:
 
 
 def test_source_of_a_model_file(tmp_path: Path) -> None:
-    from kvgeom.models import resolve
+    from kvgeom.model.models import resolve
 
     hf = Path(__file__).resolve().parents[1] / "data" / "hf" / "nvidia-nemotron-nano-9b-v2" / "config.json"
     (tmp_path / "cfg").mkdir()

@@ -1,4 +1,4 @@
-"""Exact behaviour of kvgeom.stages and kvgeom.recipe (hand-derived values, every boundary and error)."""
+"""Exact behaviour of kvgeom.model.stages and kvgeom.plan.recipe (hand-derived values, every boundary and error)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from kvgeom.errors import ConfigError
-from kvgeom.recipe import Recipe, trace
-from kvgeom.spec import AttentionSpec, ModelSpec
-from kvgeom.stages import stage_layers, stage_partition, stage_range
+from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.model.stages import stage_layers, stage_partition, stage_range
+from kvgeom.plan.recipe import Recipe, trace
 
 # -- stages ----------------------------------------------------------------------------------------------
 

@@ -1,25 +1,16 @@
-"""Exact behaviour of kvgeom.streams on small geometries: pseudo-addresses, what a rank registers (every
+"""Exact behaviour of kvgeom.pair.streams on small geometries: pseudo-addresses, what a rank registers (every
 field), the streams of each pairing rule, and every refusal's class, field and values."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvgeom.descids import SHARED_GROUP
-from kvgeom.dlist import EngineView
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
-from kvgeom.geometry import rank_geometry
-from kvgeom.spec import AttentionSpec, Layer, MambaSpec, MLASpec, ModelSpec
-from kvgeom.streams import (
-    hma_required,
-    pair_streams,
-    pseudo,
-    region_group_ids,
-    region_mapped,
-    registration,
-    unpseudo,
-)
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.layout.view import SHARED_GROUP, EngineView, pseudo, unpseudo
+from kvgeom.model.spec import AttentionSpec, Layer, MambaSpec, MLASpec, ModelSpec
+from kvgeom.pair.streams import hma_required, pair_streams, region_group_ids, region_mapped, registration
 
 # 2 KV heads of 4, fp16, 4-token blocks at TP1: 2 * 4 * (4 + 4) * 2 = 128 B per block and layer
 FULL = AttentionSpec(2, 4, "float16")

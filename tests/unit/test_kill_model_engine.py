@@ -1,4 +1,4 @@
-"""kvgeom.engine.EngineConfig pinned exactly (issue 12): each check at its boundary with the exact error
+"""kvgeom.layout.engine.EngineConfig pinned exactly (issue 12): each check at its boundary with the exact error
 class, field and values, each derived number on small values worked out by hand, the JSON form key by key."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvgeom.engine import ConvLayout, EngineConfig, KVLayout
 from kvgeom.errors import ConfigError
+from kvgeom.layout.engine import ConvLayout, EngineConfig, KVLayout
 
 
 def _refused(field: str, value: Any, expected: Any = None, **kwargs: Any) -> None:

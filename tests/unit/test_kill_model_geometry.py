@@ -1,4 +1,4 @@
-"""kvgeom.geometry pinned exactly on small models (issue 12): grouping, regions, pages, the SSM layout, the
+"""kvgeom.layout.geometry pinned exactly on small models (issue 12): grouping, regions, pages, the SSM layout, the
 hybrid block-size alignment, and every refusal's class, field and values. All numbers are worked out by
 hand in the comments from these specs:
 
@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import ConfigError, SpecError
-from kvgeom.geometry import Group, Region, align_hybrid_block_size, rank_geometry
-from kvgeom.spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import Group, Region, align_hybrid_block_size, rank_geometry
+from kvgeom.model.spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec
 
 M = MambaSpec.mamba2(8, 4, 2, 16, 3)
 A = AttentionSpec(2, 8)

@@ -1,4 +1,4 @@
-"""kvgeom.hfconfig pinned field by field (issue 12): each family's reader on small hand-written configs,
+"""kvgeom.model.hfconfig pinned field by field (issue 12): each family's reader on small hand-written configs,
 every key it reads, each default, and each refusal with its exact class, field and values.
 
 Expected specs are written out from the formulas in docs/models.md (inner = expand x hidden, head_dim =
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvgeom.errors import SpecError, UnsupportedError
-from kvgeom.hfconfig import (
+from kvgeom.model.hfconfig import (
     KV_CACHE_DTYPES,
     SSM_CACHE_DTYPES,
     _Fields,
@@ -23,7 +23,7 @@ from kvgeom.hfconfig import (
     model_types,
     read_config,
 )
-from kvgeom.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
 
 
 def _raises(exc: type[Exception], fn: Any, *args: Any, **kwargs: Any) -> Any:

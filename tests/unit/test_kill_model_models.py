@@ -1,4 +1,4 @@
-"""kvgeom.models pinned exactly (issue 12): each TP sharding rule on both sides of its boundary, the rules a
+"""kvgeom.model.models pinned exactly (issue 12): each TP sharding rule on both sides of its boundary, the rules a
 model of each family gets, the accepted TP sizes worked out by hand, and every way ``resolve`` reads a
 reference (with the exact error class, field and value of each refusal)."""
 
@@ -12,9 +12,9 @@ import pytest
 
 from kvgeom import presets
 from kvgeom.errors import SpecError, UnsupportedError
-from kvgeom.hfconfig import read_config
-from kvgeom.models import ModelRef, Sharding, TPRule, _heads, preset_ids, resolve
-from kvgeom.spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.hfconfig import read_config
+from kvgeom.model.models import ModelRef, Sharding, TPRule, _heads, preset_ids, resolve
+from kvgeom.model.spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
 
 D, R, U = Sharding.DIVIDES, Sharding.DIVIDES_OR_REPLICATES, Sharding.DIVIDES_UNLESS_ONE
 

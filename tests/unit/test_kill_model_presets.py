@@ -1,4 +1,4 @@
-"""kvgeom.presets pinned exactly (issue 12): ``from_card`` on small hand-written cards, every alias of
+"""kvgeom.model.presets pinned exactly (issue 12): ``from_card`` on small hand-written cards, every alias of
 every field, each default and each fallback (the card's ``derived`` numbers, 2 x hidden for a Mamba2 head
 dim), the SSM dtype rule, and the refusals with their class, field and value. Expected specs are worked
 out by hand in the comments."""
@@ -12,8 +12,8 @@ import pytest
 
 from kvgeom import presets
 from kvgeom.errors import SpecError
-from kvgeom.presets import _get, from_card
-from kvgeom.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.presets import _get, from_card
+from kvgeom.model.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
 
 
 def _card(layers: list[str], derived: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""kvgeom.spec and kvgeom.dtypes pinned exactly (issue 12): the sharding rule at its boundaries, every
+"""kvgeom.model.spec and kvgeom.dtypes pinned exactly (issue 12): the sharding rule at its boundaries, every
 size formula on small numbers worked out by hand, every refusal's class, field and values, and the JSON
 form key by key."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from kvgeom.dtypes import DTYPE_BYTES, dtype_size
 from kvgeom.errors import SpecError
-from kvgeom.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
 
 
 def _raises(fn: Any, *args: Any, **kwargs: Any) -> SpecError:

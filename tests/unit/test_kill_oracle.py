@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import kvgeom.testing.oracle as oracle_mod
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import TokenCountError
-from kvgeom.plan import Regroup
-from kvgeom.spec import AttentionSpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.plan.request import Regroup
 from kvgeom.testing import (
     POISON,
     ZERO,

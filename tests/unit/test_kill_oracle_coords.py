@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kvgeom.engine import EngineConfig
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
 from kvgeom.testing import _coords as co
 from kvgeom.testing._report import INVARIANTS, Report, Violation
 from kvgeom.testing._request import Request, RequestError, check_side, engine_geometries

@@ -13,9 +13,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvgeom.engine import EngineConfig
-from kvgeom.geometry import rank_geometry
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
 from kvgeom.testing import _layout as la
 from kvgeom.testing._coords import CoordSpace
 from kvgeom.testing._layout import NEEDED, OPTIONAL, OUTSIDE, PADDING, LayoutError, RankImage, rank_image

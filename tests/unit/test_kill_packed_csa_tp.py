@@ -1,4 +1,4 @@
-"""Packed CSA-linear rows across TP sizes (``EngineConfig(packed_rows=True)``, kvgeom/csarows.py): the geometry
+"""Packed CSA-linear rows across TP sizes (``EngineConfig(packed_rows=True)``, kvgeom/layout/csarows.py): the geometry
 helpers (``packed_csa_rows``, ``RankGeometry.layer_page``, ``region_tp_scaling``), kvgeom mode's streams
 (``streams.packed_streams``, ``desc_segments(..., group_streams=True)``, ``route(..., unread=...)``,
 ``Pairing.zero_pages`` / ``Pairing.route``), the chunked read of replicated CSA pages, and the handshake's
@@ -18,17 +18,18 @@ from dataclasses import replace
 
 import pytest
 
-from kvgeom.align import Page
-from kvgeom.csa import csa_linear_model
-from kvgeom.descids import desc_segments, segment_ids
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import GroupMismatchError, IncompatiblePairError, KvgeomError, UnsupportedError
-from kvgeom.geometry import RankGeometry, packed_csa_rows, rank_geometry
-from kvgeom.handshake import check_pair
-from kvgeom.pairing import Pairing
-from kvgeom.route import route
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
-from kvgeom.streams import PackedStream, packed_streams, pair_streams, pseudo
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import RankGeometry, packed_csa_rows, rank_geometry
+from kvgeom.layout.view import pseudo
+from kvgeom.model.csa import csa_linear_model
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.pair.handshake import check_pair
+from kvgeom.pair.route import route
+from kvgeom.pair.streams import PackedStream, packed_streams, pair_streams
+from kvgeom.plan.align import Page
+from kvgeom.plan.descids import desc_segments, segment_ids
+from kvgeom.plan.pairing import Pairing
 
 MODEL = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
 PLAIN = csa_linear_model()  # no main KV: MLA, rings, GDN(2, 4, 2, 4) (208 B at TP1, 104 B at TP2), PLE

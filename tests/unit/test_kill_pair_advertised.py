@@ -1,4 +1,4 @@
-"""kvgeom.advertised, rule by rule: every refusal's class, field and values, and acceptance right at each
+"""kvgeom.compat.vllm.advertised, rule by rule: every refusal's class, field and values, and acceptance right at each
 boundary (issue 12: the mutation score of the handshake rules on advertised numbers).
 
 Pages here are ``block tokens x heads per rank x 8 bytes``; expected lengths are derived in comments."""
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvgeom.advertised import Advertised, AdvertisedPair, LocalFacts, check_advertised_pair
+from kvgeom.compat.vllm.advertised import Advertised, AdvertisedPair, LocalFacts, check_advertised_pair
 from kvgeom.errors import IncompatiblePairError, KvgeomError, RatioError, UnsupportedError
 
 B = 8  # bytes per token-head

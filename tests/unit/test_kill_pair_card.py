@@ -1,4 +1,4 @@
-"""kvgeom.card: the exact card a rank sends, its canonical form and digests, the limits checked before
+"""kvgeom.layout.card: the exact card a rank sends, its canonical form and digests, the limits checked before
 parsing (at each boundary), and every refusal's field and values (issue 12)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvgeom.card import CARD_VERSION, DEFAULT_LIMITS, CardLimits, GeometryCard, card_of
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import CardError, KvgeomError
-from kvgeom.geometry import rank_geometry
-from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.layout.card import CARD_VERSION, DEFAULT_LIMITS, CardLimits, GeometryCard, card_of
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
 
 DENSE = ModelSpec.from_layers("dense", [AttentionSpec(4, 2, "float16")] * 2)
 ENGINE = EngineConfig(tp_size=1, block_size=8, kernel_block_size=4, num_blocks=10)

@@ -1,4 +1,4 @@
-"""kvgeom.dcp, function by function: values on small inputs derived by hand, both sides of every
+"""kvgeom.pair.dcp, function by function: values on small inputs derived by hand, both sides of every
 boundary, every refusal's class, field and values (issue 12)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvgeom.dcp import (
+from kvgeom.errors import BlockIdError, ConfigError, IncompatiblePairError, KvgeomError, PlanError, RatioError
+from kvgeom.pair.dcp import (
     apply_dcp_prefix_caching,
     check_parallel_pair,
     dcp_consumer_count,
@@ -18,8 +19,7 @@ from kvgeom.dcp import (
     global_pages,
     transfer_rank,
 )
-from kvgeom.errors import BlockIdError, ConfigError, IncompatiblePairError, KvgeomError, PlanError, RatioError
-from kvgeom.tp import dcp_handshake_targets
+from kvgeom.pair.tp import dcp_handshake_targets
 
 
 def refused(cls: type[KvgeomError], field: str, fn: Callable[[], object], **values: object) -> None:

@@ -1,4 +1,4 @@
-"""kvgeom.handshake, rule by rule: each refusal's class, field and values, and the acceptance right at each
+"""kvgeom.pair.handshake, rule by rule: each refusal's class, field and values, and the acceptance right at each
 boundary, in both compat modes (issue 12). Geometries are tiny; expected ratios are derived in comments."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import IncompatiblePairError, KvgeomError, RatioError, UnsupportedError
-from kvgeom.geometry import RankGeometry, rank_geometry
-from kvgeom.handshake import PairShape, block_size_ratio, check_csa_linear_tp_layout, check_pair
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.pair.handshake import PairShape, block_size_ratio, check_csa_linear_tp_layout, check_pair
 
 DENSE2 = ModelSpec.from_layers("dense2", [AttentionSpec(2, 2, "float16")] * 2)  # 2 KV heads
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)  # 4 KV heads
@@ -647,7 +647,7 @@ def _mamba2_hybrid(n_groups: int) -> ModelSpec:
 
 
 def _hybrid_pair(model: ModelSpec, local_tp: int, remote_tp: int) -> tuple[RankGeometry, RankGeometry]:
-    from kvgeom.geometry import align_hybrid_block_size
+    from kvgeom.layout.geometry import align_hybrid_block_size
 
     lb, rb = align_hybrid_block_size(model, local_tp, 4), align_hybrid_block_size(model, remote_tp, 4)
     return geo(model, tp=local_tp, block=lb), geo(model, tp=remote_tp, block=rb)

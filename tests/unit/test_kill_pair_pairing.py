@@ -1,4 +1,4 @@
-"""kvgeom.pairing.Pairing: which remote ranks a local rank pairs with, each refusal of ``create`` (class,
+"""kvgeom.plan.pairing.Pairing: which remote ranks a local rank pairs with, each refusal of ``create`` (class,
 field, values), and the per-pairing numbers the tables are cut with (issue 12)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvgeom.card import card_of
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import IncompatiblePairError, KvgeomError, UnsupportedError
-from kvgeom.geometry import RankGeometry, rank_geometry
-from kvgeom.pairing import Pairing
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.card import card_of
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.plan.pairing import Pairing
 
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)
@@ -280,7 +280,7 @@ def _m2(n_groups: int) -> ModelSpec:
 
 
 def _hybrid(model: ModelSpec, tp: int, rank: int = 0) -> RankGeometry:
-    from kvgeom.geometry import align_hybrid_block_size
+    from kvgeom.layout.geometry import align_hybrid_block_size
 
     return geo(model, tp, rank, align_hybrid_block_size(model, tp, 4))
 

@@ -1,4 +1,4 @@
-"""kvgeom.route: the slices one local rank exchanges with one remote rank, derived by hand for small
+"""kvgeom.pair.route: the slices one local rank exchanges with one remote rank, derived by hand for small
 geometries (head slices gathered from several sources, whole rows, replicated latents in chunks, SSM pieces),
 in pulls and pushes, and each refusal's field and values (issue 12)."""
 
@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import KvgeomError, UnsupportedError
-from kvgeom.geometry import RankGeometry, rank_geometry
-from kvgeom.route import Route, _unit_slice, dcp_pages_differ, route
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.pair.route import Route, _unit_slice, dcp_pages_differ, route
 
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)  # 8 B per token-head (K|V)
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)  # 16 B per token

@@ -1,9 +1,9 @@
-"""Exact plans and refusals with decode context parallelism through :func:`kvgeom.plan.plan_request` and
-:func:`kvgeom.plan.receive_step` (issue 12, mutation score).
+"""Exact plans and refusals with decode context parallelism through :func:`kvgeom.plan.request.plan_request` and
+:func:`kvgeom.plan.request.receive_step` (issue 12, mutation score).
 
 MLA model, one layer, latent 8 fp16 = 16 B per token: a 4-token page is 64 B (block ``b`` at ``64 b``).
 With DCP the scheduler's block is ``dcp`` pages and global page ``j * dcp + rank`` is rank ``rank``'s
-list entry ``j`` (:mod:`kvgeom.dcp`)."""
+list entry ``j`` (:mod:`kvgeom.pair.dcp`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
 from kvgeom.errors import PlanError, TokenCountError, UnsupportedError
-from kvgeom.plan import plan_request, receive_step
+from kvgeom.plan.request import plan_request, receive_step
 
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")])
 

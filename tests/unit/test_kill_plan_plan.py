@@ -1,4 +1,4 @@
-"""Exact behaviour of :mod:`kvgeom.plan` around its edges, on small hand-derived cases: the plan's
+"""Exact behaviour of :mod:`kvgeom.plan.request` around its edges, on small hand-derived cases: the plan's
 rendering and byte moves, id checks at the pool's edge, the per-shape plan cache, notifications in both
 modes, the post-receive steps' refusals and defaults, ``contiguous_runs`` and ``check_writes`` (issue 12).
 
@@ -12,11 +12,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvgeom.engine import EngineConfig
 from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
-from kvgeom.geometry import rank_geometry
-from kvgeom.pairing import Pairing
-from kvgeom.plan import (
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.planmemo import memo_of
+from kvgeom.plan.request import (
     MOVE_COLUMNS,
     Regroup,
     RequestPlan,
@@ -27,8 +29,6 @@ from kvgeom.plan import (
     post_receive,
     receive_step,
 )
-from kvgeom.planmemo import memo_of
-from kvgeom.spec import AttentionSpec, MambaSpec, ModelSpec
 
 DENSE = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")])
 HYBRID = ModelSpec.from_layers(

@@ -1,5 +1,5 @@
-"""Exact plans of pulls between sides that group the same regions differently (:mod:`kvgeom.regionmap`)
-through :func:`kvgeom.plan.plan_request`: ids per region, notifications, zeroed pages, and refusals
+"""Exact plans of pulls between sides that group the same regions differently (:mod:`kvgeom.plan.regionmap`)
+through :func:`kvgeom.plan.request.plan_request`: ids per region, notifications, zeroed pages, and refusals
 (issue 12, mutation score).
 
 MLA model of 4 layers (latent 8 fp16 = 16 B per token: a 4-token page is 64 B), 10 blocks per region.
@@ -12,7 +12,7 @@ import pytest
 
 from kvgeom import AttentionSpec, EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
 from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
-from kvgeom.plan import plan_request
+from kvgeom.plan.request import plan_request
 
 MLA4 = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 4)
 SEP = ("layers.1.attn", "layers.3.attn")

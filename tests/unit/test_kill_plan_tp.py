@@ -1,4 +1,4 @@
-"""Exact behaviour of :mod:`kvgeom.tp` on small hand-derived cases: every branch of the TP mapping, both
+"""Exact behaviour of :mod:`kvgeom.pair.tp` on small hand-derived cases: every branch of the TP mapping, both
 sides of each comparison, and every refusal's class, field and values (issue 12, mutation score)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvgeom.errors import ConfigError, PlanError, RatioError, SpecError
-from kvgeom.tp import (
+from kvgeom.pair.tp import (
     TPMapping,
     compute_tp_mapping,
     consumers_per_producer,

@@ -1,4 +1,4 @@
-"""Exact segment tables, descriptor ids and refusals of kvgeom.descids on small hand-derived inputs
+"""Exact segment tables, descriptor ids and refusals of kvgeom.plan.descids on small hand-derived inputs
 (issue 12): every path of desc_segments, every capacity boundary, every error field."""
 
 from __future__ import annotations
@@ -6,15 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom.descids import (
-    SHARED_GROUP,
-    Segments,
-    apply_segments,
-    compute_desc_ids,
-    desc_segments,
-    segment_ids,
-)
 from kvgeom.errors import BlockIdError, GroupMismatchError, RatioError
+from kvgeom.layout.view import SHARED_GROUP
+from kvgeom.plan.descids import Segments, apply_segments, compute_desc_ids, desc_segments, segment_ids
 
 
 def _raises(cls, fn, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""Exact tables and refusals of kvgeom.dlist on small hand-derived inputs (issue 12): Dlist's runs,
+"""Exact tables and refusals of kvgeom.plan.dlist on small hand-derived inputs (issue 12): Dlist's runs,
 lookups, binding and bounds checks; EngineView's numbers; local, remote and routed tables."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvgeom.dlist import Dlist, EngineView, local_dlist, remote_dlist, routed_tables
 from kvgeom.errors import PlanError
+from kvgeom.layout.view import EngineView
+from kvgeom.plan.dlist import Dlist, local_dlist, remote_dlist, routed_tables
 
 R = 1 << 44  # region 1's pseudo-address base
 

@@ -1,4 +1,4 @@
-"""Exact values and refusals of kvgeom.regionmap on small hand-derived inputs (issue 12)."""
+"""Exact values and refusals of kvgeom.plan.regionmap on small hand-derived inputs (issue 12)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvgeom.errors import BlockIdError, GroupMismatchError, PlanError
-from kvgeom.regionmap import (
+from kvgeom.plan.regionmap import (
     apply_prefix_caching_by_region,
     block_ids_by_region,
     region_zero_ids,

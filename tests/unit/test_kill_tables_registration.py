@@ -1,12 +1,13 @@
-"""Exact regions and refusals of kvgeom.registration on small hand-derived tensors (issue 12): each rule
+"""Exact regions and refusals of kvgeom.compat.vllm.registration on small hand-derived tensors (issue 12): each rule
 of discover_regions at both sides of its boundary."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvgeom.compat.vllm.registration import CacheTensor, RegistrationLayout, discover_regions
 from kvgeom.errors import SpecError, UnsupportedError
-from kvgeom.registration import SHARED_GROUP, CacheTensor, RegistrationLayout, discover_regions
+from kvgeom.layout.view import SHARED_GROUP
 
 S = 0x10000  # a storage address
 

@@ -1,13 +1,18 @@
-"""Exact values and refusals of kvgeom.blocksize and kvgeom.conv on small hand-derived inputs (issue 12:
+"""Exact values and refusals of kvgeom.pair.blocksize and kvgeom.layout.conv on small hand-derived inputs (issue 12:
 every boundary, default and error field pinned)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvgeom.blocksize import MAX_BLOCK_SPLIT, block_size_ratio, kernel_blocks_per_logical, remote_block_split
-from kvgeom.conv import derive_conv_split, physical_blocks_per_logical, remote_conv_offsets
 from kvgeom.errors import ConfigError, RatioError, SpecError
+from kvgeom.layout.conv import derive_conv_split, physical_blocks_per_logical, remote_conv_offsets
+from kvgeom.pair.blocksize import (
+    MAX_BLOCK_SPLIT,
+    block_size_ratio,
+    kernel_blocks_per_logical,
+    remote_block_split,
+)
 
 
 def _raises(cls, fn, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""Exact rows and refusals of kvgeom.strided and kvgeom.splits on small hand-derived inputs (issue 12)."""
+"""Exact rows and refusals of kvgeom.plan.strided and kvgeom.plan.splits on small hand-derived inputs (issue 12)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from kvgeom.errors import GroupMismatchError, IncompatiblePairError, PlanError, RatioError, UnsupportedError
-from kvgeom.splits import as_strided, build_local_splits, expand_strided
-from kvgeom.strided import (
+from kvgeom.pair.tp import TPMapping
+from kvgeom.plan.splits import as_strided, build_local_splits, expand_strided
+from kvgeom.plan.strided import (
     block_strided_rows,
     fa_local_rows,
     fa_remote_rows,
@@ -15,7 +16,6 @@ from kvgeom.strided import (
     mamba_remote_rows,
     strided_starts,
 )
-from kvgeom.tp import TPMapping
 
 
 def _raises(cls, fn, *args, **kwargs):

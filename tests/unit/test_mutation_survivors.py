@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from kvgeom import ConfigError, EngineConfig, IncompatiblePairError, KvgeomError, Pairing, RatioError, card_of
-from kvgeom.dcp import dcp_source_ranks
-from kvgeom.scenario import Scenario
-from kvgeom.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.pair.dcp import dcp_source_ranks
 from kvgeom.testing import CoordSpace, Request, RequestError, run
+from kvgeom.tools.scenario import Scenario
 
 DENSE = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")])
 
@@ -86,7 +86,7 @@ def _qwen3(**extra: object) -> dict[str, object]:
 
 
 def test_qwen_sliding_windows_only_when_the_config_asks() -> None:
-    from kvgeom.hfconfig import read_config
+    from kvgeom.model.hfconfig import read_config
 
     def windows(config: dict[str, object]) -> list[int | None]:
         return [la.spec.sliding_window for la in read_config(config).layers]
@@ -98,7 +98,7 @@ def test_qwen_sliding_windows_only_when_the_config_asks() -> None:
 def test_attention_head_size_from_the_attention_hidden_size() -> None:
     """Zamba2-style configs size attention by ``attention_hidden_size`` (here 2 x hidden) when no head
     dimension is given: 128 / 4 heads = 32 elements per head."""
-    from kvgeom.hfconfig import read_config
+    from kvgeom.model.hfconfig import read_config
 
     config = _qwen3(attention_hidden_size=128)
     del config["head_dim"]
@@ -107,7 +107,7 @@ def test_attention_head_size_from_the_attention_hidden_size() -> None:
 
 def test_mamba2_inner_size_from_mamba_expand() -> None:
     """Mamba2 without a head dimension: inner = mamba_expand x hidden (here 4 x 64 = 256, 8 heads of 32)."""
-    from kvgeom.hfconfig import read_config
+    from kvgeom.model.hfconfig import read_config
 
     config = {
         "model_type": "nemotron_h",
@@ -130,7 +130,7 @@ def test_mamba2_inner_size_from_mamba_expand() -> None:
 
 def test_region_capacities_of_the_wrong_count_name_both_counts() -> None:
     from kvgeom import GroupMismatchError
-    from kvgeom.descids import desc_segments
+    from kvgeom.plan.descids import desc_segments
 
     with pytest.raises(GroupMismatchError) as err:
         desc_segments(1, 8, 2, None, 1, [False], region_num_blocks=[8, 8, 8])
@@ -138,7 +138,7 @@ def test_region_capacities_of_the_wrong_count_name_both_counts() -> None:
 
 
 def test_tp_mapping_json_without_local_consumers_means_one() -> None:
-    from kvgeom.tp import TPMapping, compute_tp_mapping
+    from kvgeom.pair.tp import TPMapping, compute_tp_mapping
 
     mapping = compute_tp_mapping(0, 2, 1, 2, False, [False])
     data = mapping.to_json()
@@ -209,7 +209,7 @@ def test_recording_agents_default_to_no_engine_label() -> None:
 
 
 def test_oracle_names_temporal_state_elements() -> None:
-    from kvgeom.spec import MambaSpec
+    from kvgeom.model.spec import MambaSpec
 
     model = ModelSpec.from_layers("ssm", [MambaSpec.mamba1(4, 1, 2, "float16")])
     space = CoordSpace(model, 4)
@@ -218,7 +218,7 @@ def test_oracle_names_temporal_state_elements() -> None:
 
 def test_falcon_inner_size_that_disagrees_with_the_heads_is_refused_with_its_value() -> None:
     from kvgeom.errors import SpecError
-    from kvgeom.hfconfig import read_config
+    from kvgeom.model.hfconfig import read_config
 
     config = {
         "model_type": "falcon_h1",
@@ -243,7 +243,7 @@ def test_falcon_inner_size_that_disagrees_with_the_heads_is_refused_with_its_val
 # ---------------------------------------------------------------------- survivors of the CI sample (reformatted code)
 def test_desc_segments_with_the_wrong_number_of_group_kinds_names_both_counts() -> None:
     from kvgeom import GroupMismatchError
-    from kvgeom.descids import desc_segments
+    from kvgeom.plan.descids import desc_segments
 
     with pytest.raises(GroupMismatchError) as err:
         desc_segments(2, 8, 2, None, 1, [False])
@@ -251,7 +251,7 @@ def test_desc_segments_with_the_wrong_number_of_group_kinds_names_both_counts() 
 
 
 def test_csa_linear_pairs_across_the_kv_head_count_name_tp_size() -> None:
-    from kvgeom.handshake import check_csa_linear_tp_layout
+    from kvgeom.pair.handshake import check_csa_linear_tp_layout
 
     with pytest.raises(IncompatiblePairError) as err:  # 2 KV heads: TP1 shards them, TP4 replicates
         check_csa_linear_tp_layout(1, 4, 2)
@@ -275,7 +275,7 @@ def test_vllm_mode_refuses_a_two_head_draft_read_as_finer_remote_blocks() -> Non
 
 def test_route_refuses_rows_of_different_lengths_naming_the_region() -> None:
     from kvgeom import UnsupportedError, rank_geometry
-    from kvgeom.route import route
+    from kvgeom.pair.route import route
 
     geom = rank_geometry(DENSE, EngineConfig(tp_size=1, block_size=4, num_blocks=4))
     rows = tuple(r.block_len for r in geom.regions)
@@ -298,7 +298,7 @@ def test_route_refuses_a_replicated_latent_that_draft_sources_cannot_split_evenl
     """A GQA draft under MLA targets, D TP1 reading P TP2: D's latent page is gathered in equal chunks
     from both draft sources; a remote latent row of another length is refused naming the region."""
     from kvgeom import UnsupportedError, rank_geometry
-    from kvgeom.route import route
+    from kvgeom.pair.route import route
 
     draft = ModelSpec.from_layers(
         "mla+draft", [MLASpec(8, "float16")] * 2 + [AttentionSpec(4, 4, "float16")] * 2
@@ -356,7 +356,7 @@ def test_testing_strategies_is_loaded_on_first_access() -> None:
 
 
 def test_csa_linear_model_names_its_replicated_page_ple() -> None:
-    from kvgeom.csa import csa_linear_model
+    from kvgeom.model.csa import csa_linear_model
 
     ple = [la for la in csa_linear_model().layers if la.spec.kind.value == "replicated_state"]
     assert [(la.name, la.index, la.shares) for la in ple] == [("ple", 0, "layers.0.attn")]

@@ -42,10 +42,10 @@ def test_wheel(dist: Path) -> None:
         "kvgeom/py.typed",
         "kvgeom/examples/nemotron-h-8b_p2_d1_pull.json",
         "kvgeom/examples/demo-mamba2-hybrid_p2_d1_pull.json",
-        "kvgeom/presets/qwen3-8b.json",
+        "kvgeom/model/presets/qwen3-8b.json",
         "kvgeom/cli/__init__.py",
-        "kvgeom/hfconfig.py",
-        "kvgeom/draw.py",
+        "kvgeom/model/hfconfig.py",
+        "kvgeom/tools/draw.py",
     ):
         assert name in names
     info = next(n for n in names if n.endswith(".dist-info/METADATA"))

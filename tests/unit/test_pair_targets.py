@@ -1,15 +1,15 @@
-"""Who talks to whom (kvgeom.pairing.pair_targets) and who writes to a decode rank in push
-(kvgeom.pairing.push_writers): worked by hand for DCP pairs, and equal to what ``Pairing.create`` pairs."""
+"""Who talks to whom (kvgeom.plan.pairing.pair_targets) and who writes to a decode rank in push
+(kvgeom.plan.pairing.push_writers): worked by hand for DCP pairs, and equal to what ``Pairing.create`` pairs."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvgeom import GeometryCard
-from kvgeom.engine import EngineConfig
-from kvgeom.geometry import RankGeometry, rank_geometry
-from kvgeom.pairing import Pairing, pair_targets, push_writers
-from kvgeom.spec import MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.model.spec import MLASpec, ModelSpec
+from kvgeom.plan.pairing import Pairing, pair_targets, push_writers
 
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)
 

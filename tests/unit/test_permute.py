@@ -1,6 +1,6 @@
 """A head-major P pulled by a token-major D with ``permute_local_kv`` (vLLM's ``enable_permute_local_kv``,
 docs/vllm-behaviour.md B.6.15): the engine option, the handshake rule and its refusals, the pairing, the
-planned receive step (a token-major :class:`~kvgeom.plan.Regroup`) and the picture of it. Expected values
+planned receive step (a token-major :class:`~kvgeom.plan.request.Regroup`) and the picture of it. Expected values
 are derived by hand in the comments.
 
 The model ``M4``: one attention layer of 4 KV heads, head size 8 (K and V) in float16, so one head of one
@@ -12,18 +12,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom.align import Page
 from kvgeom.cli._inputs import UsageError, parse_engine
-from kvgeom.draw import _regroup
-from kvgeom.engine import EngineConfig, KVLayout
 from kvgeom.errors import ConfigError, IncompatiblePairError, UnsupportedError
-from kvgeom.geometry import RankGeometry, rank_geometry
-from kvgeom.handshake import check_pair, check_permute
-from kvgeom.pairing import Pairing
-from kvgeom.plan import Regroup, permuted_heads, plan_request, post_receive, receive_step
-from kvgeom.planmemo import memo_of
-from kvgeom.scenario import Scenario
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig, KVLayout
+from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.pair.handshake import check_pair, check_permute
+from kvgeom.plan.align import Page
+from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.planmemo import memo_of
+from kvgeom.plan.request import Regroup, permuted_heads, plan_request, post_receive, receive_step
+from kvgeom.tools.draw import _regroup
+from kvgeom.tools.scenario import Scenario
 
 M4 = ModelSpec.from_layers("m4", [AttentionSpec(4, 8, "float16")])
 HEAD_MAJOR, TOKEN_MAJOR = KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR
@@ -242,7 +242,7 @@ def test_draw_moves_runs_where_a_token_major_regroup_puts_them() -> None:
 
 
 def test_a_recipe_keeps_the_regroups_layout() -> None:
-    # the third request of one shape is planned from a recipe (kvgeom.recipe): the same regroup, its own blocks
+    # the third request of one shape is planned from a recipe (kvgeom.plan.recipe): the same regroup, its own blocks
     pairing = Pairing.create(_d(tp=2), [_geom()], "pull", "vllm")
     for local, remote in (([3, 5], [1, 2]), ([4, 6], [0, 3]), ([7, 1], [5, 6])):
         plan = plan_request(pairing, [local], [remote], num_tokens=32)
@@ -357,8 +357,8 @@ def test_the_push_receive_step_refuses_layouts_no_push_pairs() -> None:
 
 
 def test_draw_shows_a_permuted_push_after_ds_receive_step() -> None:
-    from kvgeom.draw import transfer_map
-    from kvgeom.scenario import RequestIds
+    from kvgeom.tools.draw import transfer_map
+    from kvgeom.tools.scenario import RequestIds
 
     sc = Scenario.from_json(
         {

@@ -1,4 +1,4 @@
-"""Request-shape recipes (kvgeom.recipe): a plan from a recipe equals the general planner's, field by
+"""Request-shape recipes (kvgeom.plan.recipe): a plan from a recipe equals the general planner's, field by
 field, for requests of a shape seen before with other block ids, in both modes and compat settings."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom.plan import _plan, _Shape, plan_request
-from kvgeom.planmemo import memo_of
-from kvgeom.recipe import trace
-from kvgeom.scenario import Scenario
+from kvgeom.plan.planmemo import memo_of
+from kvgeom.plan.recipe import trace
+from kvgeom.plan.request import _plan, _Shape, plan_request
+from kvgeom.tools.scenario import Scenario
 
 PAIRS = [  # (model, mode, compat, P block, P kernel, D block, D kernel)
     ("kimi-linear-48b-a3b", "pull", "vllm", None, 16, None, 32),

@@ -1,11 +1,12 @@
-"""kvgeom.registration: the regions a rank registers, from its cache tensors' facts."""
+"""kvgeom.compat.vllm.registration: the regions a rank registers, from its cache tensors' facts."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvgeom.compat.vllm.registration import CacheTensor, RegistrationLayout, discover_regions
 from kvgeom.errors import SpecError, UnsupportedError
-from kvgeom.registration import SHARED_GROUP, CacheTensor, RegistrationLayout, discover_regions
+from kvgeom.layout.view import SHARED_GROUP
 
 PAGE = 4096
 

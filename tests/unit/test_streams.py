@@ -1,4 +1,4 @@
-"""Pipeline stages and packed rows, planned as transfer streams (kvgeom.streams), in both modes."""
+"""Pipeline stages and packed rows, planned as transfer streams (kvgeom.pair.streams), in both modes."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from kvgeom import (
     plan_request,
     rank_geometry,
 )
-from kvgeom.stages import stage_partition, stage_range
-from kvgeom.streams import registration
+from kvgeom.model.stages import stage_partition, stage_range
+from kvgeom.pair.streams import registration
 from kvgeom.testing import Request, run
 from kvgeom.testing.oracle import push_plans
 

@@ -14,8 +14,6 @@ from kvgeom.blocks import (
     logical_to_kernel,
     map_block_ids_for_block_size_ratio,
 )
-from kvgeom.conv import ConvSplit, derive_conv_split, physical_blocks_per_logical, remote_conv_offsets
-from kvgeom.descids import compute_desc_ids
 from kvgeom.errors import (
     BlockIdError,
     GroupMismatchError,
@@ -25,8 +23,8 @@ from kvgeom.errors import (
     SpecError,
     UnsupportedError,
 )
-from kvgeom.splits import build_local_splits, expand_strided
-from kvgeom.tp import (
+from kvgeom.layout.conv import ConvSplit, derive_conv_split, physical_blocks_per_logical, remote_conv_offsets
+from kvgeom.pair.tp import (
     TPMapping,
     compute_tp_mapping,
     consumers_per_producer,
@@ -35,6 +33,8 @@ from kvgeom.tp import (
     needs_split_local_handles,
     tp_ratio,
 )
+from kvgeom.plan.descids import compute_desc_ids
+from kvgeom.plan.splits import build_local_splits, expand_strided
 
 
 def lists(groups: Any) -> Any:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvgeom import IncompatiblePairError, UnsupportedError
-from kvgeom.engine import EngineConfig
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import EngineConfig
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 from kvgeom.testing import Request, run
 
 MAMBA1 = ModelSpec.from_layers("ssm", [MambaSpec.mamba1(4, 1, 2, "float16")])
@@ -86,7 +86,7 @@ ONE_GROUP = ModelSpec.from_layers(
 def test_replicated_b_and_c_across_tp_sizes() -> None:
     """Mamba2 with one group at TP 2: B and C are whole on every rank; scaling them by the TP ratio (vLLM
     issue 55208) reads P's C as B. vllm mode refuses the pair, kvgeom mode plans it from the sharding rule."""
-    from kvgeom.geometry import align_hybrid_block_size
+    from kvgeom.layout.geometry import align_hybrid_block_size
 
     p_block, d_block = align_hybrid_block_size(ONE_GROUP, 1, 4), align_hybrid_block_size(ONE_GROUP, 2, 4)
     p = EngineConfig(tp_size=1, block_size=p_block, num_blocks=4)

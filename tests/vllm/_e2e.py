@@ -39,11 +39,12 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvgeom.dtypes import dtype_size
-from kvgeom.engine import KVLayout
-from kvgeom.geometry import RankGeometry
-from kvgeom.spec import AttentionSpec, LayerKind, MLASpec
-from kvgeom.stages import stage_range
-from kvgeom.streams import Registration, hma_required, registration, unpseudo
+from kvgeom.layout.engine import KVLayout
+from kvgeom.layout.geometry import RankGeometry
+from kvgeom.layout.view import unpseudo
+from kvgeom.model.spec import AttentionSpec, LayerKind, MLASpec
+from kvgeom.model.stages import stage_range
+from kvgeom.pair.streams import Registration, hma_required, registration
 from kvgeom.testing import Oracle
 from kvgeom.testing._coords import ZERO
 

@@ -125,7 +125,7 @@ def consumer_count(tp: int, dcp: int, remote_tp: int, remote_dcp: int) -> Any:
 
 
 def as_vllm_mapping(m: Any) -> VTPMapping:
-    """A kvgeom :class:`~kvgeom.tp.TPMapping` as vLLM's (its slots as a dict)."""
+    """A kvgeom :class:`~kvgeom.pair.tp.TPMapping` as vLLM's (its slots as a dict)."""
     return VTPMapping(
         m.source_ranks_per_group,
         m.all_source_ranks,
@@ -425,7 +425,7 @@ def exchange_clipped(
 
 # -- region metadata ----------------------------------------------------------------------------------
 def agent_meta(table: Any) -> NixlAgentMetadata:
-    """vLLM's handshake metadata of a :class:`kvgeom.layerroute.RegionTable`."""
+    """vLLM's handshake metadata of a :class:`kvgeom.pair.layerroute.RegionTable`."""
     return NixlAgentMetadata(
         engine_id="remote",
         agent_metadata=b"",

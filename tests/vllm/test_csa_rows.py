@@ -1,4 +1,4 @@
-"""kvgeom.csarows against vLLM 0.33.0's own KV-cache planner: for CSA-linear models, vLLM's packed grouping
+"""kvgeom.layout.csarows against vLLM 0.33.0's own KV-cache planner: for CSA-linear models, vLLM's packed grouping
 (``_get_packed_kv_cache_groups``, block-outermost ``BLHNC``) chooses the groups, vLLM's
 ``get_kv_cache_config_from_groups`` lays them out, and every layer's page must start where kvgeom's
 :func:`packed_registration` puts it, in a row of kvgeom's ``row_bytes`` (docs/vllm-behaviour.md B.6.14).
@@ -26,10 +26,17 @@ from vllm.v1.kv_cache_interface import CircularBufferSpec as VCircular
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, MLAAttentionSpec
 from vllm.v1.kv_cache_interface import MambaSpec as VMamba
 
-from kvgeom.csa import csa_linear_model
-from kvgeom.csarows import packed_groups, packed_registration
-from kvgeom.geometry import _page_bytes
-from kvgeom.spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ModelSpec, ReplicatedStateSpec
+from kvgeom.layout.csarows import packed_groups, packed_registration
+from kvgeom.layout.geometry import _page_bytes
+from kvgeom.model.csa import csa_linear_model
+from kvgeom.model.spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    MambaSpec,
+    MLASpec,
+    ModelSpec,
+    ReplicatedStateSpec,
+)
 
 BF16 = torch.bfloat16
 
@@ -232,7 +239,7 @@ def test_the_drop_in_refuses_packed_rows_whose_regions_start_elsewhere_on_the_pe
     from kvgeom_vllm.answers.validate import _row_offsets
     from kvgeom_vllm.worker import KvgeomPullConnectorWorker
 
-    from kvgeom.advertised import Advertised, LocalFacts, check_advertised_pair
+    from kvgeom.compat.vllm.advertised import Advertised, LocalFacts, check_advertised_pair
     from kvgeom.errors import UnsupportedError
 
     model = csa_linear_model(main_kv_heads=2, gdn=MambaSpec.gdn(4, 4, 4, 4))
@@ -275,8 +282,8 @@ def test_the_drop_in_describes_packed_csa_linear_ranks(model: ModelSpec, block_s
     from kvgeom_vllm.worker import KvgeomPullConnectorWorker, install_dispatchers
     from vllm.config import ModelConfig
 
-    from kvgeom.engine import EngineConfig
-    from kvgeom.geometry import rank_geometry
+    from kvgeom.layout.engine import EngineConfig
+    from kvgeom.layout.geometry import rank_geometry
 
     install_dispatchers()
     heads = model.attention_spec.num_kv_heads if model.attention_spec else 1

@@ -28,16 +28,16 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from kvgeom.blocks import apply_prefix_caching, logical_to_kernel, map_block_ids_for_block_size_ratio
-from kvgeom.dcp import apply_dcp_prefix_caching, dcp_consumer_count
-from kvgeom.descids import compute_desc_ids
 from kvgeom.errors import KvgeomError
-from kvgeom.exchange import clip_ssm_state_blocks, exchange_clipped_blocks
-from kvgeom.handshake import check_csa_linear_tp_layout
-from kvgeom.layerroute import RegionTable, align_regions_by_layer, split_packed_rows
-from kvgeom.regionmap import apply_prefix_caching_by_region, block_ids_by_region
-from kvgeom.splits import build_local_splits
-from kvgeom.strided import fa_local_rows, fa_remote_rows, mamba_local_rows, mamba_remote_rows
-from kvgeom.tp import compute_tp_mapping, dcp_handshake_targets
+from kvgeom.pair.dcp import apply_dcp_prefix_caching, dcp_consumer_count
+from kvgeom.pair.handshake import check_csa_linear_tp_layout
+from kvgeom.pair.layerroute import RegionTable, align_regions_by_layer, split_packed_rows
+from kvgeom.pair.tp import compute_tp_mapping, dcp_handshake_targets
+from kvgeom.plan.descids import compute_desc_ids
+from kvgeom.plan.exchange import clip_ssm_state_blocks, exchange_clipped_blocks
+from kvgeom.plan.regionmap import apply_prefix_caching_by_region, block_ids_by_region
+from kvgeom.plan.splits import build_local_splits
+from kvgeom.plan.strided import fa_local_rows, fa_remote_rows, mamba_local_rows, mamba_remote_rows
 
 EXAMPLES = {
     "tp_mapping": 1500,

@@ -21,11 +21,11 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvgeom.csa import csa_linear_model
-from kvgeom.engine import ConvLayout, EngineConfig
 from kvgeom.errors import KvgeomError
-from kvgeom.plan import receive_step
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.engine import ConvLayout, EngineConfig
+from kvgeom.model.csa import csa_linear_model
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.plan.request import receive_step
 from kvgeom.testing import ZERO, Oracle, Request, engine_geometries
 from kvgeom.testing import strategies as kst
 from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
@@ -82,7 +82,7 @@ def _vllm(case: kst.Case) -> tuple[Oracle | None, list[np.ndarray], BaseExceptio
 
 def _receive(oracle: Oracle, case: kst.Case) -> None:
     """After a push, every D rank zeroes the bytes of its blocks that no write reached (kvgeom's
-    :func:`~kvgeom.plan.receive_step` ranges, applied to unwritten bytes only, so that a wrong write stays
+    :func:`~kvgeom.plan.request.receive_step` ranges, applied to unwritten bytes only, so that a wrong write stays
     visible to the oracle)."""
     r = case.request
     for d in oracle.d:
@@ -227,7 +227,7 @@ def test_csa_linear_kvgeom_mode_plans_what_vllm_writes_right(case: kst.Case) -> 
 
 
 def _packed_csa_cases() -> list[kst.Case]:
-    """CSA-linear pairs in vLLM's block-outermost allocation (kvgeom.csarows): the default model, and one with a
+    """CSA-linear pairs in vLLM's block-outermost allocation (kvgeom.layout.csarows): the default model, and one with a
     head-sharded main KV of 2 heads (bucketed with the compressed keys), at equal TP 1 and 2, pull and push, 40
     tokens (3 token blocks, a ring block, a GDN slot and a PLE slot)."""
     out = []

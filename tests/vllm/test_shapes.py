@@ -24,11 +24,11 @@ from vllm.model_executor.models.config import NemotronHForCausalLMConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvgeom import presets
-from kvgeom.spec import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "data" / "hf"
-CARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "presets").glob("*.json"))}
+CARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "model" / "presets").glob("*.json"))}
 PRESETS = [n for n in CARDS if n != "minimax-text-01"]
 
 

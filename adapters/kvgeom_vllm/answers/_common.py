@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvgeom.tp import TPMapping as KvTPMapping
+from kvgeom.pair.tp import TPMapping as KvTPMapping
 
 
 def _vllm() -> Any:

@@ -1,6 +1,6 @@
 """Block ids and descriptor ids: vLLM's block-id algebra, DCP page matching, region-mapped pulls and
-descriptor-id layout, answered by :mod:`kvgeom.blocks`, :mod:`kvgeom.dcp`, :mod:`kvgeom.regionmap` and
-:mod:`kvgeom.descids`."""
+descriptor-id layout, answered by :mod:`kvgeom.blocks`, :mod:`kvgeom.pair.dcp`, :mod:`kvgeom.plan.regionmap` and
+:mod:`kvgeom.plan.descids`."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from kvgeom.blocks import apply_prefix_caching as _kv_apply_prefix_caching
 from kvgeom.blocks import get_mapped_blocks as _kv_get_mapped_blocks
 from kvgeom.blocks import logical_to_kernel as _kv_logical_to_kernel
 from kvgeom.blocks import map_block_ids_for_block_size_ratio as _kv_map_ratio
-from kvgeom.dcp import apply_dcp_prefix_caching as _kv_apply_dcp_prefix_caching
-from kvgeom.descids import compute_desc_ids as _kv_compute_desc_ids
 from kvgeom.errors import SpecError
-from kvgeom.regionmap import apply_prefix_caching_by_region as _kv_prefix_by_region
-from kvgeom.regionmap import block_ids_by_region as _kv_block_ids_by_region
+from kvgeom.pair.dcp import apply_dcp_prefix_caching as _kv_apply_dcp_prefix_caching
+from kvgeom.plan.descids import compute_desc_ids as _kv_compute_desc_ids
+from kvgeom.plan.regionmap import apply_prefix_caching_by_region as _kv_prefix_by_region
+from kvgeom.plan.regionmap import block_ids_by_region as _kv_block_ids_by_region
 
 from ._common import KVI, group_is_ssm, is_ssm_type, lists, representative_type
 
@@ -133,7 +133,7 @@ def compute_desc_ids(
     uses_region_group_mapping: bool | None = None,
 ) -> np.ndarray:
     """``_compute_desc_ids``: the worker's regions, SSM streams, scratch regions, PLE stream and layer-name
-    routing, read as vLLM reads them, handed to :func:`kvgeom.descids.compute_desc_ids`."""
+    routing, read as vLLM reads them, handed to :func:`kvgeom.plan.descids.compute_desc_ids`."""
     bsr = None if block_size_ratio is None else int(block_size_ratio)
     routing = tuple(self._transfer_layer_group_ids or ())
     if self._has_mamba and not routing:

@@ -1,6 +1,6 @@
 """After the bytes land: vLLM's post-receive step (block-size regroup and zeroing what the transfer did
-not write) and its region-wise zeroing, answered by :func:`kvgeom.align.consumer_zero_rows` and
-:func:`kvgeom.regionmap.region_zero_rows`; :mod:`kvgeom_vllm.devicebytes` applies the answers to the
+not write) and its region-wise zeroing, answered by :func:`kvgeom.plan.align.consumer_zero_rows` and
+:func:`kvgeom.plan.regionmap.region_zero_rows`; :mod:`kvgeom_vllm.devicebytes` applies the answers to the
 cache tensors."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from kvgeom.align import consumer_zero_rows
 from kvgeom.blocks import check_positive_int
 from kvgeom.errors import PlanError
-from kvgeom.regionmap import region_zero_rows
+from kvgeom.plan.align import consumer_zero_rows
+from kvgeom.plan.regionmap import region_zero_rows
 
 from ..devicebytes import ByteRegion, regroup_blocks, zero_rows
 from ._common import KVI
@@ -85,7 +85,7 @@ def region_bytes(self: Any) -> list[ByteRegion]:
 
 
 def zero_region_blocks(self: Any, block_ids: Any) -> None:
-    """``_zero_region_blocks``: clear pages region by region (:func:`kvgeom.regionmap.region_zero_rows`),
+    """``_zero_region_blocks``: clear pages region by region (:func:`kvgeom.plan.regionmap.region_zero_rows`),
     except the shared host pool another rank writes. In kvgeom mode vLLM hands over kvgeom's whole
     post-receive step here (:class:`kvgeom_vllm.kvgeom_mode.Receive`), which runs instead."""
     apply = getattr(block_ids, "apply", None)

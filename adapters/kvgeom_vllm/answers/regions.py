@@ -1,9 +1,9 @@
 """Regions as the handshake advertises them: layer order, layer-name routing of pipeline-parallel
 producers, packed (block-outermost) rows, remote blocks read in finer units, and the kernel block size,
-answered by :mod:`kvgeom.layerroute` and :mod:`kvgeom.blocksize`.
+answered by :mod:`kvgeom.pair.layerroute` and :mod:`kvgeom.pair.blocksize`.
 
 vLLM rewrites the peer's metadata in place; the adapters do the same with kvgeom's answer
-(a :class:`kvgeom.layerroute.RegionTable`), so that vLLM's code after them sees what it always saw.
+(a :class:`kvgeom.pair.layerroute.RegionTable`), so that vLLM's code after them sees what it always saw.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvgeom.blocksize import kernel_blocks_per_logical
-from kvgeom.blocksize import remote_block_split as _kv_remote_block_split
-from kvgeom.layerroute import RegionTable, align_regions_by_layer, split_packed_rows, transfer_layers
-from kvgeom.layerroute import pp_region_offset as _kv_pp_region_offset
-from kvgeom.layerroute import region_sort_key as _kv_region_sort_key
+from kvgeom.pair.blocksize import kernel_blocks_per_logical
+from kvgeom.pair.blocksize import remote_block_split as _kv_remote_block_split
+from kvgeom.pair.layerroute import RegionTable, align_regions_by_layer, split_packed_rows, transfer_layers
+from kvgeom.pair.layerroute import pp_region_offset as _kv_pp_region_offset
+from kvgeom.pair.layerroute import region_sort_key as _kv_region_sort_key
 
 logger = logging.getLogger("kvgeom_vllm")
 
@@ -27,7 +27,7 @@ def region_sort_key(layer_name: str) -> tuple[tuple[int, int | str], ...]:
 
 def set_region_layers(self: Any, region_layers: list[list[str]]) -> None:
     """``_set_region_layers``: the transfer layers of layer-name routing (every member of every region, in
-    region order, with its region and group), from :func:`kvgeom.layerroute.transfer_layers`."""
+    region order, with its region and group), from :func:`kvgeom.pair.layerroute.transfer_layers`."""
     by_layer = dict(self.kv_cache_config.transfer_group_index_by_layer)
     routing = self._requires_layer_name_routing()
     # without routing only the one-region-per-layer rule applies: every layer gets a placeholder group
@@ -94,7 +94,7 @@ def split_remote_packed_rows(self: Any, nixl_agent_meta: Any) -> None:
 
 def split_remote_blocks(self: Any, meta: Any) -> None:
     """``_split_remote_blocks``: when the block sizes do not divide, the peer's blocks viewed as
-    :func:`kvgeom.blocksize.remote_block_split` finer blocks (its advertised numbers rescaled)."""
+    :func:`kvgeom.pair.blocksize.remote_block_split` finer blocks (its advertised numbers rescaled)."""
     split = _kv_remote_block_split(
         self.block_size,
         meta.block_size,
@@ -122,7 +122,7 @@ def split_remote_blocks(self: Any, meta: Any) -> None:
 
 def sync_block_size_with_kernel(self: Any) -> None:
     """``_sync_block_size_with_kernel``: the kernel block vLLM's backends pick (vLLM's choice), and the
-    kernel blocks per logical block from :func:`kvgeom.blocksize.kernel_blocks_per_logical`."""
+    kernel blocks per logical block from :func:`kvgeom.pair.blocksize.kernel_blocks_per_logical`."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
     backends, specs = bw.get_current_attn_backends_and_specs(

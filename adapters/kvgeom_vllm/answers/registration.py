@@ -1,5 +1,5 @@
 """Registration: vLLM's ``register_kv_caches`` with its region discovery answered by
-:func:`kvgeom.registration.discover_regions`, then the rank's geometry card (:mod:`kvgeom_vllm.card`).
+:func:`kvgeom.compat.vllm.registration.discover_regions`, then the rank's geometry card (:mod:`kvgeom_vllm.card`).
 
 The adapter reads each cache tensor's facts (addresses, storage, block stride, first-block contiguity,
 the spec's page and its group's pool) and hands them to kvgeom; kvgeom's regions, SSM/scratch/PLE
@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvgeom.compat.vllm.registration import CacheTensor, RegistrationLayout, discover_regions
 from kvgeom.errors import ConfigError, KvgeomError, UnsupportedError
-from kvgeom.registration import CacheTensor, RegistrationLayout, discover_regions
 
 from ..calls import counted_call
 from ..card import card_of_worker, check_registration

@@ -1,14 +1,14 @@
-"""The scheduler side: which blocks and tokens a request exchanges, answered by :mod:`kvgeom.exchange`."""
+"""The scheduler side: which blocks and tokens a request exchanges, answered by :mod:`kvgeom.plan.exchange`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvgeom.exchange import clip_ssm_state_blocks as _kv_clip_ssm_state_blocks
-from kvgeom.exchange import exchange_clipped_blocks as _kv_exchange_clipped_blocks
-from kvgeom.exchange import prefill_backoff as _kv_prefill_backoff
-from kvgeom.exchange import prefill_tokens as _kv_prefill_tokens
-from kvgeom.exchange import sliding_window_blocks
+from kvgeom.plan.exchange import clip_ssm_state_blocks as _kv_clip_ssm_state_blocks
+from kvgeom.plan.exchange import exchange_clipped_blocks as _kv_exchange_clipped_blocks
+from kvgeom.plan.exchange import prefill_backoff as _kv_prefill_backoff
+from kvgeom.plan.exchange import prefill_tokens as _kv_prefill_tokens
+from kvgeom.plan.exchange import sliding_window_blocks
 
 from ._common import KVI, lists
 

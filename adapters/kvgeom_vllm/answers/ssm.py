@@ -1,15 +1,15 @@
 """SSM state pages: vLLM's conv-state decomposition and the kernel blocks an SSM page spans, answered by
-:mod:`kvgeom.conv`."""
+:mod:`kvgeom.layout.conv`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from kvgeom.conv import derive_conv_split as _kv_derive_conv_split
-from kvgeom.conv import physical_blocks_per_logical as _kv_ppl
-from kvgeom.conv import remote_conv_offsets as _kv_remote_conv_offsets
 from kvgeom.errors import ConfigError, SpecError
+from kvgeom.layout.conv import derive_conv_split as _kv_derive_conv_split
+from kvgeom.layout.conv import physical_blocks_per_logical as _kv_ppl
+from kvgeom.layout.conv import remote_conv_offsets as _kv_remote_conv_offsets
 
 from ..calls import counted_call
 from ._common import ORIGINAL_CONV_SPLIT_INFO

@@ -1,5 +1,5 @@
 """Descriptor tables: vLLM's N x 5 strided rows (local and remote, attention and SSM state) and the
-per-source split of the local table, answered by :mod:`kvgeom.strided` and :mod:`kvgeom.splits`."""
+per-source split of the local table, answered by :mod:`kvgeom.plan.strided` and :mod:`kvgeom.plan.splits`."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from kvgeom.splits import build_local_splits as _kv_build_local_splits
-from kvgeom.strided import (
+from kvgeom.plan.splits import build_local_splits as _kv_build_local_splits
+from kvgeom.plan.strided import (
     block_strided_rows,
     fa_local_rows,
     fa_remote_rows,
     mamba_local_rows,
     mamba_remote_rows,
 )
-from kvgeom.strided import strided_starts as _kv_strided_starts
+from kvgeom.plan.strided import strided_starts as _kv_strided_starts
 
 from ._common import group_is_ssm, is_attention_type, rows, to_kvgeom_mapping
 
@@ -101,7 +101,7 @@ def build_mamba_local(self: Any, base_addresses: Sequence[int]) -> np.ndarray:
 
 def build_mamba_remote(self: Any, nixl_agent_meta: Any, tp_ratio: int, transfer_info: Any) -> np.ndarray:
     """``_build_mamba_remote``: the remote SSM rows this rank reads (conv reads from
-    :func:`kvgeom.conv.remote_conv_offsets`, its temporal slice), then the PLE page read whole."""
+    :func:`kvgeom.layout.conv.remote_conv_offsets`, its temporal slice), then the PLE page read whole."""
     meta = nixl_agent_meta
     local_offset = int(self.tp_rank) % max(int(tp_ratio), 1)
     conv_reads = self._conv_decomp.remote_conv_offsets(local_offset, tp_ratio)
@@ -134,7 +134,7 @@ def build_mamba_remote(self: Any, nixl_agent_meta: Any, tp_ratio: int, transfer_
 def build_local_splits_from_plan(
     self: Any, plan: Any, src_blocks_data: np.ndarray, num_fa_descs: int, block_size_ratio: int = 1
 ) -> Iterator[np.ndarray]:
-    """``_build_local_splits_from_plan``: :func:`kvgeom.splits.build_local_splits` on the worker's strided
+    """``_build_local_splits_from_plan``: :func:`kvgeom.plan.splits.build_local_splits` on the worker's strided
     local table, with the per-region (per transfer layer) MLA flags and capacities vLLM reads, and the PLE
     page copied whole."""
     n_regions = len(self.block_len_per_layer)

@@ -1,22 +1,22 @@
 """Who reads whom: vLLM's TP mapping, its ``TransferTopology`` arithmetic and decode context parallelism,
-answered by :mod:`kvgeom.tp`, :mod:`kvgeom.dcp` and :mod:`kvgeom.blocksize`."""
+answered by :mod:`kvgeom.pair.tp`, :mod:`kvgeom.pair.dcp` and :mod:`kvgeom.pair.blocksize`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from kvgeom.blocksize import block_size_ratio as _kv_block_size_ratio
-from kvgeom.dcp import dcp_consumer_count as _kv_dcp_consumer_count
-from kvgeom.dcp import dcp_rank as _kv_dcp_rank
-from kvgeom.dcp import dcp_source_ranks as _kv_dcp_source_ranks
-from kvgeom.spec import Shard
-from kvgeom.tp import compute_tp_mapping as _kv_compute_tp_mapping
-from kvgeom.tp import dcp_handshake_targets as _kv_dcp_handshake_targets
-from kvgeom.tp import handshake_targets as _kv_handshake_targets
-from kvgeom.tp import head_offset as _kv_head_offset
-from kvgeom.tp import needs_split_local_handles as _kv_needs_split
-from kvgeom.tp import tp_ratio as _kv_tp_ratio
+from kvgeom.model.spec import Shard
+from kvgeom.pair.blocksize import block_size_ratio as _kv_block_size_ratio
+from kvgeom.pair.dcp import dcp_consumer_count as _kv_dcp_consumer_count
+from kvgeom.pair.dcp import dcp_rank as _kv_dcp_rank
+from kvgeom.pair.dcp import dcp_source_ranks as _kv_dcp_source_ranks
+from kvgeom.pair.tp import compute_tp_mapping as _kv_compute_tp_mapping
+from kvgeom.pair.tp import dcp_handshake_targets as _kv_dcp_handshake_targets
+from kvgeom.pair.tp import handshake_targets as _kv_handshake_targets
+from kvgeom.pair.tp import head_offset as _kv_head_offset
+from kvgeom.pair.tp import needs_split_local_handles as _kv_needs_split
+from kvgeom.pair.tp import tp_ratio as _kv_tp_ratio
 
 from ._common import group_is_ssm, to_kvgeom_mapping, to_vllm_mapping
 
@@ -29,7 +29,7 @@ def compute_tp_mapping(
     head_sharded_kv_heads: int | None = None,
 ) -> Any:
     """``tp_mapping.compute_tp_mapping``: sources per group, attention slots, head offset and consumer
-    count from :func:`kvgeom.tp.compute_tp_mapping` (DCP sources and a GQA draft under an MLA target
+    count from :func:`kvgeom.pair.tp.compute_tp_mapping` (DCP sources and a GQA draft under an MLA target
     included)."""
     t = transfer_topology
     m = _kv_compute_tp_mapping(

@@ -1,4 +1,4 @@
-"""Rebuild the ``config.json`` fixtures from the model cards shipped in ``kvgeom/presets/``.
+"""Rebuild the ``config.json`` fixtures from the model cards shipped in ``kvgeom/model/presets/``.
 
 Each fixture is the card's recorded ``fields`` (raw Hugging Face config names and values, as the card's
 ``source`` list says where they were read) plus ``_name_or_path`` = the card's Hugging Face id. Cards
@@ -29,7 +29,7 @@ def fixture(card: dict) -> dict:
 
 
 def main() -> None:
-    for path in sorted((ROOT / "kvgeom" / "presets").glob("*.json")):
+    for path in sorted((ROOT / "kvgeom" / "model" / "presets").glob("*.json")):
         out = OUT / path.stem / "config.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(fixture(json.loads(path.read_text())), indent=2) + "\n")

@@ -1,0 +1,1 @@
+"""Answers for other engines' connectors, above the planner: what only a drop-in for one engine needs."""

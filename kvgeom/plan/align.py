@@ -1,0 +1,236 @@
+"""Pairing attention blocks by the tokens they hold, and zeroing what nothing wrote.
+
+vLLM pairs a request's P and D block lists by counts (end-trim, front-trim, clip), which silently
+pairs the wrong tokens when the two sides' blocks span different token ranges: P blocks larger than
+D's, a prefix hit on D with different block sizes (vLLM issues and PR 51527), or a prefix hit in the
+N-1 flow. kvgeom places both lists on the token axis first, from two counts a connector knows:
+
+* ``num_tokens`` -- the tokens D holds blocks for (the request's prompt length ``N`` on D). D's list
+  of ``n`` blocks of ``B`` tokens is the uncached tail of its ``ceil(N / B)`` blocks, so it starts at
+  ``ceil(N / B) * B - n * B`` (a prefix hit skips whole blocks);
+* ``prefill_tokens`` -- the tokens P computed and sends (vLLM's ``remote_num_tokens``). P's full-attention
+  list starts at token 0 and ends at ``ceil(prefill_tokens / B)`` blocks; a sliding-window list ends
+  there too. P computes fewer tokens than D holds when D recomputes the last ones itself: a Mamba
+  hybrid's prefill stops at ``N - 1`` (the **N-1 flow**, :mod:`kvgeom.plan.exchange`).
+
+The transfer is the overlap of the two lists, in units of the finer kernel block; the tokens in
+``[prefill_tokens, N)`` are D's to compute. A count that is not given is never guessed from block counts:
+only what holds whatever the counts are is used (P's full-attention list starts at token 0; without prefix
+caching D's full-attention list does too; P's sliding-window lists end where its full-attention lists
+do). Anything else is refused with a :class:`~kvgeom.errors.PlanError` that names the argument to pass.
+:func:`~kvgeom.plan.request.plan_request` and :func:`~kvgeom.plan.request.receive_step` go further: a pair made without
+prefix caching is no proof that D cached nothing, so they need ``num_tokens`` for any attention list
+(:class:`~kvgeom.errors.TokenCountError`).
+(Equal block sizes do not make the lists end together: when P backs off across a block boundary D holds a
+block more.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvgeom.errors import PlanError
+
+__all__ = ["list_starts", "overlap", "Page", "page_heads", "group_pages", "consumer_zero_rows"]
+
+
+def _producer_end(
+    n_p: int, b_p: int, prefill_tokens: int | None, sliding: bool, p_end_hint: int | None, group: int
+) -> int:
+    if prefill_tokens is not None:
+        return math.ceil(prefill_tokens / b_p) * b_p
+    if not sliding:
+        return n_p * b_p  # a full-attention list starts at token 0
+    if p_end_hint is not None:
+        return p_end_hint
+    raise PlanError(
+        "prefill_tokens",
+        f"group {group}: a sliding window's blocks on P end where P's computed tokens "
+        "end, which its block counts do not tell here: pass prefill_tokens (the tokens P computed, "
+        "vLLM's remote_num_tokens)",
+        value=None,
+    )
+
+
+def list_starts(
+    n_c: int,
+    b_c: int,
+    n_p: int,
+    b_p: int,
+    num_tokens: int | None,
+    prefix_caching: bool,
+    sliding: bool,
+    group: int,
+    prefill_tokens: int | None = None,
+    *,
+    p_end_hint: int | None = None,
+) -> tuple[int, int]:
+    """First token of the consumer's (``n_c`` blocks of ``b_c``) and the producer's (``n_p`` of ``b_p``)
+    list of one attention group; ``p_end_hint``: where the producer's full-attention lists of the same
+    request end (for a sliding group without ``prefill_tokens``)."""
+    if num_tokens is not None and num_tokens < 1:
+        raise PlanError("num_tokens", f"must be >= 1, got {num_tokens}", value=num_tokens)
+    if prefill_tokens is not None:
+        if prefill_tokens < 0 or (num_tokens is not None and prefill_tokens > num_tokens):
+            raise PlanError(
+                "prefill_tokens",
+                f"{prefill_tokens} tokens computed by P for a request D holds {num_tokens} tokens of",
+                value=prefill_tokens,
+                expected=num_tokens,
+            )
+    p_end = _producer_end(n_p, b_p, prefill_tokens, sliding, p_end_hint, group)
+    p0 = p_end - n_p * b_p
+    if p0 < 0 or (p0 and not sliding):
+        raise PlanError(
+            f"block_ids[{group}]",
+            f"P's {n_p} blocks of {b_p} tokens do not end where its {p_end} "
+            "computed tokens (prefill_tokens, rounded up to a block) do",
+            local=n_c,
+            remote=n_p,
+        )
+    if num_tokens is not None:
+        c_end = math.ceil(num_tokens / b_c) * b_c
+        c0 = c_end - n_c * b_c
+        if c0 < 0:
+            raise PlanError(
+                f"block_ids[{group}]",
+                f"D's {n_c} blocks of {b_c} tokens are more than num_tokens={num_tokens} need",
+                local=n_c,
+                remote=n_p,
+            )
+        if (n_p - 1) * b_p >= num_tokens and prefill_tokens is None and not sliding:
+            raise PlanError(
+                f"block_ids[{group}]",
+                f"P's {n_p} blocks of {b_p} tokens are more than num_tokens={num_tokens} need",
+                local=n_c,
+                remote=n_p,
+            )
+        return c0, p0
+    if not prefix_caching and not sliding:
+        if n_c * b_c <= (n_p - 1) * b_p:  # D's whole list is shorter than what P computed: not from token 0
+            raise PlanError(
+                "num_tokens",
+                f"group {group}: D's {n_c} blocks of {b_c} tokens hold fewer tokens than P's "
+                f"{n_p} blocks of {b_p} computed (a prefix hit?): pass num_tokens (the tokens D holds "
+                "blocks for) to place D's list",
+                local=n_c * b_c,
+                remote=n_p * b_p,
+            )
+        return 0, p0  # no prefix: D's list starts at token 0
+    why = (
+        "a prefix hit may skip its first blocks"
+        if not sliding
+        else "a sliding window keeps only its last blocks"
+    )
+    raise PlanError(
+        "num_tokens",
+        f"group {group}: D's list need not start at token 0 ({why}): pass the request's "
+        "num_tokens (the tokens D holds blocks for) to place it",
+        local=n_c,
+        remote=n_p,
+    )
+
+
+def overlap(c_start: int, n_c: int, p_start: int, n_p: int) -> tuple[int, int, int]:
+    """``(consumer position, producer position, count)`` of the units both lists hold."""
+    lo, hi = max(c_start, p_start), min(c_start + n_c, p_start + n_p)
+    count = max(0, hi - lo)
+    return lo - c_start, lo - p_start, count
+
+
+@dataclass(frozen=True)
+class Page:
+    """One layer's page of every kernel block of a region (all layers of a shared region view the same
+    page): it starts ``offset`` bytes into each block, spans ``length`` bytes, blocks ``stride`` apart."""
+
+    region: int
+    offset: int
+    length: int
+    stride: int
+    heads: int = 1  # runs per kernel block when zeroing a token range: the local heads of a head-major page
+
+
+def page_heads(geom: object, layer: str) -> int:
+    """Local KV heads of ``layer``'s head-major attention page on ``geom`` (1 for latents, states and
+    token-major pages)."""
+    spec = geom.layer_specs[layer]  # type: ignore[attr-defined]
+    if getattr(spec, "num_kv_heads", None) is None or geom.engine.kv_layout.value != "head_major":  # type: ignore
+        return 1
+    return int(spec.heads_per_rank(geom.tp_size))  # type: ignore[attr-defined]
+
+
+def group_pages(geom: object, group: int) -> list[Page]:
+    """The pages of ``geom``'s (a :class:`~kvgeom.layout.geometry.RankGeometry`) layers of group ``group``: one per
+    region it views, or per layer's slot in a packed row."""
+    out: dict[tuple[int, int], Page] = {}
+    for region in geom.regions:  # type: ignore[attr-defined]
+        for g, name in region.members:
+            if g == group:
+                off, length = region.slot(name)
+                out.setdefault(
+                    (region.index, off),
+                    Page(region.index, off, length, region.block_stride, page_heads(geom, name)),
+                )
+    return list(out.values())
+
+
+def _as_page(page: object, heads: int | None) -> Page:
+    """A :class:`Page`, or a region-like value (``index``, ``block_len``, ``block_stride``: a whole block)."""
+    if isinstance(page, Page):
+        return page if heads is None else Page(page.region, page.offset, page.length, page.stride, heads)
+    return Page(page.index, 0, page.block_len, page.block_stride, heads or 1)  # type: ignore[attr-defined]
+
+
+def consumer_zero_rows(
+    pages: list[Page],
+    kernel_ids: np.ndarray,
+    units: int,
+    first: int,
+    count: int,
+    tokens: int,
+    heads: int | None = None,
+) -> np.ndarray:
+    """``(region, offset, length)`` rows zeroing the consumer's kernel blocks ``kernel_ids`` outside fine
+    positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens), in
+    every page of ``pages`` (:class:`Page` values, or region-like values viewed whole). Head-major pages
+    (``heads`` > 1: each page's own, or ``heads`` for all) zero one run per head; others one run per token
+    range."""
+    pages = [_as_page(p, heads) for p in pages]
+    n = kernel_ids.size * units
+    lo, hi = first, first + count
+    blocks = np.arange(kernel_ids.size)
+    whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
+    inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
+    ids = kernel_ids[whole]
+    cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in pages], dtype=np.int64).reshape(
+        -1, 4
+    )
+    full = np.empty((cols.shape[0], ids.size, 3), dtype=np.int64)  # every page of the whole blocks at once
+    full[..., 0] = cols[:, 0, None]
+    full[..., 1] = ids[None, :] * cols[:, 3, None] + cols[:, 1, None]
+    full[..., 2] = cols[:, 2, None]
+    rows = [full.reshape(-1, 3)]
+    gaps = []  # (kernel block, first token, end token) of the partly covered blocks: at most two
+    for k in np.flatnonzero(~whole & ~inside).tolist():
+        start, end = k * units, (k + 1) * units
+        for a, b in ((start, max(start, lo)), (min(end, hi), end)):
+            if a < b <= n:
+                gaps.append(
+                    (int(kernel_ids[k]), (a - start) * tokens // units, (b - start) * tokens // units)
+                )
+    if gaps:  # one run per (gap, page, head), all at once
+        nheads = np.asarray([p.heads for p in pages], dtype=np.int64)
+        page = np.repeat(np.arange(len(pages)), nheads)
+        head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
+        per_head = cols[page, 2] // nheads[page]
+        tok = per_head // tokens
+        g = np.asarray(gaps, dtype=np.int64)
+        out = np.empty((len(gaps), page.size, 3), dtype=np.int64)
+        out[..., 0] = cols[page, 0]
+        out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + head * per_head
+        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
+        rows.append(out.reshape(-1, 3))
+    return np.concatenate(rows).astype(np.int64)  # rows holds the whole blocks' rows, even if empty

@@ -52,19 +52,14 @@ from kvgeom.model.spec import (
     ReplicatedStateSpec,
     Shard,
 )
+from kvgeom.modes import Compat
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, tp_ratio
 from kvgeom.plan.dlist import Dlist
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.request import (
-    MOVE_COLUMNS,
-    Regroup,
-    RequestPlan,
-    Transfer,
-    plan_request,
-    post_receive,
-    receive_step,
-)
+from kvgeom.plan.receive import post_receive, receive_step
+from kvgeom.plan.request import plan_request
+from kvgeom.plan.requestplan import MOVE_COLUMNS, Regroup, RequestPlan, Transfer
 
 __version__ = "0.1.0"
 
@@ -74,6 +69,7 @@ __all__ = [
     "CARD_VERSION",
     "CardError",
     "CircularBufferSpec",
+    "Compat",
     "ConfigError",
     "ConvLayout",
     "Dlist",

@@ -17,12 +17,12 @@ from kvgeom.errors import IncompatiblePairError, RatioError, UnsupportedError
 from kvgeom.layout.geometry import RankGeometry, packed_csa_rows
 from kvgeom.layout.view import EngineView
 from kvgeom.model.spec import AttentionSpec, MLASpec
+from kvgeom.modes import Compat
 from kvgeom.pair.dcp import check_parallel_pair
 from kvgeom.pair.streams import hma_required, pair_streams, region_group_ids, region_mapped
 from kvgeom.pair.tp import tp_ratio as _tp_ratio
 
 __all__ = [
-    "Compat",
     "PairShape",
     "check_pair",
     "block_size_ratio",
@@ -30,8 +30,6 @@ __all__ = [
     "check_csa_linear_pair",
     "check_permute",
 ]
-
-Compat = str  # "vllm" (refuse what vLLM 0.33.0 refuses) or "kvgeom" (lift refusals the oracle proves safe)
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ def _token_splittable(geom: RankGeometry) -> bool:
 
 
 def block_size_ratio(
-    local: RankGeometry, remote: RankGeometry, mode: str, compat: str = "vllm"
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat | str = Compat.VLLM
 ) -> tuple[int, int]:
     """``(bsr, remote_split)`` for a pair: ``bsr = local kernel block // remote kernel block``.
 
@@ -71,6 +69,7 @@ def block_size_ratio(
     kvgeom mode for every remote whose pages split by token (:func:`_token_splittable`), which also
     covers P blocks larger than D's (Part C item 2). Everything else must divide.
     """
+    compat = Compat.of(compat)
     lbs, rbs = local.block_size, remote.block_size
     if lbs % rbs == 0:
         return lbs // rbs, 1
@@ -111,12 +110,11 @@ def check_pair(
     local: RankGeometry,
     remote: RankGeometry,
     mode: str = "pull",
-    compat: Compat = "kvgeom",
+    compat: Compat | str = Compat.KVGEOM,
     prefix_caching: bool = False,
 ) -> PairShape:
     """Validate a local rank against one remote rank; return the pair's ratios or raise."""
-    if compat not in ("vllm", "kvgeom"):
-        raise IncompatiblePairError("compat", f"must be 'vllm' or 'kvgeom', got {compat!r}", value=compat)
+    compat = Compat.of(compat)
     diff = _first_model_difference(local, remote)
     if diff:
         raise IncompatiblePairError(
@@ -215,7 +213,7 @@ def check_pair(
     return PairShape(ratio, bsr, split, streams, permute)
 
 
-def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> None:
+def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat | str) -> None:
     """Different KV layouts on the two sides (B.6.15): only vLLM's ``enable_permute_local_kv`` pairs them, a
     head-major P moved into a token-major D (``permute_local_kv`` on D: the local rank in pull, the remote one
     in push) of a model with one full-attention KV-cache group (vLLM asserts it without its hybrid memory
@@ -223,6 +221,7 @@ def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: 
     pulls only (its push P refuses D's token-major layout, and D's notification-only push handshake never
     marks D permuting): vllm mode refuses pushes, kvgeom mode plans them (kvgeom mode's per-token cut needs
     one layout on both sides, so it plans the same head-major path)."""
+    compat = Compat.of(compat)
     lay, ray = local.engine.kv_layout.value, remote.engine.kv_layout.value
     d = local if mode == "pull" else remote
     if not d.engine.permute_local_kv or d.engine.kv_layout.value != "token_major" or d.is_mla:

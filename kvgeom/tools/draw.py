@@ -21,7 +21,8 @@ import numpy as np
 from kvgeom.errors import ConfigError
 from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry, rank_geometry
-from kvgeom.plan.request import Regroup, receive_step
+from kvgeom.plan.receive import receive_step
+from kvgeom.plan.requestplan import Regroup
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure

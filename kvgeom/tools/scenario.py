@@ -31,7 +31,8 @@ from kvgeom.model.hfconfig import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, apply_cache
 from kvgeom.model.models import ModelRef, resolve
 from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.request import RequestPlan, plan_request
+from kvgeom.plan.request import plan_request
+from kvgeom.plan.requestplan import RequestPlan
 
 __all__ = ["Scenario", "RequestIds", "SCENARIO_KEYS", "ENGINE_KEYS", "MAX_TP", "MAX_BLOCK_SIZE"]
 

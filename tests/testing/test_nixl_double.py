@@ -9,7 +9,8 @@ import pytest
 from kvgeom.layout.engine import EngineConfig
 from kvgeom.model.spec import AttentionSpec, ModelSpec
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.request import plan_request, receive_step
+from kvgeom.plan.receive import receive_step
+from kvgeom.plan.request import plan_request
 from kvgeom.testing import NixlFabric, Request, check_moves, engine_geometries, fake_bases
 from kvgeom.testing.nixl_double import RecordingAgent, nixlInvalidParamError, nixlNotFoundError
 

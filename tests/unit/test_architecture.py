@@ -178,7 +178,7 @@ def test_each_layer_imports_only_the_layers_below(graph: Graph) -> None:
 #: the core's stages in pipeline order (docs/architecture.md): a module imports only its own stage and
 #: the stages before it; the facade (``kvgeom``, ``kvgeom.__main__``) sits above them all
 STAGES = (
-    ("kvgeom.errors", "kvgeom.dtypes", "kvgeom.blocks"),
+    ("kvgeom.errors", "kvgeom.dtypes", "kvgeom.modes", "kvgeom.blocks"),
     ("kvgeom.model",),
     ("kvgeom.layout",),
     ("kvgeom.pair",),

@@ -1,5 +1,5 @@
 """Exact plans and refusals with decode context parallelism through :func:`kvgeom.plan.request.plan_request` and
-:func:`kvgeom.plan.request.receive_step` (issue 12, mutation score).
+:func:`kvgeom.plan.receive.receive_step` (issue 12, mutation score).
 
 MLA model, one layer, latent 8 fp16 = 16 B per token: a 4-token page is 64 B (block ``b`` at ``64 b``).
 With DCP the scheduler's block is ``dcp`` pages and global page ``j * dcp + rank`` is rank ``rank``'s
@@ -11,7 +11,8 @@ import pytest
 
 from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
 from kvgeom.errors import PlanError, TokenCountError, UnsupportedError
-from kvgeom.plan.request import plan_request, receive_step
+from kvgeom.plan.receive import receive_step
+from kvgeom.plan.request import plan_request
 
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")])
 

@@ -277,7 +277,7 @@ def test_mamba2_one_group_p_tp2_to_d_tp1_gathers_b_and_c_in_halves_from_identica
 
 
 def test_check_writes_accepts_plans_and_refuses_a_lying_remote() -> None:
-    from kvgeom.plan.request import check_writes
+    from kvgeom.plan.requestplan import check_writes
 
     pairing = _pair(
         MAMBA2, dict(tp_size=4, block_size=4, num_blocks=8), dict(tp_size=1, block_size=8, num_blocks=4)
@@ -291,7 +291,7 @@ def test_check_writes_accepts_plans_and_refuses_a_lying_remote() -> None:
 def test_check_writes_names_the_first_move_outside_the_request() -> None:
     """Every P rank's attention move lands in D's block 3; with block 3 not the request's, the error
     names the first of them in the plan's move order (region, offset, length)."""
-    from kvgeom.plan.request import check_writes
+    from kvgeom.plan.requestplan import check_writes
 
     pairing = _pair(
         MAMBA2, dict(tp_size=4, block_size=4, num_blocks=8), dict(tp_size=1, block_size=8, num_blocks=4)

@@ -29,6 +29,7 @@ from kvgeom.errors import (
     TokenCountError,
     UnsupportedError,
 )
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import CARD_VERSION, GeometryCard, card_of
 from kvgeom.layout.engine import ConvLayout, EngineConfig, KVLayout
 from kvgeom.layout.geometry import (
@@ -38,20 +39,19 @@ from kvgeom.layout.geometry import (
     ReplicatedLayout,
     SSMLayout,
     align_hybrid_block_size,
-    rank_geometry,
 )
 from kvgeom.layout.view import EngineView
-from kvgeom.model.spec import (
+from kvgeom.model.layers import (
     AttentionSpec,
     CircularBufferSpec,
     Layer,
     LayerKind,
     MambaSpec,
     MLASpec,
-    ModelSpec,
     ReplicatedStateSpec,
     Shard,
 )
+from kvgeom.model.spec import ModelSpec
 from kvgeom.modes import Compat
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, tp_ratio

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
 from kvgeom.layout.geometry import RankGeometry, Region, packed_csa_rows
 from kvgeom.layout.view import SHARED_GROUP, EngineView, pseudo
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
 from kvgeom.model.stages import stage_range
 from kvgeom.modes import Compat
 from kvgeom.pair.layerroute import (

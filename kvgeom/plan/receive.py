@@ -19,9 +19,9 @@ from kvgeom.errors import PlanError
 from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.layout.view import EngineView
-from kvgeom.model.spec import AttentionSpec
+from kvgeom.model.layers import AttentionSpec
 from kvgeom.modes import Compat
-from kvgeom.pair.handshake import check_permute
+from kvgeom.pair.rules import check_permute
 from kvgeom.plan.align import Page, consumer_zero_rows, group_pages
 from kvgeom.plan.bind import align_groups, require_num_tokens
 from kvgeom.plan.dcpbind import dcp_zero_rows

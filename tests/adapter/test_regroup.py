@@ -12,7 +12,8 @@ from kvgeom_vllm.devicebytes import ByteRegion, regroup_blocks
 
 from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.engine import EngineConfig, KVLayout
-from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.requestplan import Regroup
 from kvgeom.testing import Oracle, Request, pull_plans
 

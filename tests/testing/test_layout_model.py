@@ -9,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import POISON, ZERO, CoordSpace, Request, describe_tag
 from kvgeom.testing._coords import location_tags
 from kvgeom.testing._layout import NEEDED, OPTIONAL, OUTSIDE, PADDING, rank_image

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.receive import receive_step
 from kvgeom.plan.request import plan_request

@@ -10,9 +10,11 @@ from hypothesis import HealthCheck, find, given, reject, settings
 from hypothesis import strategies as st
 
 from kvgeom import KvgeomError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig, KVLayout
-from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.layout.geometry import align_hybrid_block_size
+from kvgeom.model.layers import AttentionSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import Oracle, pull_plans, push_plans
 from kvgeom.testing import strategies as kst
 

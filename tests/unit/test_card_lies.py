@@ -19,7 +19,8 @@ import pytest
 
 from kvgeom import CardError, EngineConfig, KvgeomError, Pairing, card_of
 from kvgeom.layout.card import GeometryCard
-from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec
+from kvgeom.model.spec import ModelSpec
 
 MODEL = ModelSpec.from_layers(
     "attn+mamba2", [AttentionSpec(2, 4, "float16"), MambaSpec.mamba2(4, 2, 2, 2, 4, "float16")]

@@ -9,7 +9,6 @@ import math
 import pytest
 
 from kvgeom.errors import GroupMismatchError, IncompatiblePairError, PlanError, UnsupportedError
-from kvgeom.pair.handshake import check_csa_linear_tp_layout
 from kvgeom.pair.layerroute import (
     RegionTable,
     align_regions_by_layer,
@@ -19,6 +18,7 @@ from kvgeom.pair.layerroute import (
     split_packed_rows,
     transfer_layers,
 )
+from kvgeom.pair.rules import check_csa_linear_tp_layout
 from kvgeom.plan.exchange import (
     clip_ssm_state_blocks,
     exchange_clipped_blocks,

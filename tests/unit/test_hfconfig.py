@@ -13,10 +13,11 @@ import pytest
 
 from kvgeom import presets
 from kvgeom.errors import KvgeomError, SpecError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.layout.geometry import align_hybrid_block_size
 from kvgeom.model.hfconfig import apply_cache_dtypes, layer_kinds, read_config
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "data" / "hf"

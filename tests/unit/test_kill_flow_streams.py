@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
 from kvgeom.layout.view import SHARED_GROUP, EngineView, pseudo, unpseudo
-from kvgeom.model.spec import AttentionSpec, Layer, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, Layer, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.streams import hma_required, pair_streams, region_group_ids, region_mapped, registration
 
 # 2 KV heads of 4, fp16, 4-token blocks at TP1: 2 * 4 * (4 + 4) * 2 = 128 B per block and layer

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec, Shard
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import _coords as co
 from kvgeom.testing._report import INVARIANTS, Report, Violation
 from kvgeom.testing._request import Request, RequestError, check_side, engine_geometries

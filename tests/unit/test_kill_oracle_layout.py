@@ -13,9 +13,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec, Shard
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import _layout as la
 from kvgeom.testing._coords import CoordSpace
 from kvgeom.testing._layout import NEEDED, OPTIONAL, OUTSIDE, PADDING, LayoutError, RankImage, rank_image

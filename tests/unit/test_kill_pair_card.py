@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from kvgeom.errors import CardError, KvgeomError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import CARD_VERSION, DEFAULT_LIMITS, CardLimits, GeometryCard, card_of
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec
+from kvgeom.model.spec import ModelSpec
 
 DENSE = ModelSpec.from_layers("dense", [AttentionSpec(4, 2, "float16")] * 2)
 ENGINE = EngineConfig(tp_size=1, block_size=8, kernel_block_size=4, num_blocks=10)

@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 
 from kvgeom.errors import IncompatiblePairError, KvgeomError, RatioError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
-from kvgeom.pair.handshake import PairShape, block_size_ratio, check_csa_linear_tp_layout, check_pair
+from kvgeom.layout.geometry import RankGeometry
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
+from kvgeom.pair.handshake import PairShape, block_size_ratio, check_pair
+from kvgeom.pair.rules import check_csa_linear_tp_layout
 
 DENSE2 = ModelSpec.from_layers("dense2", [AttentionSpec(2, 2, "float16")] * 2)  # 2 KV heads
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)  # 4 KV heads

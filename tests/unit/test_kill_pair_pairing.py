@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 
 from kvgeom.errors import IncompatiblePairError, KvgeomError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import card_of
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.geometry import RankGeometry
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
 
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)

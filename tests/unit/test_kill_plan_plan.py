@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.planmemo import memo_of
 from kvgeom.plan.receive import post_receive, receive_step

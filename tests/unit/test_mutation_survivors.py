@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvgeom import ConfigError, EngineConfig, IncompatiblePairError, KvgeomError, Pairing, RatioError, card_of
-from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.dcp import dcp_source_ranks
 from kvgeom.testing import CoordSpace, Request, RequestError, run
 from kvgeom.tools.scenario import Scenario
@@ -209,7 +210,7 @@ def test_recording_agents_default_to_no_engine_label() -> None:
 
 
 def test_oracle_names_temporal_state_elements() -> None:
-    from kvgeom.model.spec import MambaSpec
+    from kvgeom.model.layers import MambaSpec
 
     model = ModelSpec.from_layers("ssm", [MambaSpec.mamba1(4, 1, 2, "float16")])
     space = CoordSpace(model, 4)
@@ -251,7 +252,7 @@ def test_desc_segments_with_the_wrong_number_of_group_kinds_names_both_counts() 
 
 
 def test_csa_linear_pairs_across_the_kv_head_count_name_tp_size() -> None:
-    from kvgeom.pair.handshake import check_csa_linear_tp_layout
+    from kvgeom.pair.rules import check_csa_linear_tp_layout
 
     with pytest.raises(IncompatiblePairError) as err:  # 2 KV heads: TP1 shards them, TP4 replicates
         check_csa_linear_tp_layout(1, 4, 2)

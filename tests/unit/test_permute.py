@@ -14,10 +14,13 @@ import pytest
 
 from kvgeom.cli._inputs import UsageError, parse_engine
 from kvgeom.errors import ConfigError, IncompatiblePairError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig, KVLayout
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
-from kvgeom.pair.handshake import check_pair, check_permute
+from kvgeom.layout.geometry import RankGeometry
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
+from kvgeom.pair.handshake import check_pair
+from kvgeom.pair.rules import check_permute
 from kvgeom.plan.align import Page
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.planmemo import memo_of

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from kvgeom import KvgeomError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.request import plan_request
 

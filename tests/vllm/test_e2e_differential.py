@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from kvgeom.errors import KvgeomError
 from kvgeom.layout.engine import ConvLayout, EngineConfig
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.receive import receive_step
 from kvgeom.testing import ZERO, Oracle, Request, engine_geometries
 from kvgeom.testing import strategies as kst

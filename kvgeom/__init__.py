@@ -42,8 +42,17 @@ from .geometry import (
     rank_geometry,
 )
 from .handshake import PairShape, check_pair
-from .pairing import Pairing
-from .plan import MOVE_COLUMNS, Regroup, RequestPlan, Transfer, plan_request, post_receive, receive_step
+from .pairing import Pairing, push_writers
+from .plan import (
+    MOVE_COLUMNS,
+    Regroup,
+    RequestPlan,
+    Transfer,
+    check_writes,
+    plan_request,
+    post_receive,
+    receive_step,
+)
 from .spec import (
     AttentionSpec,
     CircularBufferSpec,
@@ -102,10 +111,12 @@ __all__ = [
     "align_hybrid_block_size",
     "card_of",
     "check_pair",
+    "check_writes",
     "compute_tp_mapping",
     "plan_request",
     "post_receive",
     "presets",
+    "push_writers",
     "rank_geometry",
     "receive_step",
     "tp_ratio",

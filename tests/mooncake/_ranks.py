@@ -29,14 +29,23 @@ def space_of(sc: Scenario, max_tokens: int) -> CoordSpace:
     return CoordSpace(sc.model, max_tokens + max(sc.prefill.block_size, sc.decode.block_size))
 
 
-def _child(role: str, rank: int, scenario: dict, max_tokens: int, inbox: Any, outbox: Any) -> None:
+def _child(
+    role: str, rank: int, scenario: dict, max_tokens: int, inbox: Any, outbox: Any, where: tuple | None = None
+) -> None:
+    if where is not None:  # first thing, single-threaded: this rank's host is a network namespace
+        from kvgeom_lab.netns import enter_netns
+
+        enter_netns(where[0])
+    host = where[1] if where is not None else "127.0.0.1"
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's INFO/WARNING lines: errors only
     from kvgeom_mooncake import MooncakeConfig, MooncakeRank
 
     sc = Scenario.from_json(scenario)
     card = sc.cards(role)[rank]
     space = space_of(sc, max_tokens)
-    kv = MooncakeRank(card, MooncakeConfig(secret=SECRET, transfer_timeout_s=20.0, notif_timeout_s=20.0))
+    kv = MooncakeRank(
+        card, MooncakeConfig(secret=SECRET, transfer_timeout_s=20.0, notif_timeout_s=20.0), host
+    )
     if role == "decode":
         for a in kv.arrays:
             a[:] = POISON_BYTE
@@ -98,11 +107,13 @@ def _child(role: str, rank: int, scenario: dict, max_tokens: int, inbox: Any, ou
 
 
 class Rank:
-    def __init__(self, ctx: Any, role: str, rank: int, scenario: dict, max_tokens: int) -> None:
+    def __init__(
+        self, ctx: Any, role: str, rank: int, scenario: dict, max_tokens: int, where: tuple | None = None
+    ) -> None:
         self.role, self.rank = role, rank
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(
-            target=_child, args=(role, rank, scenario, max_tokens, self.inbox, self.outbox)
+            target=_child, args=(role, rank, scenario, max_tokens, self.inbox, self.outbox, where)
         )
         self.proc.start()
         self.payload: dict | None = None
@@ -145,17 +156,25 @@ class Rank:
 
 
 class Pair:
-    """P ranks and D ranks of a scenario, started together and ended together."""
+    """P ranks and D ranks of a scenario, started together and ended together. ``hosts``: per
+    ``(role, rank)`` the ``(network namespace, address)`` the rank runs in (default: loopback here)."""
 
-    def __init__(self, scenario: dict, max_tokens: int) -> None:
+    def __init__(self, scenario: dict, max_tokens: int, hosts: dict | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.sc = Scenario.from_json(scenario)
         self.scenario = scenario
         self.p: list[Rank] = []
         self.d: list[Rank] = []
         try:
-            self.p = [Rank(ctx, "prefill", r, scenario, max_tokens) for r in range(self.sc.prefill.tp_size)]
-            self.d = [Rank(ctx, "decode", r, scenario, max_tokens) for r in range(self.sc.decode.tp_size)]
+            at = hosts or {}
+            self.p = [
+                Rank(ctx, "prefill", r, scenario, max_tokens, at.get(("prefill", r)))
+                for r in range(self.sc.prefill.tp_size)
+            ]
+            self.d = [
+                Rank(ctx, "decode", r, scenario, max_tokens, at.get(("decode", r)))
+                for r in range(self.sc.decode.tp_size)
+            ]
             for x in self.p + self.d:
                 x.ready()
         except BaseException:

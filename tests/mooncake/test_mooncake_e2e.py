@@ -243,3 +243,30 @@ def test_producer_stopped_then_gone(pull_pair: Pair) -> None:
     assert settled == [[late["id"], 1]]
     assert d.call("quarantined") == []
     _verify(d, [dict(late, ok=False), dict(good, ok=False)])  # nothing pulled for good: poison kept
+
+
+def test_pull_across_network_namespaces() -> None:
+    """Each rank on a host of its own (a network namespace with its own address, joined by a virtual
+    switch): Mooncake's TCP transport between addresses, not loopback; every byte of D checked."""
+    from kvgeom_lab.netns import VirtualNet, missing_tools
+
+    missing = [t for t in missing_tools() if t in ("ip", "root")]
+    assert not missing, f"network namespaces need {missing} (Debian: apt-get install iproute2; run as root)"
+    with VirtualNet(["p0", "p1", "d0"], impairable=False) as net:
+        hosts = {
+            ("prefill", 0): (net["p0"].netns, net["p0"].addr),
+            ("prefill", 1): (net["p1"].netns, net["p1"].addr),
+            ("decode", 0): (net["d0"].netns, net["d0"].addr),
+        }
+        pair = Pair(scenario("pull"), MAX_TOKENS, hosts)
+        try:
+            assert {p.payload["session"].split(":")[0] for p in pair.p} == {net["p0"].addr, net["p1"].addr}
+            d = pair.d[0]
+            reqs = _requests(pair, [1000, 2500])
+            _fill(pair, reqs)
+            d.call("connect", {"engine": "prefill", "payloads": pair.payloads("prefill")})
+            for r in reqs:
+                assert _pull(d, r)["ok"]
+            _verify(d, reqs)
+        finally:
+            pair.end()

@@ -66,7 +66,8 @@ def addresses(regions: np.ndarray, offsets: np.ndarray, bases: Sequence[int], si
             value=bad,
             expected=int(b.size),
         )
-    return b[regions] + np.asarray(offsets, dtype=np.int64)
+    out: np.ndarray = b[regions] + np.asarray(offsets, dtype=np.int64)
+    return out
 
 
 def batches(

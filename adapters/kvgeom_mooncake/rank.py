@@ -292,7 +292,7 @@ class MooncakeRank:
             cards: dict[int, GeometryCard] = {}
             for r, p in payloads.items():
                 cards[int(r)] = self._check_payload(engine_id, int(r), p)
-            pairing = Pairing.create(self.card, cards, mode, compat, prefix_caching)  # type: ignore[arg-type]
+            pairing = Pairing.create(self.card, cards, mode, compat, prefix_caching)
             links = {
                 r: _Link(
                     r, str(payloads[r]["session"]), tuple(int(x[0]) for x in payloads[r]["regions"]), cards[r]
@@ -522,8 +522,10 @@ class MooncakeRank:
     ) -> MoonResult:
         """P: write a request's bytes into D's blocks ``remote_ids`` (one WRITE batch per target rank), then
         an authenticated ``W`` notice to each target, carried by the batch's Mooncake notify (delivered
-        after the batch's bytes). A plan that notifies a rank
-        it sends no bytes is refused (a Mooncake notify rides on a WRITE; docs/mooncake.md)."""
+        after the batch's bytes). A plan that notifies a rank it sends no bytes is refused (a Mooncake
+        notify rides on a WRITE; docs/mooncake.md). Source ids a late WRITE of ours may still read are
+        refused (:class:`QuarantinedBlockError`)."""
+        self._check_free("local_ids", local_ids)
         attempt = self._attempt(request_id, attempt)
         t0 = time.monotonic()
         self._inflight = []

@@ -167,3 +167,40 @@ def test_bad_input_is_a_typed_error(ranks) -> None:
     with pytest.raises(KvgeomError) as e:
         d.invalidate([[10**6]] + [[0]] * (len(d_ids) - 1))
     assert e.value.field == "ids"
+
+
+def _push_pair(monkeypatch):
+    monkeypatch.setattr(rank_mod, "Engine", _Engine)
+    _Engine.status, _Engine.hold, _Engine.running = 0, False, []
+    sc = Scenario.from_json(scenario("push", p_kernel=16))
+    cfg = MooncakeConfig(secret=SECRET, transfer_timeout_s=0.2, notif_timeout_s=0.3)
+    ps = [MooncakeRank(c, cfg) for c in sc.cards("prefill")]
+    d = MooncakeRank(sc.cards("decode")[0], cfg)
+    return sc, d, ps
+
+
+def test_push_notices_are_authenticated(monkeypatch) -> None:
+    sc, d, ps = _push_pair(monkeypatch)
+    d.watch("prefill", {p.rank: p.payload() for p in ps})
+    d_ids, p_ids = _ids(sc)
+    sent: list[tuple[str, str]] = []
+    for p in ps:
+        p.connect("decode", {0: d.payload()}, mode="push")
+        plan, bs = p.plan("decode", p_ids, d_ids, "r5", 300)
+        assert [b.remote_rank for b in bs] == [0]
+        sent.append((p.session, p._notice("W", "r5", 1, plan.expected_notifications, d.session)))
+    forged = [(ps[0].session, sent[0][1][:-1] + ("0" if sent[0][1][-1] != "0" else "1"))]  # one tag digit off
+    impostor = [("10.0.0.9:1", sent[1][1])]  # rank 1's notice from a session its payload did not announce
+    inbox = forged + impostor
+    monkeypatch.setattr(d.engine, "notifications", lambda: [inbox.pop(0)] if inbox else [])
+    producer = sc.cards("prefill")[0]
+    with pytest.raises(rank_mod.NotifTimeout):
+        d.wait_received(producer, d_ids, p_ids, "r5", num_tokens=300)
+    assert d.stats["rejected_notices"] == 2
+    assert [h.token for h in d.quarantined()] == [("r5", 1)]  # a writer may still write: held
+    assert d.settle() == []  # no batch of ours: only release() gives them back
+    assert d.release("r5", 1).token == ("r5", 1) and d.quarantined() == []
+    # the next attempt, with both writers' genuine notices: received, then the receive step
+    inbox[:] = [(p.session, p._notice("W", "r5", 2, 1, d.session)) for p in ps]
+    res = d.wait_received(producer, d_ids, p_ids, "r5", num_tokens=300, attempt=2)
+    assert res.ok and res.attempt == 2 and d.stats["rejected_notices"] == 2

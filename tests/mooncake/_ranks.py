@@ -83,6 +83,9 @@ def _child(
                     ],
                     "bases": [int(a.ctypes.data) for a in kv.arrays],
                 }
+            elif cmd == "release":
+                held = kv.release(kw["request_id"], kw["attempt"])
+                out = None if held is None else list(held.token)
             elif cmd == "settle":
                 out = [list(h.token) for h in kv.settle()]
             elif cmd == "quarantined":

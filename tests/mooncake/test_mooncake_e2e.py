@@ -270,3 +270,61 @@ def test_pull_across_network_namespaces() -> None:
             _verify(d, reqs)
         finally:
             pair.end()
+
+
+def test_push_with_a_writer_stopped() -> None:
+    """Push: P rank 1 is stopped before it writes; D's wait ends at its deadline (NotifTimeout), the
+    request's blocks are zeroed (rank 0's bytes had landed) and held until the deployment releases them
+    (the stopped writer could still write); every byte of D checked."""
+    pair = Pair(scenario("push", p_kernel=16), MAX_TOKENS)
+    try:
+        d = pair.d[0]
+        good, doomed = _requests(pair, [640, 1000])
+        _fill(pair, [good, doomed])
+        d.call("watch", {"engine": "prefill", "payloads": pair.payloads("prefill")})
+        for p in pair.p:
+            p.call(
+                "connect", {"engine": "decode", "payloads": pair.payloads("decode"), "opts": {"mode": "push"}}
+            )
+
+        def wait(r: dict, **kw) -> None:
+            d.send(
+                "wait_received",
+                {
+                    "producer_engine": "prefill",
+                    "local_ids": r["d_ids"],
+                    "producer_ids": r["p_ids"],
+                    "request_id": r["id"],
+                    "num_tokens": r["tokens"],
+                    **kw,
+                },
+            )
+
+        def push(p, r: dict) -> dict:
+            return p.call(
+                "push",
+                {
+                    "engine_id": "decode",
+                    "local_ids": r["p_ids"],
+                    "remote_ids": r["d_ids"],
+                    "request_id": r["id"],
+                    "num_tokens": r["tokens"],
+                },
+            )
+
+        wait(good)
+        for p in pair.p:
+            assert push(p, good)["ok"]
+        assert d.answer()[1]["ok"]
+        pair.p[1].signal(signal.SIGSTOP)
+        wait(doomed, timeout_s=3.0)
+        assert push(pair.p[0], doomed)["ok"]  # rank 0's half lands
+        got = d.answer(timeout=60)
+        assert got[0] == "err" and got[1] == "NotifTimeout", got
+        assert d.call("quarantined") == [[doomed["id"], 1]]
+        pair.p[1].signal(signal.SIGKILL)
+        wait_dead(pair.p[1].proc)
+        assert d.call("release", {"request_id": doomed["id"], "attempt": 1}) == [doomed["id"], 1]
+        _verify(d, [good, dict(doomed, ok=False)])
+    finally:
+        pair.end()

@@ -248,7 +248,9 @@ def test_producer_stopped_then_gone(pull_pair: Pair) -> None:
 
 def test_pull_across_network_namespaces() -> None:
     """Each rank on a host of its own (a network namespace with its own address, joined by a virtual
-    switch): Mooncake's TCP transport between addresses, not loopback; every byte of D checked."""
+    switch): Mooncake's TCP transport between addresses, not loopback; then a P rank's link down during a
+    pull (timeout, quarantine until the stalled batch ends after the link is back); every byte of D
+    checked."""
     from kvgeom_lab.netns import VirtualNet, missing_tools
 
     missing = [t for t in missing_tools() if t in ("ip", "root")]
@@ -264,11 +266,38 @@ def test_pull_across_network_namespaces() -> None:
             assert {p.payload["session"].split(":")[0] for p in pair.p} == {net["p0"].addr, net["p1"].addr}
             d = pair.d[0]
             reqs = _requests(pair, [1000, 2500])
-            _fill(pair, reqs)
+            cut = _requests(pair, [1777], first_salt=len(reqs))[0]
+            _fill(pair, reqs + [cut])
             d.call("connect", {"engine": "prefill", "payloads": pair.payloads("prefill")})
             for r in reqs:
                 assert _pull(d, r)["ok"]
-            _verify(d, reqs)
+            # P rank 1's cable pulled: its batch stalls (nobody is told), D's deadline passes, the blocks
+            # stay quarantined while the batch may still land; the cable back, the batch ends, and
+            # settle() gives the blocks back zeroed again
+            net.link_down("p1")
+            try:
+                d.send(
+                    "pull",
+                    {
+                        "engine_id": "prefill",
+                        "local_ids": cut["d_ids"],
+                        "remote_ids": cut["p_ids"],
+                        "request_id": cut["id"],
+                        "num_tokens": cut["tokens"],
+                        "timeout_s": 2.0,
+                    },
+                )
+                got = d.answer(timeout=60)
+                assert got[0] == "err" and got[1] == "TransferTimeout", got
+                assert d.call("settle") == []
+            finally:
+                net.link_up("p1")
+            end, settled = time.monotonic() + 45, []
+            while not settled and time.monotonic() < end:
+                settled = d.call("settle")
+                time.sleep(0.1)
+            assert settled == [[cut["id"], 1]]
+            _verify(d, reqs + [dict(cut, ok=False)])
         finally:
             pair.end()
 

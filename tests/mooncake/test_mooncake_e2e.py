@@ -41,8 +41,8 @@ def scenario(mode: str, p_kernel: int = 8) -> dict:
         "model": MODEL.to_json(),
         "mode": mode,
         "compat": "kvgeom",
-        "prefill": {"tp_size": 2, "block_size": 32, "kernel_block_size": p_kernel, "num_blocks": 512},
-        "decode": {"tp_size": 1, "block_size": 64, "kernel_block_size": 16, "num_blocks": 256},
+        "prefill": {"tp_size": 2, "block_size": 32, "kernel_block_size": p_kernel, "num_blocks": 256},
+        "decode": {"tp_size": 1, "block_size": 64, "kernel_block_size": 16, "num_blocks": 128},
     }
 
 

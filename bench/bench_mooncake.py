@@ -18,7 +18,11 @@ Reported: bytes, median seconds and GB/s of each, and the descriptors each trans
 plan's descriptor pairs, what NIXL posted (its telemetry), what the Mooncake adapter posted after merging
 runs contiguous on both sides.
 
-Run: ``.venv/bin/python bench/bench_mooncake.py [--tokens N] [--reps R] [--json out.json]``.
+``--pair tp1-tp1`` runs the same model TP1 -> TP1 with equal blocks, ``--ids sequential`` hands out
+neighbouring blocks: where runs contiguous on both sides exist, the Mooncake adapter merges them.
+
+Run: ``.venv/bin/python bench/bench_mooncake.py [--tokens N] [--reps R] [--pair tp2-tp1|tp1-tp1]
+[--ids shuffled|sequential] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -48,7 +52,14 @@ DEMO = {
 IOV_MAX = 1024
 
 
-def demo_scenario() -> dict:
+PAIRS = {
+    "tp2-tp1": DEMO,
+    # the same model, P like D: TP1 -> TP1, equal blocks (where runs contiguous on both sides exist)
+    "tp1-tp1": {**DEMO, "prefill": {**DEMO["decode"], "num_blocks": 32}},
+}
+
+
+def demo_scenario(pair: str = "tp2-tp1") -> dict:
     from kvgeom import AttentionSpec, MambaSpec, ModelSpec
 
     layers = [
@@ -65,17 +76,21 @@ def demo_scenario() -> dict:
         )
         for i in range(12)
     ]
-    return {"model": ModelSpec.from_layers("demo-mamba2-hybrid", layers).to_json(), **DEMO}
+    return {"model": ModelSpec.from_layers("demo-mamba2-hybrid", layers).to_json(), **PAIRS[pair]}
 
 
-def _ids(sc: Scenario, tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+def _ids(sc: Scenario, tokens: int, order: str = "shuffled") -> tuple[list[list[int]], list[list[int]]]:
     from kvgeom.geometry import rank_geometry
 
     rng = np.random.default_rng(5)
     out = []
     for side in ("decode", "prefill"):
         eng = sc.engine(side)
-        pool = [int(b) for b in rng.permutation(eng.num_blocks)]
+        pool = (
+            [int(b) for b in rng.permutation(eng.num_blocks)]
+            if order == "shuffled"
+            else list(range(eng.num_blocks))[::-1]
+        )
         ids = []
         for g in rank_geometry(sc.model, eng).groups:
             n = 1 if g.one_block else -(-tokens // eng.block_size)
@@ -111,7 +126,7 @@ def _producer(spec: dict, rank: int, events: Any, inbox: Any) -> dict:
     sc = Scenario.from_json(spec["scenario"])
     card = sc.cards("prefill")[rank]
     ncfg, mcfg = _configs()
-    d_ids, p_ids = _ids(sc, spec["tokens"])
+    d_ids, p_ids = _ids(sc, spec["tokens"], spec["ids"])
     space = _space(sc, spec["tokens"])
     kv, mk = KVRank(card, ncfg), MooncakeRank(card, mcfg)
     try:
@@ -162,7 +177,7 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
     card: GeometryCard = sc.cards("decode")[0]
     tokens, reps = spec["tokens"], spec["reps"]
     ncfg, mcfg = _configs()
-    d_ids, p_ids = _ids(sc, tokens)
+    d_ids, p_ids = _ids(sc, tokens, spec["ids"])
     space = _space(sc, tokens)
     cmd, ranks = inbox.get(timeout=120)
     kv, mk = KVRank(card, ncfg), MooncakeRank(card, mcfg)
@@ -235,6 +250,8 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
             runs["process_vm_readv"].append(vmread())
             runs["memcpy"].append(memcpy())
         out: dict[str, Any] = {
+            "pair": spec["pair"],
+            "ids": spec["ids"],
             "tokens": tokens,
             "reps": reps,
             "bad_bytes": bad,
@@ -259,7 +276,7 @@ def _consumer(spec: dict, events: Any, inbox: Any) -> dict:
 
 def report(res: dict) -> str:
     lines = [
-        f"one request of {res['tokens']} tokens, {res['bytes'] / 2**20:.1f} MiB moved, median of {res['reps']}; "
+        f"{res['pair']}, {res['ids']} ids: one request of {res['tokens']} tokens, {res['bytes'] / 2**20:.1f} MiB moved, median of {res['reps']}; "
         f"plan: {res['plan_descriptors']} descriptor pairs; bad bytes after the first pull: {res['bad_bytes']}",
         f"{'method':<18}{'seconds':>10}{'GB/s':>8}{'pull s':>9}{'posted':>9}",
     ]
@@ -276,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="tp2-tp1")
+    ap.add_argument("--ids", choices=["shuffled", "sequential"], default="shuffled")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     from kvgeom_mooncake import available
@@ -284,10 +303,18 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(why, file=sys.stderr)
         return 2
-    scenario = sized(demo_scenario(), [args.tokens], 1.5)
-    spec = {"scenario": scenario, "tokens": args.tokens, "reps": args.reps, "limit_s": args.timeout}
+    scenario = sized(demo_scenario(args.pair), [args.tokens], 1.5)
+    spec = {
+        "scenario": scenario,
+        "tokens": args.tokens,
+        "reps": args.reps,
+        "limit_s": args.timeout,
+        "pair": args.pair,
+        "ids": args.ids,
+    }
     t0 = time.monotonic()
-    res = run_ranks(_producer, _consumer, spec, 2, args.timeout)["decode"]
+    num_p = Scenario.from_json(scenario).prefill.tp_size
+    res = run_ranks(_producer, _consumer, spec, num_p, args.timeout)["decode"]
     res["wall_s"] = time.monotonic() - t0
     print(report(res))
     if args.json:

@@ -229,6 +229,10 @@ class MooncakeRank:
     def __init__(
         self, card: GeometryCard, config: MooncakeConfig | None = None, host: str = "127.0.0.1"
     ) -> None:
+        if "|" in card.engine_id:  # notices are '|'-separated
+            raise KvgeomError(
+                "engine_id", "must not contain '|' (the Mooncake notices' separator)", value=card.engine_id
+            )
         self.card = card
         self.config = config or MooncakeConfig()
         self._key = self.config.key()
@@ -317,7 +321,9 @@ class MooncakeRank:
         where = f"{engine_id} rank {rank}"
         body = {k: v for k, v in p.items() if k != "tag"}
         tag = p.get("tag")
-        if not isinstance(tag, str) or not hmac.compare_digest(tag, self._tag(_canon(body))):
+        if not isinstance(tag, str) or not hmac.compare_digest(
+            tag.encode("utf-8", "surrogateescape"), self._tag(_canon(body)).encode()
+        ):
             raise PeerRefused(
                 f"{where}: the payload is not sealed with this deployment's key",
                 stage="handshake",
@@ -573,22 +579,41 @@ class MooncakeRank:
             _, engine, rank, rid, attempt, _, tag = parts
             body = "|".join(parts[:6])
             want = self._tag(f"{body}|{self.session}".encode())[:32]
-            known = self._senders.get((engine, int(rank))) if rank.isdigit() else None
-            if not hmac.compare_digest(tag, want) or (known is not None and known != name):
+            if not hmac.compare_digest(tag.encode("utf-8", "surrogateescape"), want.encode()):
+                self.stats["rejected_notices"] += 1
+                continue
+            if not (rank.isdigit() and attempt.isdigit()):  # tagged by a key holder, still not ours
+                self.stats["rejected_notices"] += 1
+                continue
+            who = (engine, int(rank))
+            known = self._senders.get(who)
+            if known is not None and known != name:  # a key holder claiming another rank's identity
                 self.stats["rejected_notices"] += 1
                 continue
             key = (rid, int(attempt))
             if any(h.token == key for h in self._held):
                 self.stats["late_notices"] += 1
                 continue
-            self._arrived.setdefault(key, set()).add((engine, int(rank)))
+            self._arrived.setdefault(key, set()).add(who)
 
     def watch(self, engine_id: str, payloads: Mapping[int, Mapping[str, Any]]) -> None:
         """Push, D: remember the producer ranks' sessions from their sealed payloads (checked as in
         :meth:`connect`), so that a notice claiming one of them from another session is dropped."""
-        for r, p in payloads.items():
-            self._check_payload(engine_id, int(r), p)
-            self._senders[(engine_id, int(r))] = str(p["session"])
+        try:
+            checked = {
+                int(r): (self._check_payload(engine_id, int(r), p), str(p["session"]))
+                for r, p in payloads.items()
+            }
+        except (KvgeomError, MooncakeTransportError):
+            raise
+        except Exception as exc:  # a hostile payload's shape is still a typed refusal
+            raise PeerRefused(
+                f"payloads of {engine_id} refused: {type(exc).__name__}: {str(exc)[:200]}",
+                stage="handshake",
+                peer=engine_id,
+            ) from exc
+        for r, (_, session) in checked.items():
+            self._senders[(engine_id, r)] = session
 
     def wait_received(
         self,

@@ -204,3 +204,24 @@ def test_push_notices_are_authenticated(monkeypatch) -> None:
     inbox[:] = [(p.session, p._notice("W", "r5", 2, 1, d.session)) for p in ps]
     res = d.wait_received(producer, d_ids, p_ids, "r5", num_tokens=300, attempt=2)
     assert res.ok and res.attempt == 2 and d.stats["rejected_notices"] == 2
+
+
+def test_hostile_notices_and_payloads_are_refused_not_raised(monkeypatch) -> None:
+    sc, d, ps = _push_pair(monkeypatch)
+    with pytest.raises(PeerRefused):
+        d.watch("prefill", {0: {"tag": "é"}})  # no fields, a non-ASCII tag
+    body = "W|prefill|x|r6|y|1"
+    inbox = [
+        ("s", "not a notice"),
+        ("s", "W|a|b"),
+        ("s", body + "|" + "ü" * 32),
+        (
+            "s",
+            body + "|" + d._tag(f"{body}|{d.session}".encode())[:32],
+        ),  # tagged, rank and attempt not numbers
+    ]
+    monkeypatch.setattr(d.engine, "notifications", lambda: [inbox.pop(0)] if inbox else [])
+    d_ids, p_ids = _ids(sc)
+    with pytest.raises(rank_mod.NotifTimeout):  # none of them counted as a writer's notice
+        d.wait_received(sc.cards("prefill")[0], d_ids, p_ids, "r6", num_tokens=300)
+    assert d.stats["rejected_notices"] == 4

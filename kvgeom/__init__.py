@@ -56,10 +56,10 @@ from kvgeom.modes import Compat
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, tp_ratio
 from kvgeom.plan.dlist import Dlist
-from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.pairing import Pairing, push_writers
 from kvgeom.plan.receive import post_receive, receive_step
 from kvgeom.plan.request import plan_request
-from kvgeom.plan.requestplan import MOVE_COLUMNS, Regroup, RequestPlan, Transfer
+from kvgeom.plan.requestplan import MOVE_COLUMNS, Regroup, RequestPlan, Transfer, check_writes
 
 __version__ = "0.1.0"
 
@@ -107,10 +107,12 @@ __all__ = [
     "align_hybrid_block_size",
     "card_of",
     "check_pair",
+    "check_writes",
     "compute_tp_mapping",
     "plan_request",
     "post_receive",
     "presets",
+    "push_writers",
     "rank_geometry",
     "receive_step",
     "tp_ratio",

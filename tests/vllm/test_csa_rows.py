@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, MLAAtte
 from vllm.v1.kv_cache_interface import MambaSpec as VMamba
 
 from kvgeom.layout.csarows import packed_groups, packed_registration
-from kvgeom.layout.geometry import _page_bytes
+from kvgeom.layout.geometry import page_bytes_of
 from kvgeom.model.csa import csa_linear_model
 from kvgeom.model.layers import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
 from kvgeom.model.spec import ModelSpec
@@ -71,7 +71,7 @@ def _vllm_spec(spec: object, block_size: int, tp: int) -> object:
 def _vllm_specs(model: ModelSpec, block_size: int, tp: int) -> dict[str, Any]:
     specs = {la.name: _vllm_spec(la.spec, block_size, tp) for la in model.layers}
     for la in model.layers:
-        assert specs[la.name].page_size_bytes == _page_bytes(la.spec, block_size, tp)  # type: ignore[attr-defined]
+        assert specs[la.name].page_size_bytes == page_bytes_of(la.spec, block_size, tp)  # type: ignore[attr-defined]
     return specs
 
 

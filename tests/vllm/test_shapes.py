@@ -28,7 +28,9 @@ from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "data" / "hf"
-CARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "model" / "presets").glob("*.json"))}
+CARDS = {
+    p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "kvgeom" / "model" / "presets").glob("*.json"))
+}
 PRESETS = [n for n in CARDS if n != "minimax-text-01"]
 
 

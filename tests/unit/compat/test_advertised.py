@@ -40,8 +40,9 @@ def test_equal_sides_pair_with_unit_ratios() -> None:
 def test_split_regions_scale_with_the_heads_each_side_holds() -> None:
     # D TP2 holds 4 of 8 heads per rank; P TP1 holds 8: P's page is twice D's
     assert check_advertised_pair(side(tp=2, heads_per_rank=4), side(tp=1), facts()).tp_ratio == 2
-    with pytest.raises(IncompatiblePairError, match="should be") as info:
+    with pytest.raises(IncompatiblePairError) as info:
         check_advertised_pair(side(tp=2, heads_per_rank=4), side(tp=1, heads_per_rank=4), facts())
+    assert info.value.field == "block_lens[0]" and info.value.values == {"local": 16384, "remote": 16384}
     assert info.value.field == "block_lens[0]" and info.value.values == {
         "local": PAGE // 2,
         "remote": PAGE // 2,
@@ -51,14 +52,16 @@ def test_split_regions_scale_with_the_heads_each_side_holds() -> None:
 def test_block_sizes_pair_by_their_ratio_and_refuse_otherwise() -> None:
     d, p = side(block=32), side(block=16)
     assert check_advertised_pair(d, p, facts()).bsr == 2
-    with pytest.raises(RatioError, match="not divisible"):
+    with pytest.raises(RatioError) as exc:
         check_advertised_pair(side(block=16), side(block=32), facts())
+    assert exc.value.field == "block_size" and exc.value.values == {"local": 16, "remote": 32}
 
 
 def test_p_tp_above_d_tp_needs_equal_block_sizes_for_head_sharded_regions() -> None:
     d, p = side(tp=1, block=32), side(tp=2, heads_per_rank=4, block=16)
-    with pytest.raises(UnsupportedError, match="P TP > D TP"):
+    with pytest.raises(UnsupportedError) as exc:
         check_advertised_pair(d, p, facts())
+    assert exc.value.field == "block_size" and exc.value.values == {"local": 32, "remote": 16}
     # replicated (MLA) regions only need the block-size ratio
     mla = replace(facts(), is_mla=True, total_kv_heads=1)
     latent = Advertised(
@@ -74,19 +77,22 @@ def test_p_tp_above_d_tp_needs_equal_block_sizes_for_head_sharded_regions() -> N
 
 
 def test_fewer_ranks_cannot_read_a_remote_that_replicates_heads() -> None:
-    with pytest.raises(IncompatiblePairError, match="replicates its KV") as info:
+    with pytest.raises(IncompatiblePairError) as info:
         check_advertised_pair(side(tp=2, heads_per_rank=1), side(tp=4, heads_per_rank=1), facts(heads=2))
+    assert info.value.field == "tp_size" and info.value.values == {"local": 2, "remote": 4}
     assert info.value.values == {"local": 2, "remote": 4}
 
 
 def test_layouts_must_match_unless_the_permute_is_allowed() -> None:
     d, p = replace(side(), kv_layout="LBNHC"), side()
-    with pytest.raises(IncompatiblePairError, match="same KV cache layout"):
+    with pytest.raises(IncompatiblePairError) as exc:
         check_advertised_pair(d, p, facts(block_contiguous=False))
+    assert exc.value.field == "kv_layout" and exc.value.values == {"local": "LBNHC", "remote": "LBHNC"}
     pair = check_advertised_pair(d, p, facts(block_contiguous=False, permute_allowed=True))
     assert pair.permute_local_kv
-    with pytest.raises(UnsupportedError, match="hybrid cache groups"):
+    with pytest.raises(UnsupportedError) as exc:
         check_advertised_pair(d, p, facts(block_contiguous=False, permute_allowed=True, hma=True))
+    assert exc.value.field == "kv_layout" and exc.value.values == {"local": "LBNHC", "remote": "LBHNC"}
 
 
 def test_cpu_attention_backend_turns_on_repacking() -> None:
@@ -95,32 +101,37 @@ def test_cpu_attention_backend_turns_on_repacking() -> None:
 
 
 def test_context_parallel_and_draft_rules() -> None:
-    with pytest.raises(IncompatiblePairError, match="divide one another"):
+    with pytest.raises(IncompatiblePairError) as exc:
         check_advertised_pair(replace(side(), dcp_size=2), replace(side(), dcp_size=3), facts())
+    assert exc.value.field == "dcp_size" and exc.value.values == {"local": 2, "remote": 3}
     mla = replace(
         facts(regions=1), is_mla=True, total_kv_heads=1, draft_regions=frozenset({0}), draft_kv_heads=8
     )
     d = Advertised(
         tp_size=1, block_size=16, num_blocks=32, block_lens=(PAGE,), block_strides=(PAGE,), kv_layout="LBHNC"
     )
-    with pytest.raises(UnsupportedError, match="local TP >= remote TP"):
+    with pytest.raises(UnsupportedError) as exc:
         check_advertised_pair(
             d, replace(d, tp_size=2, block_lens=(PAGE // 2,), block_strides=(PAGE // 2,)), mla
         )
-    with pytest.raises(UnsupportedError, match="push"):
+    assert exc.value.field == "tp_size" and exc.value.values == {"local": (1, 1), "remote": (2, 1)}
+    with pytest.raises(UnsupportedError) as exc:
         check_advertised_pair(
             replace(d, tp_size=2, block_lens=(PAGE // 2,), block_strides=(PAGE // 2,)),
             d,
             replace(mla, mode="push"),
         )
+    assert exc.value.field == "tp_size" and exc.value.values == {"local": 2, "remote": 1}
 
 
 def test_mamba_prefix_caching_and_host_buffer_rules() -> None:
     ssm = facts(has_ssm=True, prefix_caching=True)
-    with pytest.raises(IncompatiblePairError, match="prefix caching"):
+    with pytest.raises(IncompatiblePairError) as exc:
         check_advertised_pair(replace(side(), ppl=2), replace(side(), ppl=3), ssm)
-    with pytest.raises(UnsupportedError, match="host buffer"):
+    assert exc.value.field == "ppl" and exc.value.values == {"local": 2, "remote": 3}
+    with pytest.raises(UnsupportedError) as exc:
         check_advertised_pair(side(block=32), side(block=16), facts(host_buffer=True))
+    assert exc.value.field == "block_size" and exc.value.values == {"local": 32, "remote": 16}
 
 
 @pytest.mark.parametrize(
@@ -262,7 +273,12 @@ def test_fewer_ranks_cannot_read_replicated_heads() -> None:
 def test_remote_tp_equal_to_the_heads_is_not_replicated() -> None:
     # 4 heads, remote TP 4: one head per rank (4 > 4 is false); local TP 2 holds 2 heads per rank.
     # ratio -2, bsr 1: remote length = local 2*16*8 * 1 // 2 = 16*8
-    assert pair(small_side(tp=2, hpr=2), small_side(tp=4, hpr=1), small_facts(heads=4)) == (-2, 1, False, False)
+    assert pair(small_side(tp=2, hpr=2), small_side(tp=4, hpr=1), small_facts(heads=4)) == (
+        -2,
+        1,
+        False,
+        False,
+    )
 
 
 def test_replicated_remote_is_readable_by_mla_ssm_equal_or_more_ranks() -> None:
@@ -271,9 +287,19 @@ def test_replicated_remote_is_readable_by_mla_ssm_equal_or_more_ranks() -> None:
     # SSM hybrids skip the rule (their lengths are not checked here)
     assert pair(small_side(tp=2, hpr=1), small_side(tp=4, hpr=1), small_facts(heads=2, has_ssm=True))[0] == -2
     # equal TP 4 with 2 heads: replicated, ratio 1; replicated region lengths match as they are
-    assert pair(small_side(tp=4, hpr=1), small_side(tp=4, hpr=1), small_facts(heads=2)) == (1, 1, False, False)
+    assert pair(small_side(tp=4, hpr=1), small_side(tp=4, hpr=1), small_facts(heads=2)) == (
+        1,
+        1,
+        False,
+        False,
+    )
     # local TP 8 reading remote TP 4 (both replicate 2 heads): ratio 2, replicated lengths equal
-    assert pair(small_side(tp=8, hpr=1), small_side(tp=4, hpr=1), small_facts(heads=2)) == (2, 1, False, False)
+    assert pair(small_side(tp=8, hpr=1), small_side(tp=4, hpr=1), small_facts(heads=2)) == (
+        2,
+        1,
+        False,
+        False,
+    )
 
 
 def draft_facts(**kw: Any) -> LocalFacts:
@@ -420,7 +446,9 @@ def test_host_buffer_needs_equal_block_sizes() -> None:
     refused(
         UnsupportedError,
         "block_size",
-        lambda: check_advertised_pair(small_side(block=32), small_side(block=16), small_facts(host_buffer=True)),
+        lambda: check_advertised_pair(
+            small_side(block=32), small_side(block=16), small_facts(host_buffer=True)
+        ),
         local=32,
         remote=16,
     )
@@ -493,7 +521,13 @@ def test_a_head_split_needs_a_block_contiguous_layout() -> None:
     nbc = small_facts(block_contiguous=False)
     # the refusal names the layout both sides advertise, whichever it is
     d, p = replace(side(tp=2, heads_per_rank=4), kv_layout="LBNHC"), replace(side(tp=1), kv_layout="LBNHC")
-    refused(IncompatiblePairError, "kv_layout", lambda: check_advertised_pair(d, p, facts(block_contiguous=False)), local="LBNHC", remote="LBNHC")
+    refused(
+        IncompatiblePairError,
+        "kv_layout",
+        lambda: check_advertised_pair(d, p, facts(block_contiguous=False)),
+        local="LBNHC",
+        remote="LBNHC",
+    )
     # local TP 2 (4 heads per rank) against remote TP 1 (8): remote length = 16*4*8 * 8 // 4 = 16*8*8
     refused(
         IncompatiblePairError,
@@ -514,7 +548,12 @@ def test_a_head_split_needs_a_block_contiguous_layout() -> None:
     assert pair(small_side(tp=2, hpr=4), small_side(tp=1), small_facts())[0] == 2  # block-contiguous
     assert pair(mla_side(tp=2), mla_side(tp=1), mla_facts(block_contiguous=False))[0] == 2
     # a remote that replicates (2 heads, remote TP 4) read by more ranks (TP 8)
-    assert pair(small_side(tp=8, hpr=1), small_side(tp=4, hpr=1), small_facts(heads=2, block_contiguous=False))[0] == 2
+    assert (
+        pair(small_side(tp=8, hpr=1), small_side(tp=4, hpr=1), small_facts(heads=2, block_contiguous=False))[
+            0
+        ]
+        == 2
+    )
     # the permute makes the received cache block-contiguous
     nh = replace(small_side(tp=2, hpr=4), kv_layout="LBNHC")
     assert pair(nh, small_side(tp=1), small_facts(block_contiguous=False, permute_allowed=True)) == (
@@ -541,9 +580,22 @@ def test_nvfp4_pages_cannot_be_resharded() -> None:
 
 def test_hybrid_mla_lengths_match_up_to_the_block_ratio() -> None:
     hybrid = replace(facts(regions=2), is_mla=True, has_ssm=True, total_kv_heads=1)
-    d = Advertised(tp_size=1, block_size=32, num_blocks=32, block_lens=(64, 64), block_strides=(64, 64), kv_layout="LBHNC")
+    d = Advertised(
+        tp_size=1,
+        block_size=32,
+        num_blocks=32,
+        block_lens=(64, 64),
+        block_strides=(64, 64),
+        kv_layout="LBHNC",
+    )
     assert pair(d, replace(d, block_size=16, block_lens=(32, 32), block_strides=(32, 32)), hybrid)[1] == 2
-    refused(IncompatiblePairError, "block_lens", lambda: check_advertised_pair(d, replace(d, block_lens=(32, 64)), hybrid), local=[64, 64], remote=[32, 64])
+    refused(
+        IncompatiblePairError,
+        "block_lens",
+        lambda: check_advertised_pair(d, replace(d, block_lens=(32, 64)), hybrid),
+        local=[64, 64],
+        remote=[32, 64],
+    )
     f = mla_facts(regions=2, has_ssm=True)
     local = Advertised(
         tp_size=1, block_size=32, num_blocks=10, block_lens=(64, 96), block_strides=(64, 96), kv_layout="L"
@@ -624,7 +676,9 @@ def test_split_lengths_by_ratio_and_block_ratio() -> None:
     refused(
         UnsupportedError,
         "block_size",
-        lambda: check_advertised_pair(small_side(tp=1, block=32), small_side(tp=2, hpr=4, block=16), small_facts()),
+        lambda: check_advertised_pair(
+            small_side(tp=1, block=32), small_side(tp=2, hpr=4, block=16), small_facts()
+        ),
         local=32,
         remote=16,
     )
@@ -705,7 +759,9 @@ def test_strides_no_shorter_than_lengths() -> None:
     refused(
         IncompatiblePairError,
         "block_strides[1]",
-        lambda: check_advertised_pair(small_side(), replace(small_side(), block_strides=(page, page - 1)), small_facts()),
+        lambda: check_advertised_pair(
+            small_side(), replace(small_side(), block_strides=(page, page - 1)), small_facts()
+        ),
         local=page,
         remote=page - 1,
     )
@@ -727,12 +783,19 @@ def test_region_names_must_agree_when_both_are_known() -> None:
         IncompatiblePairError,
         "region_names",
         lambda: check_advertised_pair(
-            small_side(), replace(small_side(), region_names=("v", "k")), small_facts(expected_region_names=names)
+            small_side(),
+            replace(small_side(), region_names=("v", "k")),
+            small_facts(expected_region_names=names),
         ),
         local=["k", "v"],
         remote=["v", "k"],
     )
-    assert pair(small_side(), replace(small_side(), region_names=names), small_facts(expected_region_names=names))[0] == 1
+    assert (
+        pair(
+            small_side(), replace(small_side(), region_names=names), small_facts(expected_region_names=names)
+        )[0]
+        == 1
+    )
     assert pair(small_side(), small_side(), small_facts(expected_region_names=names))[0] == 1
     assert pair(small_side(), replace(small_side(), region_names=("x", "y")), small_facts())[0] == 1
 

@@ -113,21 +113,26 @@ def test_the_replicated_state_page_of_csa_linear_models() -> None:
     ple = layer("ple", 3 << 20, kind="replicated_state")
     reg = discover_regions([layer("attn", 1 << 20), ple], RegistrationLayout(csa_linear=True))
     assert reg.ple_region_index == 1 and reg.ple_block_len == PAGE
-    with pytest.raises(SpecError, match="CSA-linear"):
+    with pytest.raises(SpecError) as exc:
         discover_regions([ple], RegistrationLayout())
+    assert exc.value.field == "kind" and exc.value.values == {"value": 0, "expected": None}
 
 
 def test_refusals_name_the_layer() -> None:
-    with pytest.raises(SpecError, match="'odd'.*segments"):
+    with pytest.raises(SpecError) as exc:
         discover_regions(
             [layer("odd", 1 << 20, nbytes=12 * PAGE + 1, storage_bytes=20 * PAGE)], RegistrationLayout()
         )
-    with pytest.raises(SpecError, match="'short'.*3 blocks"):
+    assert exc.value.field == "nbytes" and exc.value.values == {"value": 49153, "expected": 32768}
+    with pytest.raises(SpecError) as exc:
         discover_regions([layer("short", 1 << 20, rows=3)], RegistrationLayout())
-    with pytest.raises(UnsupportedError, match="requires MLA"):
+    assert exc.value.field == "rows" and exc.value.values == {"value": 3, "expected": 8}
+    with pytest.raises(UnsupportedError) as exc:
         discover_regions([layer("a", 1 << 20)], RegistrationLayout(block_outermost=True, route_by_layer=True))
-    with pytest.raises(SpecError, match="kind must be one of"):
+    assert exc.value.field == "kind" and exc.value.values == {"value": ["attention"]}
+    with pytest.raises(SpecError) as exc:
         layer("x", 0, kind="lightning")
+    assert exc.value.field == "kind" and exc.value.values == {"value": "lightning"}
 
 
 # Exact regions and refusals of kvgeom.compat.vllm.registration on small hand-derived tensors: each rule

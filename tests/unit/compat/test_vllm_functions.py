@@ -97,16 +97,18 @@ def test_prefix_caching_end_trim_and_quirk() -> None:
 def test_prefix_caching_ssm_slots() -> None:
     decode, prefill = apply_prefix_caching([[5, 6]], [[1]], 1, 1, [True])
     assert lists(decode) == [[5]] and lists(prefill) == [[1]]
-    with pytest.raises(PlanError, match="unpairable SSM state slots"):
+    with pytest.raises(PlanError) as exc:
         apply_prefix_caching([[5, 6, 7]], [[1]], 1, 1, [True])
+    assert exc.value.field == "decode_ids[0]" and exc.value.values == {"value": 3, "expected": 1}
 
 
 def test_prefix_caching_refusals() -> None:
     with pytest.raises(PlanError) as info:
         apply_prefix_caching([[1, 2, 3]], [[1]], 1, 1, [False])
     assert info.value.field == "decode_ids[0]"
-    with pytest.raises(PlanError, match=r"\|30 - 1\| > 11"):
+    with pytest.raises(PlanError) as exc:
         apply_prefix_caching([list(range(30)), [0]], [[1], [0]], 1, 10, [False, True])
+    assert exc.value.field == "decode_ids[0]" and exc.value.values == {"value": 30, "expected": 1}
 
 
 # --- descriptor ids ----------------------------------------------------------------------------------
@@ -239,8 +241,9 @@ def test_physical_blocks_per_logical_nemotron() -> None:
 
 
 def test_conv_split_refusals() -> None:
-    with pytest.raises(SpecError, match="remainder=0"):
+    with pytest.raises(SpecError) as exc:
         derive_conv_split("mamba2", [192, 3], [3, 64, 128], 1, "float32", "float32")
+    assert exc.value.field == "conv_shape" and exc.value.values == {"value": 192, "expected": 192}
     with pytest.raises(SpecError) as info:
         derive_conv_split("mamba1", [256, 2], [264, 4], 4, "bfloat16", "float32")
     assert info.value.field == "temporal_shape"
@@ -281,22 +284,23 @@ def test_build_local_splits_refusals() -> None:
     assert len(build_local_splits(descs, m, 2, 2, [False], allow_sharded_ratio=True)) == 2
     with pytest.raises(PlanError):
         build_local_splits(descs, m, 3, 1, [False])
-    with pytest.raises(GroupMismatchError, match="FA region blocks 3 != num_fa_descs 2"):
+    with pytest.raises(GroupMismatchError) as exc:
         build_local_splits(descs, m, 2, 1, [False], region_is_mla=[False], region_num_blocks=[3])
+    assert exc.value.field == "region_num_blocks" and exc.value.values == {"value": 3, "expected": 2}
 
 
 # --- invalid input classes ---------------------------------------------------------------------------
 
 
 def check_field(exc: KvgeomError, field: str) -> None:
-    assert exc.field == field and str(exc).startswith(f"{field}: ")
+    assert exc.field == field
 
 
 def test_negative_block_id_is_refused() -> None:
     with pytest.raises(BlockIdError) as info:
         logical_to_kernel([[1], [2, -3]], 2, [False, False])
     check_field(info.value, "block_ids[1]")
-    assert "-3" in str(info.value)
+    assert info.value.values == {"value": -3}
     with pytest.raises(BlockIdError) as info:
         compute_desc_ids([[-1]], 4, 1, None, 1, [False])
     check_field(info.value, "block_ids[0]")

@@ -131,8 +131,7 @@ def test_required_keys(key: str) -> None:
 def test_spec_errors_are_card_errors_naming_the_field() -> None:
     d = data()
     d["engine"]["block_size"] = 0
-    err = refused("card.block_size", lambda: GeometryCard.from_json(d), value=0)
-    assert "block_size: must be a positive integer, got 0" in str(err)  # the spec's own message, kept
+    refused("card.block_size", lambda: GeometryCard.from_json(d), value=0)
     d = data()
     d["engine"] = "x"
     refused("card.engine", lambda: GeometryCard.from_json(d), value="x")

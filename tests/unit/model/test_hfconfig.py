@@ -64,8 +64,9 @@ def test_reader_gives_the_presets_spec(name: str) -> None:
 def test_layer_pattern_matches_the_cards_layer_list(name: str) -> None:
     expected = ["" if k in ("mlp", "moe") else k for k in CARDS[name]["layers"]]
     if name == "minimax-text-01":
-        with pytest.raises(UnsupportedError, match="lightning") as exc:
+        with pytest.raises(UnsupportedError) as exc:
             layer_kinds(_config(name))
+        assert exc.value.field == "attn_type_list" and exc.value.values == {"value": "minimax_text_01"}
         assert exc.value.field == "attn_type_list"
         return
     assert layer_kinds(_config(name)) == expected
@@ -146,8 +147,9 @@ def test_kv_cache_dtype_sets_attention_only() -> None:
     assert again == spec
     mla = apply_cache_dtypes(presets.load("deepseek-v2-lite"), "fp8")
     assert {la.spec.dtype for la in mla.layers} == {"fp8"}
-    with pytest.raises(SpecError, match="kv_cache_dtype"):
+    with pytest.raises(SpecError) as exc:
         apply_cache_dtypes(spec, "fp4")
+    assert exc.value.field == "kv_cache_dtype" and exc.value.values == {"value": "fp4"}
 
 
 # -- vLLM's block-size derivation ------------------------------------------------------------------------
@@ -232,24 +234,29 @@ def test_broken_config_names_the_field(name: str, edit: Any, field: str) -> None
     with pytest.raises(KvgeomError) as exc:
         read_config(_broken(name, edit))
     assert exc.value.field == field, str(exc.value)
-    assert str(exc.value).startswith(f"{field}: ")
 
 
 def test_bad_files_and_values(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match="no such file"):
+    with pytest.raises(SpecError) as exc:
         read_config(tmp_path / "missing.json")
-    with pytest.raises(SpecError, match="no such file"):
+    assert exc.value.field == "model" and exc.value.values == {"value": str(tmp_path / "missing.json")}
+    with pytest.raises(SpecError) as exc:
         read_config(tmp_path)  # a directory without config.json
+    assert exc.value.field == "model" and exc.value.values == {"value": str(tmp_path / "config.json")}
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(SpecError, match="not valid JSON"):
+    with pytest.raises(SpecError) as exc:
         read_config(tmp_path)
+    assert exc.value.field == "model" and exc.value.values == {"value": str(tmp_path / "config.json")}
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(SpecError, match="JSON object"):
+    with pytest.raises(SpecError) as exc:
         read_config(tmp_path / "config.json")
-    with pytest.raises(SpecError, match="kv_cache_dtype"):
+    assert exc.value.field == "model" and exc.value.values == {"value": str(tmp_path / "config.json")}
+    with pytest.raises(SpecError) as exc:
         read_config(_config("qwen3-8b"), kv_cache_dtype="int3")
-    with pytest.raises(SpecError, match="mamba_ssm_cache_dtype"):
+    assert exc.value.field == "kv_cache_dtype" and exc.value.values == {"value": "int3"}
+    with pytest.raises(SpecError) as exc:
         read_config(_config("qwen3-8b"), mamba_ssm_cache_dtype="fp8")
+    assert exc.value.field == "mamba_ssm_cache_dtype" and exc.value.values == {"value": "fp8"}
 
 
 def test_a_directory_and_name_default(tmp_path: Path) -> None:

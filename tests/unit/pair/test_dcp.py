@@ -128,14 +128,18 @@ def test_page_count_cuts_padding_and_refuses_missing_pages() -> None:
 def test_parallel_pair_rules() -> None:
     check_parallel_pair(1, 1, 1, 8)
     check_parallel_pair(4, 4, 1, 2)
-    with pytest.raises(IncompatiblePairError, match="span its PCP group"):
+    with pytest.raises(IncompatiblePairError) as exc:
         check_parallel_pair(1, 1, 4, 2)
-    with pytest.raises(IncompatiblePairError, match="replicated PCP"):
+    assert exc.value.field == "dcp_size" and exc.value.values == {"local": (1, 1), "remote": (4, 2)}
+    with pytest.raises(IncompatiblePairError) as exc:
         check_parallel_pair(2, 1, 1, 2)
-    with pytest.raises(IncompatiblePairError, match="divide"):
+    assert exc.value.field == "dcp_size" and exc.value.values == {"local": (2, 1), "remote": (1, 2)}
+    with pytest.raises(IncompatiblePairError) as exc:
         check_parallel_pair(1, 4, 1, 6)
-    with pytest.raises(IncompatiblePairError, match="Mamba"):
+    assert exc.value.field == "dcp_size" and exc.value.values == {"local": 4, "remote": 6}
+    with pytest.raises(IncompatiblePairError) as exc:
         check_parallel_pair(1, 2, 1, 4, has_mamba=True)
+    assert exc.value.field == "dcp_size" and exc.value.values == {"local": 2, "remote": 4}
     assert transfer_rank(0, 1, 3, 4, 4) == (3, 4)
     assert transfer_rank(2, 4, 0, 1, 4) == (2, 4)
     with pytest.raises(ConfigError):

@@ -254,10 +254,12 @@ def test_transfer_layers_and_name_alignment() -> None:
     assert aligned.block_strides == (256,) * 3 and aligned.num_blocks == (6,) * 3
     assert aligned.names == names and aligned.members == (("L2",), ("L2.swa",), ("L3",))
     assert align_regions_by_layer(aligned, names, (0, 1, 2), (128, 64, 64)) == aligned  # a second pass: no-op
-    with pytest.raises(IncompatiblePairError, match="lacks"):
+    with pytest.raises(IncompatiblePairError) as exc:
         align_regions_by_layer(d, ("L9",), (0,), (128,))
-    with pytest.raises(IncompatiblePairError, match="packed page"):
+    assert exc.value.field == "region_members" and exc.value.values == {"value": ["L9"]}
+    with pytest.raises(IncompatiblePairError) as exc:
         align_regions_by_layer(d, ("L2",), (0,), (64,))
+    assert exc.value.field == "packed_member_layouts" and exc.value.values == {"local": 64, "remote": 128}
 
 
 def test_packed_row_read_by_per_layer_regions() -> None:

@@ -48,8 +48,9 @@ def test_wrong_shape_is_a_block_id_error(pairing: Pairing, local: object, remote
 
 
 def test_group_count_and_good_shape(pairing: Pairing) -> None:
-    with pytest.raises(KvgeomError, match="groups"):
+    with pytest.raises(KvgeomError) as exc:
         plan_request(pairing, GOOD_D[:3], GOOD_P)
+    assert exc.value.field == "local_ids" and exc.value.values == {"value": 3, "expected": 7}
     plan = plan_request(pairing, GOOD_D, GOOD_P, num_tokens=2080)
     assert [t.remote_rank for t in plan.transfers] == [0, 1]
     assert plan_request(pairing, [], GOOD_P).transfers == ()  # nothing local: notification only

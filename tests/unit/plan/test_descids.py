@@ -183,7 +183,7 @@ def test_replicated_page_rows_and_splits() -> None:
         256,
         2,
     ]
-    with pytest.raises(IncompatiblePairError, match="replicated state pages"):
+    with pytest.raises(IncompatiblePairError) as exc:
         mamba_remote_rows(
             bases,
             [256] * 4,
@@ -199,6 +199,7 @@ def test_replicated_page_rows_and_splits() -> None:
             local_ple_len=256,
             remote_ple_len=128,
         )
+    assert exc.value.field == "ple_block_len" and exc.value.values == {"local": 256, "remote": 128}
 
 
 # Exact segment tables, descriptor ids and refusals of kvgeom.plan.descids on small hand-derived inputs

@@ -397,7 +397,9 @@ def test_check_bounds_zero_length_and_far_negative_region():
 
 def test_rescaled_numbers_are_ints():
     r = _view(block_size=20, block_lens=(60, 30), block_strides=(80, 40)).rescaled(5)
-    assert all(isinstance(x, int) for x in (r.block_size, r.ppl, r.num_blocks, *r.block_lens, *r.block_strides))
+    assert all(
+        isinstance(x, int) for x in (r.block_size, r.ppl, r.num_blocks, *r.block_lens, *r.block_strides)
+    )
 
 
 def test_routed_tables_cut_lengths_like_vllm():

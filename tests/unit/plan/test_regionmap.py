@@ -196,7 +196,7 @@ def test_regionmap_dtypes():
 
 # Exact plans of pulls between sides that group the same regions differently (:mod:`kvgeom.plan.regionmap`)
 # through :func:`kvgeom.plan.request.plan_request`: ids per region, notifications, zeroed pages, and refusals
-#.
+# .
 #
 # MLA model of 4 layers (latent 8 fp16 = 16 B per token: a 4-token page is 64 B), 10 blocks per region.
 # D keeps layers 1 and 3 in a group of their own: D's regions 0, 2 take group 0's ids, regions 1, 3 group

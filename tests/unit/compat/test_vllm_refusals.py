@@ -38,10 +38,9 @@ def test_token_major_layouts_across_tp_sizes(p_tp: int, d_tp: int, vllm_refuses:
             run(DENSE2, p, d, request, "pull", "vllm")
         assert info.value.field == "kv_layout"
     else:
-        with pytest.raises(
-            IncompatiblePairError, match="replicate"
-        ):  # vLLM's other rule: P_TP > KV heads > D_TP
+        with pytest.raises(IncompatiblePairError) as info:  # vLLM's other rule: P_TP > KV heads > D_TP
             run(DENSE2, p, d, request, "pull", "vllm")
+        assert info.value.field == "tp_size" and info.value.values == {"local": 2, "remote": 4}
     assert run(DENSE2, p, d, request, "pull", "kvgeom").ok
 
 

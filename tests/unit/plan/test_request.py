@@ -323,6 +323,20 @@ def test_receive_step_zeroes_what_p_did_not_send() -> None:
     assert cached.tolist() == [[0, 768, 128]]  # D block 6 holds tokens 8..11, P sent 0..7
 
 
+def test_receive_step_checks_p_blocks_against_the_tokens_p_computed() -> None:
+    # D blocks of 4 tokens [1, 2] hold tokens 0..7; P (blocks of 4) computed 7 of them (the N-1 flow), or 5
+    # after a prefix hit: ceil(7 / 4) = ceil(5 / 4) = 2 P blocks hold them, P sent 1. Refused, naming the
+    # blocks needed (2) and sent (1), whether or not the pair caches prefixes.
+    d = p = _geom(DENSE, 1, 4, 8)
+    for kw in ({"prefill_tokens": 7}, {"prefill_tokens": 5, "prefix_caching": True}):
+        with pytest.raises(PlanError) as err:
+            receive_step(d, p, [[1, 2]], [[3]], num_tokens=8, **kw)  # type: ignore[arg-type]
+        assert err.value.field == "block_ids[0]" and err.value.values == {"local": 2, "remote": 1}
+    # the 2 blocks P needs: nothing to zero (token 7, which P did not compute, may hold anything P sent)
+    regroup, zero = receive_step(d, p, [[1, 2]], [[3, 4]], num_tokens=8, prefill_tokens=7)
+    assert regroup == () and zero.shape == (0, 3)
+
+
 def test_post_receive_vllm_skips_equal_blocks_and_kvgeom_does_not() -> None:
     d, p = _geom(DENSE, 1, 4, 8), _geom(DENSE, 1, 4, 8)
     pairing = _pair()

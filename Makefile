@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-cache-dir --upgrade pip
-	$(PY) -m pip install -q --no-cache-dir -c constraints-dev.txt -e '.[nixl,dev]'
+	$(PY) -m pip install -q --no-cache-dir -c constraints-dev.txt -e '.[nixl,mooncake,dev]'
 	@touch $(STAMP)
 
 ## The main job: a real NIXL transfer of a Mamba2-hybrid request between P and D processes, verified.
@@ -41,12 +41,16 @@ test-stress: $(STAMP) host-deps
 	done
 
 ## Debian packages of the cross-host tests (tests/adapter/test_hosts.py, test_net_faults.py, test_discovery.py:
-## network namespaces, tc, ethtool, an etcd member, iperf3; stress-ng for make test-stress). Installed quietly with apt-get when one is missing
-## and we are root (CI); otherwise a note, and those tests then say what is missing.
+## network namespaces, tc, ethtool, an etcd member, iperf3; stress-ng for make test-stress) and the shared
+## libraries Mooncake's transfer engine loads even for TCP (libibverbs1, librdmacm1: tests/mooncake, found
+## with ldconfig -p). Installed quietly with apt-get when one is missing and we are root (CI); otherwise a
+## note, and those tests then say what is missing.
 HOST_TOOLS := ip tc ethtool etcd iperf3 stress-ng
-HOST_PKGS  := iproute2 ethtool etcd-server iperf3 stress-ng
+HOST_LIBS  := libibverbs.so.1 librdmacm.so.1
+HOST_PKGS  := iproute2 ethtool etcd-server iperf3 stress-ng libibverbs1 librdmacm1
 host-deps:
 	@missing=""; for t in $(HOST_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	for l in $(HOST_LIBS); do ldconfig -p 2>/dev/null | grep -q "$$l" || missing="$$missing $$l"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing $(HOST_PKGS) for the cross-host tests (missing:$$missing)"; \
@@ -84,11 +88,13 @@ plan: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
-## Style and types: ruff's lint rules and formatting, and mypy --strict on the core.
+## Style and types: ruff's lint rules and formatting, and mypy --strict on the core and on the Mooncake
+## transport (Mooncake ships no type stubs: its imports are not followed).
 lint: $(STAMP)
 	$(PY) -m ruff check kvgeom adapters tests bench
 	$(PY) -m ruff format --check kvgeom adapters tests bench
 	$(PY) -m mypy --strict kvgeom
+	$(PY) -m mypy --strict --ignore-missing-imports adapters/kvgeom_mooncake
 
 ## The wheel and the source distribution, in dist/.
 dist: $(STAMP)

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # run from a bare checkout (no editable install),
 import numpy as np  # noqa: E402
 from kvgeom_lab.procs import ProcGroup  # noqa: E402
 
-from kvgeom.layout.geometry import rank_geometry  # noqa: E402
+from kvgeom.layout.allocate import rank_geometry  # noqa: E402
 
 STEP_S = 60.0  # bound of one coordination step (a rank starting, a port map arriving)
 

@@ -40,7 +40,7 @@ import numpy as np
 from _pullkit import LocalTables, gbps, median_time, run_ranks, serve, sized, timed_pull, wait_ranks
 
 from kvgeom import GeometryCard
-from kvgeom.plan.request import check_writes, contiguous_runs
+from kvgeom.plan.requestplan import check_writes, contiguous_runs
 from kvgeom.tools.scenario import Scenario
 
 EXAMPLE = os.path.join(

@@ -219,7 +219,7 @@ def request_row(sc: Scenario, side: VllmSide, tokens: int, budget: float) -> dic
 
 
 def _runs(plan: Any, pairing: Any) -> int:
-    from kvgeom.plan.request import contiguous_runs
+    from kvgeom.plan.requestplan import contiguous_runs
 
     return contiguous_runs(plan.moves(pairing))
 

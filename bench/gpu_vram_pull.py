@@ -74,7 +74,7 @@ from _pullkit import (
 from bench_pull import CHUNK, NixlMoves, contiguous_moves
 
 from kvgeom import GeometryCard
-from kvgeom.plan.request import check_writes, contiguous_runs
+from kvgeom.plan.requestplan import check_writes, contiguous_runs
 from kvgeom.testing import CoordSpace
 from kvgeom.tools.scenario import Scenario
 

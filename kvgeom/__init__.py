@@ -29,6 +29,7 @@ from kvgeom.errors import (
     TokenCountError,
     UnsupportedError,
 )
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import CARD_VERSION, GeometryCard, card_of
 from kvgeom.layout.engine import ConvLayout, EngineConfig, KVLayout
 from kvgeom.layout.geometry import (
@@ -38,33 +39,27 @@ from kvgeom.layout.geometry import (
     ReplicatedLayout,
     SSMLayout,
     align_hybrid_block_size,
-    rank_geometry,
 )
 from kvgeom.layout.view import EngineView
-from kvgeom.model.spec import (
+from kvgeom.model.layers import (
     AttentionSpec,
     CircularBufferSpec,
     Layer,
     LayerKind,
     MambaSpec,
     MLASpec,
-    ModelSpec,
     ReplicatedStateSpec,
     Shard,
 )
+from kvgeom.model.spec import ModelSpec
+from kvgeom.modes import Compat
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, tp_ratio
 from kvgeom.plan.dlist import Dlist
-from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.request import (
-    MOVE_COLUMNS,
-    Regroup,
-    RequestPlan,
-    Transfer,
-    plan_request,
-    post_receive,
-    receive_step,
-)
+from kvgeom.plan.pairing import Pairing, push_writers
+from kvgeom.plan.receive import post_receive, receive_step
+from kvgeom.plan.request import plan_request
+from kvgeom.plan.requestplan import MOVE_COLUMNS, Regroup, RequestPlan, Transfer, check_writes
 
 __version__ = "0.1.0"
 
@@ -74,6 +69,7 @@ __all__ = [
     "CARD_VERSION",
     "CardError",
     "CircularBufferSpec",
+    "Compat",
     "ConfigError",
     "ConvLayout",
     "Dlist",
@@ -111,10 +107,12 @@ __all__ = [
     "align_hybrid_block_size",
     "card_of",
     "check_pair",
+    "check_writes",
     "compute_tp_mapping",
     "plan_request",
     "post_receive",
     "presets",
+    "push_writers",
     "rank_geometry",
     "receive_step",
     "tp_ratio",

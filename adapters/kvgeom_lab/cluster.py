@@ -49,7 +49,7 @@ from kvgeom_nixl.errors import AdapterError, StaleMetadata
 from kvgeom_nixl.kvrank import KVRank
 
 from kvgeom import GeometryCard, KvgeomError
-from kvgeom.layout.geometry import rank_geometry
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.testing import CoordSpace
 from kvgeom.testing.content import BACKGROUND, POISON_BYTE, check_request, fill_source, verify_report
 from kvgeom.tools.scenario import Scenario

@@ -43,7 +43,8 @@ from kvgeom.blocks import as_group_ids, logical_to_kernel
 from kvgeom.errors import PlanError
 from kvgeom.layout.card import DEFAULT_LIMITS, CardLimits
 from kvgeom.plan.pairing import push_writers
-from kvgeom.plan.request import Regroup, check_writes, contiguous_runs, receive_step
+from kvgeom.plan.receive import receive_step
+from kvgeom.plan.requestplan import Regroup, check_writes, contiguous_runs
 
 from .agent import Endpoint, Prepped, Telemetry, Transfer
 from .auth import Auth, Notice, decode_notice, encode_notice

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvgeom import EngineConfig, GeometryCard, ModelSpec
 from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError
-from kvgeom.model.spec import (
+from kvgeom.model.layers import (
     AttentionSpec,
     CircularBufferSpec,
     Layer,

@@ -90,7 +90,7 @@ def pair_with_card(worker: Any, meta: Any, remote_tp_rank: int, remote_tp_size: 
         local, ranks, mode=local.mode, compat=worker.kvgeom_compat, prefix_caching=prefix
     )
     if pairing.mode == "push" and pairing.permute:
-        # kvgeom plans it (the D step is kvgeom.plan.request.receive_step), but vLLM's push D runs no receive step
+        # kvgeom plans it (the D step is kvgeom.plan.receive.receive_step), but vLLM's push D runs no receive step
         # this drop-in could answer: the head-major pages would stay unpermuted in D's token-major cache
         lay, ray = local.engine.kv_layout.value, remote.engine.kv_layout.value
         raise UnsupportedError(

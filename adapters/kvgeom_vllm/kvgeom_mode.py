@@ -29,7 +29,7 @@ import numpy as np
 from kvgeom import Pairing, plan_request
 from kvgeom.errors import IncompatiblePairError, KvgeomError
 from kvgeom.layout.engine import KVLayout
-from kvgeom.plan.request import RequestPlan
+from kvgeom.plan.requestplan import RequestPlan
 
 from .answers import region_bytes, to_vllm_mapping
 from .answers._common import KVI, representative_type

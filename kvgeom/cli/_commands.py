@@ -34,7 +34,7 @@ from kvgeom.cli._inputs import (
 from kvgeom.errors import KvgeomError
 from kvgeom.layout.card import GeometryCard
 from kvgeom.model.models import preset_ids, resolve
-from kvgeom.plan.request import MOVE_COLUMNS, contiguous_runs
+from kvgeom.plan.requestplan import MOVE_COLUMNS, contiguous_runs
 from kvgeom.tools.scenario import Scenario
 
 __all__ = ["COMMANDS", "Refused", "demo_hint"]

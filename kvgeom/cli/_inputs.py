@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgeom.errors import KvgeomError
-from kvgeom.layout.geometry import rank_geometry
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.tools.scenario import ENGINE_KEYS, MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks
 
 __all__ = [

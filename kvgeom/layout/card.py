@@ -17,8 +17,9 @@ from functools import cached_property
 from typing import Any
 
 from kvgeom.errors import CardError, KvgeomError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.spec import ModelSpec
 
 __all__ = ["CARD_VERSION", "CardLimits", "DEFAULT_LIMITS", "GeometryCard", "card_of"]

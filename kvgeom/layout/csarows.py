@@ -29,15 +29,15 @@ import numpy as np
 
 from kvgeom.errors import ConfigError, SpecError
 from kvgeom.layout.view import SHARED_GROUP
-from kvgeom.model.spec import (
+from kvgeom.model.layers import (
     AttentionSpec,
     CircularBufferSpec,
     LayerSpec,
     MambaSpec,
     MLASpec,
-    ModelSpec,
     ReplicatedStateSpec,
 )
+from kvgeom.model.spec import ModelSpec
 
 __all__ = [
     "RowView",

@@ -69,7 +69,9 @@ class EngineView:
     CSA-linear rows: :func:`kvgeom.pair.streams.packed_streams`)."""
 
     @classmethod
-    def of(cls, geom: RankGeometry) -> EngineView:
+    def of(
+        cls, geom: Any
+    ) -> EngineView:  # a RankGeometry (not imported: geometry imports this module's constants)
         return cls(
             geom.tp_size,
             geom.tp_rank,

@@ -13,15 +13,15 @@ B.6.14 for what vLLM moves for such a model.
 from __future__ import annotations
 
 from kvgeom.errors import SpecError
-from kvgeom.model.spec import (
+from kvgeom.model.layers import (
     AttentionSpec,
     CircularBufferSpec,
     Layer,
     MambaSpec,
     MLASpec,
-    ModelSpec,
     ReplicatedStateSpec,
 )
+from kvgeom.model.spec import ModelSpec
 
 __all__ = ["ring_capacity", "csa_linear_model"]
 

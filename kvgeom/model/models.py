@@ -30,15 +30,15 @@ from typing import Any
 
 from kvgeom.errors import KvgeomError, SpecError, UnsupportedError
 from kvgeom.model import hfconfig, presets
-from kvgeom.model.spec import (
+from kvgeom.model.layers import (
     AttentionSpec,
     CircularBufferSpec,
     LayerKind,
     MambaSpec,
     MLASpec,
-    ModelSpec,
     ReplicatedStateSpec,
 )
+from kvgeom.model.spec import ModelSpec
 
 __all__ = ["TPRule", "Sharding", "ModelRef", "resolve", "preset_ids"]
 

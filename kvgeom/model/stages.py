@@ -11,7 +11,8 @@ hold the embeddings, so they get an extra layer last). Example: 10 layers over 4
 from __future__ import annotations
 
 from kvgeom.errors import ConfigError
-from kvgeom.model.spec import Layer, ModelSpec
+from kvgeom.model.layers import Layer
+from kvgeom.model.spec import ModelSpec
 
 __all__ = ["stage_partition", "stage_range", "stage_layers"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from kvgeom.dtypes import dtype_size
 from kvgeom.errors import UnsupportedError
 from kvgeom.layout.geometry import RankGeometry
-from kvgeom.model.spec import MambaSpec, Shard
+from kvgeom.model.layers import MambaSpec, Shard
 from kvgeom.pair.tp import compute_tp_mapping
 
 __all__ = ["Slice", "Route", "route", "dcp_pages_differ"]

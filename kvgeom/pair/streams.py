@@ -32,8 +32,9 @@ from dataclasses import dataclass, replace
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
 from kvgeom.layout.geometry import RankGeometry, Region, packed_csa_rows
 from kvgeom.layout.view import SHARED_GROUP, EngineView, pseudo
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
 from kvgeom.model.stages import stage_range
+from kvgeom.modes import Compat
 from kvgeom.pair.layerroute import (
     RegionTable,
     align_regions_by_layer,
@@ -437,7 +438,7 @@ def region_mapped(local: RankGeometry, remote: RankGeometry, streams: tuple[Engi
 
 
 def pair_streams(
-    local: RankGeometry, remote: RankGeometry, mode: str, compat: str
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat
 ) -> tuple[EngineView, EngineView]:
     """Both sides' streams for a pair (``remote``: any rank of the peer's stage): vLLM's rules in
     ``compat="vllm"``, region or layer pairing in ``compat="kvgeom"`` (module docstring)."""

@@ -18,7 +18,7 @@ The transfer is the overlap of the two lists, in units of the finer kernel block
 only what holds whatever the counts are is used (P's full-attention list starts at token 0; without prefix
 caching D's full-attention list does too; P's sliding-window lists end where its full-attention lists
 do). Anything else is refused with a :class:`~kvgeom.errors.PlanError` that names the argument to pass.
-:func:`~kvgeom.plan.request.plan_request` and :func:`~kvgeom.plan.request.receive_step` go further: a pair made without
+:func:`~kvgeom.plan.request.plan_request` and :func:`~kvgeom.plan.receive.receive_step` go further: a pair made without
 prefix caching is no proof that D cached nothing, so they need ``num_tokens`` for any attention list
 (:class:`~kvgeom.errors.TokenCountError`).
 (Equal block sizes do not make the lists end together: when P backs off across a block boundary D holds a

@@ -21,7 +21,8 @@ from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.conv import remote_conv_offsets
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.layout.view import EngineView, unpseudo
-from kvgeom.pair.handshake import Compat, PairShape, check_pair
+from kvgeom.modes import Compat
+from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.route import Route, dcp_pages_differ, route
 from kvgeom.pair.streams import region_mapped
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
@@ -62,21 +63,23 @@ def pair_targets(
     local: RankGeometry | GeometryCard,
     remote: RankGeometry | GeometryCard,
     mode: str,
-    compat: Compat = "kvgeom",
+    compat: Compat | str = Compat.KVGEOM,
     local_rank: int | None = None,
 ) -> tuple[int, ...]:
     """The remote ranks local rank ``local_rank`` (default: ``local``'s own) talks to, as
     :meth:`Pairing.create` pairs it: vLLM's handshake targets with DCP (:func:`kvgeom.pair.tp.dcp_handshake_targets`),
     widened to every remote rank where kvgeom mode spreads DCP pages. ``remote``: any rank of that engine."""
     lg, rg = _as_geometry(local), _as_geometry(remote)
-    if _spread(lg, rg, mode, compat):
+    if _spread(lg, rg, mode, Compat.of(compat)):
         return tuple(range(rg.tp_size))
     rank = lg.tp_rank if local_rank is None else local_rank
     return dcp_handshake_targets(rank, lg.tp_size, lg.dcp_size, rg.tp_size, rg.dcp_size)
 
 
 def push_writers(
-    producer: RankGeometry | GeometryCard, consumer: RankGeometry | GeometryCard, compat: Compat = "kvgeom"
+    producer: RankGeometry | GeometryCard,
+    consumer: RankGeometry | GeometryCard,
+    compat: Compat | str = Compat.KVGEOM,
 ) -> tuple[int, ...]:
     """The producer ranks that write to (or notify) decode rank ``consumer.tp_rank`` in push: those whose
     pairing (:func:`pair_targets`, the producer local) names it. ``producer``: any rank of that engine."""
@@ -107,11 +110,13 @@ class Pairing:
         local: RankGeometry | GeometryCard,
         remotes: Sequence[RankGeometry | GeometryCard] | Mapping[int, RankGeometry | GeometryCard],
         mode: str = "pull",
-        compat: Compat = "kvgeom",
+        compat: Compat | str = Compat.KVGEOM,
         prefix_caching: bool = False,
     ) -> Pairing:
         """Validate and pair. ``remotes`` holds at least this rank's handshake targets (a sequence is
-        taken as ranks ``0..n-1`` of the remote engine)."""
+        taken as ranks ``0..n-1`` of the remote engine); ``compat``: a :class:`~kvgeom.pair.handshake.Compat`
+        or its spelling (the pairing keeps the member)."""
+        compat = Compat.of(compat)
         if mode not in ("pull", "push"):
             raise IncompatiblePairError("mode", f"must be 'pull' or 'push', got {mode!r}", value=mode)
         lg = _as_geometry(local)

@@ -22,14 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvgeom.dtypes import dtype_size
-from kvgeom.model.spec import (
-    AttentionSpec,
-    CircularBufferSpec,
-    MambaSpec,
-    MLASpec,
-    ModelSpec,
-    ReplicatedStateSpec,
-)
+from kvgeom.model.layers import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
+from kvgeom.model.spec import ModelSpec
 
 __all__ = ["POISON", "ZERO", "CoordSpace", "location_tags", "describe_tag"]
 

@@ -1,8 +1,8 @@
 """Where each logical coordinate of a request lives on one engine rank: an independent model.
 
 This module restates kvgeom's physical layout from first principles, per element, for clarity. It
-reads from :func:`~kvgeom.layout.geometry.rank_geometry` only what is *allocated* (region sizes, which layer
-views which region, the groups) and uses the specs' sharding rules (:class:`~kvgeom.model.spec.Shard`); it
+reads from :func:`~kvgeom.layout.allocate.rank_geometry` only what is *allocated* (region sizes, which layer
+views which region, the groups) and uses the specs' sharding rules (:class:`~kvgeom.model.layers.Shard`); it
 never calls the planner's address arithmetic (dlists, descriptor ids, plans).
 
 Layout facts (kernel block ``kb``, ``ppl = block_size // kb``):
@@ -37,7 +37,7 @@ import numpy as np
 from kvgeom.dtypes import dtype_size
 from kvgeom.layout.engine import ConvLayout, KVLayout
 from kvgeom.layout.geometry import RankGeometry, Region
-from kvgeom.model.spec import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
+from kvgeom.model.layers import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
 from kvgeom.testing._coords import CoordSpace
 
 __all__ = [

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.spec import ModelSpec
 
 __all__ = ["Request", "RequestError", "check_side", "engine_geometries"]

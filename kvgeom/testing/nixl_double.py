@@ -14,7 +14,7 @@ signatures, and validates like NIXL (nixl 1.5.1, see ``docs/testing.md``):
 * released handles cannot be used; unknown memory types and operations raise ``KeyError``.
 
 :meth:`NixlFabric.moves` resolves every posted transfer into rows ``(src_rank, src_region, src_offset,
-dst_rank, dst_region, dst_offset, length)`` (:data:`kvgeom.plan.request.MOVE_COLUMNS`): a READ moves remote
+dst_rank, dst_region, dst_offset, length)`` (:data:`kvgeom.plan.requestplan.MOVE_COLUMNS`): a READ moves remote
 bytes into the initiator, a WRITE the initiator's into the remote. Regions are the registered
 descriptors of each agent in registration order, unless set with :meth:`NixlFabric.set_regions`.
 """

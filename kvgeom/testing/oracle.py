@@ -39,7 +39,9 @@ from kvgeom.layout.engine import EngineConfig, KVLayout
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.request import Regroup, RequestPlan, plan_request, receive_step
+from kvgeom.plan.receive import receive_step
+from kvgeom.plan.request import plan_request
+from kvgeom.plan.requestplan import Regroup, RequestPlan
 from kvgeom.testing._coords import POISON, ZERO, CoordSpace, describe_tag, location_tags
 from kvgeom.testing._layout import (
     NEEDED,
@@ -195,7 +197,7 @@ class Oracle:
         return False
 
     def execute(self, moves: np.ndarray, label: str = "move") -> None:
-        """Copy ``moves`` (N x 7 :data:`~kvgeom.plan.request.MOVE_COLUMNS`, or N x 8 with separate source and
+        """Copy ``moves`` (N x 7 :data:`~kvgeom.plan.requestplan.MOVE_COLUMNS`, or N x 8 with separate source and
         destination lengths) from P ranks' arrays to D ranks' arrays."""
         moves = np.asarray(moves, dtype=np.int64)
         if moves.size == 0:
@@ -260,7 +262,7 @@ class Oracle:
                 self.result.bytes_zeroed += length
 
     def regroup(self, rank: int, step: Regroup, label: str = "regroup") -> None:
-        """Apply a :class:`~kvgeom.plan.request.Regroup` on D rank ``rank``, per element from its documented
+        """Apply a :class:`~kvgeom.plan.requestplan.Regroup` on D rank ``rank``, per element from its documented
         meaning: a block viewed as ``[bsr, heads, tokens // bsr, head_bytes]`` is stored as
         ``[heads, tokens, head_bytes]`` (head-major ``layout``) or ``[tokens, heads, head_bytes]``
         (token-major)."""
@@ -338,7 +340,7 @@ class Oracle:
         self.zero(rank, zero, f"{label} zero")
 
     def moves_of(self, rank_plan: RankPlan) -> np.ndarray:
-        """A plan's moves, N x 8: :data:`~kvgeom.plan.request.MOVE_COLUMNS` with the source and destination lengths
+        """A plan's moves, N x 8: :data:`~kvgeom.plan.requestplan.MOVE_COLUMNS` with the source and destination lengths
         both kept, so that an unequal pair is reported (I2), not raised; ids outside their descriptor table
         are reported (I6) and left out."""
         plan, pairing, label = rank_plan.plan, rank_plan.pairing, self._label(rank_plan)
@@ -551,7 +553,7 @@ def run_plans(
     tell_prefill_tokens: bool | None = None,
 ) -> Report:
     """Execute ``plans`` (from :func:`pull_plans` or :func:`push_plans`, possibly altered) and check them.
-    After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.request.receive_step` (told the token counts
+    After push plans every D rank runs kvgeom's :func:`~kvgeom.plan.receive.receive_step` (told the token counts
     as in :func:`pull_plans`, and the pairs' ``prefix_caching``)."""
     oracle = oracle or Oracle.for_engines(model, p_engine, d_engine, request)
     for rp in plans:

@@ -40,20 +40,21 @@ from hypothesis import assume, event
 from hypothesis import strategies as st
 
 from kvgeom.errors import KvgeomError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import ConvLayout, EngineConfig, KVLayout
-from kvgeom.layout.geometry import RankGeometry, align_hybrid_block_size, rank_geometry
+from kvgeom.layout.geometry import RankGeometry, align_hybrid_block_size
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import (
+from kvgeom.model.layers import (
     AttentionSpec,
     CircularBufferSpec,
     LayerKind,
     LayerSpec,
     MambaSpec,
     MLASpec,
-    ModelSpec,
     ReplicatedStateSpec,
     Shard,
 )
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.streams import packed_streams
 from kvgeom.plan.exchange import prefill_tokens
 from kvgeom.plan.pairing import Pairing

@@ -24,14 +24,17 @@ from typing import Any
 import numpy as np
 
 from kvgeom.errors import ConfigError, KvgeomError, PlanError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.engine import ConvLayout, EngineConfig, KVLayout
-from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.layout.geometry import align_hybrid_block_size
 from kvgeom.model.hfconfig import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, apply_cache_dtypes
+from kvgeom.model.layers import AttentionSpec, MLASpec
 from kvgeom.model.models import ModelRef, resolve
-from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.request import RequestPlan, plan_request
+from kvgeom.plan.request import plan_request
+from kvgeom.plan.requestplan import RequestPlan
 
 __all__ = ["Scenario", "RequestIds", "SCENARIO_KEYS", "ENGINE_KEYS", "MAX_TP", "MAX_BLOCK_SIZE"]
 

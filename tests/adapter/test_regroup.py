@@ -12,8 +12,9 @@ from kvgeom_vllm.devicebytes import ByteRegion, regroup_blocks
 
 from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.engine import EngineConfig, KVLayout
-from kvgeom.model.spec import AttentionSpec, ModelSpec
-from kvgeom.plan.request import Regroup
+from kvgeom.model.layers import AttentionSpec
+from kvgeom.model.spec import ModelSpec
+from kvgeom.plan.requestplan import Regroup
 from kvgeom.testing import Oracle, Request, pull_plans
 
 # 2 KV heads of head size 1 in float16: one head of one token is 4 bytes; 4 tokens: a 32-byte block, 2 blocks

@@ -10,7 +10,8 @@ from kvgeom_nixl.kvrank import KVRank
 
 from kvgeom import GeometryCard
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.model.spec import MLASpec, ModelSpec
+from kvgeom.model.layers import MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing, push_writers
 
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)

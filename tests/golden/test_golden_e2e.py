@@ -14,10 +14,11 @@ import pytest
 from _golden import load_table  # tests/golden/_golden.py
 
 from kvgeom import KvgeomError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import GeometryCard, card_of
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
-from kvgeom.model.spec import LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.layers import LayerKind, MambaSpec, MLASpec, Shard
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.request import plan_request
 

@@ -14,7 +14,8 @@ import pytest
 from kvgeom import KvgeomError, UnsupportedError
 from kvgeom.layout.engine import EngineConfig
 from kvgeom.layout.geometry import align_hybrid_block_size
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import Request, run
 
 

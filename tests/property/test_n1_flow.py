@@ -19,8 +19,10 @@ from kvgeom import (
     plan_request,
     presets,
 )
-from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.layout.allocate import rank_geometry
+from kvgeom.layout.geometry import align_hybrid_block_size
+from kvgeom.model.layers import AttentionSpec, MambaSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.align import list_starts
 from kvgeom.plan.exchange import prefill_backoff, prefill_tokens
 from kvgeom.testing import Request, run

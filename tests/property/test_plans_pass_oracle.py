@@ -12,9 +12,11 @@ from hypothesis import event, given, reject, settings
 from hypothesis import strategies as st
 
 from kvgeom import KvgeomError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.geometry import align_hybrid_block_size
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import Report, Request, run
 from kvgeom.testing import strategies as kst
 

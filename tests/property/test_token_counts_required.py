@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from kvgeom import KvgeomError, TokenCountError, UnsupportedError
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import RankPlan, Request, engine_geometries, pull_plans, push_plans, run_plans
 from kvgeom.testing import strategies as kst
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from kvgeom import KvgeomError
 from kvgeom.layout.engine import EngineConfig
 from kvgeom.layout.geometry import align_hybrid_block_size
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import Request, run
 
 OK = "ok"

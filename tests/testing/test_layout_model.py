@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
 from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
 from kvgeom.testing import POISON, ZERO, CoordSpace, Request, describe_tag
 from kvgeom.testing import _layout as la

@@ -10,7 +10,8 @@ import pytest
 
 from kvgeom import EngineConfig, Pairing
 from kvgeom.model.spec import AttentionSpec, ModelSpec
-from kvgeom.plan.request import plan_request, receive_step
+from kvgeom.plan.receive import receive_step
+from kvgeom.plan.request import plan_request
 from kvgeom.testing import NixlFabric, Request, check_moves, engine_geometries, fake_bases
 from kvgeom.testing import nixl_double as nd
 from kvgeom.testing.nixl_double import (

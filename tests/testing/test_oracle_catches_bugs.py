@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import Oracle, RankPlan, Report, Request, engine_geometries, pull_plans, push_plans
 
 SRC_OFF, DST_RANK, DST_REGION, DST_OFF, LENGTH = 2, 3, 4, 5, 6

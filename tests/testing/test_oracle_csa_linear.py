@@ -12,7 +12,7 @@ import pytest
 
 from kvgeom.layout.engine import EngineConfig
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import MambaSpec
+from kvgeom.model.layers import MambaSpec
 from kvgeom.testing import ZERO, Oracle, RankPlan, Report, Request, pull_plans, push_plans
 
 SRC_REGION, SRC_OFF, DST_REGION, DST_OFF, LENGTH = 1, 2, 4, 5, 6

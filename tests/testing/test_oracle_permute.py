@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from kvgeom.layout.engine import EngineConfig, KVLayout
-from kvgeom.model.spec import AttentionSpec, ModelSpec
-from kvgeom.plan.request import Regroup, receive_step
+from kvgeom.model.layers import AttentionSpec
+from kvgeom.model.spec import ModelSpec
+from kvgeom.plan.receive import receive_step
+from kvgeom.plan.requestplan import Regroup
 from kvgeom.testing import Oracle, Request, pull_plans, push_plans, run_pull, run_push
 
 TM = KVLayout.TOKEN_MAJOR

@@ -19,8 +19,9 @@ import pytest
 import kvgeom.testing.oracle as oracle_mod
 from kvgeom.errors import TokenCountError
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.model.spec import AttentionSpec, ModelSpec
-from kvgeom.plan.request import Regroup
+from kvgeom.model.layers import AttentionSpec
+from kvgeom.model.spec import ModelSpec
+from kvgeom.plan.requestplan import Regroup
 from kvgeom.testing import (
     POISON,
     ZERO,

@@ -18,10 +18,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import MambaSpec
+from kvgeom.model.layers import MambaSpec
 from kvgeom.testing import Oracle, Request, pull_plans
 from kvgeom.testing._layout import OUTSIDE, RankImage, byte_places, region_arrays, reported_bytes
 

@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, find, given, reject, settings
 from hypothesis import strategies as st
 
 from kvgeom import EngineConfig, KvgeomError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import KVLayout
-from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.layout.geometry import align_hybrid_block_size
 from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
 from kvgeom.testing import Oracle, pull_plans, push_plans
 from kvgeom.testing import strategies as kst

@@ -25,13 +25,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE, TESTING = "kvgeom", "kvgeom.testing"
-LAB, TRANSPORT = "kvgeom_lab", "kvgeom_nixl"
-FORBIDDEN_IN_CORE = frozenset({"torch", "nixl", "vllm", "mooncake", TRANSPORT, "kvgeom_vllm", LAB})
+LAB, TRANSPORT, MOONCAKE = "kvgeom_lab", "kvgeom_nixl", "kvgeom_mooncake"
+FORBIDDEN_IN_CORE = frozenset({"torch", "nixl", "vllm", "mooncake", TRANSPORT, MOONCAKE, "kvgeom_vllm", LAB})
 #: the layers each layer may import (docs/architecture.md); an adapter not named here: the core and itself
 LAYERS = {
     "core": {"core"},
     "testing": {"core", "testing"},
     TRANSPORT: {"core", TRANSPORT},
+    MOONCAKE: {"core", MOONCAKE},  # the second transport: no NIXL adapter, no test facility
     "kvgeom_vllm": {"core", "kvgeom_vllm"},
     LAB: {"core", "testing", TRANSPORT, LAB},
 }
@@ -160,7 +161,7 @@ def _layer(module: str) -> str:
 # -- the rules -------------------------------------------------------------------------------------------
 def test_the_modules_import_one_another_without_a_cycle(graph: Graph) -> None:
     assert len(graph.files) > 80  # the whole tree was drawn: the core and both adapters
-    assert {m.split(".")[0] for m in graph.files} == {"kvgeom", TRANSPORT, "kvgeom_vllm", LAB}
+    assert {m.split(".")[0] for m in graph.files} == {"kvgeom", TRANSPORT, MOONCAKE, "kvgeom_vllm", LAB}
     cycle = find_cycle(graph.internal)
     assert cycle is None, " -> ".join(cycle or [])
 
@@ -178,7 +179,7 @@ def test_each_layer_imports_only_the_layers_below(graph: Graph) -> None:
 #: the core's stages in pipeline order (docs/architecture.md): a module imports only its own stage and
 #: the stages before it; the facade (``kvgeom``, ``kvgeom.__main__``) sits above them all
 STAGES = (
-    ("kvgeom.errors", "kvgeom.dtypes", "kvgeom.blocks"),
+    ("kvgeom.errors", "kvgeom.dtypes", "kvgeom.modes", "kvgeom.blocks"),
     ("kvgeom.model",),
     ("kvgeom.layout",),
     ("kvgeom.pair",),

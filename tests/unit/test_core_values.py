@@ -21,10 +21,12 @@ from kvgeom import (
     SpecError,
     presets,
 )
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import GeometryCard, card_of
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
-from kvgeom.model.spec import AttentionSpec, LayerKind, MambaSpec, ModelSpec
+from kvgeom.layout.geometry import align_hybrid_block_size
+from kvgeom.model.layers import AttentionSpec, LayerKind, MambaSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.request import plan_request
 

@@ -35,7 +35,7 @@ def test_wheel(dist: Path) -> None:
     (wheel,) = dist.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
-    assert tops == {"kvgeom", "kvgeom_nixl", "kvgeom_lab"} | (
+    assert tops == {"kvgeom", "kvgeom_nixl", "kvgeom_lab", "kvgeom_mooncake"} | (
         {"kvgeom_vllm"} if any(n.startswith("kvgeom_vllm/") for n in names) else set()
     )
     for name in (
@@ -53,8 +53,13 @@ def test_wheel(dist: Path) -> None:
     assert meta["Version"] == kvgeom.__version__ and wheel.name.startswith(f"kvgeom-{kvgeom.__version__}-")
     assert meta["License-Expression"] == "Apache-2.0"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-    assert set(meta.get_all("Provides-Extra")) >= {"nixl", "lab", "plot", "test", "vllm", "dev"}
-    for name in ("kvgeom_lab/demo.py", "kvgeom_lab/cluster.py", "kvgeom_nixl/kvrank.py"):
+    assert set(meta.get_all("Provides-Extra")) >= {"nixl", "lab", "mooncake", "plot", "test", "vllm", "dev"}
+    for name in (
+        "kvgeom_lab/demo.py",
+        "kvgeom_lab/cluster.py",
+        "kvgeom_nixl/kvrank.py",
+        "kvgeom_mooncake/rank.py",
+    ):
         assert name in names
     assert not any(n.startswith("kvgeom_nixl/") and n.endswith(("/demo.py", "/cluster.py")) for n in names)
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))

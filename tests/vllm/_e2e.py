@@ -42,7 +42,7 @@ from kvgeom.dtypes import dtype_size
 from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.layout.view import unpseudo
-from kvgeom.model.spec import AttentionSpec, LayerKind, MLASpec
+from kvgeom.model.layers import AttentionSpec, LayerKind, MLASpec
 from kvgeom.model.stages import stage_range
 from kvgeom.pair.streams import Registration, hma_required, registration
 from kvgeom.testing import Oracle

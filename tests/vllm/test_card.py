@@ -17,7 +17,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from kvgeom.errors import SpecError
-from kvgeom.model.spec import LayerKind
+from kvgeom.model.layers import LayerKind
 
 HF = Path(__file__).resolve().parents[1] / "data" / "hf"
 

@@ -27,16 +27,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, MLAAtte
 from vllm.v1.kv_cache_interface import MambaSpec as VMamba
 
 from kvgeom.layout.csarows import packed_groups, packed_registration
-from kvgeom.layout.geometry import _page_bytes
+from kvgeom.layout.geometry import page_bytes_of
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import (
-    AttentionSpec,
-    CircularBufferSpec,
-    MambaSpec,
-    MLASpec,
-    ModelSpec,
-    ReplicatedStateSpec,
-)
+from kvgeom.model.layers import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
+from kvgeom.model.spec import ModelSpec
 
 BF16 = torch.bfloat16
 
@@ -77,7 +71,7 @@ def _vllm_spec(spec: object, block_size: int, tp: int) -> object:
 def _vllm_specs(model: ModelSpec, block_size: int, tp: int) -> dict[str, Any]:
     specs = {la.name: _vllm_spec(la.spec, block_size, tp) for la in model.layers}
     for la in model.layers:
-        assert specs[la.name].page_size_bytes == _page_bytes(la.spec, block_size, tp)  # type: ignore[attr-defined]
+        assert specs[la.name].page_size_bytes == page_bytes_of(la.spec, block_size, tp)  # type: ignore[attr-defined]
     return specs
 
 
@@ -282,8 +276,8 @@ def test_the_drop_in_describes_packed_csa_linear_ranks(model: ModelSpec, block_s
     from kvgeom_vllm.worker import KvgeomPullConnectorWorker, install_dispatchers
     from vllm.config import ModelConfig
 
+    from kvgeom.layout.allocate import rank_geometry
     from kvgeom.layout.engine import EngineConfig
-    from kvgeom.layout.geometry import rank_geometry
 
     install_dispatchers()
     heads = model.attention_spec.num_kv_heads if model.attention_spec else 1

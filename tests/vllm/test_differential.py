@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 from kvgeom.blocks import apply_prefix_caching, logical_to_kernel, map_block_ids_for_block_size_ratio
 from kvgeom.errors import KvgeomError
 from kvgeom.pair.dcp import apply_dcp_prefix_caching, dcp_consumer_count
-from kvgeom.pair.handshake import check_csa_linear_tp_layout
 from kvgeom.pair.layerroute import RegionTable, align_regions_by_layer, split_packed_rows
+from kvgeom.pair.rules import check_csa_linear_tp_layout
 from kvgeom.pair.tp import compute_tp_mapping, dcp_handshake_targets
 from kvgeom.plan.descids import compute_desc_ids
 from kvgeom.plan.exchange import clip_ssm_state_blocks, exchange_clipped_blocks

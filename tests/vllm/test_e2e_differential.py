@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from kvgeom.errors import KvgeomError
 from kvgeom.layout.engine import ConvLayout, EngineConfig
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
-from kvgeom.plan.request import receive_step
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
+from kvgeom.plan.receive import receive_step
 from kvgeom.testing import ZERO, Oracle, Request, engine_geometries
 from kvgeom.testing import strategies as kst
 from kvgeom.testing.oracle import pull_plans, push_plans, run_plans
@@ -82,7 +83,7 @@ def _vllm(case: kst.Case) -> tuple[Oracle | None, list[np.ndarray], BaseExceptio
 
 def _receive(oracle: Oracle, case: kst.Case) -> None:
     """After a push, every D rank zeroes the bytes of its blocks that no write reached (kvgeom's
-    :func:`~kvgeom.plan.request.receive_step` ranges, applied to unwritten bytes only, so that a wrong write stays
+    :func:`~kvgeom.plan.receive.receive_step` ranges, applied to unwritten bytes only, so that a wrong write stays
     visible to the oracle)."""
     r = case.request
     for d in oracle.d:

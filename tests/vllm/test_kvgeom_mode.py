@@ -263,7 +263,7 @@ def test_head_major_p_pushed_into_a_token_major_d_that_permutes_is_refused_by_th
     compat: str,
 ) -> None:
     # B.6.15 in push: vLLM's P refuses D's LBNHC at its handshake; vllm mode refuses it too. kvgeom's core plans
-    # it (kvgeom.plan.request.receive_step permutes on D), but the drop-in's push D runs no receive step yet, so its P
+    # it (kvgeom.plan.receive.receive_step permutes on D), but the drop-in's push D runs no receive step yet, so its P
     # refuses the pair at the handshake, typed, instead of leaving head-major pages in D's token-major cache
     d = make_worker("D", 2, 0, 32, 6, "LBNHC", compat, RecordingNixl, push=True, permute=True)
     p = make_worker("P", 1, 0, 32, 6, "LBHNC", compat, RecordingNixl, push=True)

@@ -24,7 +24,7 @@ from vllm.model_executor.models.config import NemotronHForCausalLMConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvgeom import presets
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "tests" / "data" / "hf"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvgeom.model.spec import Shard
+from kvgeom.model.layers import Shard
 from kvgeom.pair.blocksize import block_size_ratio as _kv_block_size_ratio
 from kvgeom.pair.dcp import dcp_consumer_count as _kv_dcp_consumer_count
 from kvgeom.pair.dcp import dcp_rank as _kv_dcp_rank

@@ -1,6 +1,6 @@
 """Handshake validation: vLLM's checks of a peer's advertised metadata, answered by
 :func:`kvgeom.compat.vllm.advertised.check_advertised_pair`, :func:`kvgeom.pair.dcp.check_parallel_pair` and
-:func:`kvgeom.pair.handshake.check_csa_linear_tp_layout`. (A peer that also sends kvgeom's geometry card was
+:func:`kvgeom.pair.rules.check_csa_linear_tp_layout`. (A peer that also sends kvgeom's geometry card was
 already paired by :meth:`kvgeom.Pairing.create` on both cards, see :mod:`kvgeom_vllm.handshake`.)"""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from kvgeom.compat.vllm.advertised import Advertised, LocalFacts, check_advertised_pair
 from kvgeom.errors import IncompatiblePairError
 from kvgeom.pair.dcp import check_parallel_pair
-from kvgeom.pair.handshake import check_csa_linear_tp_layout
+from kvgeom.pair.rules import check_csa_linear_tp_layout
 
 from ._common import KVI
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
-from kvgeom.model.spec import Shard
+from kvgeom.model.layers import Shard
 from kvgeom.pair.blocksize import block_size_ratio
 from kvgeom.pair.dcp import check_parallel_pair
 from kvgeom.pair.tp import tp_ratio as _tp_ratio

@@ -12,7 +12,8 @@ from importlib import resources
 from typing import Any
 
 from kvgeom.errors import SpecError
-from kvgeom.model.spec import AttentionSpec, Layer, LayerSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, Layer, LayerSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 
 __all__ = ["names", "load", "from_card"]
 

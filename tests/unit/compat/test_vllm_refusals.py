@@ -8,7 +8,8 @@ import pytest
 
 from kvgeom import IncompatiblePairError, UnsupportedError
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import Request, run
 
 MAMBA1 = ModelSpec.from_layers("ssm", [MambaSpec.mamba1(4, 1, 2, "float16")])

@@ -12,10 +12,11 @@ from dataclasses import replace
 import pytest
 
 from kvgeom.errors import ConfigError, IncompatiblePairError, KvgeomError, SpecError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, CircularBufferSpec, Layer, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.handshake import check_pair
 from kvgeom.testing import Request
 from kvgeom.testing import strategies as kst

@@ -13,11 +13,12 @@ from dataclasses import replace
 import pytest
 
 from kvgeom.errors import ConfigError, IncompatiblePairError, SpecError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.csarows import RowRegion, RowView, packed_groups, packed_registration, packed_row_offsets
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import CircularBufferSpec, Layer, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import CircularBufferSpec, Layer, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import Request, pull_plans
 
 MODEL = csa_linear_model()

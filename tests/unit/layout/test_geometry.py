@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from kvgeom.errors import ConfigError, SpecError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import Group, Region, align_hybrid_block_size, rank_geometry
-from kvgeom.model.spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec
+from kvgeom.layout.geometry import Group, Region, align_hybrid_block_size
+from kvgeom.model.layers import AttentionSpec, LayerKind, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 
 M = MambaSpec.mamba2(8, 4, 2, 16, 3)
 A = AttentionSpec(2, 8)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from kvgeom import CardError, EngineConfig, KvgeomError, Pairing, card_of
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import CARD_VERSION, DEFAULT_LIMITS, CardLimits, GeometryCard
-from kvgeom.layout.geometry import rank_geometry
 from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
 
 DENSE = ModelSpec.from_layers("dense", [AttentionSpec(4, 2, "float16")] * 2)

@@ -19,11 +19,13 @@ from dataclasses import replace
 import pytest
 
 from kvgeom.errors import GroupMismatchError, IncompatiblePairError, KvgeomError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import RankGeometry, packed_csa_rows, rank_geometry
+from kvgeom.layout.geometry import RankGeometry, packed_csa_rows
 from kvgeom.layout.view import pseudo
 from kvgeom.model.csa import csa_linear_model
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.handshake import check_pair
 from kvgeom.pair.route import route
 from kvgeom.pair.streams import PackedStream, packed_streams, pair_streams

@@ -13,18 +13,20 @@ import pytest
 
 from kvgeom import EngineConfig, KvgeomError, presets
 from kvgeom.errors import SpecError, UnsupportedError
-from kvgeom.layout.geometry import align_hybrid_block_size, rank_geometry
+from kvgeom.layout.allocate import rank_geometry
+from kvgeom.layout.geometry import align_hybrid_block_size
 from kvgeom.model.hfconfig import (
     KV_CACHE_DTYPES,
     SSM_CACHE_DTYPES,
-    _Fields,
     apply_cache_dtypes,
     layer_kinds,
     load_config,
     model_types,
     read_config,
 )
-from kvgeom.model.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.hffamilies import ConfigFields
+from kvgeom.model.layers import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, Shard
+from kvgeom.model.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[3]
 HF = ROOT / "tests" / "data" / "hf"
@@ -315,14 +317,14 @@ def _refused(cfg: Any, field: str, **values: Any) -> SpecError:
     return err
 
 
-# -- _Fields ---------------------------------------------------------------------------------------
+# -- ConfigFields ---------------------------------------------------------------------------------------
 F = {"a": 3, "b": None, "c": 4.0, "d": True, "e": 4.5, "s": "7", "z": 0, "five": 5}
 
 
 def test_fields_name_has_get() -> None:
-    f = _Fields(F, "p.")
+    f = ConfigFields(F, "p.")
     assert f.name("a") == "p.a"
-    assert _Fields(F).name("a") == "a"  # default prefix: none
+    assert ConfigFields(F).name("a") == "a"  # default prefix: none
     assert f.has("a") and f.has("z") and not f.has("b") and not f.has("missing")
     assert f.get("a", 7) == 3 and f.get("b", 7) == 7 and f.get("missing", 7) == 7
     assert f.get("missing") is None and f.get("b") is None
@@ -330,7 +332,7 @@ def test_fields_name_has_get() -> None:
 
 
 def test_fields_num_first_present_key_and_defaults() -> None:
-    f = _Fields(F, "p.")
+    f = ConfigFields(F, "p.")
     assert f.num("b", "a") == 3  # b is None: skipped
     assert f.num("a", "five") == 3  # the first present wins
     assert f.num("missing", "five") == 5
@@ -344,7 +346,7 @@ def test_fields_num_first_present_key_and_defaults() -> None:
 
 
 def test_fields_num_refusals() -> None:
-    f = _Fields(F, "p.")
+    f = ConfigFields(F, "p.")
     err = _raises(SpecError, f.num, "missing", "b")
     assert err.field == "p.missing" and err.values == {"value": None}
     err = _raises(SpecError, f.num, "z")  # minimum 1 by default
@@ -354,12 +356,12 @@ def test_fields_num_refusals() -> None:
     for key, value in (("d", True), ("e", 4.5), ("s", "7")):
         err = _raises(SpecError, f.num, key)
         assert err.field == f"p.{key}" and err.values == {"value": value}
-    assert _raises(SpecError, _Fields({"f": False}).num, "f", minimum=0).values == {"value": False}
+    assert _raises(SpecError, ConfigFields({"f": False}).num, "f", minimum=0).values == {"value": False}
 
 
 def test_fields_lists() -> None:
     data = {"l": [0, 2], "n": "x", "m": [1, 1.5], "s": ["a", "b"], "t": ["a", 1]}
-    f = _Fields(data, "p.")
+    f = ConfigFields(data, "p.")
     assert f.int_list("l") == [0, 2]  # minimum 0 by default
     err = _raises(SpecError, f.int_list, "l", minimum=1)
     assert err.field == "p.l[0]" and err.values == {"value": 0, "expected": 1}
@@ -1025,7 +1027,7 @@ def test_apply_cache_dtypes() -> None:
 
 
 def test_missing_field_message_lists_the_alternatives() -> None:
-    f = _Fields({}, "p.")
+    f = ConfigFields({}, "p.")
     assert str(_raises(SpecError, f.num, "a")) == "p.a: missing from the config"
     assert str(_raises(SpecError, f.num, "a", "b")) == "p.a: missing from the config (or b)"
     assert str(_raises(SpecError, f.num, "a", "b", "c")) == "p.a: missing from the config (or b, c)"

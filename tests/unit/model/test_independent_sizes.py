@@ -24,7 +24,7 @@ import pytest
 
 from kvgeom import presets
 from kvgeom.dtypes import DTYPE_BYTES
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
 
 ROOT = Path(__file__).resolve().parents[3]
 HF = ROOT / "tests" / "data" / "hf"

@@ -13,8 +13,9 @@ import pytest
 from kvgeom import presets
 from kvgeom.errors import SpecError, UnsupportedError
 from kvgeom.model.hfconfig import read_config
+from kvgeom.model.layers import AttentionSpec, LayerKind, MambaSpec, MLASpec, Shard
 from kvgeom.model.models import ModelRef, Sharding, TPRule, _heads, preset_ids, resolve
-from kvgeom.model.spec import AttentionSpec, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.spec import ModelSpec
 
 D, R, U = Sharding.DIVIDES, Sharding.DIVIDES_OR_REPLICATES, Sharding.DIVIDES_UNLESS_ONE
 

@@ -12,8 +12,9 @@ import pytest
 
 from kvgeom import presets
 from kvgeom.errors import SpecError
+from kvgeom.model.layers import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, Shard
 from kvgeom.model.presets import _get, from_card
-from kvgeom.model.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.spec import ModelSpec
 
 
 def _card(layers: list[str], derived: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import pytest
 
 from kvgeom.dtypes import DTYPE_BYTES, dtype_size
 from kvgeom.errors import SpecError
-from kvgeom.model.spec import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.layers import AttentionSpec, Layer, LayerKind, MambaSpec, MLASpec, Shard
+from kvgeom.model.spec import ModelSpec
 
 
 def _raises(fn: Any, *args: Any, **kwargs: Any) -> SpecError:

@@ -149,8 +149,8 @@ def test_parallel_pair_rules() -> None:
 def test_pull_from_a_dcp8_remote_reads_every_rank() -> None:
     """Local TP1 MLA, remote TP8 with DCP 8: pages are read from ranks 0..7, each its own pages (global
     page ``j * 8 + r`` is rank ``r``'s list entry ``j``), and P ranks free after one reader each."""
+    from kvgeom.layout.allocate import rank_geometry
     from kvgeom.layout.engine import EngineConfig
-    from kvgeom.layout.geometry import rank_geometry
     from kvgeom.plan.pairing import Pairing
     from kvgeom.plan.request import plan_request
 

@@ -11,9 +11,11 @@ import pytest
 
 from kvgeom import EngineConfig, IncompatiblePairError, KvgeomError, RatioError
 from kvgeom.errors import UnsupportedError
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.layout.allocate import rank_geometry
+from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
-from kvgeom.pair.handshake import PairShape, block_size_ratio, check_csa_linear_tp_layout, check_pair
+from kvgeom.pair.handshake import PairShape, block_size_ratio, check_pair
+from kvgeom.pair.rules import check_csa_linear_tp_layout
 
 DENSE2 = ModelSpec.from_layers("dense2", [AttentionSpec(2, 2, "float16")] * 2)  # 2 KV heads
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)  # 4 KV heads
@@ -769,7 +771,7 @@ def test_remote_blocks_split_only_into_abutting_equal_pieces() -> None:
 
 
 def test_csa_linear_pairs_across_the_kv_head_count_name_tp_size() -> None:
-    from kvgeom.pair.handshake import check_csa_linear_tp_layout
+    from kvgeom.pair.rules import check_csa_linear_tp_layout
 
     with pytest.raises(IncompatiblePairError) as err:  # 2 KV heads: TP1 shards them, TP4 replicates
         check_csa_linear_tp_layout(1, 4, 2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from kvgeom.errors import GroupMismatchError, IncompatiblePairError, UnsupportedError
-from kvgeom.pair.handshake import check_csa_linear_tp_layout
 from kvgeom.pair.layerroute import (
     RegionTable,
     align_regions_by_layer,
@@ -15,6 +14,7 @@ from kvgeom.pair.layerroute import (
     split_packed_rows,
     transfer_layers,
 )
+from kvgeom.pair.rules import check_csa_linear_tp_layout
 
 
 def _is(exc: pytest.ExceptionInfo, cls: type, field: str, **values: object) -> None:

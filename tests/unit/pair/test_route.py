@@ -11,7 +11,8 @@ import pytest
 
 from kvgeom import EngineConfig, KvgeomError
 from kvgeom.errors import UnsupportedError
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.layout.allocate import rank_geometry
+from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
 from kvgeom.pair.route import Route, _unit_slice, dcp_pages_differ, route
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from kvgeom.errors import PlanError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig, KVLayout
-from kvgeom.layout.geometry import rank_geometry
-from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.align import Page, consumer_zero_rows, group_pages, list_starts, overlap, page_heads
 
 

@@ -16,19 +16,19 @@ import pytest
 from kvgeom import ConfigError, EngineConfig, IncompatiblePairError, Pairing
 from kvgeom.cli import main
 from kvgeom.errors import SpecError, UnsupportedError
-from kvgeom.layout.geometry import rank_geometry
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.view import EngineView
 from kvgeom.model.csa import csa_linear_model, ring_capacity
-from kvgeom.model.spec import (
+from kvgeom.model.layers import (
     AttentionSpec,
     CircularBufferSpec,
     Layer,
     LayerKind,
     MambaSpec,
     MLASpec,
-    ModelSpec,
     ReplicatedStateSpec,
 )
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.handshake import check_pair
 from kvgeom.plan.dlist import local_dlist, remote_dlist
 from kvgeom.plan.request import plan_request

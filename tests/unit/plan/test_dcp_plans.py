@@ -11,7 +11,8 @@ import pytest
 
 from kvgeom import EngineConfig, MLASpec, ModelSpec, Pairing, rank_geometry
 from kvgeom.errors import PlanError, TokenCountError, UnsupportedError
-from kvgeom.plan.request import plan_request, receive_step
+from kvgeom.plan.receive import receive_step
+from kvgeom.plan.request import plan_request
 
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")])
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from kvgeom import GeometryCard
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
-from kvgeom.model.spec import MLASpec, ModelSpec
+from kvgeom.layout.geometry import RankGeometry
+from kvgeom.model.layers import MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing, pair_targets, push_writers
 
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)

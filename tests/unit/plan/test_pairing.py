@@ -10,7 +10,8 @@ import pytest
 
 from kvgeom import EngineConfig, IncompatiblePairError, KvgeomError, Pairing, card_of
 from kvgeom.errors import UnsupportedError
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
+from kvgeom.layout.allocate import rank_geometry
+from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
 
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)

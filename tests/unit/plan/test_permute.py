@@ -1,6 +1,6 @@
 """A head-major P pulled by a token-major D with ``permute_local_kv`` (vLLM's ``enable_permute_local_kv``,
 docs/vllm-behaviour.md B.6.15): the engine option, the handshake rule and its refusals, the pairing, the
-planned receive step (a token-major :class:`~kvgeom.plan.request.Regroup`) and the picture of it. Expected values
+planned receive step (a token-major :class:`~kvgeom.plan.requestplan.Regroup`) and the picture of it. Expected values
 are derived by hand in the comments.
 
 The model ``M4``: one attention layer of 4 KV heads, head size 8 (K and V) in float16, so one head of one
@@ -14,14 +14,19 @@ import pytest
 
 from kvgeom.cli._inputs import UsageError, parse_engine
 from kvgeom.errors import ConfigError, IncompatiblePairError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig, KVLayout
-from kvgeom.layout.geometry import RankGeometry, rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
-from kvgeom.pair.handshake import check_pair, check_permute
+from kvgeom.layout.geometry import RankGeometry
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
+from kvgeom.pair.handshake import check_pair
+from kvgeom.pair.rules import check_permute
 from kvgeom.plan.align import Page
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.planmemo import memo_of
-from kvgeom.plan.request import Regroup, permuted_heads, plan_request, post_receive, receive_step
+from kvgeom.plan.receive import permuted_heads, post_receive, receive_step
+from kvgeom.plan.request import plan_request
+from kvgeom.plan.requestplan import Regroup
 from kvgeom.tools.draw import _regroup
 from kvgeom.tools.scenario import Scenario
 

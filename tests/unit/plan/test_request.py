@@ -14,19 +14,18 @@ import pytest
 
 from kvgeom import EngineConfig, Pairing, card_of
 from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
-from kvgeom.layout.geometry import rank_geometry
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
 from kvgeom.plan.planmemo import memo_of
-from kvgeom.plan.request import (
+from kvgeom.plan.receive import post_receive, receive_step
+from kvgeom.plan.request import plan_request
+from kvgeom.plan.requestplan import (
     MOVE_COLUMNS,
     Regroup,
     RequestPlan,
     Transfer,
     check_writes,
     contiguous_runs,
-    plan_request,
-    post_receive,
-    receive_step,
 )
 from kvgeom.testing import Request
 

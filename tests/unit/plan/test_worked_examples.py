@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from kvgeom import KvgeomError, UnsupportedError
+from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.layout.geometry import rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.request import plan_request
 
@@ -280,7 +281,7 @@ def test_mamba2_one_group_p_tp2_to_d_tp1_gathers_b_and_c_in_halves_from_identica
 
 
 def test_check_writes_accepts_plans_and_refuses_a_lying_remote() -> None:
-    from kvgeom.plan.request import check_writes
+    from kvgeom.plan.requestplan import check_writes
 
     pairing = _pair(
         MAMBA2, dict(tp_size=4, block_size=4, num_blocks=8), dict(tp_size=1, block_size=8, num_blocks=4)
@@ -295,7 +296,7 @@ def test_check_writes_accepts_plans_and_refuses_a_lying_remote() -> None:
 def test_check_writes_names_the_first_move_outside_the_request() -> None:
     """Every P rank's attention move lands in D's block 3; with block 3 not the request's, the error
     names the first of them in the plan's move order (region, offset, length)."""
-    from kvgeom.plan.request import check_writes
+    from kvgeom.plan.requestplan import check_writes
 
     pairing = _pair(
         MAMBA2, dict(tp_size=4, block_size=4, num_blocks=8), dict(tp_size=1, block_size=8, num_blocks=4)

@@ -13,7 +13,8 @@ import pytest
 from kvgeom import ConfigError
 from kvgeom.errors import PlanError, SpecError
 from kvgeom.layout.engine import ConvLayout, KVLayout
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.request import plan_request
 from kvgeom.tools.scenario import MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks
 

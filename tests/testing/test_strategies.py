@@ -9,12 +9,11 @@ import pytest
 from hypothesis import HealthCheck, find, given, reject, settings
 from hypothesis import strategies as st
 
-from kvgeom import KvgeomError
+from kvgeom import EngineConfig, KvgeomError
 from kvgeom.layout.allocate import rank_geometry
-from kvgeom.layout.engine import EngineConfig, KVLayout
+from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import align_hybrid_block_size
-from kvgeom.model.layers import AttentionSpec, MLASpec
-from kvgeom.model.spec import ModelSpec
+from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
 from kvgeom.testing import Oracle, pull_plans, push_plans
 from kvgeom.testing import strategies as kst
 
@@ -150,3 +149,25 @@ def test_the_permuted_plannable_class() -> None:
     assert kst.plannable_class(kst.PDPair(mla, p, d, "pull", "vllm")) is None
     unflagged = dataclasses.replace(d, permute_local_kv=False)  # two layouts without the permute
     assert kst.plannable_class(kst.PDPair(model, p, unflagged, "pull", "vllm")) is None
+
+
+def test_testing_strategies_is_loaded_on_first_access() -> None:
+    """``kvgeom.testing.strategies`` is imported lazily (hypothesis is needed only there): reached through
+    the package's ``__getattr__`` when it is not loaded yet; any other missing name is an AttributeError."""
+    import sys
+
+    import pytest
+
+    import kvgeom.testing as t
+
+    saved = sys.modules.pop("kvgeom.testing.strategies", None)
+    had = t.__dict__.pop("strategies", None)
+    try:
+        assert t.__getattr__("strategies").__name__ == "kvgeom.testing.strategies"
+        with pytest.raises(AttributeError):
+            t.__getattr__("no_such_thing")
+    finally:
+        if saved is not None:
+            sys.modules["kvgeom.testing.strategies"] = saved
+        if had is not None:
+            t.strategies = had  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """The command line: every command on the shipped examples and presets, --json output, models by name, id
 or config.json, and bad input: one line naming the field and what is accepted, exit status 2, never a
-traceback (a table of the inputs issue 10 listed plus a hypothesis fuzz of engine flags)."""
+traceback (a table of bad inputs plus a hypothesis fuzz of engine flags)."""
 
 from __future__ import annotations
 

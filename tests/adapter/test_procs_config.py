@@ -90,6 +90,43 @@ def test_config_defaults_validation_and_env():
         TransportConfig.from_env({"KVGEOM_NIXL_HANDSHAKE_TIMEOUT_S": "soon"})
 
 
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("max_pending", 0),
+        ("max_pending", -5),
+        ("max_pending", 1 << 17),
+        ("max_pending", 2.5),
+        ("max_pending", True),
+        ("preamble_timeout_s", 0),
+        ("preamble_timeout_s", -1.0),
+        ("preamble_timeout_s", float("nan")),
+        ("preamble_timeout_s", float("inf")),
+        ("preamble_timeout_s", 61.0),
+        ("preamble_timeout_s", "1"),
+    ],
+)
+def test_side_channel_bounds_are_validated_with_typed_errors(field, bad):
+    """``max_pending`` and ``preamble_timeout_s`` (issue 22): a ``ConfigError`` naming the field, the value
+    given and the range allowed."""
+    from kvgeom.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        TransportConfig(**{field: bad})
+    assert e.value.field == field
+    assert e.value.values["value"] is bad or e.value.values["value"] != e.value.values["value"]  # nan
+    lo, hi = e.value.values["expected"]
+    assert lo < hi
+
+
+def test_side_channel_bounds_defaults_and_env():
+    c = TransportConfig()
+    assert (c.max_pending, c.preamble_timeout_s) == (512, 1.0)
+    env = {"KVGEOM_NIXL_MAX_PENDING": "64", "KVGEOM_NIXL_PREAMBLE_TIMEOUT_S": "0.25"}
+    c = TransportConfig.from_env(env)
+    assert (c.max_pending, c.preamble_timeout_s) == (64, 0.25)
+
+
 def test_importing_the_adapter_is_cheap():
     import os
     import subprocess

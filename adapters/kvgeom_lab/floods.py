@@ -209,5 +209,5 @@ def legit_requests_under_flood(
             "max_connects": max_connects,
         }
     }
-    out = run_cluster(spec(mode, reqs, faults, config=config or {}, drain_s=2.0), timeout_s=240)
+    out = run_cluster(spec(mode, reqs, faults, config=config or {}, drain_s=2.0), timeout_s=420)
     return result(out)

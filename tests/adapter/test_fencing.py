@@ -172,6 +172,7 @@ def test_a_flood_on_the_freshness_checks_side_channel_fails_no_legitimate_reques
     Now the check goes over a session kept open since the first one: every request is served, within its
     deadline, and every byte checks out."""
     run = legit_requests_under_flood(mode, n=20, processes=3, config={"transfer_timeout_s": 1.0})
+    print(f"\n{mode}: {run.row()}")
     assert run.requests_failed == 0, run.failed
     assert run.requests_served == 22
     assert max(run.seconds.values()) < 1.0 + SLACK_S

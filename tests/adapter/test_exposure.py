@@ -119,35 +119,39 @@ def test_an_endpoint_without_a_host_listens_on_loopback_only():
 
 
 def test_a_ranks_side_channel_runs_with_the_configured_bounds():
-    """``TransportConfig.max_pending`` and ``preamble_timeout_s`` reach the rank's side channel: with
-    ``max_pending=4``, ten idle connections leave at most four held (the oldest dropped for each new one);
-    with ``preamble_timeout_s=2.5`` the four left are still held 1.5 s later (past the 1 s default) and
-    dropped after 2.5 s."""
-    from dataclasses import replace
-
-    from _inproc import CONFIG, card
+    """``TransportConfig.max_pending`` and ``preamble_timeout_s`` reach the rank's side channel (a rank in
+    its own process): with ``max_pending=4``, ten idle connections leave at most four held (the oldest
+    dropped for each new one); with ``preamble_timeout_s=2.5`` the four left are still held 1.5 s later
+    (past the 1 s default) and dropped after 2.5 s."""
     from _slack import SLACK_S
-    from kvgeom_nixl.kvrank import KVRank
 
-    cfg = replace(CONFIG, max_pending=4, preamble_timeout_s=2.5)
-    with KVRank(card("bounds"), cfg) as rank:
+    with ProcGroup() as g:
+        ready, (events, inbox) = _rank(g, "bounds", config={"max_pending": 4, "preamble_timeout_s": 2.5})
+
+        def stats() -> dict:
+            inbox.put(("parent", "stats", None))
+            return _event(g, events, "stats")
+
         t0 = time.monotonic()
-        socks = [socket.create_connection((rank.host, rank.port), timeout=2.0) for _ in range(10)]
+        socks = [socket.create_connection((HOST, ready["port"]), timeout=2.0) for _ in range(10)]
         try:
-            deadline = time.monotonic() + 10.0
-            while rank.server.stats["evicted"] < 6 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            deadline = time.monotonic() + 20.0
+            early = stats()
+            while early["evicted"] < 6 and time.monotonic() < deadline:
+                early = stats()
             time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))
-            early = dict(rank.server.stats)
-            while rank.server.stats["dropped_slow"] < 4 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            early = stats()
+            late = stats()
+            while late["dropped_slow"] < 4 and time.monotonic() < deadline:
+                late = stats()
             waited = time.monotonic() - t0
-            stats = dict(rank.server.stats)
         finally:
             for s in socks:
                 s.close()
+        inbox.put(("parent", "exit", None))
+        g.collect(EVENT_S)
     assert early["peak_pending"] == 4 and early["evicted"] == 6 and early["dropped_slow"] == 0, early
-    assert stats["dropped_slow"] == 4 and 2.5 <= waited < 2.5 + SLACK_S, (stats, waited)
+    assert late["dropped_slow"] == 4 and 2.5 <= waited < 2.5 + SLACK_S, (late, waited)
 
 
 class _Attack:

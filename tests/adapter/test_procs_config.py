@@ -17,8 +17,10 @@ def test_results_errors_deaths_and_timeouts_come_back_as_data():
         g.spawn(sleep_forever, (), "sleeper")
         g.spawn(unpicklable, (), "lambda")
         t0 = time.monotonic()
-        res = g.collect(timeout_s=6.0, names=["add", "boom", "killed", "lambda"])
-        assert time.monotonic() - t0 < 5.0  # did not wait for the dead child until the deadline
+        res = g.collect(timeout_s=60.0, names=["add", "boom", "killed", "lambda"])
+        # did not wait for the dead child until the deadline (a generous one: on a loaded machine starting
+        # the five children alone took over 6 s)
+        assert time.monotonic() - t0 < 30.0
         late = g.collect(timeout_s=0.3, names=["sleeper"])
         procs = list(g.procs.values())
     assert res["add"].ok and res["add"].value == 5 and res["add"].unwrap() == 5

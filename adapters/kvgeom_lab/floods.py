@@ -172,7 +172,7 @@ def live_producer_flood(connections: int = 40, max_connects: int = 60000) -> Flo
             "max_connects": max_connects,
         },
     }
-    out = run_cluster(spec("push", reqs, faults, linger_s=2.0), timeout_s=150)
+    out = run_cluster(spec("push", reqs, faults, linger_s=2.0), timeout_s=400)  # stressed: > 150 s
     return result(out, {("r1", 1)}, {("r2", 1)})
 
 

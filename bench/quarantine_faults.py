@@ -1,10 +1,13 @@
 """Issue 22's rows of the fault matrix (docs/reliability.md), measured with real P and D processes:
 
-    .venv/bin/python bench/quarantine_faults.py [--trials 3] [--rows flood,stop-bound,exhaust]
+    .venv/bin/python bench/quarantine_faults.py [--trials 3] [--rows flood,legit-pull,legit-push,stop-bound,exhaust]
 
-* ``flood``: push; ``prefill`` busy past the 2.5 s timeout (alive, its side channel answering) while a
-  process without the secret holds 40 connections to each of its side channels (the server closes the
-  surplus at accept: D's probes read a reset or an EOF). r2 (``backup``) is served meanwhile.
+* ``flood``: :func:`kvgeom_lab.floods.live_producer_flood` (push; ``prefill`` busy past the 2.5 s timeout,
+  alive, while a process without the secret holds 40 connections to each of its side channels). r2
+  (``backup``) is served meanwhile.
+* ``legit-pull``, ``legit-push``: :func:`kvgeom_lab.floods.legit_requests_under_flood`, 20 requests with a
+  1 s transfer timeout while 3 flood processes hold 700 connections each per flooded side channel
+  (more than the server's ``max_pending``) plus 100 slow drips each; counts served and failed.
 * ``stop-bound``: push; ``prefill`` SIGSTOPped with r1 not yet written, for 8 s, with
   ``quarantine_bound_s=1.5``; r2 is served after the retirement, r3 after SIGCONT.
 * ``exhaust``: push; ``prefill`` stopped for 60 s; attempts of one 2,700-token request (44 of D's 256
@@ -29,71 +32,15 @@ for p in (ROOT, ROOT / "adapters"):
         sys.path.insert(0, str(p))
 
 from kvgeom_lab.cluster import run_cluster  # noqa: E402
-from kvgeom_lab.demo import DEFAULT_SCENARIO  # noqa: E402
-
-T = 2.5
-CONFIG = {
-    "handshake_timeout_s": 3.0,
-    "transfer_timeout_s": T,
-    "notif_timeout_s": T,
-    "secret": "quarantine-bench-secret-0123456789",
-}
-
-
-def _spec(requests: list[dict], faults: dict, **extra) -> dict:
-    return {
-        "scenario": dict(DEFAULT_SCENARIO, mode="push"),
-        "requests": requests,
-        "prefill_engines": ["prefill", "backup"],
-        "config": dict(CONFIG, **extra.pop("config", {})),
-        "drain_s": extra.pop("drain_s", 10.0),
-        "push_deadline": False,
-        "faults": faults,
-        **extra,
-    }
-
-
-def _rows(out: dict, faulty: set[tuple[str, int]], during: set[tuple[str, int]]) -> dict:
-    """The row's numbers; ``during``: the attempts handed blocks while the faulty ones were held."""
-    d = out["results"]["decode-0"]
-    a = {(x["request_id"], x["attempt"]): x for x in out["attempts"]}
-    settled = {(r, n): (held, cleared) for _, r, n, held, cleared in out["settled"]}
-    ids = {k: {b for g in v.get("ids", []) for b in g} for k, v in a.items()}
-    ok = [k for k, v in a.items() if v["ok"]]
-    return {
-        "outcome": [a[k]["errors"][0].split(":")[0] if not a[k]["ok"] else "ok" for k in sorted(faulty)],
-        "time_to_fail": [a[k]["seconds"] for k in sorted(faulty)],
-        "held_s": [settled.get(k, (None,))[0] for k in sorted(faulty)],
-        "cleared_by": [settled.get(k, (None, None))[1] for k in sorted(faulty)],
-        "blocks_held": [len(ids[k]) for k in sorted(faulty)],
-        "reused_while_held": sum(len(ids[k] & ids[o]) for k in faulty for o in during),
-        "bytes_damaged": d["bad_bytes"],
-        "mismatches": len(d["mismatches"]),
-        "others_ok": f"{sum(1 for k in ok if k not in faulty)}/{sum(1 for k in a if k not in faulty)}",
-        "retired": [(x[1], x[2], round(x[3], 2)) for x in out["retired"]],
-        "stats": {k: d["stats"][k] for k in ("probes_unknown", "retired", "retired_blocks")},
-    }
+from kvgeom_lab.floods import T, legit_requests_under_flood, live_producer_flood, result, spec  # noqa: E402
 
 
 def flood() -> dict:
-    reqs = [
-        {"id": "r0", "tokens": 300, "engine": "prefill"},
-        {"id": "r1", "tokens": 900, "engine": "prefill"},
-        {"id": "r2", "tokens": 900, "engine": "backup"},
-        {"id": "r3", "tokens": 300, "engine": "backup", "delay_s": 5.0},
-    ]
-    faults = {
-        "busy": {"engine": "prefill", "at": "r1", "seconds": T + 3.0},
-        "flood": {
-            "engine": "prefill",
-            "at": "r1",
-            "seconds": T + 6.0,
-            "connections": 40,
-            "max_connects": 60000,
-        },
-    }
-    out = run_cluster(_spec(reqs, faults, linger_s=2.0), timeout_s=150)
-    return _rows(out, {("r1", 1)}, {("r2", 1)}) | {"flood": out["results"]["flood"]}
+    return live_producer_flood().row()
+
+
+def legit(mode: str) -> dict:
+    return legit_requests_under_flood(mode, n=20, processes=3, config={"transfer_timeout_s": 1.0}).row()
 
 
 def stop_bound() -> dict:
@@ -104,16 +51,19 @@ def stop_bound() -> dict:
         {"id": "r3", "tokens": 900, "engine": "backup", "delay_s": 6.0},
     ]
     faults = {"stop": {"engine": "prefill", "at": "r1", "seconds": T + 5.5}}
-    out = run_cluster(_spec(reqs, faults, config={"quarantine_bound_s": 1.5}, linger_s=2.0), timeout_s=150)
-    return _rows(out, {("r1", 1)}, {("r2", 1)})
+    out = run_cluster(
+        spec("push", reqs, faults, config={"quarantine_bound_s": 1.5}, linger_s=2.0), timeout_s=150
+    )
+    return result(out, {("r1", 1)}, {("r2", 1)}).row()
 
 
 def exhaust(bound: float) -> dict:
     reqs = [{"id": "f", "tokens": 2700, "engine": "prefill"}] * 7  # attempts 1..7 of one request
     reqs.append({"id": "b1", "tokens": 300, "engine": "backup"})
     faults = {"stop": {"engine": "prefill", "at": "f", "seconds": 60.0}}
-    spec = _spec(reqs, faults, config={"quarantine_bound_s": bound}, drain_s=1.0)
-    out = run_cluster(spec, timeout_s=240)
+    out = run_cluster(
+        spec("push", reqs, faults, config={"quarantine_bound_s": bound}, drain_s=1.0), timeout_s=240
+    )
     att = out["attempts"]
     failed = [x for x in att if not x["ok"] and x.get("error") != "no free blocks"]
     short = [x["request_id"] for x in att if x.get("error") == "no free blocks"]
@@ -130,7 +80,7 @@ def exhaust(bound: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--rows", default="flood,stop-bound,exhaust")
+    ap.add_argument("--rows", default="flood,legit-pull,legit-push,stop-bound,exhaust")
     args = ap.parse_args()
     rows = args.rows.split(",")
     for row in rows:
@@ -138,11 +88,28 @@ def main() -> int:
         for trial in range(1 if row == "exhaust" else args.trials):
             if row == "exhaust":
                 res = [exhaust(60.0), exhaust(1.5)]
+            elif row.startswith("legit-"):
+                res = legit(row.split("-", 1)[1])
             else:
                 res = flood() if row == "flood" else stop_bound()
             print(json.dumps({"row": row, "trial": trial, "result": res}, default=str), flush=True)
             runs.append(res)
-        if row != "exhaust":
+        if row.startswith("legit-"):
+            print(
+                json.dumps(
+                    {
+                        "row": row,
+                        "trials": len(runs),
+                        "served": sum(r["served"] for r in runs),
+                        "failed": sum(r["failed"] for r in runs),
+                        "worst_served_s": max(r["worst_served_s"] for r in runs),
+                        "bytes_damaged": sum(r["bytes_damaged"] for r in runs),
+                        "connects": sum(r["flood"].get("connects", 0) for r in runs),
+                    }
+                ),
+                flush=True,
+            )
+        elif row != "exhaust":
             held = [h for r in runs for h in r["held_s"] if h is not None]
             ttf = [t for r in runs for t in r["time_to_fail"]]
             print(

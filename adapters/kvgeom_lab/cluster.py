@@ -35,6 +35,7 @@ Every wait is bounded; every process is ended when ``run_cluster`` returns (``Pr
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import queue as queue_mod
@@ -76,8 +77,10 @@ FAULTS = {
     "actions[do]() `delay_s` after attempt `attempt` of request `at` is sent (after_post: after D starts "
     "it) and actions[undo]() `seconds` later",
     "flood": "a process without the secret holds `connections` (default 40) TCP connections to every side channel "
-    "of engine `engine` (loopback only) from attempt `attempt` (default 1) of request `at` on, for `seconds`, "
-    "reopening each one the server closes (at most `max_connects` connects in all)",
+    "of engine `engine` (a name or a list; loopback only), and `drips` (default 0) more that send one byte every "
+    "0.1 s, from attempt `attempt` (default 1) of request `at` on, for `seconds` or until the run ends, reopening "
+    "each one the server closes (at most `max_connects` connects in all); `processes` (default 1) such processes "
+    "(reports ``flood``, ``flood-1``, ...)",
     "readdress": "{engine, after, action}: once request `after` is done, actions[action]() gives engine's host a "
     "new address (returned) and the engine's ranks rebind to it; with side-channel discovery D "
     "learns the new addresses only after the next attempt (as from an orchestrator)",
@@ -587,59 +590,101 @@ def _rogue_main(spec: dict, events: Any, inbox: Any) -> dict:
 # ----------------------------------------------------------------------------------------- flood
 def _flood_main(spec: dict, events: Any, inbox: Any) -> dict:
     """A process without the secret that only opens and holds TCP connections to one engine's side
-    channels (the ``flood`` fault): bounded in connections, connects and time; loopback only."""
+    channels (the ``flood`` fault), and, with ``drips``, keeps that many more connections per side channel
+    sending one byte every 0.1 s (a slow drip). Connections are opened without blocking (as fast as one
+    process can, up to ``connections`` held per side channel, so a count over the server's ``max_pending``
+    keeps it evicting), each one the server closes is reopened; bounded in connects (``max_connects``) and
+    time (``seconds``, or the scheduler's ``exit``); loopback only."""
+    import select
+
     ports = _wait_ports(inbox)
-    out = {"connects": 0, "closed_by_server": 0, "connect_errors": 0, "seconds": 0.0}
+    out = {"connects": 0, "closed_by_server": 0, "connect_errors": 0, "drip_bytes": 0, "seconds": 0.0}
     cmd, f = inbox.get(timeout=10 * STEP_S)
     if cmd != "flood":
         return out
-    addrs = [tuple(a) for a in ports[f["engine"]].values()]
-    if any(not str(h).startswith("127.") for h, _ in addrs):
+    engines = f["engine"] if isinstance(f["engine"], list) else [f["engine"]]
+    addrs = [(str(a[0]), int(a[1])) for e in engines for a in ports[e].values()]
+    if any(not h.startswith("127.") for h, _ in addrs):
         raise ValueError(f"flood: loopback side channels only, got {addrs}")
-    socks: dict[Any, tuple] = {}
+    per, drips = int(f.get("connections", 40)), int(f.get("drips", 0))
+    cap = int(f.get("max_connects", 20000))
+    poller = select.epoll()
+    socks: dict[int, tuple[Any, tuple[str, int], bool]] = {}  # fd -> (socket, address, drips)
     t0 = time.monotonic()
-    end, cap = t0 + float(f["seconds"]), int(f.get("max_connects", 20000))
+    end = t0 + float(f["seconds"])
     try:
-        _flood_fill(socks, addrs, int(f.get("connections", 40)), cap, out)
+        _flood_fill(poller, socks, addrs, per, drips, cap, out)
         events.put(("flooding", "flood", 0, len(socks)))
+        next_drip = time.monotonic()
         while time.monotonic() < end:
-            _flood_reap(socks, out)
-            _flood_fill(socks, addrs, int(f.get("connections", 40)), cap, out)
+            for fd, _ in poller.poll(0.005):
+                _flood_closed(poller, socks, fd, out)
+            if time.monotonic() >= next_drip:
+                next_drip = time.monotonic() + 0.1
+                for fd in [fd for fd, (_, _, d) in socks.items() if d]:
+                    try:
+                        out["drip_bytes"] += socks[fd][0].send(b"\x00")
+                    except BlockingIOError:
+                        pass  # not connected yet
+                    except OSError:
+                        _flood_closed(poller, socks, fd, out, read=False)
+                msg = _poll_inbox(inbox, 0.0)
+                if msg is not None and msg[0] == "exit":
+                    break
+            _flood_fill(poller, socks, addrs, per, drips, cap, out)
     finally:
-        for sock in socks:
+        for sock, _, _ in socks.values():
             sock.close()
+        poller.close()
     out["seconds"] = time.monotonic() - t0
-    _poll_inbox(inbox, 10 * STEP_S)  # the scheduler says when to go (a rank ending early is a failure)
+    if time.monotonic() >= end:
+        _poll_inbox(inbox, 10 * STEP_S)  # the scheduler says when to go (a rank ending early is a failure)
     return out
 
 
-def _flood_fill(socks: dict, addrs: list[tuple], per: int, cap: int, out: dict) -> None:
+def _flood_fill(
+    poller: Any, socks: dict, addrs: list[tuple[str, int]], per: int, drips: int, cap: int, out: dict
+) -> None:
+    import select
     import socket
 
     for addr in addrs:
-        for _ in range(per - sum(a == addr for a in socks.values())):
-            if out["connects"] >= cap:
-                return
-            out["connects"] += 1
-            try:
-                socks[socket.create_connection(addr, timeout=0.5)] = addr
-            except OSError:
-                out["connect_errors"] += 1
+        for want, drip in ((per, False), (drips, True)):
+            have = sum(1 for _, a, d in socks.values() if a == addr and d == drip)
+            for _ in range(want - have):
+                if out["connects"] >= cap:
+                    return
+                out["connects"] += 1
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                if sock.connect_ex(addr) not in (0, errno.EINPROGRESS):
+                    out["connect_errors"] += 1
+                    sock.close()
+                    continue
+                socks[sock.fileno()] = (sock, addr, drip)
+                poller.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
 
 
-def _flood_reap(socks: dict, out: dict) -> None:
-    """Close (and forget) every held connection the server has closed."""
-    import select
-
-    for sock in select.select(list(socks), [], [], 0.005)[0]:
+def _flood_closed(poller: Any, socks: dict, fd: int, out: dict, read: bool = True) -> None:
+    """Forget (and close) a held connection if the server has closed it (the greeting is read and
+    dropped)."""
+    entry = socks.get(fd)
+    if entry is None:
+        return
+    data = b""
+    if read:
         try:
-            data = sock.recv(4096)
+            data = entry[0].recv(4096)
+        except BlockingIOError:
+            return
         except OSError:
             data = b""
-        if not data:
-            out["closed_by_server"] += 1
-            del socks[sock]
-            sock.close()
+    if data:
+        return
+    out["closed_by_server"] += 1
+    poller.unregister(fd)
+    del socks[fd]
+    entry[0].close()
 
 
 # ----------------------------------------------------------------------------------------- parent
@@ -791,9 +836,9 @@ def run_cluster(
             group.spawn(
                 _rogue_main, (spec, events, inboxes[("rogue", 0)]), "rogue", netns=_netns(spec, "rogue")
             )
-        if "flood" in faults:
-            inboxes[("flood", 0)] = group.queue()
-            group.spawn(_flood_main, (spec, events, inboxes[("flood", 0)]), "flood")
+        for i in range(_flooders(faults)):  # "flood", then "flood-1", ...: each its own process
+            inboxes[("flood", i)] = group.queue()
+            group.spawn(_flood_main, (spec, events, inboxes[("flood", i)]), "flood" + (f"-{i}" if i else ""))
         s = _Scheduler(spec, group, events, inboxes, progress, time.monotonic() + timeout_s, actions)
         ports: dict[str, dict[int, int]] = {}
         while sum(len(v) for v in ports.values()) < len(names):
@@ -813,9 +858,10 @@ def run_cluster(
         for n in names:
             if n[0] != "decode" and n[0] not in s.killed:
                 inboxes[n].put(("exit", None))
-        for extra in ("rogue", "flood"):
-            if extra in faults:
-                inboxes[(extra, 0)].put(("exit", None))
+        if "rogue" in faults:
+            inboxes[("rogue", 0)].put(("exit", None))
+        for i in range(_flooders(faults)):
+            inboxes[("flood", i)].put(("exit", None))
         results = group.collect(max(1.0, s.deadline - time.monotonic()))
     return {
         "spec": spec,
@@ -937,6 +983,11 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
     return attempts
 
 
+def _flooders(faults: dict) -> int:
+    """How many flood processes the ``flood`` fault runs (``processes``, default 1; 0 without it)."""
+    return int(faults["flood"].get("processes", 1)) if "flood" in faults else 0
+
+
 def _netns(spec: dict, engine: str) -> str | None:
     return spec.get("hosts", {}).get(engine, {}).get("netns")
 
@@ -963,8 +1014,9 @@ def _before(s: _Scheduler, faults: dict, rid: str, attempt: int, engine: str) ->
                 s.inboxes[n].put(("busy", float(busy["seconds"])))
     flood = faults.get("flood")
     if flood and _hits(flood, rid, attempt):
-        s.inboxes[("flood", 0)].put(("flood", flood))
-        s.expect("flooding", 1)
+        for i in range(_flooders(faults)):
+            s.inboxes[("flood", i)].put(("flood", flood))
+        s.expect("flooding", _flooders(faults))
     rogue = faults.get("rogue")
     if rogue and _hits(rogue, rid, attempt):
         s.inboxes[("rogue", 0)].put(("forge", {"id": rid, "attempt": attempt, "engine": engine}))

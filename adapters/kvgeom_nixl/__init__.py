@@ -26,6 +26,7 @@ from .errors import (
 )
 from .fence import Fence, Held
 from .sidechannel import (
+    Session,
     SideChannelServer,
     check_generation,
     fetch,
@@ -58,6 +59,7 @@ __all__ = [
     "fetch",
     "query_generation",
     "check_generation",
+    "Session",
     "AdapterError",
     "HandshakeTimeout",
     "ProtocolError",

@@ -279,8 +279,11 @@ class Endpoint:
     """A named NIXL agent plus the registrations, peers and handles it must release.
 
     ``host`` is the address the rank serves on: with ``config.net_devices="auto"`` UCX then uses, and
-    listens on, only the interface that holds it (``lo`` for ``127.0.0.1``); :attr:`net_devices` is what
-    ``UCX_NET_DEVICES`` was for this agent (``None``: the environment's, or UCX's default).
+    listens on, only the interface that holds it (``lo`` for ``127.0.0.1``; without a host, loopback
+    only); :attr:`net_devices` is what ``UCX_NET_DEVICES`` was for this agent (``None``: the
+    environment's, or UCX's default). The agent is created under a process-wide lock
+    (:func:`~kvgeom_nixl.ifaces.with_env`): endpoints made at once from several threads each get their
+    own ``UCX_NET_DEVICES``.
 
     >>> ep = Endpoint("decode-0")                       # doctest: +SKIP
     >>> regions = ep.register_tensors([kv])             # doctest: +SKIP

@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from kvgeom.errors import ConfigError
+
 __all__ = ["TransportConfig"]
 
 _ENV_PREFIX = "KVGEOM_NIXL_"
@@ -14,7 +16,10 @@ _TUPLES = ("backends", "etcd_endpoints")
 _STRS = ("secret", "discovery", "etcd_prefix", "net_devices")
 DISCOVERY = ("sidechannel", "etcd")
 _INTS = ("max_message_bytes", "max_connections", "max_peer_payloads", "max_pending_notifs")
+_PARSED_INTS = _INTS + ("max_pending",)  # read as integers from the environment
 MIN_SECRET_BYTES = 16
+MAX_PENDING_LIMIT = 1 << 16  # unauthenticated connections held at most (one file descriptor each)
+PREAMBLE_TIMEOUT_LIMIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,20 @@ class TransportConfig:
 
     max_connections: int = 32
     """Authenticated side-channel requests handled at once. Connections that have not authenticated never
-    take a handler: the accept thread holds at most 512 of them, 132 bytes of buffer each, for 1 s."""
+    take a handler: the accept thread holds at most ``max_pending`` of them, 132 bytes of buffer each, for
+    ``preamble_timeout_s``."""
+
+    max_pending: int = 512
+    """Side-channel connections that have not authenticated yet, held at once by the accept thread (each
+    costs one file descriptor and at most a 132-byte preamble buffer, ~0.4 KB of RSS measured). When it is
+    full, the oldest is dropped for a new one, so a flood of idle connections cannot lock a new peer out;
+    it must stay under the process's file-descriptor limit. 1 to 65536."""
+
+    preamble_timeout_s: float = 1.0
+    """A side-channel connection whose 132-byte authenticated preamble is not complete this long after
+    accept is dropped (a slow drip holds a slot at most this long). A peer sends its preamble at once after
+    the server's greeting, so this only needs to cover one round trip on a busy host. Capped by the
+    server's I/O deadline (``min(5 s, handshake_timeout_s)``). Above 0, at most 60 s."""
 
     max_peer_payloads: int = 256
     """Payloads kept from ``exchange`` requests (oldest dropped first)."""
@@ -92,7 +110,7 @@ class TransportConfig:
     """Which network interfaces UCX may use, and so where its TCP transport listens (``UCX_NET_DEVICES``
     while the agent is created). ``"auto"``: the operator's ``UCX_NET_DEVICES`` if set, else the interface
     holding the address the rank's side channel binds (``lo`` for ``127.0.0.1``; every interface for
-    ``0.0.0.0``, or for an :class:`~kvgeom_nixl.agent.Endpoint` made without a host). ``"all"``: UCX's
+    ``0.0.0.0``; loopback only for an :class:`~kvgeom_nixl.agent.Endpoint` made without a host). ``"all"``: UCX's
     default, every usable interface (NIXL 1.5.1 then listens on the external interface too, even in a
     loopback run). Anything else is a UCX device list used as given (``eth0``, ``mlx5_0:1``)."""
     quarantine_bound_s: float = 60.0
@@ -174,6 +192,7 @@ class TransportConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}: must be an integer >= 1, got {v!r}")
+        self._check_side_channel_bounds()
         secret = self.secret
         if isinstance(secret, str):
             secret = secret.encode()
@@ -185,6 +204,28 @@ class TransportConfig:
             secret = bytes(secret)
         object.__setattr__(self, "secret", secret)
         object.__setattr__(self, "insecure", bool(self.insecure))
+
+    def _check_side_channel_bounds(self) -> None:
+        """``max_pending`` and ``preamble_timeout_s``: a :class:`~kvgeom.errors.ConfigError` naming the
+        field, the value given and the range allowed."""
+        v = self.max_pending
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_PENDING_LIMIT:
+            raise ConfigError(
+                "max_pending",
+                f"expected an integer in [1, {MAX_PENDING_LIMIT}], got {v!r}",
+                value=v,
+                expected=(1, MAX_PENDING_LIMIT),
+            )
+        t = self.preamble_timeout_s
+        ok = isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= PREAMBLE_TIMEOUT_LIMIT_S
+        if not ok:
+            raise ConfigError(
+                "preamble_timeout_s",
+                f"expected seconds in (0, {PREAMBLE_TIMEOUT_LIMIT_S:g}], got {t!r}",
+                value=t,
+                expected=(0.0, PREAMBLE_TIMEOUT_LIMIT_S),
+            )
+        object.__setattr__(self, "preamble_timeout_s", float(t))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> TransportConfig:
@@ -209,7 +250,7 @@ class TransportConfig:
                 values[f.name] = low in ("1", "true", "yes", "on")
             else:
                 try:
-                    values[f.name] = int(raw) if f.name in _INTS else float(raw)
+                    values[f.name] = int(raw) if f.name in _PARSED_INTS else float(raw)
                 except ValueError:
                     raise ValueError(f"{_ENV_PREFIX + f.name.upper()}: not a number: {raw!r}") from None
         values.update(overrides)

@@ -5,6 +5,14 @@ with NIXL 1.5.1: one listener per agent on ``127.0.0.1`` and one on the external
 run that only ever talks over loopback). :func:`ucx_net_devices` turns ``TransportConfig.net_devices``
 and the rank's host into the value of ``UCX_NET_DEVICES`` for its agent; :func:`with_env` sets it only
 while the agent is created (UCX reads it when the backend starts).
+
+The environment is process-wide: :func:`with_env` holds one process-wide lock for its whole block, and
+every agent is created inside it (:class:`~kvgeom_nixl.agent.Endpoint`), with or without a value, so two
+threads creating agents at once never see each other's ``UCX_NET_DEVICES``.
+
+An agent made without a host (an :class:`~kvgeom_nixl.agent.Endpoint` used on its own) gets loopback
+only under ``"auto"``: nothing was configured, so nothing is exposed; ``net_devices="all"``, a device
+list, ``host="0.0.0.0"`` or the operator's ``UCX_NET_DEVICES`` open more.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import ipaddress
 import os
 import socket
 import struct
+import threading
 from collections.abc import Iterator, Mapping
 
 from .errors import AdapterError
@@ -24,6 +33,8 @@ __all__ = ["interfaces", "interface_of", "ucx_net_devices", "with_env"]
 _SIOCGIFADDR = 0x8915
 _SIOCGIFNETMASK = 0x891B
 _ANY = ("", "0.0.0.0")
+LOOPBACK = "127.0.0.1"  # where an agent without a host listens under "auto"
+_ENV_LOCK = threading.RLock()  # held while an agent is created: the environment is the process's
 
 
 def _ioctl_addr(sock: socket.socket, name: str, request: int) -> str | None:
@@ -65,14 +76,16 @@ def ucx_net_devices(setting: str, host: str | None, env: Mapping[str, str] | Non
 
     ``setting`` is ``TransportConfig.net_devices``: ``"all"`` (UCX's default: every interface), a UCX
     device list (used as given), or ``"auto"``: the operator's ``UCX_NET_DEVICES`` if set, else the
-    interface holding ``host`` (every interface for ``0.0.0.0`` or no host)."""
+    interface holding ``host`` (every interface for ``0.0.0.0``; the loopback interface for no host)."""
     env = os.environ if env is None else env
     if setting == "all":
         return None
     if setting != "auto":
         return setting
-    if "UCX_NET_DEVICES" in env or host is None or host in _ANY:
+    if "UCX_NET_DEVICES" in env or host in _ANY:
         return None
+    if host is None:
+        host = LOOPBACK
     try:
         name = interface_of(host)
     except (OSError, ValueError) as e:
@@ -90,16 +103,19 @@ def ucx_net_devices(setting: str, host: str | None, env: Mapping[str, str] | Non
 
 @contextlib.contextmanager
 def with_env(name: str, value: str | None) -> Iterator[None]:
-    """``os.environ[name] = value`` inside the block (nothing changes for ``None``), restored after."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+    """``os.environ[name] = value`` inside the block (nothing changes for ``None``), restored after; the
+    block runs under the process-wide lock either way, so a block without a value never sees another
+    thread's."""
+    with _ENV_LOCK:
+        if value is None:
+            yield
+            return
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old

@@ -62,7 +62,7 @@ from .errors import (
     TransferError,
 )
 from .fence import Fence, Held, Token
-from .sidechannel import SideChannelServer, check_generation, fetch, make_payload, probe
+from .sidechannel import Session, SideChannelServer, check_generation, fetch, make_payload, probe
 
 __all__ = [
     "KVRank",
@@ -405,6 +405,8 @@ class KVRank:
         self.registration: Registration | None = None
         self.directory: Directory | None = None
         self.server: SideChannelServer | None = None
+        # (host, port) -> a kept-open session for the freshness check (no new connection per transfer)
+        self._sessions: dict[tuple[str, int], Session] = {}
         self.ep = self._new_endpoint()
         try:
             self.regions = self.ep.register_tensors(self.tensors)
@@ -511,6 +513,8 @@ class KVRank:
             max_peers=cfg.max_peer_payloads,
             peer_ttl_s=cfg.peer_payload_ttl_s,
             replay_window_s=cfg.replay_window_s,
+            max_pending=cfg.max_pending,
+            preamble_timeout_s=cfg.preamble_timeout_s,
             incarnation=bytes.fromhex(self.incarnation),
         )
         self.server = server
@@ -739,6 +743,9 @@ class KVRank:
         for link in self.links.pop(engine_id, {}).values():
             if link.prepped is not None and not any(x.live for x in self.ep.live_transfers(link.agent)):
                 link.prepped.release()
+            session = self._sessions.pop((link.host, link.port), None)
+            if session is not None:
+                session.close()
         for key in [k for k in self._local if k[0] == engine_id]:
             handle = self._local.pop(key)
             if not self.ep.live_transfers():
@@ -973,12 +980,17 @@ class KVRank:
                 self.stats["etcd_fallbacks"] += 1
         elif link.via == "etcd":
             self.stats["etcd_fallbacks"] += 1
+        addr = (link.host, link.port)
+        session = self._sessions.get(addr)
+        if session is None:
+            session = self._sessions[addr] = Session(link.host, link.port, self.auth)
         check_generation(
             link.host,
             link.port,
             link.generation,
             timeout_s=max(0.1, deadline - time.monotonic()),
             auth=self.auth,
+            session=session,
         )
 
     def _fail(
@@ -1341,6 +1353,9 @@ class KVRank:
         self._publish(wait_s=self.config.etcd_timeout_s)
 
     def _close_parts(self) -> None:
+        for session in self._sessions.values():
+            session.close()
+        self._sessions.clear()
         for part in (self.registration, self.server, self.ep):
             if part is not None:
                 try:

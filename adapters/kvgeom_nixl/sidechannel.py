@@ -92,6 +92,7 @@ __all__ = [
     "probe",
     "Liveness",
     "check_generation",
+    "Session",
     "encode",
     "decode",
 ]
@@ -392,6 +393,17 @@ class _Pending:
         self.conn, self.greeting, self.deadline, self.buf = conn, greeting, deadline, bytearray()
 
 
+class _Session:
+    """An authenticated connection kept open for ``session`` queries: the destination its next request must
+    name (the server's incarnation and the challenge sent with the last reply), the preamble bytes so far,
+    and when it was last used."""
+
+    __slots__ = ("conn", "greeting", "buf", "used")
+
+    def __init__(self, conn: socket.socket, greeting: Greeting) -> None:
+        self.conn, self.greeting, self.buf, self.used = conn, greeting, bytearray(), time.monotonic()
+
+
 class SideChannelServer:
     """Serve ``payload`` (sealed here) to authenticated clients, answer ``generation`` queries, and keep
     (for ``peer_ttl_s``, at most ``max_peers``) the sealed payloads clients send with ``exchange``.
@@ -403,6 +415,13 @@ class SideChannelServer:
     connection, gets a handler thread (at most ``max_connections`` at once; the body and the reply must
     fit in ``io_timeout_s``). So a flood or a slow drip without the secret cannot take the handlers away
     from the deployment's peers.
+
+    A ``session`` request (authenticated like any other, empty body) is answered like ``generation``, with
+    a fresh challenge, and its connection stays open in the accept thread: each later ``session`` preamble
+    on it must name that challenge (and is answered with the next one), so a peer's freshness checks need
+    no new connection, and a flood that fills the accept queue cannot delay them. At most ``max_sessions``
+    are kept (the least recently used is closed for a new one), each closed after ``session_idle_s``
+    unused; only secret holders can open one.
 
     The socket is bound in the constructor (``port=0`` picks a free port; read :attr:`port`), the
     thread starts in :meth:`start` (or ``with``). ``auth`` is required: ``Auth(secret)``, or
@@ -426,6 +445,8 @@ class SideChannelServer:
         max_pending: int = 512,
         preamble_timeout_s: float = 1.0,
         incarnation: bytes | None = None,
+        max_sessions: int = 256,
+        session_idle_s: float = 60.0,
     ) -> None:
         if not isinstance(auth, Auth):
             raise TypeError("auth: pass Auth(secret), or Auth.none() for the insecure mode")
@@ -445,6 +466,9 @@ class SideChannelServer:
         self.incarnation = os.urandom(16) if incarnation is None else bytes(incarnation)
         self.started = time.time()
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
+        self._sessions: OrderedDict[int, _Session] = OrderedDict()  # least recently used first
+        self._max_sessions = int(max_sessions)
+        self._session_idle_s = float(session_idle_s)
         self._peers: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         self._nonces: OrderedDict[str, float] = OrderedDict()
         self.stats = dict.fromkeys(_STATS, 0)
@@ -569,12 +593,17 @@ class SideChannelServer:
                 for key, _ in sel.select(0.05):
                     if key.data is None:
                         self._accept(sel)
+                    elif isinstance(key.data, _Session):
+                        self._read_session(sel, key.data)
                     else:
                         self._read_preamble(sel, key.data)
                 self._drop_late(sel)
+                self._drop_idle(sel)
         finally:
             for p in list(self._pending.values()):
                 self._drop(sel, p, None)
+            for sess in list(self._sessions.values()):
+                self._end_session(sel, sess, None)
             sel.close()
             self._close_socket()
 
@@ -647,9 +676,9 @@ class SideChannelServer:
             self._pending.pop(p.conn.fileno(), None)
             self._buffered -= len(p.buf)
         sel.unregister(p.conn)
-        self._admit(p)
+        self._admit(sel, p)
 
-    def _admit(self, p: _Pending) -> None:
+    def _admit(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         """A complete preamble: refuse it (a short reply, then close) or give it a handler thread."""
         try:
             pre = parse_preamble(bytes(p.buf))
@@ -662,6 +691,9 @@ class SideChannelServer:
         except AdapterError as e:  # a replay or an over-long body is answered for the request's nonce
             tagged = not isinstance(e, AuthenticationError) or isinstance(e, ReplayError)
             self._refuse(p.conn, e, pre.nonce_hex if tagged else None)
+            return
+        if pre.op == "session":
+            self._open_session(sel, p.conn, p.greeting, pre)
             return
         with self._lock:
             busy = self._handlers >= 4 * self._max_handlers
@@ -676,6 +708,92 @@ class SideChannelServer:
             with self._lock:
                 self._handlers -= 1
             self._refuse(p.conn, _busy(), pre.nonce_hex, "refused_busy")
+
+    # -- sessions (the accept thread; nothing here blocks)
+    def _open_session(
+        self, sel: selectors.BaseSelector, conn: socket.socket, greeting: Greeting, pre: Preamble
+    ) -> None:
+        if pre.length:
+            self._refuse(conn, ProtocolError("a session request has no body", stage="sidechannel"))
+            return
+        while len(self._sessions) >= self._max_sessions:
+            self._end_session(sel, next(iter(self._sessions.values())), "sessions_evicted")
+        sess = _Session(conn, greeting)
+        self._sessions[conn.fileno()] = sess
+        self._count("sessions_opened")
+        sel.register(conn, selectors.EVENT_READ, sess)
+        self._session_reply(sel, sess, pre)
+
+    def _session_reply(self, sel: selectors.BaseSelector, sess: _Session, pre: Preamble) -> None:
+        """Answer a session query (the generation) with the challenge its next request must name."""
+        nonce = pre.nonce_hex
+        sess.greeting = new_greeting(self.incarnation, self.started)
+        with self._lock:
+            gen = self._generation
+        body = {"ok": True, "generation": gen, "nonce": nonce, "challenge": sess.greeting.challenge}
+        reply = self._reply(nonce, _dumps(body))
+        try:
+            sent = sess.conn.send(reply)  # a small reply into an idle socket: all of it goes at once
+        except OSError:
+            sent = -1
+        if sent != len(reply):
+            self._end_session(sel, sess, "broken")
+            return
+        sess.used = time.monotonic()
+        self._sessions.move_to_end(sess.conn.fileno())
+        self._count("served")
+        self._count("session_queries")
+
+    def _read_session(self, sel: selectors.BaseSelector, sess: _Session) -> None:
+        try:
+            chunk = sess.conn.recv(PREAMBLE_BYTES - len(sess.buf))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the peer closed its session
+            self._end_session(sel, sess, None)
+            return
+        sess.buf += chunk
+        if len(sess.buf) < PREAMBLE_BYTES:
+            return
+        data, sess.buf = bytes(sess.buf), bytearray()
+        try:
+            pre = check_preamble(
+                parse_preamble(data), self._auth, sess.greeting, self._window, self._max_bytes
+            )
+            self._remember(pre)
+            if pre.op != "session" or pre.length:
+                raise ProtocolError(
+                    f"request field 'op': a session carries only empty 'session' requests, got {pre.op!r}",
+                    stage="sidechannel",
+                )
+        except AdapterError as e:  # closed without a reply: the peer opens a new session
+            self.refusals.append(e)
+            key = "broken"
+            if isinstance(e, AuthenticationError):
+                key = "refused_replay" if isinstance(e, ReplayError) else "refused_auth"
+            self._end_session(sel, sess, key)
+            return
+        self._session_reply(sel, sess, pre)
+
+    def _end_session(self, sel: selectors.BaseSelector, sess: _Session, why: str | None) -> None:
+        self._sessions.pop(sess.conn.fileno(), None)
+        try:
+            sel.unregister(sess.conn)
+        except (KeyError, ValueError):
+            pass
+        sess.conn.close()
+        if why:
+            self._count(why)
+
+    def _drop_idle(self, sel: selectors.BaseSelector) -> None:
+        old = time.monotonic() - self._session_idle_s
+        while self._sessions:
+            sess = next(iter(self._sessions.values()))  # least recently used first
+            if sess.used > old:
+                return
+            self._end_session(sel, sess, "sessions_idle")
 
     def _remember(self, pre: Preamble) -> None:
         """Accept each nonce once (within twice the replay window)."""
@@ -800,6 +918,10 @@ _STATS = (
     "evicted",
     "peak_pending",
     "peak_pending_bytes",
+    "sessions_opened",
+    "session_queries",
+    "sessions_evicted",
+    "sessions_idle",
 )
 
 
@@ -1000,9 +1122,119 @@ def probe(host: str, port: int, timeout_s: float = 2.0, *, auth: Auth) -> Livene
     return Liveness(gen, greeting.incarnation)
 
 
-def check_generation(host: str, port: int, expected: int, timeout_s: float = 2.0, *, auth: Auth) -> int:
-    """Raise :class:`StaleMetadata` unless the peer still serves ``expected``; return it otherwise."""
-    seen = query_generation(host, port, timeout_s, auth=auth)
+def _liveness_errors(where: str, timeout_s: float, e: OSError) -> AdapterError:
+    """What a failed connection tells (as :func:`probe`): refused is gone, anything else unknown."""
+    if isinstance(e, ConnectionRefusedError):
+        return PeerGone(
+            f"side channel {where} refused the connection ({e}): its process is gone",
+            stage="generation",
+            peer=where,
+        )
+    return PeerUnknown(
+        f"side channel {where} did not answer a generation query within {timeout_s:.3g}s "
+        f"({type(e).__name__}: {e}); its process may be alive",
+        stage="generation",
+        peer=where,
+        status=errno.errorcode.get(e.errno, None) if e.errno else None,
+    )
+
+
+class Session:
+    """A kept-open, authenticated connection to one peer's side channel for its generation (the freshness
+    check before each transfer): after the first query, each one is a 132-byte preamble and a short reply
+    on the same connection, with no connect and no wait in the server's accept queue, so a flood of
+    connections on the peer's port does not delay it. Each request names the challenge the server sent
+    with its previous reply (and the server's incarnation), each reply is tagged for its request's nonce:
+    as bound as a query on a new connection. Any error closes the session; the next query (or the rest of
+    this one's deadline, if the session was old) opens a new one. Errors as :func:`probe`. Not
+    thread-safe: one owner."""
+
+    def __init__(self, host: str, port: int, auth: Auth) -> None:
+        self.host, self.port, self.auth = host, int(port), auth
+        self.where = f"{host}:{port}"
+        self._sock: socket.socket | None = None
+        self._greeting: Greeting | None = None
+        self.opened = 0  # connections made (a new one after each failure)
+        self.queries = 0
+
+    def probe(self, timeout_s: float = 2.0) -> Liveness:
+        """The peer's generation and incarnation, bounded as a whole by ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        if self._sock is not None:
+            try:
+                return self._ask(self._sock, self._greeting, deadline)
+            except (OSError, AdapterError):  # a session the server closed (idle, evicted, restarted): renew
+                self.close()
+        try:
+            sock = socket.create_connection(
+                (self.host, self.port), timeout=max(deadline - time.monotonic(), 0.001)
+            )
+        except OSError as e:
+            raise _liveness_errors(self.where, timeout_s, e) from None
+        self.opened += 1
+        self._sock = sock
+        try:
+            self._greeting = parse_greeting(_recv_exact(sock, GREETING_BYTES, deadline), self.where)
+            return self._ask(sock, self._greeting, deadline)
+        except OSError as e:
+            self.close()
+            raise _liveness_errors(self.where, timeout_s, e) from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _ask(self, sock: socket.socket, greeting: Greeting | None, deadline: float) -> Liveness:
+        if greeting is None:
+            raise ProtocolError(
+                f"{self.where}: session without a greeting", stage="generation", peer=self.where
+            )
+        data, nonce = make_request(greeting, "session", b"", self.auth)
+        _send_all(sock, data, deadline)
+        tag, body = _recv_frame(sock, deadline, MAX_MESSAGE_BYTES)
+        reply = _check_reply(self.where, nonce.hex(), tag, body, self.auth)
+        gen, challenge = reply.get("generation"), reply.get("challenge")
+        if (
+            isinstance(gen, bool)
+            or not isinstance(gen, int)
+            or not isinstance(challenge, bytes)
+            or len(challenge) != 16
+        ):
+            raise ProtocolError(
+                f"{self.where} answered a session query with generation={gen!r}, challenge={challenge!r}",
+                stage="generation",
+                peer=self.where,
+            )
+        self._greeting = Greeting(greeting.incarnation, challenge, greeting.started)
+        self.queries += 1
+        return Liveness(gen, greeting.incarnation)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = self._greeting = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_generation(
+    host: str,
+    port: int,
+    expected: int,
+    timeout_s: float = 2.0,
+    *,
+    auth: Auth,
+    session: Session | None = None,
+) -> int:
+    """Raise :class:`StaleMetadata` unless the peer still serves ``expected``; return it otherwise. With
+    ``session`` (a :class:`Session` to ``host:port``), asked over it (no new connection once it is open)."""
+    if session is not None:
+        seen = session.probe(timeout_s).generation
+    else:
+        seen = query_generation(host, port, timeout_s, auth=auth)
     if seen != expected:
         raise StaleMetadata(
             f"peer {host}:{port} re-registered: generation {seen}, our metadata is of generation {expected}",

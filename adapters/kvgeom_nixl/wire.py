@@ -47,7 +47,7 @@ _PREAMBLE = struct.Struct(">4sBBxxId16s16s16s32s")  # magic, version, op, length
 _PRE_MAGIC = b"kvgQ"
 GREETING_BYTES = _GREETING.size
 PREAMBLE_BYTES = _PREAMBLE.size + TAG_BYTES
-OPS = {"get": 1, "exchange": 2, "generation": 3}
+OPS = {"get": 1, "exchange": 2, "generation": 3, "session": 4}
 _OP_NAMES = {v: k for k, v in OPS.items()}
 _PURPOSE = "sidechannel-request"
 

@@ -79,3 +79,46 @@ def exposed_rank(spec: dict, to_parent: Any, inbox: Any) -> dict:
         return info
     finally:
         rank.close()
+
+
+def concurrent_endpoints(settings: list[str], to_parent: Any) -> dict:
+    """Create one Endpoint per entry of ``settings`` (its ``net_devices``) from as many threads at once,
+    then report every TCP socket this process listens on, and each agent's ``net_devices``."""
+    import threading
+
+    from kvgeom_nixl import Endpoint, TransportConfig
+
+    barrier = threading.Barrier(len(settings))
+    made: dict[int, Any] = {}
+    errors: list[str] = []
+
+    def make(i: int, setting: str) -> None:
+        try:
+            barrier.wait(30.0)
+            made[i] = Endpoint(f"c{i}-{os.getpid()}", TransportConfig(insecure=True, net_devices=setting))
+        except Exception as e:  # reported, not raised: the parent asserts on it
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=make, args=(i, s)) for i, s in enumerate(settings)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120.0)
+    try:
+        return {
+            "listening": listening(),
+            "net_devices": {i: ep.net_devices for i, ep in made.items()},
+            "errors": errors,
+            "alive": sum(t.is_alive() for t in threads),
+        }
+    finally:
+        for ep in made.values():
+            ep.close()
+
+
+def endpoint_without_host(config: dict, to_parent: Any) -> dict:
+    """An Endpoint made without a host (``config``: TransportConfig overrides): the sockets it listens on."""
+    from kvgeom_nixl import Endpoint, TransportConfig
+
+    with Endpoint(f"nohost-{os.getpid()}", TransportConfig(insecure=True, **config)) as ep:
+        return {"listening": listening(), "net_devices": ep.net_devices}

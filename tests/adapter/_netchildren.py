@@ -19,7 +19,7 @@ def read_peer(env: dict, peer_q: Any, done_q: Any, nbytes: int) -> dict:
     import torch
     from kvgeom_nixl import Endpoint, TransportConfig
 
-    with Endpoint("reader", TransportConfig(insecure=True)) as ep:
+    with Endpoint("reader", TransportConfig(insecure=True, net_devices="all")) as ep:
         t = torch.zeros(nbytes // 4, dtype=torch.int32)
         (r,) = ep.register_tensors([t])
         md, addr = peer_q.get(timeout=STEP_S)
@@ -38,7 +38,7 @@ def serve_region(env: dict, peer_q: Any, done_q: Any, nbytes: int) -> dict:
     import torch
     from kvgeom_nixl import Endpoint, TransportConfig
 
-    with Endpoint("served", TransportConfig(insecure=True)) as ep:
+    with Endpoint("served", TransportConfig(insecure=True, net_devices="all")) as ep:
         t = torch.arange(nbytes // 4, dtype=torch.int32)
         (r,) = ep.register_tensors([t])
         peer_q.put((ep.metadata(), r.addr))

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from _exposed import exposed_rank  # noqa: E402
+from _exposed import concurrent_endpoints, endpoint_without_host, exposed_rank  # noqa: E402
 from _inproc import AUTH, HOST  # noqa: E402
 from kvgeom_lab import ProcGroup  # noqa: E402
 from kvgeom_nixl import Auth, fetch, query_generation  # noqa: E402
@@ -77,6 +77,81 @@ def test_rank_listens_only_on_the_configured_interface():
     if _external():  # this machine has an external interface: UCX's default listens there
         assert control["net_devices"] is None
         assert any(not ipaddress.ip_address(a).is_loopback for a, _ in control["listening"]), control
+
+
+def test_agents_created_at_once_in_one_process_each_get_their_own_net_devices():
+    """``UCX_NET_DEVICES`` is set in the process's environment while an agent is created, so without a
+    lock an agent made by one thread could be created under another thread's value (or under none, once
+    the other restored it). Six endpoints made at once from six threads, alternately with ``lo`` and with
+    UCX's default (``all``): each ``lo`` agent listens on loopback only, each ``all`` one on the external
+    interface too, so the process holds exactly one external listener per ``all`` agent."""
+    settings = ["lo", "all"] * 3
+    with ProcGroup() as g:
+        g.spawn(concurrent_endpoints, (settings, g.queue()), "threads")
+        res = g.collect(EVENT_S * 4)["threads"]
+    assert res.ok, res.error
+    out = res.value
+    assert out["errors"] == [] and out["alive"] == 0, out
+    assert out["net_devices"] == {i: ("lo" if s == "lo" else None) for i, s in enumerate(settings)}
+    loop = [a for a, _ in out["listening"] if ipaddress.ip_address(a).is_loopback]
+    outside = [a for a, _ in out["listening"] if not ipaddress.ip_address(a).is_loopback]
+    assert len(loop) == len(settings), out["listening"]  # one UCX listener per agent on 127.0.0.1
+    if _external():  # this machine has an external interface: the "all" agents (and only they) use it
+        assert len(outside) == settings.count("all"), out["listening"]
+    else:
+        assert outside == [], out["listening"]
+
+
+def test_an_endpoint_without_a_host_listens_on_loopback_only():
+    """An :class:`Endpoint` made on its own, without a host: nothing was configured, so under
+    ``net_devices="auto"`` UCX gets the loopback interface only (before: UCX's default, every interface).
+    ``net_devices="all"`` still opens every interface (shown where this machine has an external one)."""
+    with ProcGroup() as g:
+        g.spawn(endpoint_without_host, ({}, g.queue()), "auto")
+        g.spawn(endpoint_without_host, ({"net_devices": "all"}, g.queue()), "all")
+        res = g.collect(EVENT_S * 2)
+    assert res["auto"].ok and res["all"].ok, (res["auto"].error, res["all"].error)
+    auto, every = res["auto"].value, res["all"].value
+    assert auto["net_devices"] == "lo" and every["net_devices"] is None
+    assert auto["listening"] and all(ipaddress.ip_address(a).is_loopback for a, _ in auto["listening"])
+    if _external():
+        assert any(not ipaddress.ip_address(a).is_loopback for a, _ in every["listening"]), every
+
+
+def test_a_ranks_side_channel_runs_with_the_configured_bounds():
+    """``TransportConfig.max_pending`` and ``preamble_timeout_s`` reach the rank's side channel (a rank in
+    its own process): with ``max_pending=4``, ten idle connections leave at most four held (the oldest
+    dropped for each new one); with ``preamble_timeout_s=2.5`` the four left are still held 1.5 s later
+    (past the 1 s default) and dropped after 2.5 s."""
+    from _slack import SLACK_S
+
+    with ProcGroup() as g:
+        ready, (events, inbox) = _rank(g, "bounds", config={"max_pending": 4, "preamble_timeout_s": 2.5})
+
+        def stats() -> dict:
+            inbox.put(("parent", "stats", None))
+            return _event(g, events, "stats")
+
+        t0 = time.monotonic()
+        socks = [socket.create_connection((HOST, ready["port"]), timeout=2.0) for _ in range(10)]
+        try:
+            deadline = time.monotonic() + 20.0
+            early = stats()
+            while early["evicted"] < 6 and time.monotonic() < deadline:
+                early = stats()
+            time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))
+            early = stats()
+            late = stats()
+            while late["dropped_slow"] < 4 and time.monotonic() < deadline:
+                late = stats()
+            waited = time.monotonic() - t0
+        finally:
+            for s in socks:
+                s.close()
+        inbox.put(("parent", "exit", None))
+        g.collect(EVENT_S)
+    assert early["peak_pending"] == 4 and early["evicted"] == 6 and early["dropped_slow"] == 0, early
+    assert late["dropped_slow"] == 4 and 2.5 <= waited < 2.5 + SLACK_S, (late, waited)
 
 
 class _Attack:

@@ -18,6 +18,7 @@ from kvgeom_nixl import (
     PeerGone,
     ProtocolError,
     ReplayError,
+    Session,
     SideChannelServer,
     StaleMetadata,
     check_generation,
@@ -337,3 +338,64 @@ def test_request_captured_before_a_restart_is_refused_after_it():
         )
         assert query_generation(HOST, port, auth=AUTH) == 2  # a fresh request is served
     assert err.stage == "sidechannel"
+
+
+def test_a_session_answers_every_freshness_check_on_one_connection():
+    """What was left of issue 22 finding 1: the freshness check before each transfer opened a new
+    connection, which a flood makes wait in the server's accept queue past its deadline. A :class:`Session`
+    keeps one authenticated connection: later queries need no connect, see a new generation at once, and
+    a session to a server that is gone reports :class:`PeerGone` (a new connection, refused)."""
+    with SideChannelServer(HOST, 0, _payload("P", gen=3), auth=AUTH) as srv:
+        with Session(HOST, srv.port, AUTH) as s:
+            for _ in range(20):
+                assert check_generation(HOST, srv.port, 3, 1.0, auth=AUTH, session=s) == 3
+            srv.update(_payload("P", gen=4))
+            with pytest.raises(StaleMetadata) as e:
+                check_generation(HOST, srv.port, 3, 1.0, auth=AUTH, session=s)
+            assert (e.value.expected, e.value.seen) == (3, 4)
+            assert s.probe(1.0).incarnation == srv.incarnation
+            assert (s.opened, s.queries) == (1, 22)
+            assert (srv.stats["sessions_opened"], srv.stats["session_queries"]) == (1, 22)
+            assert srv.stats["peak_pending"] == 1  # one connection ever waited for its preamble
+            port = srv.port
+        s = Session(HOST, port, AUTH)
+        assert s.probe(1.0).generation == 4
+    with pytest.raises(PeerGone):  # its connection is closed, and a new one is refused
+        s.probe(1.0)
+    s.close()
+
+
+def test_a_session_request_is_good_once_and_only_with_the_secret():
+    """Each session request names the challenge of the server's previous reply: a captured one, sent again
+    on the same session or on a new connection, is refused (and the session closed); a session request
+    without the secret is refused like any other; the server keeps at most ``max_sessions`` (least recently
+    used closed first) and closes idle ones, and a :class:`Session` whose connection the server closed
+    opens a new one within the same query."""
+    with SideChannelServer(HOST, 0, _payload("P"), auth=AUTH, max_sessions=2, session_idle_s=0.5) as srv:
+        with socket.create_connection((HOST, srv.port), timeout=2.0) as c:
+            c.settimeout(2.0)
+            greeting = parse_greeting(c.recv(GREETING_BYTES, socket.MSG_WAITALL))
+            first, nonce = make_request(greeting, "session", b"", AUTH)
+            c.sendall(first)
+            tag, body = _recv_frame(c, time.monotonic() + 2.0, MAX_MESSAGE_BYTES)
+            reply = _check_reply("srv", nonce.hex(), tag, body, AUTH)
+            assert reply["generation"] == 1 and len(reply["challenge"]) == 16
+            c.sendall(first)  # replayed on its own session: the challenge moved on
+            assert c.recv(4096) == b""  # refused: the session is closed
+        err = srv.refusals[-1]
+        assert isinstance(err, ReplayError) and err.field == "challenge"
+        _refused(srv.port, first, "challenge")  # and on a new connection
+        with pytest.raises(AuthenticationError):
+            Session(HOST, srv.port, Auth(os.urandom(32))).probe(1.0)
+        sessions = [Session(HOST, srv.port, AUTH) for _ in range(3)]
+        for s in sessions:
+            s.probe(1.0)
+        assert srv.stats["sessions_evicted"] == 1  # the third closed the least recently used
+        assert sessions[0].probe(1.0).generation == 1 and sessions[0].opened == 2  # reopened at once
+        deadline = time.monotonic() + 10.0
+        while srv.stats["sessions_idle"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.stats["sessions_idle"] >= 1
+        for s in sessions:
+            assert s.probe(1.0).generation == 1
+            s.close()

@@ -12,7 +12,8 @@ import pytest
 
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec, Shard
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import POISON, ZERO, CoordSpace, Request, describe_tag
 from kvgeom.testing import _layout as la
 from kvgeom.testing._coords import location_tags

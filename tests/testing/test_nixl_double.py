@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvgeom import EngineConfig, Pairing
-from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.receive import receive_step
 from kvgeom.plan.request import plan_request
 from kvgeom.testing import NixlFabric, Request, check_moves, engine_geometries, fake_bases

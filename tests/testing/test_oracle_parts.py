@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvgeom import EngineConfig
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec, Shard
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import CoordSpace, Request, RequestError, run
 from kvgeom.testing import _coords as co
 from kvgeom.testing._report import INVARIANTS, Report, Violation
@@ -325,7 +326,7 @@ def test_run_plans_builds_its_own_oracle() -> None:
 
 
 def test_oracle_names_temporal_state_elements() -> None:
-    from kvgeom.model.spec import MambaSpec
+    from kvgeom.model.layers import MambaSpec
 
     model = ModelSpec.from_layers("ssm", [MambaSpec.mamba1(4, 1, 2, "float16")])
     space = CoordSpace(model, 4)

@@ -13,7 +13,8 @@ from kvgeom import EngineConfig, KvgeomError
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import align_hybrid_block_size
-from kvgeom.model.spec import AttentionSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.testing import Oracle, pull_plans, push_plans
 from kvgeom.testing import strategies as kst
 

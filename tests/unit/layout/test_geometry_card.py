@@ -14,7 +14,8 @@ import pytest
 from kvgeom import CardError, EngineConfig, KvgeomError, Pairing, card_of
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.card import CARD_VERSION, DEFAULT_LIMITS, CardLimits, GeometryCard
-from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec
+from kvgeom.model.spec import ModelSpec
 
 DENSE = ModelSpec.from_layers("dense", [AttentionSpec(4, 2, "float16")] * 2)
 ENGINE = EngineConfig(tp_size=1, block_size=8, kernel_block_size=4, num_blocks=10)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from kvgeom.errors import ConfigError
-from kvgeom.model.spec import AttentionSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.model.stages import stage_layers, stage_partition, stage_range
 
 # -- stages ----------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import pytest
 
 from kvgeom import ConfigError, IncompatiblePairError, KvgeomError, RatioError
 from kvgeom.errors import BlockIdError, PlanError
-from kvgeom.model.spec import MLASpec, ModelSpec
+from kvgeom.model.layers import MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.dcp import (
     apply_dcp_prefix_caching,
     check_parallel_pair,

@@ -13,7 +13,8 @@ from kvgeom import EngineConfig, IncompatiblePairError, KvgeomError, RatioError
 from kvgeom.errors import UnsupportedError
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.geometry import RankGeometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.handshake import PairShape, block_size_ratio, check_pair
 from kvgeom.pair.rules import check_csa_linear_tp_layout
 

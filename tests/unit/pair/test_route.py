@@ -13,7 +13,8 @@ from kvgeom import EngineConfig, KvgeomError
 from kvgeom.errors import UnsupportedError
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.geometry import RankGeometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec, Shard
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec, Shard
+from kvgeom.model.spec import ModelSpec
 from kvgeom.pair.route import Route, _unit_slice, dcp_pages_differ, route
 
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)  # 8 B per token-head (K|V)

@@ -18,7 +18,7 @@ from kvgeom import (
     rank_geometry,
 )
 from kvgeom.layout.view import SHARED_GROUP, EngineView, pseudo, unpseudo
-from kvgeom.model.spec import Layer, MambaSpec
+from kvgeom.model.layers import Layer, MambaSpec
 from kvgeom.model.stages import stage_partition, stage_range
 from kvgeom.pair.streams import hma_required, pair_streams, region_group_ids, region_mapped, registration
 from kvgeom.testing import Request, run

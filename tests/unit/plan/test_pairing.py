@@ -12,7 +12,8 @@ from kvgeom import EngineConfig, IncompatiblePairError, KvgeomError, Pairing, ca
 from kvgeom.errors import UnsupportedError
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.geometry import RankGeometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, MLASpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
+from kvgeom.model.spec import ModelSpec
 
 DENSE4 = ModelSpec.from_layers("dense4", [AttentionSpec(4, 2, "float16")] * 2)
 MLA = ModelSpec.from_layers("mla", [MLASpec(8, "float16")] * 2)

@@ -15,7 +15,8 @@ import pytest
 from kvgeom import EngineConfig, Pairing, card_of
 from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
 from kvgeom.layout.allocate import rank_geometry
-from kvgeom.model.spec import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom.model.layers import AttentionSpec, MambaSpec
+from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.planmemo import memo_of
 from kvgeom.plan.receive import post_receive, receive_step
 from kvgeom.plan.request import plan_request

@@ -459,7 +459,10 @@ def pd_pairs(
         # DCP: by global page position, per remote rank)
         names = [la.name for la in model.layers]
         own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
-        d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=p.kernel * d.ppl)
+        block = (
+            p.block_size if equal_blocks else p.kernel * d.ppl
+        )  # equal kernel blocks (and, asked, equal blocks)
+        d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=block)
     if (
         (mode == "pull" or compat == "kvgeom")
         and _permutable(model)

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from _ranks import Blocks, Pair, wait_dead
+from _mooncake_ranks import Blocks, Pair, wait_dead
 
 from kvgeom import AttentionSpec, MambaSpec, ModelSpec
 

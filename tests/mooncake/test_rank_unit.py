@@ -76,7 +76,7 @@ def ranks(monkeypatch):
 
 
 def _ids(sc: Scenario, tokens: int = 300):
-    from _ranks import Blocks
+    from _mooncake_ranks import Blocks
 
     b = Blocks(sc, seed=11)
     return b.take("decode", tokens), b.take("prefill", tokens)

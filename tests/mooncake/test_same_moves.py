@@ -37,7 +37,7 @@ def _merged(moves: np.ndarray) -> np.ndarray:
 
 def _request(sc: Scenario, sequential: bool) -> tuple[list[list[int]], list[list[int]]]:
     """Block ids drawn from shuffled pools, or handed out in order (neighbouring blocks: runs to merge)."""
-    from _ranks import Blocks
+    from _mooncake_ranks import Blocks
 
     b = Blocks(sc, seed=3)
     if sequential:

@@ -302,3 +302,13 @@ def test_an_acyclic_tree_has_no_cycle(tmp_path: Path) -> None:
     assert g.internal == {"pkg": {"pkg.a"}, "pkg.a": set(), "pkg.b": {"pkg.a"}}
     assert find_cycle(g.internal) is None
     assert find_cycle({"x": {"x"}}) == ["x", "x"]
+
+
+def test_the_test_folders_helper_modules_have_unique_names() -> None:
+    """pytest imports a test folder's helper modules (``_ranks.py``) by their bare name, so two folders'
+    helpers of one name shadow each other in a whole-suite run while each folder passes alone."""
+    names: dict[str, list[str]] = {}
+    for f in sorted((ROOT / "tests").rglob("_*.py")):
+        if f.name != "__init__.py" and "mutants" not in f.parts:
+            names.setdefault(f.name, []).append(str(f.relative_to(ROOT)))
+    assert {n: paths for n, paths in names.items() if len(paths) > 1} == {}

@@ -32,10 +32,9 @@ import sys
 import time
 from typing import Any
 
+import numpy as np  # noqa: E402
 from _pullkit import STEP_S, sized  # sibling modules
 from bench_pull import mismatches, pattern_fill, salt_of
-
-import numpy as np  # noqa: E402
 from kvgeom_lab.procs import ProcGroup  # noqa: E402
 
 from kvgeom import GeometryCard  # noqa: E402
@@ -43,7 +42,9 @@ from kvgeom.plan.requestplan import contiguous_runs  # noqa: E402
 from kvgeom.tools.scenario import Scenario  # noqa: E402
 
 PATHS = ("initialize", "prep", "ids")
-EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "demo-mamba2-hybrid_p2_d1_pull.json")
+EXAMPLE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "examples", "demo-mamba2-hybrid_p2_d1_pull.json"
+)
 
 
 def _scenario(tokens: list[int], slack: float) -> dict[str, Any]:

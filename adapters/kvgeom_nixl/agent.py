@@ -610,7 +610,10 @@ class Endpoint:
             raise ValueError(f"path: expected 'initialize' or 'prep', got {path!r}")
         if peer not in self._peers:
             raise TransferError(
-                f"unknown peer {peer!r}; add_peer() it first", stage="make", peer=peer, status="NIXL_ERR_NOT_FOUND"
+                f"unknown peer {peer!r}; add_peer() it first",
+                stage="make",
+                peer=peer,
+                status="NIXL_ERR_NOT_FOUND",
             )
         loc = _as_descs(local_descs, "local_descs")
         rem = _as_descs(remote_descs, "remote_descs")
@@ -654,7 +657,9 @@ class Endpoint:
             _release_quietly(h, self._leaked)
             for d in owned:
                 _release_quietly(d, self._leaked)
-            raise TransferError(f"posting {op} of {n} descriptors returned ERR", stage="post", peer=peer, status="ERR")
+            raise TransferError(
+                f"posting {op} of {n} descriptors returned ERR", stage="post", peer=peer, status="ERR"
+            )
         xfer = Transfer(self, h, op, peer, n, t0, state, owned)
         self._transfers.add(xfer)
         return xfer

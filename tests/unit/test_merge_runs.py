@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvgeom_nixl.kvrank import merge_runs
 
 from kvgeom.errors import PlanError
 from kvgeom.plan.requestplan import contiguous_runs
-from kvgeom_nixl.kvrank import merge_runs
 
 
 def _moves(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     m = np.zeros((len(src), 7), dtype=np.int64)
-    m[:, 1], m[:, 2], m[:, 3], m[:, 4], m[:, 5], m[:, 6] = src[:, 0], src[:, 1], 1, dst[:, 0], dst[:, 1], src[:, 2]
+    m[:, 1], m[:, 2], m[:, 3], m[:, 4], m[:, 5], m[:, 6] = (
+        src[:, 0],
+        src[:, 1],
+        1,
+        dst[:, 0],
+        dst[:, 1],
+        src[:, 2],
+    )
     return m
 
 

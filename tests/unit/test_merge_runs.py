@@ -90,3 +90,12 @@ def test_unequal_pair_lengths_are_refused():
     with pytest.raises(PlanError) as ei:
         merge_runs(np.array([[0, 0, 8]]), np.array([[0, 0, 4]]), [64], [64], "remote")
     assert ei.value.field == "descriptor length"
+
+
+def test_the_posting_path_is_a_checked_config_field():
+    from kvgeom_nixl.config import TransportConfig
+
+    assert TransportConfig().kvgeom_post == "initialize"
+    assert TransportConfig.from_env({"KVGEOM_NIXL_KVGEOM_POST": "prep"}).kvgeom_post == "prep"
+    with pytest.raises(ValueError, match="kvgeom_post"):
+        TransportConfig(kvgeom_post="runs")

@@ -164,10 +164,19 @@ class Transfer:
     polls it (:meth:`poll`) until it ends (see docs/reliability.md)."""
 
     def __init__(
-        self, endpoint: Endpoint, handle: Any, op: str, peer: str, count: int, t_post: float, state: str
+        self,
+        endpoint: Endpoint,
+        handle: Any,
+        op: str,
+        peer: str,
+        count: int,
+        t_post: float,
+        state: str,
+        owned: Sequence[Any] = (),
     ):
         self._endpoint = endpoint
         self._handle = handle
+        self._owned = tuple(owned)  # per-request prepared dlists: released after the transfer's handle
         self.op = op
         self.peer = peer
         self.count = count
@@ -270,6 +279,8 @@ class Transfer:
             return
         self._released = True
         _release_quietly(self._handle, ep._leaked)  # cancels an active transfer, or is retried at close
+        for h in self._owned:
+            _release_quietly(h, ep._leaked)
 
     def __repr__(self) -> str:
         return f"Transfer({self.op}, peer={self.peer}, count={self.count}, state={self._state})"
@@ -575,6 +586,84 @@ class Endpoint:
                 f"posting {op} of {lids.size} descriptors returned ERR", stage="post", peer=peer, status="ERR"
             )
         xfer = Transfer(self, h, op, peer, int(lids.size), t0, state)
+        self._transfers.add(xfer)
+        return xfer
+
+    def post_descs(
+        self,
+        op: str,
+        local_descs: Any,
+        peer: str,
+        remote_descs: Any,
+        notif: bytes = b"",
+        mem_type: str = "DRAM",
+        path: str = "initialize",
+    ) -> Transfer:
+        """Make and post one request from per-request descriptor lists (N×3 ``addr, nbytes, device_id``,
+        row ``i`` of ``local_descs`` moving to/from row ``i`` of ``remote_descs``), not ids into prepared
+        tables. ``path="initialize"``: NIXL's ``initialize_xfer`` on the two lists; ``path="prep"``: both
+        lists prepared for this request (``prep_xfer_dlist``), ``make_prepped_xfer`` on every row, and the
+        two prepared lists released when the transfer ends. NIXL checks every descriptor against the
+        registrations (ours, and the peer's as we loaded them) either way: one outside them raises
+        :class:`TransferError` (``NIXL_ERR_NOT_FOUND``) and nothing is posted."""
+        self._check_open()
+        if op not in OPS:
+            raise ValueError(f"op: expected one of {OPS}, got {op!r}")
+        if path not in ("initialize", "prep"):
+            raise ValueError(f"path: expected 'initialize' or 'prep', got {path!r}")
+        if peer not in self._peers:
+            raise TransferError(
+                f"unknown peer {peer!r}; add_peer() it first",
+                stage="make",
+                peer=peer,
+                status="NIXL_ERR_NOT_FOUND",
+            )
+        loc = _as_descs(local_descs, "local_descs")
+        rem = _as_descs(remote_descs, "remote_descs")
+        if loc.shape != rem.shape or loc.shape[1] != 3:
+            raise TransferError(
+                f"need two N×3 lists of one length, got local {loc.shape} remote {rem.shape}",
+                stage="make",
+                peer=peer,
+                status="NIXL_ERR_INVALID_PARAM",
+            )
+        notif = notif.encode() if isinstance(notif, str) else bytes(notif)
+        n = int(loc.shape[0])
+        owned: list[Any] = []
+        try:
+            if path == "initialize":
+                h = self._agent.initialize_xfer(
+                    op,
+                    self._agent.get_xfer_descs(loc, mem_type),
+                    self._agent.get_xfer_descs(rem, mem_type),
+                    peer,
+                    notif,
+                )
+            else:
+                owned.append(self._agent.prep_xfer_dlist("", loc, mem_type))
+                owned.append(self._agent.prep_xfer_dlist(peer, rem, mem_type))
+                ids = np.arange(n, dtype=np.int32)
+                h = self._agent.make_prepped_xfer(op, owned[0], ids, owned[1], ids, notif)
+        except Exception as e:
+            for d in owned:
+                _release_quietly(d, self._leaked)
+            raise _wrap(e, f"{path} of a {op} of {n} descriptors", stage="make", peer=peer) from e
+        t0 = time.monotonic()
+        try:
+            state = self._agent.transfer(h)
+        except Exception as e:
+            _release_quietly(h, self._leaked)
+            for d in owned:
+                _release_quietly(d, self._leaked)
+            raise _wrap(e, f"posting {op} of {n} descriptors", stage="post", peer=peer) from e
+        if state == "ERR":
+            _release_quietly(h, self._leaked)
+            for d in owned:
+                _release_quietly(d, self._leaked)
+            raise TransferError(
+                f"posting {op} of {n} descriptors returned ERR", stage="post", peer=peer, status="ERR"
+            )
+        xfer = Transfer(self, h, op, peer, n, t0, state, owned)
         self._transfers.add(xfer)
         return xfer
 

@@ -13,8 +13,9 @@ __all__ = ["TransportConfig"]
 _ENV_PREFIX = "KVGEOM_NIXL_"
 _BOOLS = ("progress_thread", "telemetry", "insecure")
 _TUPLES = ("backends", "etcd_endpoints")
-_STRS = ("secret", "discovery", "etcd_prefix", "net_devices")
+_STRS = ("secret", "discovery", "etcd_prefix", "net_devices", "kvgeom_post")
 DISCOVERY = ("sidechannel", "etcd")
+KVGEOM_POST = ("initialize", "prep", "ids")
 _INTS = ("max_message_bytes", "max_connections", "max_peer_payloads", "max_pending_notifs")
 _PARSED_INTS = _INTS + ("max_pending",)  # read as integers from the environment
 MIN_SECRET_BYTES = 16
@@ -139,6 +140,14 @@ class TransportConfig:
     etcd_lease_ttl_s: float = 10.0
     """TTL of a rank's etcd lease (refreshed every third of it): a dead rank's record disappears after it."""
 
+    kvgeom_post: str = "initialize"
+    """How a kvgeom-mode request is posted (vLLM-compatible mode always posts vLLM's descriptor ids into the
+    handshake's prepared tables). ``"initialize"``: one descriptor per maximal run contiguous on both sides,
+    as per-request lists through NIXL's ``initialize_xfer`` (measured fastest, ``bench/bench_descs.py``);
+    ``"prep"``: the same runs as per-request prepared lists (``prep_xfer_dlist`` + ``make_prepped_xfer``);
+    ``"ids"``: the plan's descriptor ids into the prepared tables, one per plan pair (NIXL merges only
+    neighbours in the list)."""
+
     def __post_init__(self) -> None:
         backends = self.backends
         if isinstance(backends, str):
@@ -147,6 +156,8 @@ class TransportConfig:
         if not backends or any(not b for b in backends):
             raise ValueError(f"backends: need at least one non-empty backend name, got {self.backends!r}")
         object.__setattr__(self, "backends", backends)
+        if self.kvgeom_post not in KVGEOM_POST:
+            raise ValueError(f"kvgeom_post: expected one of {KVGEOM_POST}, got {self.kvgeom_post!r}")
         if self.discovery not in DISCOVERY:
             raise ValueError(f"discovery: expected one of {DISCOVERY}, got {self.discovery!r}")
         eps = self.etcd_endpoints

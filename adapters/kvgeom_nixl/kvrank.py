@@ -72,6 +72,7 @@ __all__ = [
     "allocate",
     "apply_post_receive",
     "block_rows",
+    "merge_runs",
     "request_block_rows",
     "zero_runs",
 ]
@@ -316,6 +317,70 @@ def block_rows(geom: Any, ids: Sequence[Sequence[int]]) -> np.ndarray:
     rows[:, :, 1] = stride[:, None] * blocks[None, :]
     rows[:, :, 2] = stride[:, None]
     return rows.reshape(-1, 3)
+
+
+def merge_runs(
+    local: np.ndarray, remote: np.ndarray, local_sizes: Sequence[int], remote_sizes: Sequence[int], src: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """One transfer's descriptor pairs (``(region, offset, length)`` rows of each side, row ``i`` moving
+    with row ``i``) as the fewest pairs: a maximal run of pairs that are contiguous on both sides, within one
+    region on each side, is one pair. Pairs are ordered as :func:`kvgeom.plan.requestplan.contiguous_runs`
+    orders moves (by the ``src`` side, ``"local"`` or ``"remote"``, then the other), so the count equals it.
+    Returns the merged ``(region, offset, length)`` rows of each side. A merged row outside its region
+    (``*_sizes``) raises :class:`~kvgeom.errors.PlanError` (never posted: NIXL would refuse it, or, where two
+    registrations lie side by side, move bytes of the wrong region)."""
+    local = np.asarray(local, dtype=np.int64).reshape(-1, 3)
+    remote = np.asarray(remote, dtype=np.int64).reshape(-1, 3)
+    if local.shape != remote.shape:
+        raise PlanError("descriptor pairs", f"{len(local)} local rows for {len(remote)} remote rows")
+    if (local[:, 2] != remote[:, 2]).any():
+        i = int(np.flatnonzero(local[:, 2] != remote[:, 2])[0])
+        raise PlanError(
+            "descriptor length", f"pair {i}: local {int(local[i, 2])} B, remote {int(remote[i, 2])} B"
+        )
+    s, d = (local, remote) if src == "local" else (remote, local)
+    if len(s) > 1:
+        order = np.lexsort((d[:, 1], d[:, 0], s[:, 1], s[:, 0]))
+        if (order[1:] < order[:-1]).any():
+            s, d = s[order], d[order]
+        n = s[:, 2]
+        join = (
+            (s[1:, 0] == s[:-1, 0])
+            & (d[1:, 0] == d[:-1, 0])
+            & (s[1:, 1] == s[:-1, 1] + n[:-1])
+            & (d[1:, 1] == d[:-1, 1] + n[:-1])
+        )
+        if join.any():
+            first = np.flatnonzero(np.append(True, ~join))
+            ends = np.cumsum(n)
+            length = ends[np.append(first[1:] - 1, len(n) - 1)] - (ends[first] - n[first])
+            s = np.column_stack([s[first, 0], s[first, 1], length])
+            d = np.column_stack([d[first, 0], d[first, 1], length])
+    out_l, out_r = (s, d) if src == "local" else (d, s)
+    for rows, sizes, side in ((out_l, local_sizes, "local"), (out_r, remote_sizes, "remote")):
+        size = np.asarray(sizes, dtype=np.int64)
+        reg = rows[:, 0]
+        if len(rows) and (int(reg.min()) < 0 or int(reg.max()) >= size.size):
+            raise PlanError(f"{side} region", f"a run names region {int(reg.max())}; there are {size.size}")
+        bad = (rows[:, 1] < 0) | (rows[:, 1] + rows[:, 2] > size[reg]) if len(rows) else np.zeros(0, bool)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise PlanError(
+                f"{side} run",
+                f"run {rows[i].tolist()} ends past its region ({int(size[reg[i]])} B)",
+                value=int(rows[i, 1] + rows[i, 2]),
+                expected=int(size[reg[i]]),
+            )
+    return out_l, out_r
+
+
+def _addressed(rows: np.ndarray, bases: Sequence[int], device: int) -> np.ndarray:
+    """``(region, offset, length)`` rows as NIXL's N×3 ``(addr, nbytes, device_id)``."""
+    out = np.empty((len(rows), 3), dtype=np.uint64)
+    out[:, 0] = np.asarray(bases, dtype=np.uint64)[rows[:, 0]] + rows[:, 1].astype(np.uint64)
+    out[:, 1] = rows[:, 2].astype(np.uint64)
+    out[:, 2] = np.uint64(device)
+    return out
 
 
 @dataclass
@@ -923,19 +988,26 @@ class KVRank:
             self._check_fresh(engine_id, links[t.remote_rank], deadline)
         t_post = time.monotonic()  # CMA transfers complete inside post(): time from the first post
         push = plan.mode == "push"
+        path = self.config.kvgeom_post if pairing.compat == "kvgeom" else "ids"
+        runs = moved = 0
         for t in plan.transfers:  # a push WRITE carries its W notice (sent by NIXL once every byte landed)
             link = links[t.remote_rank]
             notif = self._notice("W", rid, attempt, plan.expected_notifications, link.agent) if push else b""
-            posted.append(
-                self.ep.post(
-                    plan.op,
-                    self._local_handle(engine_id, t.local_table),
-                    t.local_ids,
-                    link.prepped,
-                    t.remote_ids,
-                    notif,
+            if path == "ids":  # vLLM's descriptor ids into the handshake's prepared tables
+                posted.append(
+                    self.ep.post(
+                        plan.op,
+                        self._local_handle(engine_id, t.local_table),
+                        t.local_ids,
+                        link.prepped,
+                        t.remote_ids,
+                        notif,
+                    )
                 )
-            )
+                continue
+            loc, rem = self._runs(pairing, t, link, push)
+            runs, moved = runs + len(loc), moved + int(loc[:, 1].sum())
+            posted.append(self.ep.post_descs(plan.op, loc, link.agent, rem, notif, self.mem_type, path))
         if push:
             for r in plan.notify_only:
                 self._send(
@@ -944,20 +1016,38 @@ class KVRank:
                 )
         tels = [x.wait(deadline) for x in posted]
         t_done = time.monotonic()
-        moves = plan.moves(pairing)
+        if path == "ids":  # the run count is a diagnostic here (the merged paths counted what they posted)
+            moves = plan.moves(pairing)
+            moved, runs = (int(moves[:, 6].sum()) if len(moves) else 0), contiguous_runs(moves)
         return RequestResult(
             plan.request_id,
             True,
             plan.num_descriptors,
-            int(moves[:, 6].sum()) if len(moves) else 0,
+            moved,
             0,
             sum(t.desc_count or 0 for t in tels),
-            contiguous_runs(moves),
+            runs,
             time.monotonic() - t0,
             t_done - t_post,
             None,
             tels,
             attempt,
+        )
+
+    def _runs(self, pairing: Pairing, t: Any, link: PeerLink, push: bool) -> tuple[np.ndarray, np.ndarray]:
+        """One transfer's pairs merged into maximal runs contiguous on both sides (:func:`merge_runs`), as
+        NIXL's N×3 lists of each side (our registrations' bases, the peer's advertised ones)."""
+        lrows = pairing.local_table(t.local_table).take(t.local_ids)
+        rrows = pairing.remote_table(t.remote_rank).take(t.remote_ids)
+        loc, rem = merge_runs(
+            lrows,
+            rrows,
+            [r.nbytes for r in self.card.geometry.regions],
+            [r.nbytes for r in link.card.geometry.regions],
+            "local" if push else "remote",
+        )
+        return _addressed(loc, [r.addr for r in self.regions], self.regions[0].device_id), _addressed(
+            rem, link.bases, link.device
         )
 
     def _check_fresh(self, engine_id: str, link: PeerLink, deadline: float) -> None:

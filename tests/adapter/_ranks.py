@@ -288,6 +288,18 @@ def _decode_bad(ep, link, local, ids, perm, regions, blk) -> dict:
         "bad_ids": lambda: ep.post("READ", local, ids, link.remote, ids + 1, b""),
         "unequal_ids": lambda: ep.post("READ", local, ids[:2], link.remote, ids[:3], b""),
     }
+    here = np.array([[regions[0].addr, blk, 0]], dtype=np.uint64)
+    for path in ("initialize", "prep"):  # per-request lists (kvgeom mode's merged runs) are checked too
+        cases[f"{path}_remote_tail_oob"] = lambda path=path: ep.post_descs(
+            "READ", here, link.name, np.array([[end - blk // 2, blk, 0]], dtype=np.uint64), path=path
+        )
+        cases[f"{path}_local_oob"] = lambda path=path: ep.post_descs(
+            "READ",
+            np.array([[regions[0].addr + regions[0].nbytes - blk // 2, blk, 0]], dtype=np.uint64),
+            link.name,
+            np.array([[link.base, blk, 0]], dtype=np.uint64),
+            path=path,
+        )
     for name, fn in cases.items():
         try:
             fn()

@@ -155,7 +155,16 @@ def test_bad_descriptors_surface_as_transfer_error():
         _start(g, _spec("serve", expect=[b"after-bad"]), _spec("bad"))
         res = g.collect(RESULT_S)
     d = res["D"].unwrap()
-    for case in ("remote_tail_oob", "remote_unregistered", "local_oob", "remote_vram"):
+    for case in (
+        "remote_tail_oob",
+        "remote_unregistered",
+        "local_oob",
+        "remote_vram",
+        "initialize_remote_tail_oob",
+        "initialize_local_oob",
+        "prep_remote_tail_oob",
+        "prep_local_oob",
+    ):
         assert d[case] == ("TransferError", "NIXL_ERR_NOT_FOUND"), (case, d[case])
     for case in ("bad_ids", "unequal_ids"):
         assert d[case] == ("TransferError", "NIXL_ERR_INVALID_PARAM"), (case, d[case])

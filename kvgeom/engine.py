@@ -60,6 +60,11 @@ class EngineConfig:
     token-major D pulls a head-major P's pages into its own pages as if they were head-major, then permutes
     each received block to token-major (docs/vllm-behaviour.md B.6.15). It belongs to the engine, not to a
     pairing, as in vLLM: one setting of D's cache handling that holds for every peer it pulls from.
+    ``kv_cache_groups``: the engine's own KV-cache groups, each a list of layer names, in the engine's order
+    (vLLM's ``kv_cache_config.kv_cache_groups``, taken from its registration); empty (the default): kvgeom's
+    grouping (:func:`kvgeom.geometry.rank_geometry`: attention-like groups first). A request's block lists
+    come one per group in this order, so it must be the engine's: vLLM orders groups by the first layer of
+    each spec (a Mamba-first hybrid has its state groups first).
     """
 
     tp_size: int
@@ -76,6 +81,7 @@ class EngineConfig:
     packed_rows: bool = False
     separate_group: tuple[str, ...] = ()
     permute_local_kv: bool = False
+    kv_cache_groups: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "num_blocks"):
@@ -140,6 +146,16 @@ class EngineConfig:
                 value=self.separate_group,
             )
         object.__setattr__(self, "separate_group", tuple(self.separate_group))
+        groups = self.kv_cache_groups
+        if isinstance(groups, str) or not all(
+            not isinstance(g, str) and len(g) and all(isinstance(x, str) for x in g) for g in groups
+        ):
+            raise ConfigError(
+                "kv_cache_groups",
+                f"must be a list of non-empty lists of layer names, got {groups!r}",
+                value=groups,
+            )
+        object.__setattr__(self, "kv_cache_groups", tuple(tuple(g) for g in groups))
         object.__setattr__(self, "kernel_block_size", kernel)
         object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
         object.__setattr__(self, "conv_layout", _parse_enum(ConvLayout, self.conv_layout, "conv_layout"))
@@ -186,6 +202,7 @@ class EngineConfig:
         d["kv_layout"] = self.kv_layout.value
         d["conv_layout"] = self.conv_layout.value
         d["separate_group"] = list(self.separate_group)
+        d["kv_cache_groups"] = [list(g) for g in self.kv_cache_groups]
         for name, default in (
             ("dcp_size", 1),
             ("pp_size", 1),
@@ -193,6 +210,7 @@ class EngineConfig:
             ("packed_rows", False),
             ("separate_group", []),
             ("permute_local_kv", False),
+            ("kv_cache_groups", []),
         ):
             if d[name] == default:
                 del d[name]  # cards of engines without these options stay as they were

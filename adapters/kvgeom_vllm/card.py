@@ -329,7 +329,18 @@ def card_of_worker(worker: Any) -> GeometryCard:
             getattr(getattr(worker, "kv_transfer_config", None), "enable_permute_local_kv", False)
         ),
     )
-    return GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
+    card = GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
+    # The KV-cache groups in the engine's order: vLLM orders them by each spec's first layer (a Mamba-first
+    # hybrid such as NemotronH has its state groups first), kvgeom's own grouping puts attention first. A
+    # request's block lists come in vLLM's order, so the card takes vLLM's groups where they differ;
+    # check_registration then checks everything else against the registration.
+    engine_groups = tuple(
+        tuple(str(n) for n in g.layer_names) for g in worker.kv_cache_config.transfer_groups
+    )
+    if not csa_linear and engine_groups and [g.layers for g in card.geometry.groups] != list(engine_groups):
+        engine = replace(engine, kv_cache_groups=engine_groups)
+        card = GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
+    return card
 
 
 def check_registration(card: GeometryCard, worker: Any) -> None:

@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from _models import build_model
 from _servers import RESULTS
-
 
 
 @pytest.fixture(scope="session")

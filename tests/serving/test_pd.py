@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from _models import PROMPTS
 from _servers import RESULTS, Server, wait_metric
 
@@ -36,16 +35,25 @@ class Case:
     d_block: int = 32
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {"kv_connector": self.connector, "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        cfg: dict[str, Any] = {
+            "kv_connector": self.connector,
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+        }
         if self.connector != "NixlConnector":
             cfg["kv_connector_module_path"] = "kvgeom_vllm"
             cfg["kv_connector_extra_config"] = {"compat": self.mode}
         return cfg
 
 
+KVGEOM = "KvgeomNixlConnector"
 CASES = [
     Case("dense 32->32", "dense", "NixlConnector", "stock"),
     Case("nemotron_h 32->32", "nemotron_h", "NixlConnector", "stock"),
+    Case("dense 32->32 kvgeom_vllm", "dense", KVGEOM, "vllm"),
+    Case("nemotron_h 32->32 kvgeom_vllm", "nemotron_h", KVGEOM, "vllm"),
+    Case("dense 32->32 kvgeom mode", "dense", KVGEOM, "kvgeom"),
+    Case("nemotron_h 32->32 kvgeom mode", "nemotron_h", KVGEOM, "kvgeom"),
 ]
 
 

@@ -18,7 +18,8 @@ from kvgeom.strided import (
 )
 from kvgeom.strided import strided_starts as _kv_strided_starts
 
-from ._common import group_is_ssm, is_attention_type, rows, to_kvgeom_mapping
+from ..version import profile
+from ._common import as_strided, expand_rows, group_is_ssm, is_attention_type, rows, to_kvgeom_mapping
 
 
 def block_strided_descs(
@@ -145,7 +146,7 @@ def build_local_splits_from_plan(
         region_num_blocks = [int(self.region_num_blocks[i]) for i in regions]
     tail = int(self._logical_num_blocks) if self._ple_region_index is not None else 0
     splits = _kv_build_local_splits(
-        np.asarray(src_blocks_data).astype(np.int64),
+        as_strided(src_blocks_data),
         to_kvgeom_mapping(plan),
         int(num_fa_descs),
         int(block_size_ratio),
@@ -154,5 +155,7 @@ def build_local_splits_from_plan(
         region_num_blocks,
         num_replicated_tail=tail,
     )
+    if not profile().strided_descs:  # 0.32.0: each split a list of (addr, len, dev) descriptors
+        return iter([[tuple(int(x) for x in r) for r in expand_rows(s)] for s in splits])
     dtype = np.asarray(src_blocks_data).dtype
     return iter([s.astype(dtype) for s in splits])

@@ -15,11 +15,27 @@ class KVLayout(str, Enum):
     """Order of one attention kernel block's bytes.
 
     ``HEAD_MAJOR`` is vLLM's ``LBHNC`` (formerly HND): ``[heads, tokens, K|V]``, so a head slice is one
-    contiguous run. ``TOKEN_MAJOR`` is ``LBNHC`` (NHD): ``[tokens, heads, K|V]``.
+    contiguous run. ``TOKEN_MAJOR`` is ``LBNHC`` (NHD): ``[tokens, heads, K|V]``. ``HEAD_KV_MAJOR`` is the
+    page of vLLM's CPU attention backend (``CPU_ATTN``, declared ``LBHNC``; its tensor is ``[blocks, heads,
+    tokens, 2 x head_size]``, read as ``[heads, 2 x tokens, head_size]``): ``[heads, K|V, tokens,
+    head_size]``, each head's K rows of every token, then its V rows. A head slice is one contiguous run
+    there too, but a token range of a block is two runs per head (:attr:`runs_per_head`).
     """
 
     HEAD_MAJOR = "head_major"
     TOKEN_MAJOR = "token_major"
+    HEAD_KV_MAJOR = "head_kv_major"
+
+    @property
+    def is_head_major(self) -> bool:
+        """A head's bytes are contiguous in a kernel block (a head slice is one run)."""
+        return self is not KVLayout.TOKEN_MAJOR
+
+    @property
+    def runs_per_head(self) -> int:
+        """Contiguous runs of one head's token rows in a kernel block of a head-major layout: 1 (``K|V``
+        per token), or 2 (the K rows, then the V rows)."""
+        return 2 if self is KVLayout.HEAD_KV_MAJOR else 1
 
 
 class ConvLayout(str, Enum):

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import cast
 
+from .engine import KVLayout
 from .dcp import check_parallel_pair
 from .dlist import EngineView
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
@@ -58,7 +59,8 @@ def _token_splittable(geom: RankGeometry) -> bool:
     spec = geom.model.attention_spec
     if spec is None or geom.engine.kv_layout.value == "token_major":
         return True
-    return all(r.is_mla for r in geom.regions) or spec.heads_per_rank(geom.tp_size) == 1
+    runs = spec.heads_per_rank(geom.tp_size) * geom.engine.kv_layout.runs_per_head
+    return all(r.is_mla for r in geom.regions) or runs == 1
 
 
 def block_size_ratio(
@@ -149,7 +151,7 @@ def check_pair(
     if attn is not None and not local.is_mla and abs(ratio) != 1:
         multi_token = max(local.block_size, remote.block_size) > 1  # a one-token page is head-major too
         if (
-            local.engine.kv_layout.value != "head_major"
+            not local.engine.kv_layout.is_head_major
             and not permute  # the pull treats the local page as head-major, then permutes (B.6.15)
             and compat == "vllm"
             and (remote.tp_size <= k or (head_split and multi_token))
@@ -189,6 +191,16 @@ def check_pair(
         _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         _check_ssm(local, remote, ratio, compat, prefix_caching)
+    kv_rows = KVLayout.HEAD_KV_MAJOR in (local.engine.kv_layout, remote.engine.kv_layout)
+    if compat == "vllm" and bsr > 1 and kv_rows and attn is not None and not local.is_mla:
+        raise _err(
+            "kv_layout",
+            f"vLLM regroups blocks received at a block-size ratio ({bsr}) as [heads, tokens, head_size] "
+            "pages, but these pages hold each head's K rows then its V rows (vLLM's CPU attention page): "
+            "vLLM would move the wrong bytes; kvgeom mode regroups K and V rows",
+            local.engine.kv_layout.value,
+            remote.engine.kv_layout.value,
+        )
     if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
         raise UnsupportedError(
             "block_size",
@@ -202,8 +214,8 @@ def check_pair(
         and bsr > 1
         and (not local.is_mla or local.has_draft)
         and attn is not None
-        and local.engine.kv_layout.value == "head_major"
-        and _heads(attn, local.tp_size) > 1
+        and local.engine.kv_layout.is_head_major
+        and _heads(attn, local.tp_size) * local.engine.kv_layout.runs_per_head > 1
     ):
         raise UnsupportedError(
             "block_size",
@@ -325,7 +337,7 @@ def _check_draft(
     spec = cast("AttentionSpec", local.model.attention_spec)  # has_draft: never None
     if (
         spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size)
-        and local.engine.kv_layout.value != "head_major"
+        and not local.engine.kv_layout.is_head_major
     ):
         raise _err(
             "kv_layout",
@@ -338,7 +350,7 @@ def _check_draft(
         mode == "pull"
         and bsr > 1
         and spec.heads_per_rank(local.tp_size) > 1
-        and local.engine.kv_layout.value == "head_major"
+        and local.engine.kv_layout.is_head_major
     ):
         raise UnsupportedError(
             "block_size",

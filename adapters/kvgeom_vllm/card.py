@@ -263,6 +263,36 @@ def _layer_spec(name: str, spec: Any, worker: Any, hf_states: dict[LayerKind, Ma
     )
 
 
+CPU_ATTN = "CPU_ATTN"
+
+
+def _cpu_attention_page(worker: Any, layers: list[Layer]) -> bool:
+    """Whether this rank's attention pages are vLLM's CPU backend's (``CPU_ATTN``, declared ``LBHNC``):
+    ``[blocks, heads, tokens, 2 x head_size]`` tensors holding, per head, the K rows of every token and
+    then the V rows (vllm/v1/attention/backends/cpu_attn.py). Read from the registration: the backend's
+    name, checked against every attention layer's cache tensor (a name without that shape is refused)."""
+    names = {b.get_name() for b in getattr(worker, "attn_backends", None) or []}
+    if CPU_ATTN not in names:
+        return False
+    caches = getattr(worker, "device_kv_caches", None) or {}
+    tp = int(worker.world_size)
+    for la in layers:
+        spec = la.spec
+        if not isinstance(spec, AttentionSpec) or la.name not in caches:
+            continue
+        got = tuple(int(x) for x in caches[la.name].shape)
+        want = (int(worker.num_blocks), spec.heads_per_rank(tp), int(worker.block_size), 2 * spec.head_size)
+        if spec.v_size != spec.head_size or got[1:] != want[1:]:
+            raise SpecError(
+                "kv_cache_layout",
+                f"layer {la.name!r}: vLLM's CPU attention page is [blocks, heads, tokens, 2 x head_size] "
+                f"{want}, this cache tensor is {got} (V head size {spec.v_size}, K {spec.head_size})",
+                local=want,
+                remote=got,
+            )
+    return True
+
+
 def card_of_worker(worker: Any) -> GeometryCard:
     """This rank's geometry card, from the worker's vLLM configuration (:class:`KvgeomError` naming the
     layer and the numbers when kvgeom cannot describe it)."""
@@ -309,6 +339,8 @@ def card_of_worker(worker: Any) -> GeometryCard:
         layers = _csa_overlays(layers)
     model = ModelSpec(str(getattr(worker.model_config, "model", "")), tuple(layers))
     layout = _LAYOUTS.get(str(worker.kv_cache_layout))
+    if layout == "head_major" and _cpu_attention_page(worker, layers):
+        layout = "head_kv_major"
     if layout is None and model.attention_spec is not None:
         raise ConfigError(
             "kv_cache_layout",

@@ -218,15 +218,17 @@ def _place_tokens(
     first_head = spec.heads.first_unit(geom.tp_rank, geom.tp_size)
     _check_fits(region, heads * kb * c, page)
     for j in range(heads):
-        if eng.kv_layout is KVLayout.HEAD_MAJOR:
-            within = j * kb * c + n * c
-        else:
-            within = n * heads * c + j * c
         for kv, inner, size in pieces:
+            if eng.kv_layout is KVLayout.HEAD_MAJOR:  # [heads, tokens, K|V]
+                at = j * kb * c + n * c + inner
+            elif eng.kv_layout is KVLayout.HEAD_KV_MAJOR:  # [heads, K|V, tokens, size]: K rows, then V rows
+                at = j * kb * c + (inner * kb if kv else 0) + n * size
+            else:  # [tokens, heads, K|V]
+                at = n * heads * c + j * c + inner
             b = np.arange(size)
             img.put(
                 region.index,
-                (block_start + within + inner)[:, None] + b[None, :],
+                (block_start + at)[:, None] + b[None, :],
                 space.tag(layer, "kv", tokens[:, None], first_head + j, kv, b[None, :]),
                 role,
             )

@@ -43,14 +43,30 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     tr = terminalreporter
     tr.section("serving results")
-    cols = ("case", "connector", "mode", "prompts", "tokens equal", "bytes moved", "failed", "time s")
+    cols = (
+        "case",
+        "connector",
+        "mode",
+        "prompts",
+        "tokens equal",
+        "bytes moved",
+        "failed",
+        "errors",
+        "time s",
+    )
     tr.write_line("| " + " | ".join(cols) + " |")
     tr.write_line("|" + " --- |" * len(cols))
     for r in RESULTS:
         tr.write_line(
             f"| {r['case']} | {r['connector']} | {r['mode']} | {r['prompts']} | {r['equal']} of {r['prompts']}"
-            f" | {r['bytes']:,} | {r['failed']} | {r['time_s']:.1f} |"
+            f" | {r['bytes']:,} | {r['failed']} | {r.get('errors', 0)} | {r['time_s']:.1f} |"
         )
+    starts = {
+        f"{r['connector']} {r['mode']} {r['case'].split()[0]}": r.get("engines_start_s") for r in RESULTS
+    }
+    for name, s in starts.items():
+        if s:
+            tr.write_line(f"engines (P32, D32, D64) of {name}: started in {s:.0f} s")
     out = os.environ.get("KVGEOM_SERVING_RESULTS")
     if out:
         Path(out).write_text(json.dumps(RESULTS, indent=1))

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import cast
 
-from .engine import KVLayout
 from .dcp import check_parallel_pair
 from .dlist import EngineView
+from .engine import KVLayout
 from .errors import IncompatiblePairError, RatioError, UnsupportedError
 from .geometry import RankGeometry, packed_csa_rows
 from .spec import AttentionSpec, MLASpec

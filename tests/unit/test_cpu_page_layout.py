@@ -41,13 +41,17 @@ def test_the_layout_is_head_major_with_two_runs_per_head() -> None:
     # the same bytes per page as vLLM's head-major page: only their order differs
     cpu = rank_geometry(DENSE, engines(DENSE, 32, 32)[0])
     hm = rank_geometry(DENSE, engines(DENSE, 32, 32, KVLayout.HEAD_MAJOR)[0])
-    assert [(r.block_len, r.block_stride) for r in cpu.regions] == [(r.block_len, r.block_stride) for r in hm.regions]
+    assert [(r.block_len, r.block_stride) for r in cpu.regions] == [
+        (r.block_len, r.block_stride) for r in hm.regions
+    ]
 
 
 @pytest.mark.parametrize("model", [DENSE, HYBRID], ids=["dense", "hybrid"])
 @pytest.mark.parametrize("p_block, d_block", [(32, 32), (32, 64), (64, 64)])
 @pytest.mark.parametrize("num_tokens", [1, 40, 64, 150])
-def test_kvgeom_mode_serves_the_cpu_page(model: ModelSpec, p_block: int, d_block: int, num_tokens: int) -> None:
+def test_kvgeom_mode_serves_the_cpu_page(
+    model: ModelSpec, p_block: int, d_block: int, num_tokens: int
+) -> None:
     p, d = engines(model, p_block, d_block)
     report = run_pull(model, p, d, Request.simple(model, p, d, num_tokens), compat="kvgeom")
     assert report.ok, report

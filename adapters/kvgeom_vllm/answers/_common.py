@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvgeom.strided import expand_rows
 from kvgeom.tp import TPMapping as KvTPMapping
 
 from ..version import profile
@@ -76,35 +77,8 @@ def lists(groups: Sequence[np.ndarray]) -> list[list[int]]:
 def rows(strided: np.ndarray) -> np.ndarray:
     """kvgeom's N x 5 strided rows as the installed vLLM's descriptor table, in its dtype (``uint64``):
     the rows themselves (0.33.0), or one ``(addr, len, dev)`` row per block of each, in the rows' order
-    (0.32.0, whose tables are plain descriptor lists; :func:`expand_rows`)."""
+    (0.32.0, whose tables are plain descriptor lists; :func:`kvgeom.strided.expand_rows`)."""
     out = np.asarray(strided, dtype=np.int64)
     if not profile().strided_descs:
         out = expand_rows(out)
     return out.astype(np.uint64)
-
-
-def expand_rows(strided: np.ndarray) -> np.ndarray:
-    """N x 5 strided rows ``(addr, len, dev, stride, count)`` as one ``(addr, len, dev)`` row per block:
-    row ``r``'s blocks ``addr + k * stride`` for ``k < count``, rows in order (NIXL's expansion)."""
-    s = np.asarray(strided, dtype=np.int64).reshape(-1, 5)
-    counts = s[:, 4]
-    idx = np.repeat(np.arange(len(s)), counts)
-    k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    out = np.empty((len(idx), 3), dtype=np.int64)
-    out[:, 0] = s[idx, 0] + k * s[idx, 3]
-    out[:, 1] = s[idx, 1]
-    out[:, 2] = s[idx, 2]
-    return out
-
-
-def as_strided(table: np.ndarray) -> np.ndarray:
-    """A descriptor table as N x 5 strided rows: a 0.32.0 ``(addr, len, dev)`` row becomes a row of one
-    block (stride = len); N x 5 rows are returned as they are."""
-    t = np.asarray(table, dtype=np.int64)
-    if t.ndim == 2 and t.shape[1] == 3:
-        out = np.empty((len(t), 5), dtype=np.int64)
-        out[:, :3] = t
-        out[:, 3] = t[:, 1]
-        out[:, 4] = 1
-        return out
-    return t

@@ -11,15 +11,17 @@ import numpy as np
 from kvgeom.splits import build_local_splits as _kv_build_local_splits
 from kvgeom.strided import (
     block_strided_rows,
+    expand_rows,
     fa_local_rows,
     fa_remote_rows,
     mamba_local_rows,
     mamba_remote_rows,
+    to_strided,
 )
 from kvgeom.strided import strided_starts as _kv_strided_starts
 
 from ..version import profile
-from ._common import as_strided, expand_rows, group_is_ssm, is_attention_type, rows, to_kvgeom_mapping
+from ._common import group_is_ssm, is_attention_type, rows, to_kvgeom_mapping
 
 
 def block_strided_descs(
@@ -146,7 +148,7 @@ def build_local_splits_from_plan(
         region_num_blocks = [int(self.region_num_blocks[i]) for i in regions]
     tail = int(self._logical_num_blocks) if self._ple_region_index is not None else 0
     splits = _kv_build_local_splits(
-        as_strided(src_blocks_data),
+        to_strided(src_blocks_data),
         to_kvgeom_mapping(plan),
         int(num_fa_descs),
         int(block_size_ratio),

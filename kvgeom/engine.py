@@ -17,9 +17,11 @@ class KVLayout(str, Enum):
     ``HEAD_MAJOR`` is vLLM's ``LBHNC`` (formerly HND): ``[heads, tokens, K|V]``, so a head slice is one
     contiguous run. ``TOKEN_MAJOR`` is ``LBNHC`` (NHD): ``[tokens, heads, K|V]``. ``HEAD_KV_MAJOR`` is the
     page of vLLM's CPU attention backend (``CPU_ATTN``, declared ``LBHNC``; its tensor is ``[blocks, heads,
-    tokens, 2 x head_size]``, read as ``[heads, 2 x tokens, head_size]``): ``[heads, K|V, tokens,
-    head_size]``, each head's K rows of every token, then its V rows. A head slice is one contiguous run
-    there too, but a token range of a block is two runs per head (:attr:`runs_per_head`).
+    tokens, 2 x head_size]``): per head its K half, then its V half. Its kernel
+    (``cpu_attn_reshape_and_cache``, ISA ``vec``) stores K **transposed**, ``[head_size, tokens]``, and V as
+    ``[tokens, head_size]`` rows (measured: tests/serving/test_cpu_page.py). A head slice is one contiguous
+    run, but a token range of a block is not a byte range of the K half: kvgeom moves such pages whole
+    (equal kernel blocks) and refuses block-size ratios on them (no regroup transposes).
     """
 
     HEAD_MAJOR = "head_major"
@@ -34,7 +36,8 @@ class KVLayout(str, Enum):
     @property
     def runs_per_head(self) -> int:
         """Contiguous runs of one head's token rows in a kernel block of a head-major layout: 1 (``K|V``
-        per token), or 2 (the K rows, then the V rows)."""
+        per token), or 2 (the CPU page: its K half, then its V half; the K half is transposed, so a token
+        range within it is not contiguous either: no ratio is planned on it)."""
         return 2 if self is KVLayout.HEAD_KV_MAJOR else 1
 
 

@@ -192,12 +192,13 @@ def check_pair(
     if local.has_ssm:
         _check_ssm(local, remote, ratio, compat, prefix_caching)
     kv_rows = KVLayout.HEAD_KV_MAJOR in (local.engine.kv_layout, remote.engine.kv_layout)
-    if compat == "vllm" and bsr > 1 and kv_rows and attn is not None and not local.is_mla:
+    if (bsr > 1 or split > 1) and kv_rows and attn is not None and not local.is_mla:
         raise _err(
             "kv_layout",
-            f"vLLM regroups blocks received at a block-size ratio ({bsr}) as [heads, tokens, head_size] "
-            "pages, but these pages hold each head's K rows then its V rows (vLLM's CPU attention page): "
-            "vLLM would move the wrong bytes; kvgeom mode regroups K and V rows",
+            f"vLLM's CPU attention page stores each head's K transposed ([head_size, tokens]) then its V "
+            f"([tokens, head_size]): blocks received at a block-size ratio ({bsr}) cannot be regrouped by "
+            "token ranges (vLLM regroups them as [heads, tokens, head_size] and moves the wrong bytes); "
+            "use equal kernel block sizes",
             local.engine.kv_layout.value,
             remote.engine.kv_layout.value,
         )

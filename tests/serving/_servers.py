@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,21 @@ STOP_TIMEOUT_S = 30.0
 RESULTS: list[dict[str, Any]] = []
 
 
+_RNG = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port below Linux's ephemeral range (32768-60999): the engines' own sockets bind
+    ephemeral ports, so a port picked there could be taken by another engine before its server binds it."""
+    for _ in range(200):
+        port = _RNG.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ServerError("no free port in 20000-32000")
 
 
 class ServerError(RuntimeError):

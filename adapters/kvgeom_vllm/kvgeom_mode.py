@@ -197,11 +197,13 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
     if engine_id in worker._invalid_remote_engines:
         worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=False)
         return
-    generation = meta.remote.registration_generation
-    if worker._remote_registration_generations.get(engine_id, 0) < generation:
+    # P's re-registrations (vLLM 0.33.0; 0.32.0 has no registration generations)
+    generation = getattr(meta.remote, "registration_generation", 0)
+    seen = getattr(worker, "_remote_registration_generations", None)
+    if seen is not None and seen.get(engine_id, 0) < generation:
         if engine_id in worker._remote_agents:
             worker._cleanup_remote_engine(engine_id, log_eviction=False)
-        worker._remote_registration_generations[engine_id] = generation
+        seen[engine_id] = generation
     if engine_id not in worker._remote_agents:
         worker._background_nixl_handshake(req_id, engine_id, meta)
         return

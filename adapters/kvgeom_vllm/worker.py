@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import answers, handshake, kvgeom_mode, metadata
+from . import answers, handshake, kvgeom_mode, metadata, plugin
 from .calls import as_vllm_error, counted_call
 from .table import TABLE, Entry, entry
+from .version import profile
 
 __all__ = [
     "KvgeomTransferTopology",
@@ -58,8 +59,11 @@ def counted(e: Entry) -> Callable[..., Any]:
 def _install(cls: type, owner: str, base: bool = False) -> type:
     """Set every answered member of ``owner`` (a vLLM class name in the table) on ``cls`` (``base``: the
     members installed below vLLM's pull/push subclasses)."""
+    absent = profile().absent  # members the installed vLLM does not have: nothing to replace
     for e in TABLE:
         if e.owner != owner or e.kind in ("wrapper", "attribute", "function") or (e.kind == "base") != base:
+            continue
+        if e.qualname in absent:
             continue
         fn = counted(e)
         member: Any = {"static": staticmethod, "property": property}.get(e.kind, lambda f: f)(fn)
@@ -131,6 +135,18 @@ class KvgeomTransferTopology(_TransferTopology):
 _install(KvgeomTransferTopology, "TransferTopology")
 
 
+def _check_conv_layout(kv_cache_config: Any) -> None:
+    """A typed refusal, before vLLM's own assertion, of a Mamba model whose conv state is not DS."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    specs = [getattr(g, "kv_cache_spec", None) for g in groups]
+    inner = [s for spec in specs for s in (getattr(spec, "kv_cache_specs", None) or {}).values()]
+    has_mamba = any(isinstance(s, MambaSpec) for s in specs + inner)
+    plugin.check_conv_state_layout(has_mamba, is_conv_state_dim_first())
+
+
 class KvgeomWorkerMixin:
     """The geometry methods of vLLM's NIXL worker, answered by kvgeom (installed from the table), plus
     what makes vLLM's own methods reach kvgeom: the dispatch mark on the methods that call vLLM's module
@@ -140,6 +156,7 @@ class KvgeomWorkerMixin:
     kvgeom_compat: str = "vllm"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _check_conv_layout(args[2] if len(args) > 2 else kwargs.get("kv_cache_config"))
         with _active():
             super().__init__(*args, **kwargs)
 

@@ -38,6 +38,46 @@ def _spec_key(spec: LayerSpec) -> tuple[object, ...]:
     return (type(spec).__name__, spec)
 
 
+def _engine_groups(model: ModelSpec, order: tuple[tuple[str, ...], ...]) -> tuple[Group, ...]:
+    """The engine's own KV-cache groups (``EngineConfig.kv_cache_groups``), checked: every name a cache
+    layer of ``model``, every cache layer in exactly one group, each group's layers of one spec."""
+    specs = {la.name: la.spec for la in model.layers}
+    seen: dict[str, int] = {}
+    for g, names in enumerate(order):
+        for name in names:
+            if name not in specs:
+                raise ConfigError(
+                    f"kv_cache_groups[{g}]",
+                    f"layer {name!r} is not a cache layer of {model.name!r}",
+                    value=name,
+                    expected=sorted(specs),
+                )
+            if name in seen:
+                raise ConfigError(
+                    f"kv_cache_groups[{g}]",
+                    f"layer {name!r} is in groups {seen[name]} and {g}",
+                    value=name,
+                    expected=seen[name],
+                )
+            seen[name] = g
+            if specs[name] != specs[names[0]]:
+                raise SpecError(
+                    f"kv_cache_groups[{g}]",
+                    f"layers {names[0]!r} and {name!r} of one group have different specs",
+                    local=specs[names[0]],
+                    remote=specs[name],
+                )
+    missing = [name for name in specs if name not in seen]
+    if missing:
+        raise ConfigError(
+            "kv_cache_groups",
+            f"cache layers {missing} are in no group",
+            value=missing,
+            expected=sorted(specs),
+        )
+    return tuple(Group(g, specs[names[0]], tuple(names)) for g, names in enumerate(order))
+
+
 def _make_groups(model: ModelSpec) -> tuple[Group, ...]:
     """vLLM HMA grouping: one group per spec if the model is uniform, else chunks of the smallest
     per-spec layer count; attention-like groups first, SSM groups after, each in layer order. A model whose
@@ -119,7 +159,8 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         )
     if model.overlays:
         return _overlay_geometry(model, engine)
-    groups = _project(_split(_make_groups(model), engine.separate_group, model), held)
+    own = _engine_groups(model, engine.kv_cache_groups) if engine.kv_cache_groups else _make_groups(model)
+    groups = _project(_split(own, engine.separate_group, model), held)
     ppl = engine.ppl
     nb_kernel = engine.num_blocks * ppl
     ssm_spec = model.ssm_spec

@@ -15,11 +15,30 @@ class KVLayout(str, Enum):
     """Order of one attention kernel block's bytes.
 
     ``HEAD_MAJOR`` is vLLM's ``LBHNC`` (formerly HND): ``[heads, tokens, K|V]``, so a head slice is one
-    contiguous run. ``TOKEN_MAJOR`` is ``LBNHC`` (NHD): ``[tokens, heads, K|V]``.
+    contiguous run. ``TOKEN_MAJOR`` is ``LBNHC`` (NHD): ``[tokens, heads, K|V]``. ``HEAD_KV_MAJOR`` is the
+    page of vLLM's CPU attention backend (``CPU_ATTN``, declared ``LBHNC``; its tensor is ``[blocks, heads,
+    tokens, 2 x head_size]``): per head its K half, then its V half. Its kernel
+    (``cpu_attn_reshape_and_cache``, ISA ``vec``) stores K **transposed**, ``[head_size, tokens]``, and V as
+    ``[tokens, head_size]`` rows (measured: tests/serving/test_cpu_page.py). A head slice is one contiguous
+    run, but a token range of a block is not a byte range of the K half: kvgeom moves such pages whole
+    (equal kernel blocks) and refuses block-size ratios on them (no regroup transposes).
     """
 
     HEAD_MAJOR = "head_major"
     TOKEN_MAJOR = "token_major"
+    HEAD_KV_MAJOR = "head_kv_major"
+
+    @property
+    def is_head_major(self) -> bool:
+        """A head's bytes are contiguous in a kernel block (a head slice is one run)."""
+        return self is not KVLayout.TOKEN_MAJOR
+
+    @property
+    def runs_per_head(self) -> int:
+        """Contiguous runs of one head's token rows in a kernel block of a head-major layout: 1 (``K|V``
+        per token), or 2 (the CPU page: its K half, then its V half; the K half is transposed, so a token
+        range within it is not contiguous either: no ratio is planned on it)."""
+        return 2 if self is KVLayout.HEAD_KV_MAJOR else 1
 
 
 class ConvLayout(str, Enum):
@@ -60,6 +79,11 @@ class EngineConfig:
     token-major D pulls a head-major P's pages into its own pages as if they were head-major, then permutes
     each received block to token-major (docs/vllm-behaviour.md B.6.15). It belongs to the engine, not to a
     pairing, as in vLLM: one setting of D's cache handling that holds for every peer it pulls from.
+    ``kv_cache_groups``: the engine's own KV-cache groups, each a list of layer names, in the engine's order
+    (vLLM's ``kv_cache_config.kv_cache_groups``, taken from its registration); empty (the default): kvgeom's
+    grouping (:func:`kvgeom.layout.allocate.rank_geometry`: attention-like groups first). A request's block lists
+    come one per group in this order, so it must be the engine's: vLLM orders groups by the first layer of
+    each spec (a Mamba-first hybrid has its state groups first).
     """
 
     tp_size: int
@@ -76,6 +100,7 @@ class EngineConfig:
     packed_rows: bool = False
     separate_group: tuple[str, ...] = ()
     permute_local_kv: bool = False
+    kv_cache_groups: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "num_blocks"):
@@ -140,6 +165,16 @@ class EngineConfig:
                 value=self.separate_group,
             )
         object.__setattr__(self, "separate_group", tuple(self.separate_group))
+        groups = self.kv_cache_groups
+        if isinstance(groups, str) or not all(
+            not isinstance(g, str) and len(g) and all(isinstance(x, str) for x in g) for g in groups
+        ):
+            raise ConfigError(
+                "kv_cache_groups",
+                f"must be a list of non-empty lists of layer names, got {groups!r}",
+                value=groups,
+            )
+        object.__setattr__(self, "kv_cache_groups", tuple(tuple(g) for g in groups))
         object.__setattr__(self, "kernel_block_size", kernel)
         object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
         object.__setattr__(self, "conv_layout", _parse_enum(ConvLayout, self.conv_layout, "conv_layout"))
@@ -186,6 +221,7 @@ class EngineConfig:
         d["kv_layout"] = self.kv_layout.value
         d["conv_layout"] = self.conv_layout.value
         d["separate_group"] = list(self.separate_group)
+        d["kv_cache_groups"] = [list(g) for g in self.kv_cache_groups]
         for name, default in (
             ("dcp_size", 1),
             ("pp_size", 1),
@@ -193,6 +229,7 @@ class EngineConfig:
             ("packed_rows", False),
             ("separate_group", []),
             ("permute_local_kv", False),
+            ("kv_cache_groups", []),
         ):
             if d[name] == default:
                 del d[name]  # cards of engines without these options stay as they were

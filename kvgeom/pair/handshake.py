@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvgeom.errors import IncompatiblePairError, RatioError, UnsupportedError
+from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry, packed_csa_rows
 from kvgeom.layout.view import EngineView
 from kvgeom.model.layers import AttentionSpec
@@ -51,7 +52,8 @@ def _token_splittable(geom: RankGeometry) -> bool:
     spec = geom.model.attention_spec
     if spec is None or geom.engine.kv_layout.value == "token_major":
         return True
-    return all(r.is_mla for r in geom.regions) or spec.heads_per_rank(geom.tp_size) == 1
+    runs = spec.heads_per_rank(geom.tp_size) * geom.engine.kv_layout.runs_per_head
+    return all(r.is_mla for r in geom.regions) or runs == 1
 
 
 def block_size_ratio(
@@ -142,7 +144,7 @@ def check_pair(
     if attn is not None and not local.is_mla and abs(ratio) != 1:
         multi_token = max(local.block_size, remote.block_size) > 1  # a one-token page is head-major too
         if (
-            local.engine.kv_layout.value != "head_major"
+            not local.engine.kv_layout.is_head_major
             and not permute  # the pull treats the local page as head-major, then permutes (B.6.15)
             and compat == "vllm"
             and (remote.tp_size <= k or (head_split and multi_token))
@@ -182,6 +184,17 @@ def check_pair(
         _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         check_ssm(local, remote, ratio, compat, prefix_caching)
+    kv_rows = KVLayout.HEAD_KV_MAJOR in (local.engine.kv_layout, remote.engine.kv_layout)
+    if (bsr > 1 or split > 1) and kv_rows and attn is not None and not local.is_mla:
+        raise mismatch(
+            "kv_layout",
+            f"vLLM's CPU attention page stores each head's K transposed ([head_size, tokens]) then its V "
+            f"([tokens, head_size]): blocks received at a block-size ratio ({bsr}) cannot be regrouped by "
+            "token ranges (vLLM regroups them as [heads, tokens, head_size] and moves the wrong bytes); "
+            "use equal kernel block sizes",
+            local.engine.kv_layout.value,
+            remote.engine.kv_layout.value,
+        )
     if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
         raise UnsupportedError(
             "block_size",
@@ -195,8 +208,8 @@ def check_pair(
         and bsr > 1
         and (not local.is_mla or local.has_draft)
         and attn is not None
-        and local.engine.kv_layout.value == "head_major"
-        and _heads(attn, local.tp_size) > 1
+        and local.engine.kv_layout.is_head_major
+        and _heads(attn, local.tp_size) * local.engine.kv_layout.runs_per_head > 1
     ):
         raise UnsupportedError(
             "block_size",

@@ -144,7 +144,7 @@ def check_draft(
     spec = cast("AttentionSpec", local.model.attention_spec)  # has_draft: never None
     if (
         spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size)
-        and local.engine.kv_layout.value != "head_major"
+        and not local.engine.kv_layout.is_head_major
     ):
         raise mismatch(
             "kv_layout",
@@ -157,7 +157,7 @@ def check_draft(
         mode == "pull"
         and bsr > 1
         and spec.heads_per_rank(local.tp_size) > 1
-        and local.engine.kv_layout.value == "head_major"
+        and local.engine.kv_layout.is_head_major
     ):
         raise UnsupportedError(
             "block_size",

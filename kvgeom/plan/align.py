@@ -154,12 +154,14 @@ class Page:
 
 
 def page_heads(geom: object, layer: str) -> int:
-    """Local KV heads of ``layer``'s head-major attention page on ``geom`` (1 for latents, states and
-    token-major pages)."""
+    """Runs of token rows in ``layer``'s head-major attention page on ``geom``: its local KV heads, twice
+    that where each head holds its K rows then its V rows (``head_kv_major``, vLLM's CPU page); 1 for
+    latents, states and token-major pages. A regroup or a zero range treats each run as one head."""
     spec = geom.layer_specs[layer]  # type: ignore[attr-defined]
-    if getattr(spec, "num_kv_heads", None) is None or geom.engine.kv_layout.value != "head_major":  # type: ignore
+    layout = geom.engine.kv_layout  # type: ignore[attr-defined]
+    if getattr(spec, "num_kv_heads", None) is None or not layout.is_head_major:
         return 1
-    return int(spec.heads_per_rank(geom.tp_size))  # type: ignore[attr-defined]
+    return int(spec.heads_per_rank(geom.tp_size)) * int(layout.runs_per_head)  # type: ignore[attr-defined]
 
 
 def group_pages(geom: object, group: int) -> list[Page]:

@@ -25,16 +25,46 @@ from kvgeom.errors import GroupMismatchError, IncompatiblePairError, PlanError
 
 __all__ = [
     "block_strided_rows",
+    "expand_rows",
     "fa_local_rows",
     "fa_remote_rows",
     "mamba_local_rows",
     "mamba_remote_rows",
     "strided_starts",
+    "to_strided",
 ]
 
 
 def _rows(rows: list[tuple[int, int, int, int, int]]) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+
+
+def expand_rows(rows: np.ndarray) -> np.ndarray:
+    """N x 5 strided rows ``(addr, len, dev, stride, count)`` as one ``(addr, len, dev)`` descriptor per
+    block, in NIXL's order: row by row, block ``k`` of a row at ``addr + k * stride`` (vLLM 0.32.0's
+    descriptor tables are these flat lists)."""
+    s = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+    counts = s[:, 4]
+    idx = np.repeat(np.arange(len(s)), counts)
+    k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(strided_starts(s), counts)
+    out = np.empty((len(idx), 3), dtype=np.int64)
+    out[:, 0] = s[idx, 0] + k * s[idx, 3]
+    out[:, 1] = s[idx, 1]
+    out[:, 2] = s[idx, 2]
+    return out
+
+
+def to_strided(table: np.ndarray) -> np.ndarray:
+    """A descriptor table as N x 5 strided rows: each ``(addr, len, dev)`` descriptor becomes a row of one
+    block (stride = len); N x 5 rows are returned as they are."""
+    t = np.asarray(table, dtype=np.int64)
+    if t.ndim == 2 and t.shape[1] == 3:
+        out = np.empty((len(t), 5), dtype=np.int64)
+        out[:, :3] = t
+        out[:, 3] = t[:, 1]
+        out[:, 4] = 1
+        return out
+    return t
 
 
 def strided_starts(rows: np.ndarray) -> np.ndarray:

@@ -218,15 +218,19 @@ def _place_tokens(
     first_head = spec.heads.first_unit(geom.tp_rank, geom.tp_size)
     _check_fits(region, heads * kb * c, page)
     for j in range(heads):
-        if eng.kv_layout is KVLayout.HEAD_MAJOR:
-            within = j * kb * c + n * c
-        else:
-            within = n * heads * c + j * c
         for kv, inner, size in pieces:
             b = np.arange(size)
+            if eng.kv_layout is KVLayout.HEAD_MAJOR:  # [heads, tokens, K|V]
+                where = (j * kb * c + n * c + inner)[:, None] + b[None, :]
+            elif eng.kv_layout is KVLayout.HEAD_KV_MAJOR and not kv:  # CPU page, K half: [head_size, tokens]
+                where = j * kb * c + ((b // e)[None, :] * kb + n[:, None]) * e + (b % e)[None, :]
+            elif eng.kv_layout is KVLayout.HEAD_KV_MAJOR:  # CPU page, V half: [tokens, head_size] rows
+                where = (j * kb * c + inner * kb + n * size)[:, None] + b[None, :]
+            else:  # [tokens, heads, K|V]
+                where = (n * heads * c + j * c + inner)[:, None] + b[None, :]
             img.put(
                 region.index,
-                (block_start + within + inner)[:, None] + b[None, :],
+                np.asarray(block_start)[..., None] + where,
                 space.tag(layer, "kv", tokens[:, None], first_head + j, kv, b[None, :]),
                 role,
             )

@@ -9,6 +9,9 @@ from typing import Any
 import numpy as np
 
 from kvgeom.pair.tp import TPMapping as KvTPMapping
+from kvgeom.plan.strided import expand_rows
+
+from ..version import profile
 
 
 def _vllm() -> Any:
@@ -72,5 +75,10 @@ def lists(groups: Sequence[np.ndarray]) -> list[list[int]]:
 
 
 def rows(strided: np.ndarray) -> np.ndarray:
-    """kvgeom's N x 5 strided rows in vLLM's dtype (``uint64``)."""
-    return np.asarray(strided, dtype=np.int64).astype(np.uint64)
+    """kvgeom's N x 5 strided rows as the installed vLLM's descriptor table, in its dtype (``uint64``):
+    the rows themselves (0.33.0), or one ``(addr, len, dev)`` row per block of each, in the rows' order
+    (0.32.0, whose tables are plain descriptor lists; :func:`kvgeom.plan.strided.expand_rows`)."""
+    out = np.asarray(strided, dtype=np.int64)
+    if not profile().strided_descs:
+        out = expand_rows(out)
+    return out.astype(np.uint64)

@@ -20,6 +20,7 @@ from kvgeom.errors import ConfigError, KvgeomError, UnsupportedError
 from ..calls import counted_call
 from ..card import card_of_worker, check_registration
 from ..metadata import CARDLESS, CARDLESS_EXAMPLE, KvgeomAgentMetadata
+from ..version import profile
 from ._common import KVI
 from .regions import pp_region_offset, region_sort_key
 
@@ -138,7 +139,10 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
     self._ssm_region_indices = list(reg.ssm_region_indices)
     self._scratch_region_indices = list(reg.scratch_region_indices)
     self._ple_region_index, self._ple_block_len = reg.ple_region_index, reg.ple_block_len
-    self._head_sharded_draft_regions = self._get_head_sharded_draft_regions()
+    # vLLM 0.32.0 has no head-sharded draft regions (docs/vllm-versions.md)
+    self._head_sharded_draft_regions = (
+        self._get_head_sharded_draft_regions() if profile().draft_regions else set()
+    )
     self.kv_caches_base_addr[self.engine_id][self.tp_rank] = list(reg.bases)
     self.num_regions = reg.num_regions
     self.region_mem_types = list(reg.mem_types)

@@ -11,13 +11,16 @@ import numpy as np
 from kvgeom.plan.splits import build_local_splits as _kv_build_local_splits
 from kvgeom.plan.strided import (
     block_strided_rows,
+    expand_rows,
     fa_local_rows,
     fa_remote_rows,
     mamba_local_rows,
     mamba_remote_rows,
+    to_strided,
 )
 from kvgeom.plan.strided import strided_starts as _kv_strided_starts
 
+from ..version import profile
 from ._common import group_is_ssm, is_attention_type, rows, to_kvgeom_mapping
 
 
@@ -145,7 +148,7 @@ def build_local_splits_from_plan(
         region_num_blocks = [int(self.region_num_blocks[i]) for i in regions]
     tail = int(self._logical_num_blocks) if self._ple_region_index is not None else 0
     splits = _kv_build_local_splits(
-        np.asarray(src_blocks_data).astype(np.int64),
+        to_strided(src_blocks_data),
         to_kvgeom_mapping(plan),
         int(num_fa_descs),
         int(block_size_ratio),
@@ -154,5 +157,7 @@ def build_local_splits_from_plan(
         region_num_blocks,
         num_replicated_tail=tail,
     )
+    if not profile().strided_descs:  # 0.32.0: each split a list of (addr, len, dev) descriptors
+        return iter([[tuple(int(x) for x in r) for r in expand_rows(s)] for s in splits])
     dtype = np.asarray(src_blocks_data).dtype
     return iter([s.astype(dtype) for s in splits])

@@ -78,7 +78,7 @@ def test_dcp_pp_packed_separate() -> None:
 def test_layouts_by_name() -> None:
     e = EngineConfig(4, 16, 8, kv_layout="token_major", conv_layout="SD")  # type: ignore[arg-type]
     assert e.kv_layout is KVLayout.TOKEN_MAJOR and e.conv_layout is ConvLayout.SD
-    assert [m.value for m in KVLayout] == ["head_major", "token_major"]
+    assert [m.value for m in KVLayout] == ["head_major", "token_major", "head_kv_major"]
     assert [m.value for m in ConvLayout] == ["DS", "SD"]
     _refused("kv_layout", "HND", kv_layout="HND")
     _refused("conv_layout", "ds", conv_layout="ds")

@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgeom-installed
+# NIXL's bundled UCX without its InfiniBand modules: with Debian's libibverbs1 installed they load a second
+# libnl-route and the process segfaults at exit (docs/adapter.md); set UCX_MODULES to override
+export UCX_MODULES ?= ^ib,rdmacm
 
 .PHONY: demo test test-core test-stress test-vllm test-serving plan bench lint dist clean venv host-deps mutate mutate-ci
 

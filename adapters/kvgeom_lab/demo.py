@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import secrets
 import sys
 import time
@@ -70,6 +71,9 @@ def _fmt_bytes(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault(
+        "UCX_MODULES", "^ib,rdmacm"
+    )  # CPU DRAM: no IB modules (docs/adapter.md, exit crash)
     ap = argparse.ArgumentParser(prog="kvgeom demo", description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", help="scenario JSON (default: the built-in Mamba2 hybrid, P TP2 -> D TP1)")
     ap.add_argument("--mode", choices=("pull", "push"), help="override the scenario's mode")

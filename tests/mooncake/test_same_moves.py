@@ -15,6 +15,7 @@ import pytest
 from test_mooncake_e2e import scenario
 
 from kvgeom import Pairing, plan_request
+from kvgeom.plan.requestplan import contiguous_runs
 from kvgeom.tools.scenario import Scenario
 
 SECRET = "kvgeom-same-moves-secret-0123456789"
@@ -168,8 +169,10 @@ def test_both_transports_receive_the_plans_moves(
         moon = mooncake_moves(m, sc, d_ids, p_ids)
     with monkeypatch.context() as m:
         nixl = nixl_moves(m, sc, d_ids, p_ids)
-    assert len(nixl) == plan.num_descriptors  # NIXL is handed every descriptor pair of the plan
-    assert (len(moon) < len(nixl)) == merges and len(moon) <= len(nixl)  # Mooncake gets them merged
+    runs = contiguous_runs(plan.moves(pairing))
+    # kvgeom mode: both transports post one descriptor per maximal run contiguous on both sides
+    assert len(nixl) == len(moon) == runs
+    assert (runs < plan.num_descriptors) == merges
     np.testing.assert_array_equal(_merged(moon), want)
     np.testing.assert_array_equal(_merged(nixl), want)
     assert int(moon[:, 6].sum()) == int(nixl[:, 6].sum()) == int(plan.moves(pairing)[:, 6].sum())

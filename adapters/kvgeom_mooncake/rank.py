@@ -498,18 +498,7 @@ class MooncakeRank:
             self._fail(exc, (request_id, attempt), local_ids, zero=True)
             raise
         self._inflight = []
-        return MoonResult(
-            request_id,
-            True,
-            attempt,
-            plan.num_descriptors,
-            sum(len(b) for b in bs),
-            sum(1 for b in bs if len(b)),
-            sum(b.nbytes for b in bs),
-            zeroed,
-            time.monotonic() - t0,
-            moved_s,
-        )
+        return _result(request_id, attempt, plan, bs, zeroed, t0, moved_s)
 
     def _notice(self, kind: str, request_id: str, attempt: int, count: int, receiver: str) -> str:
         body = f"{kind}|{self.card.engine_id}|{self.rank}|{request_id}|{attempt}|{count}"
@@ -556,18 +545,7 @@ class MooncakeRank:
             self._fail(exc, (request_id, attempt), local_ids, zero=False)  # our source blocks: kept
             raise
         self._inflight = []
-        return MoonResult(
-            request_id,
-            True,
-            attempt,
-            plan.num_descriptors,
-            sum(len(b) for b in bs),
-            sum(1 for b in bs if len(b)),
-            sum(b.nbytes for b in bs),
-            0,
-            time.monotonic() - t0,
-            moved_s,
-        )
+        return _result(request_id, attempt, plan, bs, 0, t0, moved_s)
 
     def drain(self) -> None:
         """Take Mooncake's notifications; keep those whose tag holds for their claimed sender and us."""
@@ -707,3 +685,22 @@ class MooncakeRank:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _result(
+    request_id: str, attempt: int, plan: Any, bs: list[Any], zeroed: int, t0: float, moved_s: float
+) -> MoonResult:
+    """A served request's result: the plan's descriptor pairs, the merged runs posted and the batches that
+    carried them, their bytes, what the receive step zeroed, the wall time and the time in batches."""
+    return MoonResult(
+        request_id,
+        True,
+        attempt,
+        plan.num_descriptors,
+        sum(len(b) for b in bs),
+        sum(1 for b in bs if len(b)),
+        sum(b.nbytes for b in bs),
+        zeroed,
+        time.monotonic() - t0,
+        moved_s,
+    )

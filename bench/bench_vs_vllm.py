@@ -269,7 +269,10 @@ def stream_rows(
                 if compat == "vllm":
                     mine = {t.remote_rank: (t.local_ids, t.remote_ids) for t in plan.transfers}
                     if sorted(mine) != sorted(theirs) or any(
-                        not (np.array_equal(mine[r][0], theirs[r][0]) and np.array_equal(mine[r][1], theirs[r][1]))
+                        not (
+                            np.array_equal(mine[r][0], theirs[r][0])
+                            and np.array_equal(mine[r][1], theirs[r][1])
+                        )
                         for r in mine
                     ):
                         raise SystemExit(f"stream {name}, {tokens} tokens: descriptor ids differ from vLLM's")
@@ -277,7 +280,10 @@ def stream_rows(
                     vplan = plan_request(vsc.pairings[0], larr, rarr, "req", num_tokens=tokens)
                     vmine = {t.remote_rank: (t.local_ids, t.remote_ids) for t in vplan.transfers}
                     if any(
-                        not (np.array_equal(vmine[r][0], theirs[r][0]) and np.array_equal(vmine[r][1], theirs[r][1]))
+                        not (
+                            np.array_equal(vmine[r][0], theirs[r][0])
+                            and np.array_equal(vmine[r][1], theirs[r][1])
+                        )
                         for r in theirs
                     ) or not (
                         np.array_equal(
@@ -285,7 +291,9 @@ def stream_rows(
                         )
                         and np.array_equal(_sorted_moves(plan.zero), _sorted_moves(vplan.zero))
                     ):
-                        raise SystemExit(f"stream {name}, {tokens} tokens: kvgeom mode moves other bytes than vLLM")
+                        raise SystemExit(
+                            f"stream {name}, {tokens} tokens: kvgeom mode moves other bytes than vLLM"
+                        )
                 descs += plan.num_descriptors
                 vs, ks = [], []
                 for _ in range(reps):  # interleaved; every kvgeom call sees the shape for the first time
@@ -378,7 +386,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--blocks", type=int, nargs="*", default=list(BLOCKS))
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per measurement and side")
-    ap.add_argument("--stream", type=int, default=200, help="requests in the realistic new-length stream (0: none)")
+    ap.add_argument(
+        "--stream", type=int, default=200, help="requests in the realistic new-length stream (0: none)"
+    )
     ap.add_argument("--per-decade", type=int, default=40, help="requests in each decade's stream")
     ap.add_argument("--reps", type=int, default=3, help="timed calls per request and side (median)")
     ap.add_argument("--json", action="store_true")
@@ -391,7 +401,9 @@ def main() -> None:
     stream = []
     if args.stream:
         ksc = scenario(d_blocks, "kvgeom")
-        stream = stream_rows({"vllm": (sc, side), "kvgeom": (ksc, side)}, args.stream, args.per_decade, args.reps)
+        stream = stream_rows(
+            {"vllm": (sc, side), "kvgeom": (ksc, side)}, args.stream, args.per_decade, args.reps
+        )
     requests = [request_row(sc, side, t, args.budget) for t in args.tokens]
     handshakes = [handshake_row(b, args.budget) for b in args.blocks]
     out = {"pair": sc.describe(), "stream": stream, "requests": requests, "handshakes": handshakes}
@@ -400,7 +412,9 @@ def main() -> None:
         return
     print(out["pair"])
     if stream:
-        print(f"{'new lengths':>22} {'mode':>7} {'reqs':>5} {'median tok':>10} {'vLLM us':>9} {'kvgeom us':>9} {'ratio':>6}")
+        print(
+            f"{'new lengths':>22} {'mode':>7} {'reqs':>5} {'median tok':>10} {'vLLM us':>9} {'kvgeom us':>9} {'ratio':>6}"
+        )
     for r in stream:
         print(
             f"{r['stream']:>22} {r['compat']:>7} {r['requests']:5d} {r['median_tokens']:10d} {r['vllm_us']:9.1f} "

@@ -28,13 +28,14 @@ block more.)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvgeom.errors import PlanError
 
-__all__ = ["list_starts", "overlap", "Page", "page_heads", "group_pages", "consumer_zero_rows"]
+__all__ = ["list_starts", "overlap", "Page", "PageSet", "page_heads", "group_pages", "consumer_zero_rows"]
 
 
 def _producer_end(
@@ -186,8 +187,43 @@ def _as_page(page: object, heads: int | None) -> Page:
     return Page(page.index, 0, page.block_len, page.block_stride, heads or 1)  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True, eq=False)
+class PageSet:
+    """Pages as the arrays :func:`consumer_zero_rows` reads (built once per pairing and group, not per
+    request): ``cols`` ``(region, offset, length, stride)`` per page; per run of a head-major page (one per
+    head) its page, its byte offset in the page and its bytes per token (``run_page``, ``run_offset``,
+    ``run_token_bytes``)."""
+
+    pages: tuple[Page, ...]
+    cols: np.ndarray
+    run_page: np.ndarray
+    run_offset: np.ndarray
+    run_token_bytes: np.ndarray
+    tokens: int
+
+    @classmethod
+    def of(cls, pages: Sequence[object], tokens: int, heads: int | None = None) -> PageSet:
+        """``pages`` (:class:`Page` values, or region-like values viewed whole) of kernel blocks of ``tokens``
+        tokens; ``heads``: the runs of every page (default: each page's own)."""
+        ps = tuple(_as_page(p, heads) for p in pages)
+        cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in ps], dtype=np.int64).reshape(
+            -1, 4
+        )
+        nheads = np.asarray([p.heads for p in ps], dtype=np.int64)
+        page = np.repeat(np.arange(len(ps)), nheads)
+        head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
+        per_head = cols[page, 2] // nheads[page] if ps else np.zeros(0, np.int64)
+        return cls(ps, cols, page, head * per_head, per_head // tokens, tokens)
+
+    def __iter__(self) -> Iterator[Page]:
+        return iter(self.pages)
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
 def consumer_zero_rows(
-    pages: list[Page],
+    pages: Sequence[object] | PageSet,
     kernel_ids: np.ndarray,
     units: int,
     first: int,
@@ -197,42 +233,42 @@ def consumer_zero_rows(
 ) -> np.ndarray:
     """``(region, offset, length)`` rows zeroing the consumer's kernel blocks ``kernel_ids`` outside fine
     positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens), in
-    every page of ``pages`` (:class:`Page` values, or region-like values viewed whole). Head-major pages
-    (``heads`` > 1: each page's own, or ``heads`` for all) zero one run per head; others one run per token
-    range."""
-    pages = [_as_page(p, heads) for p in pages]
-    n = kernel_ids.size * units
+    every page of ``pages`` (:class:`Page` values, or region-like values viewed whole, or a :class:`PageSet`
+    of them built for ``tokens``). Head-major pages (``heads`` > 1: each page's own, or ``heads`` for all)
+    zero one run per head; others one run per token range."""
+    ps = pages if isinstance(pages, PageSet) and heads is None and pages.tokens == tokens else None
+    if ps is None:
+        ps = PageSet.of(list(pages), tokens, heads)
+    cols = ps.cols
+    size = int(kernel_ids.size)
+    n = size * units
     lo, hi = first, first + count
-    blocks = np.arange(kernel_ids.size)
-    whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
-    inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
-    ids = kernel_ids[whole]
-    cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in pages], dtype=np.int64).reshape(
-        -1, 4
-    )
+    # blocks [0, a) and [b, size) lie wholly outside [lo, hi); at most the blocks a and b - 1 lie partly in it
+    a = min(max(lo // units, 0), size)
+    b = min(max(-(-hi // units), a), size)
+    ids = kernel_ids[:a] if b >= size else np.concatenate([kernel_ids[:a], kernel_ids[b:]])
     full = np.empty((cols.shape[0], ids.size, 3), dtype=np.int64)  # every page of the whole blocks at once
     full[..., 0] = cols[:, 0, None]
     full[..., 1] = ids[None, :] * cols[:, 3, None] + cols[:, 1, None]
     full[..., 2] = cols[:, 2, None]
-    rows = [full.reshape(-1, 3)]
+    whole = full.reshape(-1, 3)
     gaps = []  # (kernel block, first token, end token) of the partly covered blocks: at most two
-    for k in np.flatnonzero(~whole & ~inside).tolist():
+    for k in sorted({a, b - 1}) if b > a else ():
         start, end = k * units, (k + 1) * units
-        for a, b in ((start, max(start, lo)), (min(end, hi), end)):
-            if a < b <= n:
+        if start >= lo and end <= hi:
+            continue
+        for x, y in ((start, max(start, lo)), (min(end, hi), end)):
+            if x < y <= n:
                 gaps.append(
-                    (int(kernel_ids[k]), (a - start) * tokens // units, (b - start) * tokens // units)
+                    (int(kernel_ids[k]), (x - start) * tokens // units, (y - start) * tokens // units)
                 )
-    if gaps:  # one run per (gap, page, head), all at once
-        nheads = np.asarray([p.heads for p in pages], dtype=np.int64)
-        page = np.repeat(np.arange(len(pages)), nheads)
-        head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
-        per_head = cols[page, 2] // nheads[page]
-        tok = per_head // tokens
-        g = np.asarray(gaps, dtype=np.int64)
-        out = np.empty((len(gaps), page.size, 3), dtype=np.int64)
-        out[..., 0] = cols[page, 0]
-        out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + head * per_head
-        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
-        rows.append(out.reshape(-1, 3))
-    return np.concatenate(rows).astype(np.int64)  # rows holds the whole blocks' rows, even if empty
+    if not gaps:
+        return whole
+    # one run per (gap, page, head), all at once
+    page, tok = ps.run_page, ps.run_token_bytes
+    g = np.asarray(gaps, dtype=np.int64)
+    out = np.empty((len(gaps), page.size, 3), dtype=np.int64)
+    out[..., 0] = cols[page, 0]
+    out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + ps.run_offset
+    out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
+    return np.concatenate([whole, out.reshape(-1, 3)])

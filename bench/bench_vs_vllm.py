@@ -238,25 +238,108 @@ def _sorted_moves(m: np.ndarray) -> np.ndarray:
     return m[np.lexsort(m.T[::-1])]
 
 
+class Floor:
+    """The numpy calls a plan of this pair cannot avoid, in straight-line code written for this one pair
+    (MLA group 0 of kernel blocks 60 (D) / 64 (P) per logical block, block-size ratio 2, SSM groups 1-3, every
+    group read from P rank 0, the SSM groups from rank 1 too, D's list from token 0): both sides' ids checked
+    (one sort each: distinct, inside the pool), the attention ids expanded to kernel and fine blocks, per
+    transfer and side one broadcast per run of a group's segments, and the zero rows of
+    the partly and wholly unwritten blocks. Every lookup that depends only on the pairing is done in
+    ``__init__``; :meth:`check` asserts the floor builds the plan's own arrays."""
+
+    def __init__(self, sc: Scenario) -> None:
+        from kvgeom.plan.align import PageSet
+        from kvgeom.plan.bind import rank_tables
+
+        p = sc.pairings[0]
+        assert p.local.ppl == 60 and p.remote_view(0).ppl == 64 and p.bsr == 2 and p.transfer_ranks == (0, 1)
+        self.lnb, self.rnb = p.local.logical_num_blocks, p.remotes[0].logical_num_blocks
+        self.cols = [  # per transfer, per side: (group, offsets column) of the groups it sends
+            tuple(
+                tuple((g, c) for g, c in seg.columns if rank_tables(p, r).keep[g])
+                for seg in (rank_tables(p, r).local, rank_tables(p, r).remote)
+            )
+            for r in p.transfer_ranks
+        ]
+        ps = PageSet.of(p.tables.group_pages[0], p.local.block_size)
+        self.pages, self.run_page, self.run_off, self.run_tok = (
+            ps.cols,
+            ps.run_page,
+            ps.run_offset,
+            ps.run_token_bytes,
+        )
+        self.s60, self.s64, self.s2 = (np.arange(k, dtype=np.int64) for k in (60, 64, 2))
+        self.tokens = p.local.block_size
+
+    def __call__(self, lids: list[np.ndarray], rids: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+        for ids, nb in ((lids, self.lnb), (rids, self.rnb)):
+            s = np.sort(np.concatenate(ids))
+            if not (s[0] >= 0 and s[-1] < nb) or (s[1:] == s[:-1]).any():
+                raise ValueError("bad ids")
+        lk = np.add.outer(lids[0] * 60, self.s60).reshape(-1)
+        rk = np.add.outer(rids[0] * 64, self.s64).reshape(-1)
+        lf = np.add.outer(lk * 2, self.s2).reshape(-1)
+        n = min(lf.size, rk.size)
+        lg = [lf[:n], lids[1], lids[2], lids[3]]
+        rg = [rk[:n], rids[1], rids[2], rids[3]]
+        out = []
+        for lcols, rcols in self.cols:
+            for cols, ids in ((lcols, lg), (rcols, rg)):
+                out.append(np.concatenate([(c + ids[g]).reshape(-1) for g, c in cols]))
+        a, b = n // 2, -(-n // 2)  # blocks [b, end) unwritten; block a partly when n is odd
+        whole = lk[b:]
+        pages = self.pages
+        full = np.empty((pages.shape[0], whole.size, 3), dtype=np.int64)
+        full[..., 0] = pages[:, 0, None]
+        full[..., 1] = whole[None, :] * pages[:, 3, None] + pages[:, 1, None]
+        full[..., 2] = pages[:, 2, None]
+        zero = full.reshape(-1, 3)
+        if a < b:
+            first = self.tokens // 2
+            page = self.run_page
+            gap = np.empty((page.size, 3), dtype=np.int64)
+            gap[:, 0] = pages[page, 0]
+            gap[:, 1] = lk[a] * pages[page, 3] + pages[page, 1] + first * self.run_tok + self.run_off
+            gap[:, 2] = (self.tokens - first) * self.run_tok
+            zero = np.concatenate([gap, zero])
+        return out, zero
+
+    def check(self, plan: Any, lids: list[np.ndarray], rids: list[np.ndarray], tokens: int) -> None:
+        out, zero = self(lids, rids)
+        mine = [x for t in plan.transfers for x in (t.local_ids, t.remote_ids)]
+        if plan.regroup:
+            raise SystemExit(f"{tokens} tokens: a regroup the floor does not build")
+        if len(mine) != len(out) or not all(np.array_equal(a, b) for a, b in zip(mine, out)):
+            raise SystemExit(f"{tokens} tokens: the floor's descriptor ids differ from the plan's")
+        if not np.array_equal(zero, plan.zero):
+            raise SystemExit(f"{tokens} tokens: the floor's zero rows differ from the plan's")
+
+
 def stream_rows(
-    sides: dict[str, tuple[Scenario, VllmSide]], count: int, per_decade: int, reps: int
+    sides: dict[str, tuple[Scenario, VllmSide]],
+    count: int,
+    per_decade: int,
+    reps: int,
+    decades: tuple[tuple[int, int], ...] = DECADES,
 ) -> list[dict[str, Any]]:
     """Per mode and per stream (a realistic mix of ``count`` lengths, then each decade alone with
     ``per_decade``): every length new, so kvgeom's general planner is timed (its per-shape memo is cleared
     before every timed call, so no recipe can help) against vLLM's chain on the same request. Checked
     first, per request: vllm mode's descriptor ids equal vLLM's; kvgeom mode moves the same bytes
     (``RequestPlan.moves``, sorted) as vLLM's ids resolved in the vllm-mode pairing, with the same zero rows."""
-    streams = [("16 to 1M, realistic", stream_lengths(count, 16, 1048577, 19, True))] + [
+    top = decades[-1][1]
+    streams = [(f"16 to {top - 1:,}, realistic", stream_lengths(count, 16, top, 19, True))] + [
         (f"{lo:,} to {hi - 1:,}", stream_lengths(per_decade, lo, hi, 19 + i, False))
-        for i, (lo, hi) in enumerate(DECADES)
+        for i, (lo, hi) in enumerate(decades)
     ]
     vsc, vside = sides["vllm"]
+    floor = Floor(vsc)
     rows = []
     for name, lengths in streams:
         for compat, (sc, side) in sides.items():
             pairing = sc.pairings[0]
             memo = memo_of(pairing)
-            t_v = t_k = 0.0
+            t_v = t_k = t_f = 0.0
             descs = 0
             for tokens in lengths:
                 req = vsc.request(tokens, seed=tokens)
@@ -294,8 +377,9 @@ def stream_rows(
                         raise SystemExit(
                             f"stream {name}, {tokens} tokens: kvgeom mode moves other bytes than vLLM"
                         )
+                floor.check(plan, larr, rarr, tokens)
                 descs += plan.num_descriptors
-                vs, ks = [], []
+                vs, ks, fs = [], [], []
                 for _ in range(reps):  # interleaved; every kvgeom call sees the shape for the first time
                     t0 = time.perf_counter()
                     side.desc_ids(local, remote)
@@ -304,8 +388,12 @@ def stream_rows(
                     t0 = time.perf_counter()
                     plan_request(pairing, larr, rarr, "req", num_tokens=tokens)
                     ks.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    floor(larr, rarr)
+                    fs.append(time.perf_counter() - t0)
                 t_v += statistics.median(vs)
                 t_k += statistics.median(ks)
+                t_f += statistics.median(fs)
             rows.append(
                 {
                     "stream": name,
@@ -315,7 +403,10 @@ def stream_rows(
                     "descriptor_pairs": descs,
                     "vllm_us": t_v / len(lengths) * 1e6,
                     "kvgeom_us": t_k / len(lengths) * 1e6,
+                    "floor_us": t_f / len(lengths) * 1e6,
                     "ratio": t_k / t_v,
+                    "floor_ratio": t_f / t_v,
+                    "vs_floor": t_k / t_f,
                 }
             )
     return rows
@@ -418,7 +509,7 @@ def main() -> None:
     for r in stream:
         print(
             f"{r['stream']:>22} {r['compat']:>7} {r['requests']:5d} {r['median_tokens']:10d} {r['vllm_us']:9.1f} "
-            f"{r['kvgeom_us']:9.1f} {r['ratio']:6.2f}"
+            f"{r['kvgeom_us']:9.1f} {r['ratio']:6.2f} {r['floor_us']:9.1f} {r['floor_ratio']:10.2f} {r['vs_floor']:12.2f}"
         )
     print(
         f"{'tokens':>9} {'pairs':>8} {'runs':>8} {'vLLM us':>10} {'new shape':>10} {'ratio':>6} {'repeated':>10} "

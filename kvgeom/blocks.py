@@ -145,7 +145,16 @@ def logical_to_kernel(block_ids: BlockIds, ppl: int, group_is_ssm: Sequence[bool
 
 def kernel_of(groups: list[np.ndarray], ppl: int, group_is_ssm: Sequence[bool]) -> list[np.ndarray]:
     """:func:`logical_to_kernel` on ids a planner has already checked (one ``int64`` array per group)."""
-    return [g if (ssm or ppl == 1) else _expand(g, ppl) for g, ssm in zip(groups, group_is_ssm, strict=True)]
+    if len(groups) != len(group_is_ssm):
+        raise GroupMismatchError(
+            "block_ids",
+            f"{len(groups)} groups of ids for {len(group_is_ssm)} group kinds",
+            value=len(groups),
+            expected=len(group_is_ssm),
+        )
+    if ppl == 1:
+        return list(groups)
+    return [g if ssm else _expand(g, ppl) for g, ssm in zip(groups, group_is_ssm)]
 
 
 def get_mapped_blocks(ids: IdsLike, ratio: int) -> np.ndarray:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -200,6 +200,11 @@ class PageSet:
     run_offset: np.ndarray
     run_token_bytes: np.ndarray
     tokens: int
+    most_heads: int = 1  # the most runs of any page (1: no page is head-major with several heads)
+    #: per page, its whole-block row ``(region, offset, length)`` (``row_base``) and what one block id adds
+    #: to it (``row_step``: ``(0, stride, 0)``), shaped ``(pages, 1, 3)``
+    row_base: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 3), dtype=np.int64))
+    row_step: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 3), dtype=np.int64))
 
     @classmethod
     def of(cls, pages: Sequence[object], tokens: int, heads: int | None = None) -> PageSet:
@@ -213,7 +218,21 @@ class PageSet:
         page = np.repeat(np.arange(len(ps)), nheads)
         head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
         per_head = cols[page, 2] // nheads[page] if ps else np.zeros(0, np.int64)
-        return cls(ps, cols, page, head * per_head, per_head // tokens, tokens)
+        base = np.zeros((len(ps), 1, 3), dtype=np.int64)
+        base[:, 0, 0], base[:, 0, 1], base[:, 0, 2] = cols[:, 0], cols[:, 1], cols[:, 2]
+        step = np.zeros((len(ps), 1, 3), dtype=np.int64)
+        step[:, 0, 1] = cols[:, 3]
+        return cls(
+            ps,
+            cols,
+            page,
+            head * per_head,
+            per_head // tokens,
+            tokens,
+            max(nheads.tolist(), default=1),
+            base,
+            step,
+        )
 
     def __iter__(self) -> Iterator[Page]:
         return iter(self.pages)
@@ -247,11 +266,8 @@ def consumer_zero_rows(
     a = min(max(lo // units, 0), size)
     b = min(max(-(-hi // units), a), size)
     ids = kernel_ids[:a] if b >= size else np.concatenate([kernel_ids[:a], kernel_ids[b:]])
-    full = np.empty((cols.shape[0], ids.size, 3), dtype=np.int64)  # every page of the whole blocks at once
-    full[..., 0] = cols[:, 0, None]
-    full[..., 1] = ids[None, :] * cols[:, 3, None] + cols[:, 1, None]
-    full[..., 2] = cols[:, 2, None]
-    whole = full.reshape(-1, 3)
+    # every page of the whole blocks at once: (region, offset + id * stride, length), page-major
+    whole = (ids[None, :, None] * ps.row_step + ps.row_base).reshape(-1, 3)
     gaps = []  # (kernel block, first token, end token) of the partly covered blocks: at most two
     for k in sorted({a, b - 1}) if b > a else ():
         start, end = k * units, (k + 1) * units

@@ -40,6 +40,7 @@ __all__ = [
     "ids_bounded",
     "RankTables",
     "rank_tables",
+    "sent_groups",
     "fine_of",
     "vllm_pairs",
     "check_same_tokens",
@@ -53,7 +54,13 @@ def select_groups(ids: list[np.ndarray], groups: Sequence[bool], every: bool = F
     """``ids`` with the groups not in ``groups`` emptied (``every``: the caller knows all are kept)."""
     if every:
         return ids
-    return [g if keep else g[:0] for g, keep in zip(ids, groups)]
+    return [g if keep else _NONE for g, keep in zip(ids, groups)]
+
+
+_NONE = np.zeros(
+    0, dtype=np.int64
+)  # the ids of a group left out (shared: an empty array has nothing to write)
+_NONE.flags.writeable = False
 
 
 def intake(block_ids: BlockIds, kinds: Sequence[bool], field: str) -> list[np.ndarray]:
@@ -241,6 +248,15 @@ def rank_tables(pairing: Pairing, rank: int) -> RankTables:
     return got
 
 
+def sent_groups(pairing: Pairing) -> tuple[bool, ...]:
+    """The groups some transfer rank's requests carry (the union of their group masks)."""
+    memo = memo_of(pairing)
+    if memo.sent_groups is None:
+        masks = [rank_tables(pairing, r).keep for r in pairing.transfer_ranks]
+        memo.sent_groups = tuple(any(m[g] for m in masks) for g in range(len(pairing.local.groups)))
+    return memo.sent_groups
+
+
 def vllm_pairs(
     pairing: Pairing,
     lg: list[np.ndarray],
@@ -298,10 +314,20 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and (a is b or bool((a == b).all()))
 
 
-def fine_of(kernel_ids: list[np.ndarray], bsr: int, kinds: Sequence[bool]) -> list[np.ndarray]:
-    """A side's kernel ids at the other side's (``bsr`` times finer) granularity; SSM groups unchanged."""
+def fine_of(
+    kernel_ids: list[np.ndarray],
+    bsr: int,
+    kinds: Sequence[bool],
+    logical: list[np.ndarray] | None = None,
+    ppl: int = 1,
+) -> list[np.ndarray]:
+    """A side's kernel ids at the other side's (``bsr`` times finer) granularity; SSM groups unchanged.
+    With its ``logical`` ids (``ppl`` kernel blocks each) given, each group is one expansion of them by
+    ``ppl * bsr`` (the same ids: ``(b * ppl + i) * bsr + j = b * ppl * bsr + (i * bsr + j)``)."""
     if bsr == 1:
         return list(kernel_ids)
+    if logical is not None:
+        return [k if ssm else _expand(b, ppl * bsr) for k, b, ssm in zip(kernel_ids, logical, kinds)]
     return [k if ssm else _expand(k, bsr) for k, ssm in zip(kernel_ids, kinds)]
 
 
@@ -393,7 +419,7 @@ def exact_pairs(
             pairing.prefix_caching,
             prefill_tokens,
         )
-    empty = [x[:0] for x in lk]
+    empty = [_NONE] * len(lk)
     ssm_l, ssm_r = (select_groups(lk, kinds), select_groups(rk, kinds))
     if pull:
         ssm_l, ssm_r = prefix_checked(ssm_l, ssm_r, local.ppl, rview.ppl, kinds)

@@ -58,6 +58,14 @@ class Segments:
         return frozenset(self.limits)
 
     @cached_property
+    def carried_prefix(self) -> int:
+        """The number of leading groups ``0..k-1`` that some segment carries."""
+        k = 0
+        while k in self.carried:
+            k += 1
+        return k
+
+    @cached_property
     def columns(self) -> tuple[tuple[int, np.ndarray], ...]:
         """Per run of :attr:`runs`, its group and its segments' offsets as a column (what a request adds its
         ids to)."""
@@ -262,7 +270,9 @@ def apply_segments(segments: Segments, groups: Sequence[np.ndarray], checked: bo
     tables, so only groups without segments are refused here."""
     if checked:
         carried = segments.carried
-        for g, x in enumerate(groups):  # a loop over groups: the checks, then the broadcast
+        for g, x in (
+            enumerate(groups) if len(groups) > segments.carried_prefix else ()
+        ):  # a loop over groups: the checks, then the broadcast
             if x.size and g not in carried:
                 _refuse(segments, groups)
     else:

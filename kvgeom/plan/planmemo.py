@@ -35,6 +35,8 @@ class PlanMemo:
     page_sets: dict[tuple[bool, int], PageSet] = field(default_factory=dict)
     #: per remote rank, what its transfer reads of the pairing (:func:`kvgeom.plan.bind.rank_tables`)
     ranks: dict[int, Any] = field(default_factory=dict)
+    #: the groups some transfer rank's requests carry
+    sent_groups: tuple[bool, ...] | None = None
     #: per (side, remote rank): whether every id a checked request can bring stays inside its segment and
     #: its table (then the planner does not bound the descriptor ids again per request)
     bounded: dict[tuple[str, int], bool] = field(default_factory=dict)

@@ -47,6 +47,8 @@ def regroups(
         if group.one_block or not L.size or (bsr == 1 and not permute):
             continue
         where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
+        if not permute and isinstance(where, PageSet) and where.most_heads <= 1:
+            continue  # no page holds several heads: nothing to regroup
         kinds: dict[tuple[str, int, int], list[int]] = {}
         for p in where:
             region = consumer.regions[p.region]

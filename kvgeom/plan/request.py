@@ -35,6 +35,7 @@ from kvgeom.plan.bind import (
     rank_tables,
     require_num_tokens,
     select_groups,
+    sent_groups,
     vllm_pairs,
     zero_pages_of,
 )
@@ -75,7 +76,7 @@ def plan_request(
     at token 0); otherwise the :class:`~kvgeom.errors.PlanError` names the argument to pass."""
     local = pairing.local
     kinds = local.group_is_ssm
-    empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
+    empty = (type(local_ids) is list or isinstance(local_ids, (Sequence, np.ndarray))) and len(local_ids) == 0
     lids = intake([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
     if pairing.region_mapped:
         return plan_by_region(
@@ -212,7 +213,7 @@ def _plan(
     expected = pairing.mapping.local_consumers
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
     dcp = pairing.dcp_active
-    lfine = fine_of(lk, bsr, kinds) if any_local and not dcp else lk
+    lfine = fine_of(lk, bsr, kinds, lids, local.ppl) if any_local and not dcp else lk
     exact = (
         exact_pairs(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens, lfine)
         if any_local and not dcp
@@ -223,6 +224,7 @@ def _plan(
     if dcp and any_local and pairing.compat == "vllm" and mode == "pull":
         vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
     rows = pairing.token_rows  # 1 unless kvgeom mode cuts token-major pages per token
+    paired: tuple[list[np.ndarray], list[np.ndarray]] | None = None
     for rank in pairing.transfer_ranks if any_local else ():
         rt = rank_tables(pairing, rank)
         keep, every = rt.keep, rt.every
@@ -238,17 +240,28 @@ def _plan(
         elif aligned is not None:
             lg, rg = select_groups(aligned[0], keep, every), select_groups(aligned[1], keep, every)
         else:
-            lg, rg = vllm_pairs(
-                pairing,
-                select_groups(lk, keep, every),
-                select_groups(rk, keep, every),
-                rview,
-                select_groups(lfine, keep, every),
-            )
-            if exact is not None:
-                check_same_tokens(
-                    lg, rg, select_groups(exact[0], keep, every), select_groups(exact[1], keep, every), kinds
+            if paired is None:  # vLLM's count-based pairing works group by group: once for every group sent
+                sent_keep = sent_groups(pairing)
+                paired = vllm_pairs(
+                    pairing,
+                    select_groups(lk, sent_keep),
+                    select_groups(rk, sent_keep),
+                    rview,
+                    select_groups(lfine, sent_keep),
                 )
+                if exact is not None and paired[0]:
+                    check_same_tokens(
+                        paired[0],
+                        paired[1],
+                        select_groups(exact[0], sent_keep),
+                        select_groups(exact[1], sent_keep),
+                        kinds,
+                    )
+            lg, rg = (
+                (select_groups(paired[0], keep, every), select_groups(paired[1], keep, every))
+                if paired[0]
+                else ([], [])
+            )
         if not lg or not any(x.size for x in lg):
             continue
         for g, (a, b) in enumerate(zip(lg, rg)):

@@ -267,7 +267,7 @@ def consumer_zero_rows(
     b = min(max(-(-hi // units), a), size)
     ids = kernel_ids[:a] if b >= size else np.concatenate([kernel_ids[:a], kernel_ids[b:]])
     # every page of the whole blocks at once: (region, offset + id * stride, length), page-major
-    whole = (ids[None, :, None] * ps.row_step + ps.row_base).reshape(-1, 3)
+    whole: np.ndarray = (ids[None, :, None] * ps.row_step + ps.row_base).reshape(-1, 3)
     gaps = []  # (kernel block, first token, end token) of the partly covered blocks: at most two
     for k in sorted({a, b - 1}) if b > a else ():
         start, end = k * units, (k + 1) * units

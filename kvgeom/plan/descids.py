@@ -285,7 +285,7 @@ def apply_segments(segments: Segments, groups: Sequence[np.ndarray], checked: bo
         out: np.ndarray = (segments.grid_offsets + v[None, :]).reshape(-1)
         return out
     # one broadcast per run of a group's segments (a loop over groups, never over blocks)
-    parts = [(col + groups[g]).reshape(-1) for g, col in segments.columns if groups[g].size]
+    parts: list[np.ndarray] = [(col + groups[g]).reshape(-1) for g, col in segments.columns if groups[g].size]
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -242,19 +242,20 @@ def _plan(
         else:
             if paired is None:  # vLLM's count-based pairing works group by group: once for every group sent
                 sent_keep = sent_groups(pairing)
+                sent_all = all(sent_keep)
                 paired = vllm_pairs(
                     pairing,
-                    select_groups(lk, sent_keep),
-                    select_groups(rk, sent_keep),
+                    select_groups(lk, sent_keep, sent_all),
+                    select_groups(rk, sent_keep, sent_all),
                     rview,
-                    select_groups(lfine, sent_keep),
+                    select_groups(lfine, sent_keep, sent_all),
                 )
                 if exact is not None and paired[0]:
                     check_same_tokens(
                         paired[0],
                         paired[1],
-                        select_groups(exact[0], sent_keep),
-                        select_groups(exact[1], sent_keep),
+                        select_groups(exact[0], sent_keep, sent_all),
+                        select_groups(exact[1], sent_keep, sent_all),
                         kinds,
                     )
             lg, rg = (

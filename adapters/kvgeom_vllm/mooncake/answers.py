@@ -89,12 +89,13 @@ def compute_sender_transfer_plan(
         return False, 0, 0, 0
     p_first, _ = _span(shard, p, ptp)
     d_first, _ = _span(shard, d, dtp)
-    per_unit_p = int(local_kv_block_len) // shard.units_per_rank(ptp)
-    per_unit_d = int(remote_kv_block_len) // shard.units_per_rank(dtp)
+    # one unit's bytes, from the page of the side holding fewer units (the slice that is copied whole)
+    n_p, n_d = shard.units_per_rank(ptp), shard.units_per_rank(dtp)
+    unit = int(remote_kv_block_len) // n_d if n_d < n_p else int(local_kv_block_len) // n_p
     targets = handshake_targets(d, dtp, ptp) if 0 <= d < dtp else (p,)
     holders = [q for q in targets if _overlap(shard, q, ptp, d, dtp) == (lo, hi)]
     send = not holders or p == min(holders) or p not in targets
-    return send, (lo - p_first) * per_unit_p, (lo - d_first) * per_unit_d, (hi - lo) * per_unit_p
+    return send, (lo - p_first) * unit, (lo - d_first) * unit, (hi - lo) * unit
 
 
 def validate_asymmetric_region_lengths(

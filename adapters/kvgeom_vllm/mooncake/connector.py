@@ -30,6 +30,10 @@ from typing import Any
 from ..version import VllmVersionError, check_vllm_version
 
 MOONCAKE_VLLM_VERSIONS = ("0.33.0",)
+MISSING_HINT = (
+    "install Mooncake's transfer engine (pip install 'kvgeom[mooncake]', the wheel "
+    "mooncake-transfer-engine-non-cuda; on Debian also apt-get install libibverbs1 librdmacm1)"
+)
 
 
 def check_mooncake_vllm_version(version: str | None = None) -> str:
@@ -54,7 +58,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as _mc  # noqa: E402
 
 from kvgeom.errors import ConfigError, KvgeomError, SpecError  # noqa: E402
-from kvgeom_mooncake.errors import MISSING_HINT  # noqa: E402
 
 from .. import worker as _kvworker  # noqa: E402
 from ..calls import as_vllm_error  # noqa: E402

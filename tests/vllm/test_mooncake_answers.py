@@ -14,13 +14,12 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
+from kvgeom_vllm.mooncake import answers, connector
+from kvgeom_vllm.mooncake.table import CALLS, REFUSED
+from kvgeom_vllm.version import VllmVersionError
 
 from kvgeom.errors import ConfigError, GroupMismatchError, SpecError, UnsupportedError
 from kvgeom.pair.tp import handshake_targets
-from kvgeom_vllm.mooncake import connector
-from kvgeom_vllm.mooncake import answers
-from kvgeom_vllm.mooncake.table import CALLS, REFUSED
-from kvgeom_vllm.version import VllmVersionError
 
 MC = connector._mc
 VLLM_PLAN = connector.DISPATCHERS["_compute_sender_transfer_plan"].__wrapped__  # type: ignore[attr-defined]
@@ -136,7 +135,10 @@ def test_start_up_refuses_context_parallelism_by_name(monkeypatch: pytest.Monkey
     monkeypatch.setattr(MC, "TransferEngine", object)  # an engine that loads (this venv has none)
     groups = SimpleNamespace(transfer_groups=[SimpleNamespace(host_resident=False)])
     connector.check_startup(_startup_config(), groups)  # the plain case starts
-    for kwargs, field in (({"dcp": 2}, "decode_context_parallel_size"), ({"pcp": 2}, "prefill_context_parallel_size")):
+    for kwargs, field in (
+        ({"dcp": 2}, "decode_context_parallel_size"),
+        ({"pcp": 2}, "prefill_context_parallel_size"),
+    ):
         with pytest.raises(ConfigError) as err:
             connector.check_startup(_startup_config(**kwargs), groups)
         assert (err.value.field, err.value.values) == (field, {"value": 2, "expected": 1})
@@ -145,7 +147,9 @@ def test_start_up_refuses_context_parallelism_by_name(monkeypatch: pytest.Monkey
 
 def test_start_up_refuses_host_resident_groups_and_a_missing_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(MC, "TransferEngine", object)
-    hosted = SimpleNamespace(transfer_groups=[SimpleNamespace(host_resident=False), SimpleNamespace(host_resident=True)])
+    hosted = SimpleNamespace(
+        transfer_groups=[SimpleNamespace(host_resident=False), SimpleNamespace(host_resident=True)]
+    )
     with pytest.raises(SpecError) as err:
         connector.check_startup(_startup_config(), hosted)
     assert (err.value.field, err.value.values["value"]) == ("kv_cache_groups", [1])

@@ -118,7 +118,9 @@ def validate_asymmetric_region_lengths(
     ptp, dtp = int(local_tp_size), int(remote_tp_size)
     if total_num_kv_heads is None and producer_cache_replicated:
         return None
-    shard = Shard(int(total_num_kv_heads), 1) if total_num_kv_heads is not None else _units(ptp, dtp, False, None)
+    shard = (
+        Shard(int(total_num_kv_heads), 1) if total_num_kv_heads is not None else _units(ptp, dtp, False, None)
+    )
     tp_ratio(min(ptp, shard.units), min(dtp, shard.units))
     n_p, n_d = shard.units_per_rank(ptp), shard.units_per_rank(dtp)
     for idx, (lr, rr) in enumerate(zip(local_regions, remote_regions)):
@@ -172,7 +174,11 @@ def get_sender_transfer_plan(
 ) -> tuple[bool, int, int, int]:
     """``_get_sender_transfer_plan``: the sender plan of this P rank (heads passed unless MLA or hybrid,
     as vLLM does)."""
-    heads = None if self.use_mla or self.kv_cache_config.has_mamba_layers else self.transfer_topo.total_num_kv_heads
+    heads = (
+        None
+        if self.use_mla or self.kv_cache_config.has_mamba_layers
+        else self.transfer_topo.total_num_kv_heads
+    )
     return compute_sender_transfer_plan(
         self.tp_rank,
         self.tp_size,
@@ -234,4 +240,6 @@ def get_sw_clipped_blocks(self: Any, block_ids: Any) -> list[list[int]]:
 def get_remote_prefill_token_count(self: Any, num_prompt_tokens: int) -> int:
     """``_get_remote_prefill_token_count``: the prompt tokens D loads (one fewer for a Mamba hybrid or a
     bounded-replay window; Mooncake has no lookahead tokens)."""
-    return prefill_tokens(int(num_prompt_tokens), prefill_backoff(bool(self._has_mamba), bool(self._bounded_replay)))
+    return prefill_tokens(
+        int(num_prompt_tokens), prefill_backoff(bool(self._has_mamba), bool(self._bounded_replay))
+    )

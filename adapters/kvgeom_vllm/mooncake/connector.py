@@ -113,7 +113,11 @@ def check_startup(vllm_config: Any, kv_cache_config: Any) -> None:
     hosted = [i for i, g in enumerate(groups) if getattr(g, "host_resident", False)]
     if hosted:
         raise as_vllm_error(
-            SpecError("kv_cache_groups", "host-resident (HiSparse) cache groups have no kvgeom geometry", value=hosted),
+            SpecError(
+                "kv_cache_groups",
+                "host-resident (HiSparse) cache groups have no kvgeom geometry",
+                value=hosted,
+            ),
             RuntimeError,
         )
 
@@ -229,16 +233,22 @@ class KvgeomMooncakeConnector(_mc.MooncakeConnector):
         ktc = vllm_config.kv_transfer_config
         if ktc is None or ktc.engine_id is None:
             raise as_vllm_error(
-                ConfigError("kv_transfer_config.engine_id", "the Mooncake connector needs an engine id", value=None),
+                ConfigError(
+                    "kv_transfer_config.engine_id", "the Mooncake connector needs an engine id", value=None
+                ),
                 AssertionError,
             )
         self.engine_id = ktc.engine_id
         self.connector_scheduler: Any = None
         self.connector_worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvgeomMooncakeConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_scheduler = KvgeomMooncakeConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
         elif role == KVConnectorRole.WORKER:
-            self.connector_worker = KvgeomMooncakeConnectorWorker(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = KvgeomMooncakeConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
 
 
 # -- dispatchers for the module functions vLLM's worker calls by name ---------------------------------------
@@ -261,7 +271,9 @@ def install_dispatchers() -> None:
             original = getattr(_mc, e.attr)
             kvgeom_fn = counted(e)
 
-            def dispatcher(*args: Any, _original: Any = original, _kvgeom: Any = kvgeom_fn, **kwargs: Any) -> Any:
+            def dispatcher(
+                *args: Any, _original: Any = original, _kvgeom: Any = kvgeom_fn, **kwargs: Any
+            ) -> Any:
                 return (_kvgeom if _kvworker.kvgeom_active() else _original)(*args, **kwargs)
 
             functools.update_wrapper(dispatcher, original)

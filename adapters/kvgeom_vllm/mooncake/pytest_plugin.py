@@ -81,10 +81,15 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
     tr.section("kvgeom_vllm.mooncake: outcomes per test file")
     for file in sorted(_OUTCOMES):
         c = _OUTCOMES[file]
-        tr.write_line(f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "skipped") if c[k]))
+        tr.write_line(
+            f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "skipped") if c[k])
+        )
     zero = _zero_rows()
     if zero:
-        tr.write_line(f"  FAILED: no call reached kvgeom for {zero}: a pass there would come from vLLM's own code", red=True)
+        tr.write_line(
+            f"  FAILED: no call reached kvgeom for {zero}: a pass there would come from vLLM's own code",
+            red=True,
+        )
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

@@ -8,7 +8,7 @@ over NIXL instead of computing the prompt. D's greedy fp32 token ids must equal 
 computing the prompt alone (D itself, before any transfer, without ``kv_transfer_params``; the first pair
 of a model fixes the reference and every later D must agree with it), D's ``/metrics`` must show bytes moved
 and no failed transfer -- except where a case documents otherwise (P 32 -> D 64 on stock vLLM, which
-corrupts; on vLLM-compatible kvgeom_vllm, which refuses).
+corrupts; on vLLM-compatible kvgeom_vllm, which refuses; kvgeom mode serves it).
 """
 
 from __future__ import annotations
@@ -168,8 +168,9 @@ def test_p32_to_d64_on_the_cpu_page(engines: Engines, references: dict[str, dict
     """P block 32 -> D block 64 on vLLM's CPU attention page (per head K transposed, [head_size, tokens],
     then V rows: tests/serving/test_cpu_page.py): stock vLLM regroups it as [heads, tokens, head_size],
     reports success and serves wrong tokens (the documented regression, kept so that a fix in vLLM shows
-    here); kvgeom_vllm refuses the pair at handshake in both modes (no byte moved, nothing wrong served:
-    no token-range regroup exists for a transposed K half)."""
+    here); kvgeom_vllm in vLLM-compatible mode refuses the pair at handshake (no byte moved, nothing wrong
+    served); in kvgeom mode it cuts both pages by their token runs (kvgeom/layout/tokenruns.py) and D serves
+    the single engine's tokens."""
     c = engines.config
     case = f"{c.model} 32->64"
     out = serve(engines, 64, references, case)
@@ -177,6 +178,11 @@ def test_p32_to_d64_on_the_cpu_page(engines: Engines, references: dict[str, dict
         assert not out.errors, out.errors
         assert out.moved > 0 and out.failed == 0, (out.moved, out.failed)
         assert out.equal < len(PROMPTS), f"{case}: stock vLLM served the CPU page right (fixed upstream?)"
-    else:  # kvgeom_vllm, either mode: refused, never wrong tokens
+    elif c.mode == "vllm":  # refused, never wrong tokens
         assert out.moved == 0, f"{case}: {out.moved} bytes moved into a pair kvgeom refuses"
         assert not out.mismatches, f"{case}: wrong tokens served: {out.mismatches}"
+    else:  # kvgeom mode: the right bytes
+        assert not out.errors, out.errors
+        assert out.moved > 0, f"{case}: D's /metrics shows no bytes transferred"
+        assert out.failed == 0, f"{case}: {out.failed} failed transfers"
+        assert out.equal == len(PROMPTS), f"{case}: {out.equal} of {len(PROMPTS)} equal; {out.mismatches}"

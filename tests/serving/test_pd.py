@@ -67,9 +67,10 @@ class Engines:
     p: Server
     d: dict[int, Server]  # D block size -> D
     start_s: float
+    p64: Server | None = None  # kvgeom mode: a P of block 64 too (P 64 -> D 32)
 
     def stop(self) -> None:
-        for s in (self.p, *self.d.values()):
+        for s in (self.p, *self.d.values(), *([self.p64] if self.p64 else [])):
             s.stop()
 
 
@@ -93,11 +94,16 @@ def engines(request: pytest.FixtureRequest, model_dirs: dict[str, Path], logs_di
         )  # fmt: skip
         for b in (32, 64)
     }
-    running = Engines(config, p, d, 0.0)
+    p64 = None
+    if config.mode == "kvgeom":  # the ratio the other way; stock vLLM asserts on it, vllm mode refuses it
+        p64 = Server(f"P64[{config.name}]", model, logs_dir / f"{tag}.P64.log", core=1, block_size=64,
+                     kv_transfer_config=cfg)  # fmt: skip
+    running = Engines(config, p, d, 0.0, p64)
+    servers = (p, *d.values(), *([p64] if p64 else []))
     try:
-        for s in (p, *d.values()):
+        for s in servers:
             s.start()
-        for s in (p, *d.values()):
+        for s in servers:
             s.wait_ready()
         running.start_s = time.monotonic() - t0
         yield running
@@ -114,10 +120,17 @@ class Served:
     errors: list[str]
 
 
-def serve(engines: Engines, d_block: int, references: dict[str, dict[str, list[int]]], case: str) -> Served:
-    """Every prompt through the toy-proxy flow, P -> D(d_block); D's greedy tokens against the reference."""
+def serve(
+    engines: Engines,
+    d_block: int,
+    references: dict[str, dict[str, list[int]]],
+    case: str,
+    p: Server | None = None,
+) -> Served:
+    """Every prompt through the toy-proxy flow, P (default: block 32) -> D(d_block); D's greedy tokens
+    against the reference."""
     t0 = time.monotonic()
-    p, d = engines.p, engines.d[d_block]
+    p, d = p or engines.p, engines.d[d_block]
     # one engine computing each prompt alone: D before any transfer
     own = {prompt: d.complete(prompt, MAX_TOKENS)["token_ids"] for prompt in PROMPTS}
     assert all(len(t) == MAX_TOKENS for t in own.values()), own
@@ -186,3 +199,22 @@ def test_p32_to_d64_on_the_cpu_page(engines: Engines, references: dict[str, dict
         assert out.moved > 0, f"{case}: D's /metrics shows no bytes transferred"
         assert out.failed == 0, f"{case}: {out.failed} failed transfers"
         assert out.equal == len(PROMPTS), f"{case}: {out.equal} of {len(PROMPTS)} equal; {out.mismatches}"
+
+
+KVGEOM_MODE = [c for c in CONFIGS if c.mode == "kvgeom"]
+
+
+@pytest.mark.parametrize("engines", KVGEOM_MODE, ids=[c.name for c in KVGEOM_MODE], indirect=True)
+def test_p64_to_d32_on_the_cpu_page_in_kvgeom_mode(
+    engines: Engines, references: dict[str, dict[str, list[int]]]
+) -> None:
+    """P block 64 -> D block 32 (stock vLLM asserts; vLLM-compatible kvgeom_vllm refuses): kvgeom mode
+    reads each 32-token half of P's CPU pages by its token runs and D serves the single engine's tokens."""
+    c = engines.config
+    assert engines.p64 is not None, f"{c.name}: no P of block 64 started"
+    case = f"{c.model} 64->32"
+    out = serve(engines, 32, references, case, engines.p64)
+    assert not out.errors, out.errors
+    assert out.moved > 0, f"{case}: D's /metrics shows no bytes transferred"
+    assert out.failed == 0, f"{case}: {out.failed} failed transfers"
+    assert out.equal == len(PROMPTS), f"{case}: {out.equal} of {len(PROMPTS)} equal; {out.mismatches}"

@@ -146,3 +146,11 @@ def test_equal_blocks_keep_whole_pages() -> None:
     assert pr.page_cut is None and pr.token_rows == 1
     moves = plan_request(pr, [[1, 2]], [[1, 2]], num_tokens=100).moves(pr)
     assert np.all(moves[:, 6] == 2 * 2 * 64 * 64 * 4)
+
+
+def test_decode_context_parallelism_at_a_ratio_is_refused() -> None:
+    p, d = (EngineConfig(tp_size=2, dcp_size=2, block_size=b, num_blocks=24, kv_layout=CPU) for b in (32, 64))
+    with pytest.raises(UnsupportedError) as info:
+        pairing(DENSE, p, d)
+    assert info.value.field == "dcp_size"
+    assert info.value.values == {"local": 2, "remote": 2}

@@ -22,6 +22,7 @@ from kvgeom.pair.rules import (
     check_csa_linear_pair,
     check_dcp,
     check_draft,
+    check_head_kv_ratio,
     check_packed_rows,
     check_permute,
     check_region_mapped,
@@ -48,9 +49,10 @@ class PairShape:
 
 def _token_splittable(geom: RankGeometry) -> bool:
     """Whether every kernel page of ``geom`` is token-major in bytes, so that a byte range of
-    ``1/k`` of a page is ``1/k`` of its tokens: MLA latents, token-major layouts, one head per rank."""
+    ``1/k`` of a page is ``1/k`` of its tokens: MLA latents, token-major layouts, one head per rank; or
+    cut by its token runs in kvgeom mode (vLLM's CPU page, :func:`~kvgeom.pair.rules.check_head_kv_ratio`)."""
     spec = geom.model.attention_spec
-    if spec is None or geom.engine.kv_layout.value == "token_major":
+    if spec is None or geom.engine.kv_layout in (KVLayout.TOKEN_MAJOR, KVLayout.HEAD_KV_MAJOR):
         return True
     runs = spec.heads_per_rank(geom.tp_size) * geom.engine.kv_layout.runs_per_head
     return all(r.is_mla for r in geom.regions) or runs == 1
@@ -184,17 +186,8 @@ def check_pair(
         _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
         check_ssm(local, remote, ratio, compat, prefix_caching)
-    kv_rows = KVLayout.HEAD_KV_MAJOR in (local.engine.kv_layout, remote.engine.kv_layout)
-    if (bsr > 1 or split > 1) and kv_rows and attn is not None and not local.is_mla:
-        raise mismatch(
-            "kv_layout",
-            f"vLLM's CPU attention page stores each head's K transposed ([head_size, tokens]) then its V "
-            f"([tokens, head_size]): blocks received at a block-size ratio ({bsr}) cannot be regrouped by "
-            "token ranges (vLLM regroups them as [heads, tokens, head_size] and moves the wrong bytes); "
-            "use equal kernel block sizes",
-            local.engine.kv_layout.value,
-            remote.engine.kv_layout.value,
-        )
+    if attn is not None:
+        check_head_kv_ratio(local, remote, mode, compat, bsr, split)
     if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
         raise UnsupportedError(
             "block_size",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import cast
 
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
+from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.layers import AttentionSpec, MLASpec
 from kvgeom.modes import Compat
@@ -24,6 +25,7 @@ __all__ = [
     "check_dcp",
     "check_packed_rows",
     "check_ssm",
+    "check_head_kv_ratio",
 ]
 
 
@@ -339,3 +341,50 @@ def check_ssm(
                 local=local.tp_size,
                 remote=remote.tp_size,
             )
+
+
+def check_head_kv_ratio(
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat | str, bsr: int, split: int
+) -> None:
+    """vLLM's CPU attention page (``HEAD_KV_MAJOR``: per head K transposed, ``[head_size, tokens]``, then V
+    rows) at a block-size ratio (``bsr`` or ``split`` > 1). vLLM regroups received blocks as if the page were
+    ``[heads, tokens, head_size]`` (its post-process, the same in 0.32.0 and 0.33.0) and moves the wrong
+    bytes, silently: vllm mode refuses. kvgeom mode cuts both sides' pages by their token runs
+    (:mod:`kvgeom.layout.tokenruns`: each finer block's K rows and V rows become descriptors at their token
+    range of the coarser block, so nothing is regrouped): in pulls, with the same layout and the same heads
+    on both sides, one page per region, no decode context parallelism."""
+    spec = local.model.attention_spec
+    layouts = (local.engine.kv_layout, remote.engine.kv_layout)
+    if (bsr == 1 and split == 1) or spec is None or local.is_mla or KVLayout.HEAD_KV_MAJOR not in layouts:
+        return
+    lay, ray = (x.value for x in layouts)
+    if Compat.of(compat) is Compat.VLLM:
+        raise mismatch(
+            "kv_layout",
+            f"vLLM's CPU attention page stores each head's K transposed ([head_size, tokens]) then its V "
+            f"([tokens, head_size]): blocks received at a block-size ratio ({max(bsr, split)}) cannot be "
+            "regrouped by token ranges (vLLM regroups them as [heads, tokens, head_size] and moves the wrong "
+            "bytes); use equal kernel block sizes, or kvgeom mode, which cuts the page by its token runs",
+            lay,
+            ray,
+        )
+    why, field, a, b = "", "", cast(object, None), cast(object, None)
+    if mode != "pull":
+        why, field, a, b = "in pulls only", "mode", mode, "pull"
+    elif layouts[0] is not layouts[1]:
+        why, field, a, b = "with one layout on both sides", "kv_layout", lay, ray
+    elif spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size):
+        why, field = "with the same KV heads per rank on both sides", "tp_size"
+        a, b = spec.heads_per_rank(local.tp_size), spec.heads_per_rank(remote.tp_size)
+    elif local.dcp_size > 1 or remote.dcp_size > 1:
+        why, field, a, b = "without decode context parallelism", "dcp_size", local.dcp_size, remote.dcp_size
+    elif any(r.is_packed for g in (local, remote) for r in g.regions):
+        why, field, a, b = "with one page per region (no packed rows)", "packed_rows", True, False
+    if why:
+        raise UnsupportedError(
+            field,
+            f"kvgeom mode cuts the CPU attention page (head_kv_major) by its token runs at a block-size "
+            f"ratio {why}",
+            local=a,
+            remote=b,
+        )

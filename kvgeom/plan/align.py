@@ -28,11 +28,13 @@ block more.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvgeom.errors import PlanError
+from kvgeom.layout.engine import KVLayout
+from kvgeom.layout.tokenruns import TokenRun, layer_token_runs
 
 __all__ = ["list_starts", "overlap", "Page", "page_heads", "group_pages", "consumer_zero_rows"]
 
@@ -151,6 +153,9 @@ class Page:
     length: int
     stride: int
     heads: int = 1  # runs per kernel block when zeroing a token range: the local heads of a head-major page
+    #: the page's token runs where a token range is not one byte range per head (vLLM's CPU page, its K
+    #: transposed: :mod:`kvgeom.layout.tokenruns`); a token range is then zeroed run by run, row by row
+    runs: tuple[TokenRun, ...] = ()
 
 
 def page_heads(geom: object, layer: str) -> int:
@@ -174,15 +179,30 @@ def group_pages(geom: object, group: int) -> list[Page]:
                 off, length = region.slot(name)
                 out.setdefault(
                     (region.index, off),
-                    Page(region.index, off, length, region.block_stride, page_heads(geom, name)),
+                    Page(
+                        region.index,
+                        off,
+                        length,
+                        region.block_stride,
+                        page_heads(geom, name),
+                        _runs(geom, name),
+                    ),
                 )
     return list(out.values())
+
+
+def _runs(geom: object, layer: str) -> tuple[TokenRun, ...]:
+    """``layer``'s token runs where its page needs them (:attr:`Page.runs`): a CPU attention page."""
+    spec = geom.layer_specs[layer]  # type: ignore[attr-defined]
+    if getattr(spec, "num_kv_heads", None) is None or geom.engine.kv_layout is not KVLayout.HEAD_KV_MAJOR:  # type: ignore[attr-defined]
+        return ()
+    return layer_token_runs(geom, layer)
 
 
 def _as_page(page: object, heads: int | None) -> Page:
     """A :class:`Page`, or a region-like value (``index``, ``block_len``, ``block_stride``: a whole block)."""
     if isinstance(page, Page):
-        return page if heads is None else Page(page.region, page.offset, page.length, page.stride, heads)
+        return page if heads is None else replace(page, heads=heads)
     return Page(page.index, 0, page.block_len, page.block_stride, heads or 1)  # type: ignore[attr-defined]
 
 
@@ -223,7 +243,23 @@ def consumer_zero_rows(
                 gaps.append(
                     (int(kernel_ids[k]), (a - start) * tokens // units, (b - start) * tokens // units)
                 )
-    if gaps:  # one run per (gap, page, head), all at once
+    cut = [k for k, p in enumerate(pages) if p.runs]
+    if gaps and cut:  # pages cut by token runs: one row per (gap, page, run, row)
+        for k in cut:
+            p = pages[k]
+            r = np.asarray(p.runs, dtype=np.int64).reshape(-1, 4)
+            row = np.repeat(np.arange(r.shape[0]), r[:, 1])
+            sub = np.arange(row.size) - np.repeat(np.cumsum(r[:, 1]) - r[:, 1], r[:, 1])
+            start = p.offset + r[row, 0] + sub * r[row, 2]
+            g = np.asarray(gaps, dtype=np.int64)
+            out = np.empty((len(gaps), row.size, 3), dtype=np.int64)
+            out[..., 0] = p.region
+            out[..., 1] = g[:, 0, None] * p.stride + start[None, :] + g[:, 1, None] * r[row, 3][None, :]
+            out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * r[row, 3][None, :]
+            rows.append(out.reshape(-1, 3))
+        keep = [k for k, p in enumerate(pages) if not p.runs]
+        pages, cols = [pages[k] for k in keep], cols[keep]
+    if gaps and pages:  # one run per (gap, page, head), all at once
         nheads = np.asarray([p.heads for p in pages], dtype=np.int64)
         page = np.repeat(np.arange(len(pages)), nheads)
         head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)

@@ -51,6 +51,8 @@ def regroups(
         for p in where:
             region = consumer.regions[p.region]
             heads = permuted_heads(consumer, p) if permute else p.heads
+            if p.runs and not permute:  # a CPU page: cut by its token runs, its bytes land in place
+                continue
             if heads > 1 and p.region not in kinds.get((region.part, heads, p.length), []):
                 kinds.setdefault((region.part, heads, p.length), []).append(p.region)
         for (_, heads, length), rs in sorted(kinds.items()):

@@ -17,7 +17,7 @@ from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry, packed_csa_rows
 from kvgeom.layout.view import EngineView
 from kvgeom.model.layers import AttentionSpec
-from kvgeom.modes import Compat
+from kvgeom.modes import Compat, CompatLike, policy_of
 from kvgeom.pair.rules import (
     check_csa_linear_pair,
     check_dcp,
@@ -57,7 +57,7 @@ def _token_splittable(geom: RankGeometry) -> bool:
 
 
 def block_size_ratio(
-    local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat | str = Compat.VLLM
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike = Compat.VLLM
 ) -> tuple[int, int]:
     """``(bsr, remote_split)`` for a pair: ``bsr = local kernel block // remote kernel block``.
 
@@ -66,14 +66,14 @@ def block_size_ratio(
     kvgeom mode for every remote whose pages split by token (:func:`_token_splittable`), which also
     covers P blocks larger than D's (Part C item 2). Everything else must divide.
     """
-    compat = Compat.of(compat)
+    policy = policy_of(compat)
     lbs, rbs = local.block_size, remote.block_size
     if lbs % rbs == 0:
         return lbs // rbs, 1
     u = math.gcd(lbs, rbs)
     split = rbs // u
     lens_ok = all(r.block_len % split == 0 and r.block_len == r.block_stride for r in remote.regions)
-    if compat == "vllm":
+    if not policy.token_cut:
         ok = local.is_mla and local.has_ssm and all(local.region_is_mla) and max(split, lbs // u) <= 128
     else:  # a packed row's pages do not split into evenly spaced finer blocks
         ok = _token_splittable(remote) and not any(r.is_packed for r in remote.regions)
@@ -107,17 +107,18 @@ def check_pair(
     local: RankGeometry,
     remote: RankGeometry,
     mode: str = "pull",
-    compat: Compat | str = Compat.KVGEOM,
+    compat: CompatLike = Compat.KVGEOM,
     prefix_caching: bool = False,
 ) -> PairShape:
-    """Validate a local rank against one remote rank; return the pair's ratios or raise."""
-    compat = Compat.of(compat)
+    """Validate a local rank against one remote rank; return the pair's ratios or raise. ``compat``: the
+    mode (or its :class:`~kvgeom.modes.Policy`) whose rules apply."""
+    policy = policy_of(compat)
     diff = _first_model_difference(local, remote)
     if diff:
         raise IncompatiblePairError(
             "model", f"P and D run different models: {diff}", local=local.model.name, remote=remote.model.name
         )
-    if compat == "vllm" and all(local.group_is_ssm):
+    if policy.engine_refusals and all(local.group_is_ssm):
         raise UnsupportedError(
             "model",
             "vLLM 0.33.0's NIXL connector needs an attention group (it builds its "
@@ -131,14 +132,14 @@ def check_pair(
         check_csa_linear_pair(local, remote)
     if local.dcp_size > 1 or remote.dcp_size > 1:
         check_dcp(local, remote, mode)
-    bsr, split = block_size_ratio(local, remote, mode, compat)
-    streams = pair_streams(local, remote, mode, compat)  # refuses different region counts (num_regions)
+    bsr, split = block_size_ratio(local, remote, mode, policy)
+    streams = pair_streams(local, remote, mode, policy)  # refuses different region counts (num_regions)
     if local.engine.kv_split != remote.engine.kv_split:
         raise mismatch("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
     attn = local.model.attention_spec
     permute = attn is not None and local.engine.kv_layout != remote.engine.kv_layout
     if permute:
-        check_permute(local, remote, mode, compat)
+        check_permute(local, remote, mode, policy)
     head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
     k = local.num_kv_heads
     if attn is not None and not local.is_mla and abs(ratio) != 1:
@@ -146,7 +147,7 @@ def check_pair(
         if (
             not local.engine.kv_layout.is_head_major
             and not permute  # the pull treats the local page as head-major, then permutes (B.6.15)
-            and compat == "vllm"
+            and policy.engine_refusals
             and (remote.tp_size <= k or (head_split and multi_token))
         ):
             # vLLM refuses it unless the remote replicates its KV heads, yet then still cuts the token-major page
@@ -159,7 +160,7 @@ def check_pair(
                 local.engine.kv_layout.value,
                 remote.engine.kv_layout.value,
             )
-        if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
+        if policy.engine_refusals and ratio < 0 and remote.tp_size > k and not local.has_ssm:
             raise mismatch(
                 "tp_size",
                 f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
@@ -168,9 +169,9 @@ def check_pair(
                 remote.tp_size,
             )
     if local.has_draft:
-        check_draft(local, remote, mode, compat, ratio, bsr)
+        check_draft(local, remote, mode, policy, ratio, bsr)
     if region_mapped(local, remote, streams):
-        check_region_mapped(local, remote, mode, compat)
+        check_region_mapped(local, remote, mode, policy)
     elif len(local.groups) != len(remote.groups):
         raise mismatch(
             "separate_group",
@@ -179,11 +180,11 @@ def check_pair(
             list(remote.engine.separate_group),
         )
     if packed_csa_rows(local):
-        check_packed_rows(local, remote, compat)
+        check_packed_rows(local, remote, policy)
     else:
         _check_block_lens(local, remote, streams, bsr, split)
     if local.has_ssm:
-        check_ssm(local, remote, ratio, compat, prefix_caching)
+        check_ssm(local, remote, ratio, policy, prefix_caching)
     kv_rows = KVLayout.HEAD_KV_MAJOR in (local.engine.kv_layout, remote.engine.kv_layout)
     if (bsr > 1 or split > 1) and kv_rows and attn is not None and not local.is_mla:
         raise mismatch(
@@ -195,7 +196,7 @@ def check_pair(
             local.engine.kv_layout.value,
             remote.engine.kv_layout.value,
         )
-    if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
+    if policy.engine_refusals and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
         raise UnsupportedError(
             "block_size",
             "Head-sharded attention reads with P_TP > D_TP and heterogeneous block sizes are not supported "

@@ -21,7 +21,7 @@ from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.conv import remote_conv_offsets
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.layout.view import EngineView, unpseudo
-from kvgeom.modes import Compat
+from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.route import Route, dcp_pages_differ, route
 from kvgeom.pair.streams import region_mapped
@@ -53,10 +53,10 @@ def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
     return x.geometry if isinstance(x, GeometryCard) else x
 
 
-def _spread(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> bool:
+def _spread(local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike) -> bool:
     """kvgeom mode pairs a rank with every rank of the other side when DCP pages differ
     (:func:`kvgeom.pair.route.dcp_pages_differ`): any remote rank may hold (pull) or need (push) its tokens."""
-    return compat == "kvgeom" and dcp_pages_differ(local, remote, mode)
+    return policy_of(compat).spread_dcp and dcp_pages_differ(local, remote, mode)
 
 
 def pair_targets(
@@ -70,7 +70,7 @@ def pair_targets(
     :meth:`Pairing.create` pairs it: vLLM's handshake targets with DCP (:func:`kvgeom.pair.tp.dcp_handshake_targets`),
     widened to every remote rank where kvgeom mode spreads DCP pages. ``remote``: any rank of that engine."""
     lg, rg = _as_geometry(local), _as_geometry(remote)
-    if _spread(lg, rg, mode, Compat.of(compat)):
+    if _spread(lg, rg, mode, compat):
         return tuple(range(rg.tp_size))
     rank = lg.tp_rank if local_rank is None else local_rank
     return dcp_handshake_targets(rank, lg.tp_size, lg.dcp_size, rg.tp_size, rg.dcp_size)
@@ -208,7 +208,7 @@ class Pairing:
         """Every value the pairing prepares once (from its fields and ``views``)."""
         routes = {rank: self._route(rank) for rank in self.targets}
         masks = {rank: self._group_mask(rank, routes[rank]) for rank in self.targets}
-        local, remote = self._routed(routes) if self.compat == "kvgeom" else self._vllm_tables()
+        local, remote = self._routed(routes) if self.policy.routed else self._vllm_tables()
         pages = tuple(group_pages(self.local, g) for g in range(len(self.local.groups)))
         zero = tuple(self._zero_pages(g, pages[g]) for g in range(len(pages)))
         return PairTables(routes, masks, local, remote, pages, zero)
@@ -220,7 +220,7 @@ class Pairing:
         KV heads of a hybrid)."""
         for rank in self.targets:
             needed = tuple(n and self.carries(g) for g, n in enumerate(self.route(rank).groups))
-            if self.compat == "kvgeom":
+            if self.policy.routed:
                 continue
             sent = self.group_mask(rank) if rank in self.transfer_ranks else tuple(False for _ in needed)
             missing = [g for g, (a, b) in enumerate(zip(needed, sent)) if a and not b]
@@ -239,6 +239,11 @@ class Pairing:
             self.remote_table(rank).check_bounds(
                 [r.nbytes for r in self.remotes[rank].regions], f"remote rank {rank}"
             )
+
+    @property
+    def policy(self) -> Policy:
+        """What this pairing's mode changes (:class:`~kvgeom.modes.Policy`): the planner reads it, never the mode."""
+        return policy_of(self.compat)
 
     # -- ratios -------------------------------------------------------------------------------------
     @property
@@ -277,7 +282,7 @@ class Pairing:
         heads differ between the sides (a head slice is then one run per token: Part C item 3)."""
         spec = self.local.model.attention_spec
         if (
-            self.compat != "kvgeom"
+            not self.policy.token_cut
             or spec is None
             or self.permute  # the pull treats the token-major local page as head-major (B.6.15)
             or self.local.engine.kv_layout.value != "token_major"
@@ -380,7 +385,7 @@ class Pairing:
     @cached_property
     def transfer_ranks(self) -> tuple[int, ...]:
         """The remote ranks a request's transfers go to (the others are only notified)."""
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             return tuple(r for r in self.targets if any(self.group_mask(r)))
         pure_mla = self.local.is_mla and not self.local.has_ssm
         if self.mode == "push" and pure_mla and self.tp_ratio < 0:
@@ -392,7 +397,7 @@ class Pairing:
         return self.tables.masks[rank]
 
     def _group_mask(self, rank: int, r: Route) -> tuple[bool, ...]:
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             mask = r.groups
         elif self.mode == "push" and self.local.is_csa_linear and self.tp_ratio < 0:
             mask = tuple(True for _ in self.local.groups)  # vLLM: every group to every written rank
@@ -405,7 +410,7 @@ class Pairing:
 
     def local_key(self, rank: int) -> LocalKey:
         """The local table a transfer to/from remote rank ``rank`` uses."""
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             return (self.local_rows, rank)
         return (self.bsr, rank if self.needs_split else -1)
 

@@ -55,6 +55,7 @@ from kvgeom.model.layers import (
     Shard,
 )
 from kvgeom.model.spec import ModelSpec
+from kvgeom.modes import policy_of
 from kvgeom.pair.streams import packed_streams
 from kvgeom.plan.exchange import prefill_tokens
 from kvgeom.plan.pairing import Pairing
@@ -398,7 +399,7 @@ def pd_pairs(
     # vllm mode needs head-major pages when TP splits heads; kvgeom mode cuts token-major pages per token
     layout = (
         KVLayout.HEAD_MAJOR
-        if head_split and compat == "vllm"
+        if head_split and policy_of(compat).engine_refusals
         else draw(st.sampled_from((KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR)))
     )
     single_attention = not model.has_ssm and not model.is_mla and _group_count(model) == 1
@@ -424,7 +425,7 @@ def pd_pairs(
     if pipeline and not model.has_ssm and stages > 1 and p_dcp == d_dcp == 1 and draw(st.integers(0, 3)) == 0:
         # pipeline stages: vLLM runs them on the side that moves bytes (P in push, D in pull); kvgeom on either
         local_pp = draw(st.integers(2, stages))
-        remote_pp = draw(st.sampled_from((1, 1, 2))) if compat == "kvgeom" else 1
+        remote_pp = draw(st.sampled_from((1, 1, 2))) if policy_of(compat).routed else 1
         p_pp, d_pp = (remote_pp, local_pp) if mode == "pull" else (local_pp, remote_pp)
     p_packed = d_packed = False
     if (
@@ -464,7 +465,7 @@ def pd_pairs(
         )  # equal kernel blocks (and, asked, equal blocks)
         d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=block)
     if (
-        (mode == "pull" or compat == "kvgeom")
+        (mode == "pull" or not policy_of(compat).engine_refusals)
         and _permutable(model)
         and p_dcp == d_dcp == 1
         and not d.separate_group
@@ -514,7 +515,7 @@ def _permuted(pair: PDPair) -> bool:
     mode."""
     p, d = pair.p_engine, pair.d_engine
     return (
-        (pair.mode == "pull" or pair.compat == "kvgeom")
+        (pair.mode == "pull" or not policy_of(pair.compat).engine_refusals)
         and d.permute_local_kv
         and p.kv_layout is KVLayout.HEAD_MAJOR
         and d.kv_layout is KVLayout.TOKEN_MAJOR
@@ -562,14 +563,16 @@ def plannable_class(pair: PDPair) -> str | None:
         ):  # rows kvgeom builds (one kernel block per block), their regions viewed alike on both sides;
             # across TP sizes vLLM's copies through every region land on other layers' pages: vllm mode refuses
             plain = (
-                plain and _packed_alike(model, p, d) and (p.tp_size == d.tp_size or pair.compat == "kvgeom")
+                plain
+                and _packed_alike(model, p, d)
+                and (p.tp_size == d.tp_size or not policy_of(pair.compat).engine_refusals)
             )
         k = model.num_kv_heads  # vLLM's rule: both TP sizes on one side of the KV-head count
         one_side = (p.tp_size < k) == (d.tp_size < k)
         # a head-sharded main KV across TP sizes: vllm mode cuts head slices, which needs head-major pages
         main_kv = any(la.kind is LayerKind.ATTENTION for la in model.layers)
         sliced = (
-            pair.compat == "vllm"
+            policy_of(pair.compat).engine_refusals
             and main_kv
             and p.tp_size != d.tp_size
             and any(e.kv_layout is not KVLayout.HEAD_MAJOR for e in (p, d))
@@ -578,7 +581,7 @@ def plannable_class(pair: PDPair) -> str | None:
         return "csa-linear" if ok else None
     if not engines_plain or not same_blocks:
         return None
-    if pair.compat == "vllm" and pair.mode == "push" and p.tp_size != d.tp_size:
+    if policy_of(pair.compat).engine_refusals and pair.mode == "push" and p.tp_size != d.tp_size:
         return None
     attn = [la.spec for la in model.layers if not la.kind.is_ssm]
     if model.has_ssm:

@@ -104,8 +104,11 @@ class Oracle:
         for side, geoms in (("P", self.p), ("D", self.d)):
             if [g.global_rank for g in geoms] != list(range(len(geoms))):
                 raise RequestError(
+                    f"{side.lower()}_geoms",
                     f"{side} geometries must be ranks 0..{len(geoms) - 1} in order (every TP rank "
-                    "of every pipeline stage)"
+                    "of every pipeline stage)",
+                    value=[g.global_rank for g in geoms],
+                    expected=list(range(len(geoms))),
                 )
         n, computed = request.num_tokens, request.p_tokens
         pb, db = self.p[0].scheduler_block, self.d[0].scheduler_block  # tokens per list entry (x DCP pages)
@@ -203,7 +206,9 @@ class Oracle:
         if moves.size == 0:
             return
         if moves.ndim != 2 or moves.shape[1] not in (7, 8):
-            raise ValueError(f"moves must be an N x 7 or N x 8 array, got shape {moves.shape}")
+            raise RequestError(
+                "moves", f"must be an N x 7 or N x 8 array, got shape {moves.shape}", value=moves.shape
+            )
         for i, row in enumerate(moves.tolist()):
             sr, sreg, soff, dr, dreg, doff, slen = row[:7]
             dlen = row[7] if len(row) == 8 else slen
@@ -583,7 +588,7 @@ def run(
     D ranks' post-receive steps, and check I1-I6. A pair or request kvgeom refuses raises its
     :class:`~kvgeom.errors.KvgeomError`. Options as in :func:`pull_plans`."""
     if mode not in ("pull", "push"):
-        raise ValueError(f"mode must be 'pull' or 'push', got {mode!r}")
+        raise RequestError("mode", f"must be 'pull' or 'push', got {mode!r}", value=mode)
     oracle = Oracle.for_engines(model, p_engine, d_engine, request)  # checks the request first
     make = pull_plans if mode == "pull" else push_plans
     plans = make(

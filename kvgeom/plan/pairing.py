@@ -26,9 +26,10 @@ from kvgeom.layout.geometry import RankGeometry, Region
 from kvgeom.layout.tokenruns import TokenRun, layer_token_runs, page_token_runs, unit_runs
 from kvgeom.layout.view import EngineView, pseudo_bases, unpseudo
 from kvgeom.model.layers import AttentionSpec
-from kvgeom.modes import Compat
+from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.route import Route, dcp_pages_differ, route
+from kvgeom.pair.sides import as_geometry, checked_sides
 from kvgeom.pair.streams import region_mapped
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
 from kvgeom.plan.align import Page, group_pages, page_heads
@@ -54,14 +55,28 @@ class PairTables:
     zero_pages: tuple[list[Page], ...] = ()
 
 
-def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
-    return x.geometry if isinstance(x, GeometryCard) else x
-
-
-def _spread(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> bool:
+def _spread(local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike) -> bool:
     """kvgeom mode pairs a rank with every rank of the other side when DCP pages differ
     (:func:`kvgeom.pair.route.dcp_pages_differ`): any remote rank may hold (pull) or need (push) its tokens."""
-    return compat == "kvgeom" and dcp_pages_differ(local, remote, mode)
+    return policy_of(compat).spread_dcp and dcp_pages_differ(local, remote, mode)
+
+
+def _mappings(lg: RankGeometry, first: RankGeometry) -> tuple[TPMapping, TPMapping | None]:
+    """Who reads whom: the pair's TP mapping, and a draft's own (by the draft's heads) when head-sharded
+    layers sit next to MLA layers."""
+    args = (
+        lg.tp_rank,
+        lg.tp_size,
+        first.tp_size,
+        lg.num_kv_heads,
+        lg.is_mla,
+        lg.group_is_ssm,
+        lg.dcp_size,
+        first.dcp_size,
+    )
+    mapping = compute_tp_mapping(*args)
+    draft = compute_tp_mapping(*args, head_sharded_kv_heads=_kv_heads(lg)) if lg.has_draft else None
+    return mapping, draft
 
 
 def pair_targets(
@@ -74,8 +89,8 @@ def pair_targets(
     """The remote ranks local rank ``local_rank`` (default: ``local``'s own) talks to, as
     :meth:`Pairing.create` pairs it: vLLM's handshake targets with DCP (:func:`kvgeom.pair.tp.dcp_handshake_targets`),
     widened to every remote rank where kvgeom mode spreads DCP pages. ``remote``: any rank of that engine."""
-    lg, rg = _as_geometry(local), _as_geometry(remote)
-    if _spread(lg, rg, mode, Compat.of(compat)):
+    lg, rg = as_geometry(local), as_geometry(remote)
+    if _spread(lg, rg, mode, compat):
         return tuple(range(rg.tp_size))
     rank = lg.tp_rank if local_rank is None else local_rank
     return dcp_handshake_targets(rank, lg.tp_size, lg.dcp_size, rg.tp_size, rg.dcp_size)
@@ -88,7 +103,7 @@ def push_writers(
 ) -> tuple[int, ...]:
     """The producer ranks that write to (or notify) decode rank ``consumer.tp_rank`` in push: those whose
     pairing (:func:`pair_targets`, the producer local) names it. ``producer``: any rank of that engine."""
-    pg, cg = _as_geometry(producer), _as_geometry(consumer)
+    pg, cg = as_geometry(producer), as_geometry(consumer)
     return tuple(p for p in range(pg.tp_size) if cg.tp_rank in pair_targets(pg, cg, "push", compat, p))
 
 
@@ -122,85 +137,18 @@ class Pairing:
         taken as ranks ``0..n-1`` of the remote engine); ``compat``: a :class:`~kvgeom.pair.handshake.Compat`
         or its spelling (the pairing keeps the member)."""
         compat = Compat.of(compat)
-        if mode not in ("pull", "push"):
-            raise IncompatiblePairError("mode", f"must be 'pull' or 'push', got {mode!r}", value=mode)
-        lg = _as_geometry(local)
-        items = list(remotes.items() if isinstance(remotes, Mapping) else enumerate(remotes))
-        for rank, x in [(-1, local), *items]:
-            if isinstance(x, GeometryCard) and x.mode != mode:
-                raise IncompatiblePairError(
-                    "mode",
-                    f"{'local' if rank < 0 else f'remote rank {rank}'} card is "
-                    f"for {x.mode}, the pair is planned for {mode}",
-                    local=mode,
-                    remote=x.mode,
-                )
-        rg = {int(k): _as_geometry(v) for k, v in items}
-        if not rg:
-            raise IncompatiblePairError("remotes", "no remote rank given", value=0)
+        lg, rg = checked_sides(local, remotes, mode)
         first = next(iter(rg.values()))
-        for rank, g in rg.items():
-            if g.tp_size != first.tp_size or g.num_blocks != first.num_blocks:
-                raise IncompatiblePairError(
-                    f"remotes[{rank}]",
-                    "all ranks of one remote engine must agree on TP size and num_blocks",
-                    local=(first.tp_size, first.num_blocks),
-                    remote=(g.tp_size, g.num_blocks),
-                )
-            if g.tp_rank != rank:
-                raise IncompatiblePairError(
-                    f"remotes[{rank}].tp_rank",
-                    "card rank differs from its position",
-                    local=rank,
-                    remote=g.tp_rank,
-                )
-            if g.model != first.model:
-                raise IncompatiblePairError(
-                    f"remotes[{rank}].model",
-                    "all ranks of one remote engine must hold the same model spec",
-                    local=first.model.dumps()[:200],
-                    remote=g.model.dumps()[:200],
-                )
-            if g.engine.with_rank(first.tp_rank, pp_rank=first.engine.pp_rank) != first.engine:
-                raise IncompatiblePairError(
-                    f"remotes[{rank}].engine",
-                    "all ranks of one remote engine must share its configuration (apart from the rank)",
-                    local=first.engine.to_json(),
-                    remote=g.engine.to_json(),
-                )
         shape = check_pair(lg, first, mode, compat, prefix_caching)
         targets = pair_targets(lg, first, mode, compat)
-        spread = _spread(lg, first, mode, compat)
         missing = [t for t in targets if t not in rg]
         if missing:
             raise IncompatiblePairError(
                 "remotes", f"handshake targets {missing} have no card", value=missing, expected=list(targets)
             )
-        mapping = compute_tp_mapping(
-            lg.tp_rank,
-            lg.tp_size,
-            first.tp_size,
-            lg.num_kv_heads,
-            lg.is_mla,
-            lg.group_is_ssm,
-            lg.dcp_size,
-            first.dcp_size,
-        )
-        if spread:  # every local rank notifies every remote rank
+        mapping, draft = _mappings(lg, first)
+        if _spread(lg, first, mode, compat):  # every local rank notifies every remote rank
             mapping = replace(mapping, local_consumers=lg.tp_size)
-        draft = None
-        if lg.has_draft:  # head-sharded layers next to MLA layers: their own mapping (by the draft's heads)
-            draft = compute_tp_mapping(
-                lg.tp_rank,
-                lg.tp_size,
-                first.tp_size,
-                lg.num_kv_heads,
-                lg.is_mla,
-                lg.group_is_ssm,
-                lg.dcp_size,
-                first.dcp_size,
-                head_sharded_kv_heads=_kv_heads(lg),
-            )
         views = {t: _remote_view(shape, rg[t], t) for t in targets}
         base = cls(
             lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching, draft, views
@@ -213,7 +161,7 @@ class Pairing:
         """Every value the pairing prepares once (from its fields and ``views``)."""
         routes = {rank: self._route(rank) for rank in self.targets}
         masks = {rank: self._group_mask(rank, routes[rank]) for rank in self.targets}
-        local, remote = self._routed(routes) if self.compat == "kvgeom" else self._vllm_tables()
+        local, remote = self._routed(routes) if self.policy.routed else self._vllm_tables()
         pages = tuple(group_pages(self.local, g) for g in range(len(self.local.groups)))
         zero = tuple(self._zero_pages(g, pages[g]) for g in range(len(pages)))
         return PairTables(routes, masks, local, remote, pages, zero)
@@ -225,7 +173,7 @@ class Pairing:
         KV heads of a hybrid)."""
         for rank in self.targets:
             needed = tuple(n and self.carries(g) for g, n in enumerate(self.route(rank).groups))
-            if self.compat == "kvgeom":
+            if self.policy.routed:
                 continue
             sent = self.group_mask(rank) if rank in self.transfer_ranks else tuple(False for _ in needed)
             missing = [g for g, (a, b) in enumerate(zip(needed, sent)) if a and not b]
@@ -244,6 +192,11 @@ class Pairing:
             self.remote_table(rank).check_bounds(
                 [r.nbytes for r in self.remotes[rank].regions], f"remote rank {rank}"
             )
+
+    @property
+    def policy(self) -> Policy:
+        """What this pairing's mode changes (:class:`~kvgeom.modes.Policy`): the planner reads it, never the mode."""
+        return policy_of(self.compat)
 
     # -- ratios -------------------------------------------------------------------------------------
     @property
@@ -285,7 +238,7 @@ class Pairing:
         of a coarser one hold the same bytes of chunk ``j``; ``None`` for any other pair."""
         spec = self.local.model.attention_spec
         if (
-            self.compat != "kvgeom"
+            not self.policy.token_cut
             or spec is None
             or self.local.is_mla
             or self.local.engine.kv_layout is not KVLayout.HEAD_KV_MAJOR
@@ -330,7 +283,7 @@ class Pairing:
             split = remote.engine.kernel // min(self.local.engine.kernel, remote.engine.kernel)
             return int(self.page_cut[1][0][:, 3].sum()) // split
         if (
-            self.compat != "kvgeom"
+            not self.policy.token_cut
             or spec is None
             or self.permute  # the pull treats the token-major local page as head-major (B.6.15)
             or self.local.engine.kv_layout.value != "token_major"
@@ -433,7 +386,7 @@ class Pairing:
     @cached_property
     def transfer_ranks(self) -> tuple[int, ...]:
         """The remote ranks a request's transfers go to (the others are only notified)."""
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             return tuple(r for r in self.targets if any(self.group_mask(r)))
         pure_mla = self.local.is_mla and not self.local.has_ssm
         if self.mode == "push" and pure_mla and self.tp_ratio < 0:
@@ -445,7 +398,7 @@ class Pairing:
         return self.tables.masks[rank]
 
     def _group_mask(self, rank: int, r: Route) -> tuple[bool, ...]:
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             mask = r.groups
         elif self.mode == "push" and self.local.is_csa_linear and self.tp_ratio < 0:
             mask = tuple(True for _ in self.local.groups)  # vLLM: every group to every written rank
@@ -458,7 +411,7 @@ class Pairing:
 
     def local_key(self, rank: int) -> LocalKey:
         """The local table a transfer to/from remote rank ``rank`` uses."""
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             return (self.local_rows, rank)
         return (self.bsr, rank if self.needs_split else -1)
 

@@ -52,7 +52,7 @@ from kvgeom.model.layers import (
     Shard,
 )
 from kvgeom.model.spec import ModelSpec
-from kvgeom.modes import Compat
+from kvgeom.modes import Compat, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, tp_ratio
 from kvgeom.plan.dlist import Dlist
@@ -90,6 +90,7 @@ __all__ = [
     "PairShape",
     "Pairing",
     "PlanError",
+    "Policy",
     "RankGeometry",
     "RatioError",
     "Region",
@@ -110,6 +111,7 @@ __all__ = [
     "check_writes",
     "compute_tp_mapping",
     "plan_request",
+    "policy_of",
     "post_receive",
     "presets",
     "push_writers",

@@ -988,7 +988,7 @@ class KVRank:
             self._check_fresh(engine_id, links[t.remote_rank], deadline)
         t_post = time.monotonic()  # CMA transfers complete inside post(): time from the first post
         push = plan.mode == "push"
-        path = self.config.kvgeom_post if pairing.compat == "kvgeom" else "ids"
+        path = self.config.kvgeom_post if pairing.policy.routed else "ids"
         runs = moved = 0
         for t in plan.transfers:  # a push WRITE carries its W notice (sent by NIXL once every byte landed)
             link = links[t.remote_rank]

@@ -20,8 +20,9 @@ class KVLayout(str, Enum):
     tokens, 2 x head_size]``): per head its K half, then its V half. Its kernel
     (``cpu_attn_reshape_and_cache``, ISA ``vec``) stores K **transposed**, ``[head_size, tokens]``, and V as
     ``[tokens, head_size]`` rows (measured: tests/serving/test_cpu_page.py). A head slice is one contiguous
-    run, but a token range of a block is not a byte range of the K half: kvgeom moves such pages whole
-    (equal kernel blocks) and refuses block-size ratios on them (no regroup transposes).
+    run, but a token range of a block is not a byte range of the K half: equal kernel blocks move whole
+    pages; at a block-size ratio kvgeom mode cuts the page by its token runs (:mod:`kvgeom.layout.tokenruns`)
+    and vLLM-compatible mode refuses (vLLM would regroup it as ``[heads, tokens, head_size]``).
     """
 
     HEAD_MAJOR = "head_major"
@@ -37,7 +38,7 @@ class KVLayout(str, Enum):
     def runs_per_head(self) -> int:
         """Contiguous runs of one head's token rows in a kernel block of a head-major layout: 1 (``K|V``
         per token), or 2 (the CPU page: its K half, then its V half; the K half is transposed, so a token
-        range within it is not contiguous either: no ratio is planned on it)."""
+        range within it is not contiguous either: its token runs say where each token lies)."""
         return 2 if self is KVLayout.HEAD_KV_MAJOR else 1
 
 

@@ -10,6 +10,7 @@ because every rule is symmetric in the data it reads.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgeom.errors import IncompatiblePairError, RatioError, UnsupportedError
@@ -17,11 +18,12 @@ from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry, packed_csa_rows
 from kvgeom.layout.view import EngineView
 from kvgeom.model.layers import AttentionSpec
-from kvgeom.modes import Compat
+from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.rules import (
     check_csa_linear_pair,
     check_dcp,
     check_draft,
+    check_head_kv_ratio,
     check_packed_rows,
     check_permute,
     check_region_mapped,
@@ -31,7 +33,7 @@ from kvgeom.pair.rules import (
 from kvgeom.pair.streams import pair_streams, region_mapped
 from kvgeom.pair.tp import tp_ratio as _tp_ratio
 
-__all__ = ["PairShape", "block_size_ratio", "check_pair"]
+__all__ = ["PAIR_RULES", "PairFacts", "PairShape", "block_size_ratio", "check_pair"]
 
 
 @dataclass(frozen=True)
@@ -48,16 +50,17 @@ class PairShape:
 
 def _token_splittable(geom: RankGeometry) -> bool:
     """Whether every kernel page of ``geom`` is token-major in bytes, so that a byte range of
-    ``1/k`` of a page is ``1/k`` of its tokens: MLA latents, token-major layouts, one head per rank."""
+    ``1/k`` of a page is ``1/k`` of its tokens: MLA latents, token-major layouts, one head per rank; or
+    cut by its token runs in kvgeom mode (vLLM's CPU page, :func:`~kvgeom.pair.rules.check_head_kv_ratio`)."""
     spec = geom.model.attention_spec
-    if spec is None or geom.engine.kv_layout.value == "token_major":
+    if spec is None or geom.engine.kv_layout in (KVLayout.TOKEN_MAJOR, KVLayout.HEAD_KV_MAJOR):
         return True
     runs = spec.heads_per_rank(geom.tp_size) * geom.engine.kv_layout.runs_per_head
     return all(r.is_mla for r in geom.regions) or runs == 1
 
 
 def block_size_ratio(
-    local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat | str = Compat.VLLM
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike = Compat.VLLM
 ) -> tuple[int, int]:
     """``(bsr, remote_split)`` for a pair: ``bsr = local kernel block // remote kernel block``.
 
@@ -66,14 +69,14 @@ def block_size_ratio(
     kvgeom mode for every remote whose pages split by token (:func:`_token_splittable`), which also
     covers P blocks larger than D's (Part C item 2). Everything else must divide.
     """
-    compat = Compat.of(compat)
+    policy = policy_of(compat)
     lbs, rbs = local.block_size, remote.block_size
     if lbs % rbs == 0:
         return lbs // rbs, 1
     u = math.gcd(lbs, rbs)
     split = rbs // u
     lens_ok = all(r.block_len % split == 0 and r.block_len == r.block_stride for r in remote.regions)
-    if compat == "vllm":
+    if not policy.token_cut:
         ok = local.is_mla and local.has_ssm and all(local.region_is_mla) and max(split, lbs // u) <= 128
     else:  # a packed row's pages do not split into evenly spaced finer blocks
         ok = _token_splittable(remote) and not any(r.is_packed for r in remote.regions)
@@ -103,21 +106,49 @@ def _first_model_difference(local: RankGeometry, remote: RankGeometry) -> str | 
     return None
 
 
+@dataclass(frozen=True)
+class PairFacts:
+    """What the pairing rules read about one pair, computed once by :func:`check_pair` before its rules run."""
+
+    local: RankGeometry
+    remote: RankGeometry
+    mode: str
+    policy: Policy
+    prefix_caching: bool
+    ratio: int
+    bsr: int
+    split: int
+    streams: tuple[EngineView, EngineView]
+    permute: bool  # the KV layouts differ: a head-major P moved into a token-major D, permuted there
+    head_split: bool  # the two sides hold different numbers of KV heads per rank
+
+    @property
+    def attn(self) -> AttentionSpec | None:
+        return self.local.model.attention_spec
+
+
+Rule = Callable[[PairFacts], None]
+
+
 def check_pair(
     local: RankGeometry,
     remote: RankGeometry,
     mode: str = "pull",
-    compat: Compat | str = Compat.KVGEOM,
+    compat: CompatLike = Compat.KVGEOM,
     prefix_caching: bool = False,
 ) -> PairShape:
-    """Validate a local rank against one remote rank; return the pair's ratios or raise."""
-    compat = Compat.of(compat)
+    """Validate a local rank against one remote rank; return the pair's ratios or raise. ``compat``: the
+    mode (or its :class:`~kvgeom.modes.Policy`) whose rules apply.
+
+    Three rules run before the ratios can be computed (same model; vLLM's attention group; CSA-linear and
+    DCP pairs); the rest are :data:`PAIR_RULES`, in order, each reading the pair's :class:`PairFacts`."""
+    policy = policy_of(compat)
     diff = _first_model_difference(local, remote)
     if diff:
         raise IncompatiblePairError(
             "model", f"P and D run different models: {diff}", local=local.model.name, remote=remote.model.name
         )
-    if compat == "vllm" and all(local.group_is_ssm):
+    if policy.engine_refusals and all(local.group_is_ssm):
         raise UnsupportedError(
             "model",
             "vLLM 0.33.0's NIXL connector needs an attention group (it builds its "
@@ -131,46 +162,78 @@ def check_pair(
         check_csa_linear_pair(local, remote)
     if local.dcp_size > 1 or remote.dcp_size > 1:
         check_dcp(local, remote, mode)
-    bsr, split = block_size_ratio(local, remote, mode, compat)
-    streams = pair_streams(local, remote, mode, compat)  # refuses different region counts (num_regions)
-    if local.engine.kv_split != remote.engine.kv_split:
-        raise mismatch("kv_split", "K/V split differs", local.engine.kv_split, remote.engine.kv_split)
+    bsr, split = block_size_ratio(local, remote, mode, policy)
+    streams = pair_streams(local, remote, mode, policy)  # refuses different region counts (num_regions)
     attn = local.model.attention_spec
-    permute = attn is not None and local.engine.kv_layout != remote.engine.kv_layout
-    if permute:
-        check_permute(local, remote, mode, compat)
-    head_split = attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size)
+    facts = PairFacts(
+        local,
+        remote,
+        mode,
+        policy,
+        prefix_caching,
+        ratio,
+        bsr,
+        split,
+        streams,
+        permute=attn is not None and local.engine.kv_layout != remote.engine.kv_layout,
+        head_split=attn is not None and _heads(attn, local.tp_size) != _heads(attn, remote.tp_size),
+    )
+    for rule in PAIR_RULES:
+        rule(facts)
+    return PairShape(ratio, bsr, split, streams, facts.permute)
+
+
+def _kv_split(f: PairFacts) -> None:
+    if f.local.engine.kv_split != f.remote.engine.kv_split:
+        raise mismatch("kv_split", "K/V split differs", f.local.engine.kv_split, f.remote.engine.kv_split)
+
+
+def _permute(f: PairFacts) -> None:
+    if f.permute:
+        check_permute(f.local, f.remote, f.mode, f.policy)
+
+
+def _heterogeneous_tp_heads(f: PairFacts) -> None:
+    """Head-sharded attention at different TP sizes: vLLM's layout and replication limits."""
+    local, remote, attn = f.local, f.remote, f.attn
+    if attn is None or local.is_mla or abs(f.ratio) == 1 or not f.policy.engine_refusals:
+        return
     k = local.num_kv_heads
-    if attn is not None and not local.is_mla and abs(ratio) != 1:
-        multi_token = max(local.block_size, remote.block_size) > 1  # a one-token page is head-major too
-        if (
-            not local.engine.kv_layout.is_head_major
-            and not permute  # the pull treats the local page as head-major, then permutes (B.6.15)
-            and compat == "vllm"
-            and (remote.tp_size <= k or (head_split and multi_token))
-        ):
-            # vLLM refuses it unless the remote replicates its KV heads, yet then still cuts the token-major page
-            # into head slices when the heads per rank differ: refused too, the oracle finds those bytes wrong
-            raise mismatch(
-                "kv_layout",
-                "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP: "
-                "it cuts pages into head slices, which a token-major page does not hold (kvgeom mode cuts "
-                "token-major pages per token)",
-                local.engine.kv_layout.value,
-                remote.engine.kv_layout.value,
-            )
-        if compat == "vllm" and ratio < 0 and remote.tp_size > k and not local.has_ssm:
-            raise mismatch(
-                "tp_size",
-                f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
-                "P_TP > D_TP cannot read replicated heads",
-                local.tp_size,
-                remote.tp_size,
-            )
-    if local.has_draft:
-        check_draft(local, remote, mode, compat, ratio, bsr)
-    if region_mapped(local, remote, streams):
-        check_region_mapped(local, remote, mode, compat)
+    multi_token = max(local.block_size, remote.block_size) > 1  # a one-token page is head-major too
+    if (
+        not local.engine.kv_layout.is_head_major
+        and not f.permute  # the pull treats the local page as head-major, then permutes (B.6.15)
+        and (remote.tp_size <= k or (f.head_split and multi_token))
+    ):
+        # vLLM refuses it unless the remote replicates its KV heads, yet then still cuts the token-major page
+        # into head slices when the heads per rank differ: refused too, the oracle finds those bytes wrong
+        raise mismatch(
+            "kv_layout",
+            "vLLM 0.33.0 needs a head-major (block-contiguous) layout for heterogeneous TP: "
+            "it cuts pages into head slices, which a token-major page does not hold (kvgeom mode cuts "
+            "token-major pages per token)",
+            local.engine.kv_layout.value,
+            remote.engine.kv_layout.value,
+        )
+    if f.ratio < 0 and remote.tp_size > k and not local.has_ssm:
+        raise mismatch(
+            "tp_size",
+            f"the remote replicates KV ({remote.tp_size} ranks > {k} KV heads): "
+            "P_TP > D_TP cannot read replicated heads",
+            local.tp_size,
+            remote.tp_size,
+        )
+
+
+def _draft(f: PairFacts) -> None:
+    if f.local.has_draft:
+        check_draft(f.local, f.remote, f.mode, f.policy, f.ratio, f.bsr)
+
+
+def _grouping(f: PairFacts) -> None:
+    local, remote = f.local, f.remote
+    if region_mapped(local, remote, f.streams):
+        check_region_mapped(local, remote, f.mode, f.policy)
     elif len(local.groups) != len(remote.groups):
         raise mismatch(
             "separate_group",
@@ -178,34 +241,41 @@ def check_pair(
             list(local.engine.separate_group),
             list(remote.engine.separate_group),
         )
-    if packed_csa_rows(local):
-        check_packed_rows(local, remote, compat)
+
+
+def _block_lens(f: PairFacts) -> None:
+    if packed_csa_rows(f.local):
+        check_packed_rows(f.local, f.remote, f.policy)
     else:
-        _check_block_lens(local, remote, streams, bsr, split)
-    if local.has_ssm:
-        check_ssm(local, remote, ratio, compat, prefix_caching)
-    kv_rows = KVLayout.HEAD_KV_MAJOR in (local.engine.kv_layout, remote.engine.kv_layout)
-    if (bsr > 1 or split > 1) and kv_rows and attn is not None and not local.is_mla:
-        raise mismatch(
-            "kv_layout",
-            f"vLLM's CPU attention page stores each head's K transposed ([head_size, tokens]) then its V "
-            f"([tokens, head_size]): blocks received at a block-size ratio ({bsr}) cannot be regrouped by "
-            "token ranges (vLLM regroups them as [heads, tokens, head_size] and moves the wrong bytes); "
-            "use equal kernel block sizes",
-            local.engine.kv_layout.value,
-            remote.engine.kv_layout.value,
-        )
-    if compat == "vllm" and ratio < 0 and bsr > 1 and head_split and not local.is_mla:
+        _check_block_lens(f.local, f.remote, f.streams, f.bsr, f.split)
+
+
+def _ssm(f: PairFacts) -> None:
+    if f.local.has_ssm:
+        check_ssm(f.local, f.remote, f.ratio, f.policy, f.prefix_caching)
+
+
+def _cpu_page_ratio(f: PairFacts) -> None:
+    if f.attn is not None:
+        check_head_kv_ratio(f.local, f.remote, f.mode, f.policy, f.bsr, f.split)
+
+
+def _fewer_heads_finer_blocks(f: PairFacts) -> None:
+    if f.policy.engine_refusals and f.ratio < 0 and f.bsr > 1 and f.head_split and not f.local.is_mla:
         raise UnsupportedError(
             "block_size",
             "Head-sharded attention reads with P_TP > D_TP and heterogeneous block sizes are not supported "
-            f"in vLLM-compatible mode (bsr {bsr}, tp_ratio {ratio}); kvgeom mode plans it",
-            local=local.block_size,
-            remote=remote.block_size,
+            f"in vLLM-compatible mode (bsr {f.bsr}, tp_ratio {f.ratio}); kvgeom mode plans it",
+            local=f.local.block_size,
+            remote=f.remote.block_size,
         )
+
+
+def _push_into_finer_blocks(f: PairFacts) -> None:
+    local, attn = f.local, f.attn
     if (
-        mode == "push"
-        and bsr > 1
+        f.mode == "push"
+        and f.bsr > 1
         and (not local.is_mla or local.has_draft)
         and attn is not None
         and local.engine.kv_layout.is_head_major
@@ -213,12 +283,26 @@ def check_pair(
     ):
         raise UnsupportedError(
             "block_size",
-            f"push with P kernel blocks larger than D's (ratio {bsr}) on a head-major layout would "
+            f"push with P kernel blocks larger than D's (ratio {f.bsr}) on a head-major layout would "
             "interleave heads in D's blocks; use equal kernel block sizes or pull",
             local=local.block_size,
-            remote=remote.block_size,
+            remote=f.remote.block_size,
         )
-    return PairShape(ratio, bsr, split, streams, permute)
+
+
+#: the pairing rules after the ratios, in the order they are checked (the first that fails names the error)
+PAIR_RULES: tuple[Rule, ...] = (
+    _kv_split,
+    _permute,
+    _heterogeneous_tp_heads,
+    _draft,
+    _grouping,
+    _block_lens,
+    _ssm,
+    _cpu_page_ratio,
+    _fewer_heads_finer_blocks,
+    _push_into_finer_blocks,
+)
 
 
 def _heads(spec: AttentionSpec, tp: int) -> int:

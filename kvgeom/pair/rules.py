@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import cast
 
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
+from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.layers import AttentionSpec, MLASpec
-from kvgeom.modes import Compat
+from kvgeom.modes import CompatLike, policy_of
 from kvgeom.pair.dcp import check_parallel_pair
 from kvgeom.pair.streams import hma_required, region_group_ids
 
@@ -24,6 +25,7 @@ __all__ = [
     "check_dcp",
     "check_packed_rows",
     "check_ssm",
+    "check_head_kv_ratio",
 ]
 
 
@@ -33,7 +35,7 @@ def mismatch(field: str, what: str, local: object, remote: object) -> Incompatib
     )
 
 
-def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat | str) -> None:
+def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike) -> None:
     """Different KV layouts on the two sides (B.6.15): only vLLM's ``enable_permute_local_kv`` pairs them, a
     head-major P moved into a token-major D (``permute_local_kv`` on D: the local rank in pull, the remote one
     in push) of a model with one full-attention KV-cache group (vLLM asserts it without its hybrid memory
@@ -41,7 +43,7 @@ def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: 
     pulls only (its push P refuses D's token-major layout, and D's notification-only push handshake never
     marks D permuting): vllm mode refuses pushes, kvgeom mode plans them (kvgeom mode's per-token cut needs
     one layout on both sides, so it plans the same head-major path)."""
-    compat = Compat.of(compat)
+    policy = policy_of(compat)
     lay, ray = local.engine.kv_layout.value, remote.engine.kv_layout.value
     d = local if mode == "pull" else remote
     if not d.engine.permute_local_kv or d.engine.kv_layout.value != "token_major" or d.is_mla:
@@ -52,7 +54,7 @@ def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: 
             lay,
             ray,
         )
-    if mode != "pull" and compat == "vllm":
+    if mode != "pull" and policy.engine_refusals:
         raise UnsupportedError(
             "kv_layout",
             "vLLM 0.33.0 permutes only in pulls: in push, P's handshake with D compares its LBHNC with D's "
@@ -72,11 +74,12 @@ def check_permute(local: RankGeometry, remote: RankGeometry, mode: str, compat: 
         )
 
 
-def check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> None:
+def check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike) -> None:
     """P and D group the same regions differently (:mod:`kvgeom.plan.regionmap`): block lists pair region by region.
     vLLM 0.33.0 does it in pulls of pure MLA models with equal kernel block sizes (with DCP: logical blocks of one
     kernel block on both sides); kvgeom in pulls of regions of one group each with equal kernel block sizes (a
     separate group is modelled for models of one attention or MLA group, so with DCP: pure MLA)."""
+    policy = policy_of(compat)
     if mode != "pull":
         raise UnsupportedError(
             "separate_group",
@@ -92,13 +95,17 @@ def check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, co
             local=local.block_size,
             remote=remote.block_size,
         )
-    if compat == "vllm" and (not local.is_mla or local.has_ssm or local.has_draft):
+    if policy.engine_refusals and (not local.is_mla or local.has_ssm or local.has_draft):
         raise UnsupportedError(
             "separate_group",
             "vLLM 0.33.0 pairs differently grouped regions only for pure MLA models; kvgeom mode plans it",
             value=local.model.name,
         )
-    if compat == "vllm" and (local.dcp_size > 1 or remote.dcp_size > 1) and (local.ppl > 1 or remote.ppl > 1):
+    if (
+        policy.engine_refusals
+        and (local.dcp_size > 1 or remote.dcp_size > 1)
+        and (local.ppl > 1 or remote.ppl > 1)
+    ):
         raise UnsupportedError(
             "kernel_block_size",
             "vLLM 0.33.0 refuses (NotImplementedError) differently grouped regions with decode context "
@@ -115,7 +122,7 @@ def check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, co
             local=list(groups[0]),
             remote=list(groups[1]),
         )
-    if compat == "kvgeom" and (-1 in region_group_ids(local) or -1 in region_group_ids(remote)):
+    if policy.by_tokens and (-1 in region_group_ids(local) or -1 in region_group_ids(remote)):
         raise UnsupportedError(
             "separate_group",
             "a region viewed by several groups has no single token order to pair by",
@@ -124,14 +131,14 @@ def check_region_mapped(local: RankGeometry, remote: RankGeometry, mode: str, co
 
 
 def check_draft(
-    local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat, ratio: int, bsr: int
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike, ratio: int, bsr: int
 ) -> None:
     """Head-sharded attention layers next to MLA layers (a GQA draft under an MLA target): vLLM 0.33.0 maps
     them with their own heads only when the local TP is at least the remote's, without DCP (push: equal TP),
     on the same head-major layout when the heads differ. kvgeom plans every TP pair (MLA pages gathered in
     chunks from the draft's sources), not with DCP (:func:`check_dcp` refuses it first: a draft is not MLA).
     Equal layouts on both sides are checked before (:func:`check_pair`)."""
-    if compat != "vllm":
+    if not policy_of(compat).engine_refusals:
         return
     if ratio < 0 or (mode == "push" and ratio != 1):
         raise UnsupportedError(
@@ -241,7 +248,7 @@ def check_csa_linear_pair(local: RankGeometry, remote: RankGeometry) -> None:
         )
 
 
-def check_packed_rows(local: RankGeometry, remote: RankGeometry, compat: Compat) -> None:
+def check_packed_rows(local: RankGeometry, remote: RankGeometry, compat: CompatLike) -> None:
     """Packed CSA-linear rows (:mod:`kvgeom.layout.csarows`): both sides register regions viewed by the same layers,
     each region as long as its kind says (:attr:`~kvgeom.layout.geometry.RankGeometry.region_tp_scaling`: a
     head-sharded main-KV page by the heads each side holds, compressed keys, rings and the replicated page
@@ -274,7 +281,7 @@ def check_packed_rows(local: RankGeometry, remote: RankGeometry, compat: Compat)
             a.block_len,
             b.block_len,
         )
-    if compat != "vllm":
+    if not policy_of(compat).engine_refusals:
         return
     for i, (a, b) in enumerate(zip(local.regions, remote.regions)):
         if local.is_mla and a.block_len != b.block_len:
@@ -297,7 +304,7 @@ def check_packed_rows(local: RankGeometry, remote: RankGeometry, compat: Compat)
 
 
 def check_ssm(
-    local: RankGeometry, remote: RankGeometry, ratio: int, compat: Compat, prefix_caching: bool
+    local: RankGeometry, remote: RankGeometry, ratio: int, compat: CompatLike, prefix_caching: bool
 ) -> None:
     spec = local.model.ssm_spec
     if spec is None:
@@ -329,7 +336,7 @@ def check_ssm(
         lrep = spec.replicated_pieces(local.tp_size)
         rrep = spec.replicated_pieces(remote.tp_size)
         replicated = any(lrep) or any(rrep) or spec.temporal.replicated(max(local.tp_size, remote.tp_size))
-        if replicated and compat == "vllm":
+        if replicated and policy_of(compat).engine_refusals:
             names = [n for n, a, b in zip(spec.piece_names, lrep, rrep) if a or b]
             raise UnsupportedError(
                 "tp_size",
@@ -339,3 +346,50 @@ def check_ssm(
                 local=local.tp_size,
                 remote=remote.tp_size,
             )
+
+
+def check_head_kv_ratio(
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike, bsr: int, split: int
+) -> None:
+    """vLLM's CPU attention page (``HEAD_KV_MAJOR``: per head K transposed, ``[head_size, tokens]``, then V
+    rows) at a block-size ratio (``bsr`` or ``split`` > 1). vLLM regroups received blocks as if the page were
+    ``[heads, tokens, head_size]`` (its post-process, the same in 0.32.0 and 0.33.0) and moves the wrong
+    bytes, silently: vllm mode refuses. kvgeom mode cuts both sides' pages by their token runs
+    (:mod:`kvgeom.layout.tokenruns`: each finer block's K rows and V rows become descriptors at their token
+    range of the coarser block, so nothing is regrouped): in pulls, with the same layout and the same heads
+    on both sides, one page per region, no decode context parallelism."""
+    spec = local.model.attention_spec
+    layouts = (local.engine.kv_layout, remote.engine.kv_layout)
+    if (bsr == 1 and split == 1) or spec is None or local.is_mla or KVLayout.HEAD_KV_MAJOR not in layouts:
+        return
+    lay, ray = (x.value for x in layouts)
+    if policy_of(compat).engine_refusals:
+        raise mismatch(
+            "kv_layout",
+            f"vLLM's CPU attention page stores each head's K transposed ([head_size, tokens]) then its V "
+            f"([tokens, head_size]): blocks received at a block-size ratio ({max(bsr, split)}) cannot be "
+            "regrouped by token ranges (vLLM regroups them as [heads, tokens, head_size] and moves the wrong "
+            "bytes); use equal kernel block sizes, or kvgeom mode, which cuts the page by its token runs",
+            lay,
+            ray,
+        )
+    why, field, a, b = "", "", cast(object, None), cast(object, None)
+    if mode != "pull":
+        why, field, a, b = "in pulls only", "mode", mode, "pull"
+    elif layouts[0] is not layouts[1]:
+        why, field, a, b = "with one layout on both sides", "kv_layout", lay, ray
+    elif spec.heads_per_rank(local.tp_size) != spec.heads_per_rank(remote.tp_size):
+        why, field = "with the same KV heads per rank on both sides", "tp_size"
+        a, b = spec.heads_per_rank(local.tp_size), spec.heads_per_rank(remote.tp_size)
+    elif local.dcp_size > 1 or remote.dcp_size > 1:
+        why, field, a, b = "without decode context parallelism", "dcp_size", local.dcp_size, remote.dcp_size
+    elif any(r.is_packed for g in (local, remote) for r in g.regions):
+        why, field, a, b = "with one page per region (no packed rows)", "packed_rows", True, False
+    if why:
+        raise UnsupportedError(
+            field,
+            f"kvgeom mode cuts the CPU attention page (head_kv_major) by its token runs at a block-size "
+            f"ratio {why}",
+            local=a,
+            remote=b,
+        )

@@ -34,7 +34,7 @@ from kvgeom.layout.geometry import RankGeometry, Region, packed_csa_rows
 from kvgeom.layout.view import SHARED_GROUP, EngineView, pseudo
 from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
 from kvgeom.model.stages import stage_range
-from kvgeom.modes import Compat
+from kvgeom.modes import CompatLike, policy_of
 from kvgeom.pair.layerroute import (
     RegionTable,
     align_regions_by_layer,
@@ -438,10 +438,10 @@ def region_mapped(local: RankGeometry, remote: RankGeometry, streams: tuple[Engi
 
 
 def pair_streams(
-    local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat
+    local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike
 ) -> tuple[EngineView, EngineView]:
     """Both sides' streams for a pair (``remote``: any rank of the peer's stage): vLLM's rules in
     ``compat="vllm"``, region or layer pairing in ``compat="kvgeom"`` (module docstring)."""
-    if compat == "vllm":
+    if not policy_of(compat).routed:
         return _vllm_streams(local, remote, mode)
     return _kvgeom_streams(local, remote)

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kvgeom.errors import PlanError
+from kvgeom.layout.engine import KVLayout
+from kvgeom.layout.tokenruns import TokenRun, layer_token_runs
 
 __all__ = ["list_starts", "overlap", "Page", "PageSet", "page_heads", "group_pages", "consumer_zero_rows"]
 
@@ -152,6 +154,9 @@ class Page:
     length: int
     stride: int
     heads: int = 1  # runs per kernel block when zeroing a token range: the local heads of a head-major page
+    #: the page's token runs where a token range is not one byte range per head (vLLM's CPU page, its K
+    #: transposed: :mod:`kvgeom.layout.tokenruns`); a token range is then zeroed run by run, row by row
+    runs: tuple[TokenRun, ...] = ()
 
 
 def page_heads(geom: object, layer: str) -> int:
@@ -175,15 +180,30 @@ def group_pages(geom: object, group: int) -> list[Page]:
                 off, length = region.slot(name)
                 out.setdefault(
                     (region.index, off),
-                    Page(region.index, off, length, region.block_stride, page_heads(geom, name)),
+                    Page(
+                        region.index,
+                        off,
+                        length,
+                        region.block_stride,
+                        page_heads(geom, name),
+                        _runs(geom, name),
+                    ),
                 )
     return list(out.values())
+
+
+def _runs(geom: object, layer: str) -> tuple[TokenRun, ...]:
+    """``layer``'s token runs where its page needs them (:attr:`Page.runs`): a CPU attention page."""
+    spec = geom.layer_specs[layer]  # type: ignore[attr-defined]
+    if getattr(spec, "num_kv_heads", None) is None or geom.engine.kv_layout is not KVLayout.HEAD_KV_MAJOR:  # type: ignore[attr-defined]
+        return ()
+    return layer_token_runs(geom, layer)
 
 
 def _as_page(page: object, heads: int | None) -> Page:
     """A :class:`Page`, or a region-like value (``index``, ``block_len``, ``block_stride``: a whole block)."""
     if isinstance(page, Page):
-        return page if heads is None else Page(page.region, page.offset, page.length, page.stride, heads)
+        return page if heads is None else replace(page, heads=heads)
     return Page(page.index, 0, page.block_len, page.block_stride, heads or 1)  # type: ignore[attr-defined]
 
 
@@ -201,6 +221,7 @@ class PageSet:
     run_token_bytes: np.ndarray
     tokens: int
     most_heads: int = 1  # the most runs of any page (1: no page is head-major with several heads)
+    cut: bool = False  # some page is cut by token runs (:attr:`Page.runs`)
     #: per page, its whole-block row ``(region, offset, length)`` (``row_base``) and what one block id adds
     #: to it (``row_step``: ``(0, stride, 0)``), shaped ``(pages, 1, 3)``
     row_base: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 3), dtype=np.int64))
@@ -230,6 +251,7 @@ class PageSet:
             per_head // tokens,
             tokens,
             max(nheads.tolist(), default=1),
+            any(p.runs for p in ps),
             base,
             step,
         )
@@ -280,6 +302,8 @@ def consumer_zero_rows(
                 )
     if not gaps:
         return whole
+    if ps.cut:
+        return _cut_gap_rows(whole, list(ps.pages), cols, gaps, tokens)
     # one run per (gap, page, head), all at once
     page, tok = ps.run_page, ps.run_token_bytes
     g = np.asarray(gaps, dtype=np.int64)
@@ -288,3 +312,40 @@ def consumer_zero_rows(
     out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + ps.run_offset
     out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
     return np.concatenate([whole, out.reshape(-1, 3)])
+
+
+def _cut_gap_rows(
+    whole: np.ndarray, pages: list[Page], cols: np.ndarray, gaps: list[tuple[int, int, int]], tokens: int
+) -> np.ndarray:
+    """:func:`consumer_zero_rows`' rows of the partly covered blocks where some page is cut by token runs:
+    the whole blocks' rows, then one row per (gap, page, run, row) of the cut pages, then one run per (gap,
+    page, head) of the others."""
+    rows = [whole]
+    cut = [k for k, p in enumerate(pages) if p.runs]
+    for k in cut:  # pages cut by token runs: one row per (gap, page, run, row)
+        p = pages[k]
+        r = np.asarray(p.runs, dtype=np.int64).reshape(-1, 4)
+        row = np.repeat(np.arange(r.shape[0]), r[:, 1])
+        sub = np.arange(row.size) - np.repeat(np.cumsum(r[:, 1]) - r[:, 1], r[:, 1])
+        start = p.offset + r[row, 0] + sub * r[row, 2]
+        g = np.asarray(gaps, dtype=np.int64)
+        out = np.empty((len(gaps), row.size, 3), dtype=np.int64)
+        out[..., 0] = p.region
+        out[..., 1] = g[:, 0, None] * p.stride + start[None, :] + g[:, 1, None] * r[row, 3][None, :]
+        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * r[row, 3][None, :]
+        rows.append(out.reshape(-1, 3))
+    keep = [k for k, p in enumerate(pages) if not p.runs]
+    pages, cols = [pages[k] for k in keep], cols[keep]
+    if pages:  # one run per (gap, page, head), all at once
+        nheads = np.asarray([p.heads for p in pages], dtype=np.int64)
+        page = np.repeat(np.arange(len(pages)), nheads)
+        head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
+        per_head = cols[page, 2] // nheads[page]
+        tok = per_head // tokens
+        g = np.asarray(gaps, dtype=np.int64)
+        out = np.empty((len(gaps), page.size, 3), dtype=np.int64)
+        out[..., 0] = cols[page, 0]
+        out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + head * per_head
+        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
+        rows.append(out.reshape(-1, 3))
+    return np.concatenate(rows).astype(np.int64)

@@ -130,7 +130,7 @@ def dcp_pairs(
         ssm_r, ssm_l = apply_prefix_caching(ssm_r, ssm_l, remote.ppl, local.ppl, kinds)
     exact_l = [s if ssm else e for s, e, ssm in zip(ssm_l, exact_l, kinds)]
     exact_r = [s if ssm else e for s, e, ssm in zip(ssm_r, exact_r, kinds)]
-    if pairing.compat == "kvgeom":
+    if pairing.policy.by_tokens:
         return exact_l, exact_r
     if pull:  # vLLM's closed form on logical pages, then its block-size-ratio map
         lg, rg = [], []

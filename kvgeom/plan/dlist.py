@@ -25,7 +25,7 @@ from kvgeom.layout.view import OFFSET_MASK, REGION_SHIFT, EngineView, pseudo_bas
 from kvgeom.plan.splits import expand_strided
 from kvgeom.plan.strided import block_strided_rows, fa_local_rows, fa_remote_rows, mamba_local_rows
 
-__all__ = ["Dlist", "local_dlist", "remote_dlist", "routed_tables"]
+__all__ = ["Dlist", "local_dlist", "remote_dlist", "routed_tables", "cut_fa_rows"]
 
 
 class Dlist:
@@ -223,6 +223,26 @@ def _fa_rows(
     return runs
 
 
+def cut_fa_rows(
+    bases: Sequence[int], strides: Sequence[int], num_blocks: Sequence[int], units: Sequence[np.ndarray]
+) -> np.ndarray:
+    """Attention runs of pages cut by their token runs (:func:`kvgeom.layout.tokenruns.unit_runs`): per
+    stream ``i`` (first byte ``bases[i]``, ``num_blocks[i]`` kernel blocks ``strides[i]`` apart), per block,
+    its ``units[i]`` (``M x 4`` ``(offset, length, stride, count)`` within a block), in that order: stream-major,
+    block, then unit, as :func:`local_dlist` orders sub-blocks."""
+    parts = []
+    for base, stride, nb, u in zip(bases, strides, num_blocks, units):
+        u = np.asarray(u, dtype=np.int64).reshape(-1, 4)
+        runs = np.empty((int(nb), u.shape[0], 5), dtype=np.int64)
+        runs[..., 0] = int(base) + np.arange(int(nb), dtype=np.int64)[:, None] * int(stride) + u[None, :, 0]
+        runs[..., 1] = u[None, :, 1]
+        runs[..., 2] = 0
+        runs[..., 3] = u[None, :, 2]
+        runs[..., 4] = u[None, :, 3]
+        parts.append(runs.reshape(-1, 5))
+    return np.concatenate(parts) if parts else np.zeros((0, 5), dtype=np.int64)
+
+
 def _table(fa: np.ndarray, ssm: np.ndarray | None) -> Dlist:
     """A table from strided rows on pseudo-addresses: attention rows, then SSM rows."""
     rows = fa if ssm is None or not len(ssm) else np.concatenate([fa, ssm])
@@ -363,12 +383,17 @@ def routed_tables(
     remote_rows: int,
     fa: Sequence[tuple[int, int, int]],
     ssm: Sequence[tuple[int, int, int]] | None,
+    cut: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Dlist, Dlist]:
     """kvgeom mode: the local and remote tables of one remote rank, every row cut by its slice
     (``(local offset, remote offset, length)`` per attention region and per SSM piece, from
     :func:`kvgeom.pair.route.route`). Row counts and orders are those of :func:`local_dlist` and
     :func:`remote_dlist` at ``local_rows`` / ``remote_rows`` rows per kernel block (1 remote row unless
-    token-major pages are cut per token)."""
+    token-major pages are cut per token). ``cut``: the local and remote attention runs of pages cut by their
+    token runs (:func:`cut_fa_rows`), taken as they are (their route moves whole rows)."""
+    if cut is not None:
+        base, rrows = cut
+        return _with_ssm(local, remote, ssm, base, rrows)
     lo, ro, ln = (np.asarray([s[i] for s in fa], dtype=np.int64) for i in range(3))
     base = _fa_rows(
         np.asarray(local.block_lens, dtype=np.int64),
@@ -388,6 +413,17 @@ def routed_tables(
         ro,
         ln,
     )
+    return _with_ssm(local, remote, ssm, base, rrows)
+
+
+def _with_ssm(
+    local: EngineView,
+    remote: EngineView,
+    ssm: Sequence[tuple[int, int, int]] | None,
+    base: np.ndarray,
+    rrows: np.ndarray,
+) -> tuple[Dlist, Dlist]:
+    """Both tables of :func:`routed_tables`: the attention runs given, then each side's SSM runs."""
     lstride = np.asarray(local.block_strides, dtype=np.int64)
     rstride = np.asarray(remote.block_strides, dtype=np.int64)
     lssm = rssm = np.zeros((0, 5), dtype=np.int64)

@@ -15,19 +15,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+import numpy as np
+
 from kvgeom.dtypes import dtype_size
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
 from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.conv import remote_conv_offsets
-from kvgeom.layout.geometry import RankGeometry
-from kvgeom.layout.view import EngineView, unpseudo
-from kvgeom.modes import Compat
+from kvgeom.layout.engine import KVLayout
+from kvgeom.layout.geometry import RankGeometry, Region
+from kvgeom.layout.tokenruns import TokenRun, layer_token_runs, page_token_runs, unit_runs
+from kvgeom.layout.view import EngineView, pseudo_bases, unpseudo
+from kvgeom.model.layers import AttentionSpec
+from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.route import Route, dcp_pages_differ, route
+from kvgeom.pair.sides import as_geometry, checked_sides
 from kvgeom.pair.streams import region_mapped
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
 from kvgeom.plan.align import Page, group_pages, page_heads
-from kvgeom.plan.dlist import Dlist, local_dlist, remote_dlist, routed_tables
+from kvgeom.plan.dlist import Dlist, cut_fa_rows, local_dlist, remote_dlist, routed_tables
 from kvgeom.plan.splits import build_local_splits
 
 __all__ = ["Pairing", "PairTables", "LocalKey", "pair_targets", "push_writers"]
@@ -49,14 +55,28 @@ class PairTables:
     zero_pages: tuple[list[Page], ...] = ()
 
 
-def _as_geometry(x: RankGeometry | GeometryCard) -> RankGeometry:
-    return x.geometry if isinstance(x, GeometryCard) else x
-
-
-def _spread(local: RankGeometry, remote: RankGeometry, mode: str, compat: Compat) -> bool:
+def _spread(local: RankGeometry, remote: RankGeometry, mode: str, compat: CompatLike) -> bool:
     """kvgeom mode pairs a rank with every rank of the other side when DCP pages differ
     (:func:`kvgeom.pair.route.dcp_pages_differ`): any remote rank may hold (pull) or need (push) its tokens."""
-    return compat == "kvgeom" and dcp_pages_differ(local, remote, mode)
+    return policy_of(compat).spread_dcp and dcp_pages_differ(local, remote, mode)
+
+
+def _mappings(lg: RankGeometry, first: RankGeometry) -> tuple[TPMapping, TPMapping | None]:
+    """Who reads whom: the pair's TP mapping, and a draft's own (by the draft's heads) when head-sharded
+    layers sit next to MLA layers."""
+    args = (
+        lg.tp_rank,
+        lg.tp_size,
+        first.tp_size,
+        lg.num_kv_heads,
+        lg.is_mla,
+        lg.group_is_ssm,
+        lg.dcp_size,
+        first.dcp_size,
+    )
+    mapping = compute_tp_mapping(*args)
+    draft = compute_tp_mapping(*args, head_sharded_kv_heads=_kv_heads(lg)) if lg.has_draft else None
+    return mapping, draft
 
 
 def pair_targets(
@@ -69,8 +89,8 @@ def pair_targets(
     """The remote ranks local rank ``local_rank`` (default: ``local``'s own) talks to, as
     :meth:`Pairing.create` pairs it: vLLM's handshake targets with DCP (:func:`kvgeom.pair.tp.dcp_handshake_targets`),
     widened to every remote rank where kvgeom mode spreads DCP pages. ``remote``: any rank of that engine."""
-    lg, rg = _as_geometry(local), _as_geometry(remote)
-    if _spread(lg, rg, mode, Compat.of(compat)):
+    lg, rg = as_geometry(local), as_geometry(remote)
+    if _spread(lg, rg, mode, compat):
         return tuple(range(rg.tp_size))
     rank = lg.tp_rank if local_rank is None else local_rank
     return dcp_handshake_targets(rank, lg.tp_size, lg.dcp_size, rg.tp_size, rg.dcp_size)
@@ -83,7 +103,7 @@ def push_writers(
 ) -> tuple[int, ...]:
     """The producer ranks that write to (or notify) decode rank ``consumer.tp_rank`` in push: those whose
     pairing (:func:`pair_targets`, the producer local) names it. ``producer``: any rank of that engine."""
-    pg, cg = _as_geometry(producer), _as_geometry(consumer)
+    pg, cg = as_geometry(producer), as_geometry(consumer)
     return tuple(p for p in range(pg.tp_size) if cg.tp_rank in pair_targets(pg, cg, "push", compat, p))
 
 
@@ -117,85 +137,18 @@ class Pairing:
         taken as ranks ``0..n-1`` of the remote engine); ``compat``: a :class:`~kvgeom.pair.handshake.Compat`
         or its spelling (the pairing keeps the member)."""
         compat = Compat.of(compat)
-        if mode not in ("pull", "push"):
-            raise IncompatiblePairError("mode", f"must be 'pull' or 'push', got {mode!r}", value=mode)
-        lg = _as_geometry(local)
-        items = list(remotes.items() if isinstance(remotes, Mapping) else enumerate(remotes))
-        for rank, x in [(-1, local), *items]:
-            if isinstance(x, GeometryCard) and x.mode != mode:
-                raise IncompatiblePairError(
-                    "mode",
-                    f"{'local' if rank < 0 else f'remote rank {rank}'} card is "
-                    f"for {x.mode}, the pair is planned for {mode}",
-                    local=mode,
-                    remote=x.mode,
-                )
-        rg = {int(k): _as_geometry(v) for k, v in items}
-        if not rg:
-            raise IncompatiblePairError("remotes", "no remote rank given", value=0)
+        lg, rg = checked_sides(local, remotes, mode)
         first = next(iter(rg.values()))
-        for rank, g in rg.items():
-            if g.tp_size != first.tp_size or g.num_blocks != first.num_blocks:
-                raise IncompatiblePairError(
-                    f"remotes[{rank}]",
-                    "all ranks of one remote engine must agree on TP size and num_blocks",
-                    local=(first.tp_size, first.num_blocks),
-                    remote=(g.tp_size, g.num_blocks),
-                )
-            if g.tp_rank != rank:
-                raise IncompatiblePairError(
-                    f"remotes[{rank}].tp_rank",
-                    "card rank differs from its position",
-                    local=rank,
-                    remote=g.tp_rank,
-                )
-            if g.model != first.model:
-                raise IncompatiblePairError(
-                    f"remotes[{rank}].model",
-                    "all ranks of one remote engine must hold the same model spec",
-                    local=first.model.dumps()[:200],
-                    remote=g.model.dumps()[:200],
-                )
-            if g.engine.with_rank(first.tp_rank, pp_rank=first.engine.pp_rank) != first.engine:
-                raise IncompatiblePairError(
-                    f"remotes[{rank}].engine",
-                    "all ranks of one remote engine must share its configuration (apart from the rank)",
-                    local=first.engine.to_json(),
-                    remote=g.engine.to_json(),
-                )
         shape = check_pair(lg, first, mode, compat, prefix_caching)
         targets = pair_targets(lg, first, mode, compat)
-        spread = _spread(lg, first, mode, compat)
         missing = [t for t in targets if t not in rg]
         if missing:
             raise IncompatiblePairError(
                 "remotes", f"handshake targets {missing} have no card", value=missing, expected=list(targets)
             )
-        mapping = compute_tp_mapping(
-            lg.tp_rank,
-            lg.tp_size,
-            first.tp_size,
-            lg.num_kv_heads,
-            lg.is_mla,
-            lg.group_is_ssm,
-            lg.dcp_size,
-            first.dcp_size,
-        )
-        if spread:  # every local rank notifies every remote rank
+        mapping, draft = _mappings(lg, first)
+        if _spread(lg, first, mode, compat):  # every local rank notifies every remote rank
             mapping = replace(mapping, local_consumers=lg.tp_size)
-        draft = None
-        if lg.has_draft:  # head-sharded layers next to MLA layers: their own mapping (by the draft's heads)
-            draft = compute_tp_mapping(
-                lg.tp_rank,
-                lg.tp_size,
-                first.tp_size,
-                lg.num_kv_heads,
-                lg.is_mla,
-                lg.group_is_ssm,
-                lg.dcp_size,
-                first.dcp_size,
-                head_sharded_kv_heads=_kv_heads(lg),
-            )
         views = {t: _remote_view(shape, rg[t], t) for t in targets}
         base = cls(
             lg, {t: rg[t] for t in targets}, mode, compat, shape, mapping, prefix_caching, draft, views
@@ -208,7 +161,7 @@ class Pairing:
         """Every value the pairing prepares once (from its fields and ``views``)."""
         routes = {rank: self._route(rank) for rank in self.targets}
         masks = {rank: self._group_mask(rank, routes[rank]) for rank in self.targets}
-        local, remote = self._routed(routes) if self.compat == "kvgeom" else self._vllm_tables()
+        local, remote = self._routed(routes) if self.policy.routed else self._vllm_tables()
         pages = tuple(group_pages(self.local, g) for g in range(len(self.local.groups)))
         zero = tuple(self._zero_pages(g, pages[g]) for g in range(len(pages)))
         return PairTables(routes, masks, local, remote, pages, zero)
@@ -220,7 +173,7 @@ class Pairing:
         KV heads of a hybrid)."""
         for rank in self.targets:
             needed = tuple(n and self.carries(g) for g, n in enumerate(self.route(rank).groups))
-            if self.compat == "kvgeom":
+            if self.policy.routed:
                 continue
             sent = self.group_mask(rank) if rank in self.transfer_ranks else tuple(False for _ in needed)
             missing = [g for g, (a, b) in enumerate(zip(needed, sent)) if a and not b]
@@ -239,6 +192,11 @@ class Pairing:
             self.remote_table(rank).check_bounds(
                 [r.nbytes for r in self.remotes[rank].regions], f"remote rank {rank}"
             )
+
+    @property
+    def policy(self) -> Policy:
+        """What this pairing's mode changes (:class:`~kvgeom.modes.Policy`): the planner reads it, never the mode."""
+        return policy_of(self.compat)
 
     # -- ratios -------------------------------------------------------------------------------------
     @property
@@ -272,12 +230,60 @@ class Pairing:
         return next(iter(self.remotes.values())).dcp_size
 
     @cached_property
-    def token_rows(self) -> int:
-        """Rows per remote kernel block: 1, or its tokens when kvgeom mode cuts token-major pages whose
-        heads differ between the sides (a head slice is then one run per token: Part C item 3)."""
+    def page_cut(self) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None:
+        """kvgeom mode at a block-size ratio on vLLM's CPU page (``head_kv_major``, K transposed): per
+        attention stream of each side (local, then remote), its kernel block cut into descriptors of one
+        finer block's token runs each (:func:`kvgeom.layout.tokenruns.unit_runs`: per token chunk, per head
+        its K rows then its V rows), so that descriptor ``k`` of a finer block and descriptor ``j * U + k``
+        of a coarser one hold the same bytes of chunk ``j``; ``None`` for any other pair."""
         spec = self.local.model.attention_spec
         if (
-            self.compat != "kvgeom"
+            not self.policy.token_cut
+            or spec is None
+            or self.local.is_mla
+            or self.local.engine.kv_layout is not KVLayout.HEAD_KV_MAJOR
+            or (self.bsr == 1 and self.shape.remote_split == 1)
+        ):
+            return None
+        remote = self.remotes[self.targets[0]]
+        unit = min(self.local.engine.kernel, remote.engine.kernel)
+        sides = []
+        for geom, view in (
+            (self.local, self.local_view),
+            (remote, self.shape.streams[1] if self.shape.streams else EngineView.of(remote)),
+        ):
+            if view.bases or view.transfer_groups or view.num_regions != geom.num_regions:
+                raise UnsupportedError(
+                    "regions",
+                    "kvgeom mode cuts the CPU attention page by its token runs with one stream per region",
+                    local=self.local_view.num_regions,
+                    remote=view.num_regions,
+                )
+            sides.append(tuple(_region_runs(geom, r) for r in geom.regions))
+        counts = {sum(rows for _, rows, _, _ in runs) for side in sides for runs in side}
+        if len(counts) != 1:
+            raise UnsupportedError(
+                "regions",
+                "the CPU attention pages of the two sides cut into different numbers of token runs",
+                value=sorted(counts),
+            )
+        return tuple(
+            tuple(unit_runs(runs, geom.engine.kernel, unit) for runs in side)
+            for geom, side in zip((self.local, remote), sides)
+        )  # type: ignore[return-value]
+
+    @cached_property
+    def token_rows(self) -> int:
+        """Rows per remote kernel block: 1, or its tokens when kvgeom mode cuts token-major pages whose
+        heads differ between the sides (a head slice is then one run per token: Part C item 3), or the
+        descriptors of one finer block where it cuts the CPU page by its token runs (:attr:`page_cut`)."""
+        spec = self.local.model.attention_spec
+        if self.page_cut is not None:
+            remote = self.remotes[self.targets[0]]  # a finer block's descriptors, as both sides cut them
+            split = remote.engine.kernel // min(self.local.engine.kernel, remote.engine.kernel)
+            return int(self.page_cut[1][0][:, 3].sum()) // split
+        if (
+            not self.policy.token_cut
             or spec is None
             or self.permute  # the pull treats the token-major local page as head-major (B.6.15)
             or self.local.engine.kv_layout.value != "token_major"
@@ -380,7 +386,7 @@ class Pairing:
     @cached_property
     def transfer_ranks(self) -> tuple[int, ...]:
         """The remote ranks a request's transfers go to (the others are only notified)."""
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             return tuple(r for r in self.targets if any(self.group_mask(r)))
         pure_mla = self.local.is_mla and not self.local.has_ssm
         if self.mode == "push" and pure_mla and self.tp_ratio < 0:
@@ -392,7 +398,7 @@ class Pairing:
         return self.tables.masks[rank]
 
     def _group_mask(self, rank: int, r: Route) -> tuple[bool, ...]:
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             mask = r.groups
         elif self.mode == "push" and self.local.is_csa_linear and self.tp_ratio < 0:
             mask = tuple(True for _ in self.local.groups)  # vLLM: every group to every written rank
@@ -405,7 +411,7 @@ class Pairing:
 
     def local_key(self, rank: int) -> LocalKey:
         """The local table a transfer to/from remote rank ``rank`` uses."""
-        if self.compat == "kvgeom":
+        if self.policy.routed:
             return (self.local_rows, rank)
         return (self.bsr, rank if self.needs_split else -1)
 
@@ -419,13 +425,59 @@ class Pairing:
 
     def _routed(self, routes: Mapping[int, Route]) -> tuple[dict[LocalKey, Dlist], dict[int, Dlist]]:
         """kvgeom mode: this rank's whole table and, per remote rank, both sides' tables cut to its route."""
-        local: dict[LocalKey, Dlist] = {(self.local_rows, -1): local_dlist(self.local_view, self.local_rows)}
+        cuts = {rank: self._cut_rows(rank, r) for rank, r in routes.items()}
+        if self.page_cut is None:
+            whole = local_dlist(self.local_view, self.local_rows)
+        else:  # the cut attention rows, every state page whole
+            first = self.targets[0]
+            whole = routed_tables(
+                self.local_view,
+                self.remote_view(first),
+                self.local_rows,
+                self.token_rows,
+                (),
+                None,
+                cuts[first],
+            )[0]
+        local: dict[LocalKey, Dlist] = {(self.local_rows, -1): whole}
         remote: dict[int, Dlist] = {}
         for rank, r in routes.items():
             local[(self.local_rows, rank)], remote[rank] = routed_tables(
-                self.local_view, self.remote_view(rank), self.local_rows, self.token_rows, r.fa, r.ssm
+                self.local_view,
+                self.remote_view(rank),
+                self.local_rows,
+                self.token_rows,
+                r.fa,
+                r.ssm,
+                cuts[rank],
             )
         return local, remote
+
+    def _cut_rows(self, rank: int, r: Route) -> tuple[np.ndarray, np.ndarray] | None:
+        """Both sides' attention runs of :attr:`page_cut` for remote rank ``rank``, whose route must move
+        whole rows (the same heads on both sides, one source)."""
+        if self.page_cut is None:
+            return None
+        if any(lo or ro for lo, ro, _ in r.fa):
+            raise UnsupportedError(
+                "tp_size",
+                f"remote rank {rank} gives part of each row (route {list(r.fa)}): the CPU attention page is "
+                "cut by its token runs only where one remote rank holds the local heads",
+                local=self.local.tp_size,
+                remote=self.remote_tp,
+            )
+        remote = self.remotes[rank]
+        sides = []
+        for geom, units in ((self.local, self.page_cut[0]), (remote, self.page_cut[1])):
+            sides.append(
+                cut_fa_rows(
+                    pseudo_bases(geom.num_regions),
+                    [x.block_stride for x in geom.regions],
+                    [x.num_blocks for x in geom.regions],
+                    units,
+                )
+            )
+        return sides[0], sides[1]
 
     def _vllm_tables(self) -> tuple[dict[LocalKey, Dlist], dict[int, Dlist]]:
         """vLLM mode: the whole local table (and one split per source rank when P_TP > D_TP), and each remote
@@ -492,6 +544,27 @@ class Pairing:
             + ", ".join(f"rank {r}: {len(self.remote_table(r))}" for r in self.targets),
         ]
         return "\n".join(lines)
+
+
+def _region_runs(geom: RankGeometry, region: Region) -> tuple[TokenRun, ...]:
+    """The token runs of ``region``'s attention page: its first attention member's, or, in a region no
+    attention layer views (its attention rows are moved but never read), the model's attention page."""
+    for _, name in region.members:
+        if isinstance(geom.layer_specs[name], AttentionSpec):
+            return layer_token_runs(geom, name)
+    spec = geom.model.attention_spec
+    if spec is None:  # not reached: page_cut plans only models with attention
+        return ()
+    e = dtype_size(spec.dtype)
+    return page_token_runs(
+        geom.engine.kv_layout,
+        spec.heads_per_rank(geom.tp_size),
+        geom.engine.kernel,
+        spec.head_size * e,
+        spec.v_size * e,
+        e,
+        region.part if region.part in ("k", "v") else "kv",
+    )
 
 
 def _remote_view(shape: PairShape, geom: RankGeometry, rank: int) -> EngineView:

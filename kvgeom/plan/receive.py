@@ -20,7 +20,7 @@ from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.layout.view import EngineView
 from kvgeom.model.layers import AttentionSpec
-from kvgeom.modes import Compat
+from kvgeom.modes import Compat, CompatLike, policy_of
 from kvgeom.pair.rules import check_permute
 from kvgeom.plan.align import Page, PageSet, consumer_zero_rows, group_pages
 from kvgeom.plan.bind import align_groups, require_num_tokens
@@ -53,6 +53,8 @@ def regroups(
         for p in where:
             region = consumer.regions[p.region]
             heads = permuted_heads(consumer, p) if permute else p.heads
+            if p.runs and not permute:  # a CPU page: cut by its token runs, its bytes land in place
+                continue
             if heads > 1 and p.region not in kinds.get((region.part, heads, p.length), []):
                 kinds.setdefault((region.part, heads, p.length), []).append(p.region)
         for (_, heads, length), rs in sorted(kinds.items()):
@@ -160,7 +162,7 @@ def post_receive(
     consumer_kernel_ids: list[np.ndarray],
     producer_kernel_ids: list[np.ndarray],
     bsr: int,
-    compat: Compat | str = Compat.KVGEOM,
+    compat: CompatLike = Compat.KVGEOM,
     pages: Callable[[int], Sequence[Page] | PageSet] | None = None,
     permute: bool = False,
 ) -> tuple[tuple[Regroup, ...], np.ndarray]:
@@ -175,7 +177,7 @@ def post_receive(
     which a planner caches). vLLM only runs this when ``bsr > 1``, it permutes, or the two ppl differ;
     ``compat="kvgeom"`` always runs it (it zeroes nothing when everything was covered).
     """
-    if Compat.of(compat) is Compat.VLLM and bsr == 1 and consumer.ppl == producer.ppl and not permute:
+    if not policy_of(compat).by_tokens and bsr == 1 and consumer.ppl == producer.ppl and not permute:
         return (), np.zeros((0, 3), dtype=np.int64)
     spans = [(0, 0, min(L.size * bsr, R.size)) for L, R in zip(consumer_kernel_ids, producer_kernel_ids)]
     return (

@@ -84,7 +84,7 @@ def plan_by_region(
         starts.append(c0)
     # a region without a span (vllm mode's shared regions) pairs nothing of its own and is zeroed whole
     full = [s if s is not None else (0, 0, 0) for s in spans]
-    if pairing.compat == "kvgeom":
+    if pairing.policy.by_tokens:
         la = [x[c : c + n] for x, (c, _, n) in zip(l_by, full)]
         ra = [x[p : p + n] for x, (_, p, n) in zip(r_by, full)]
     else:
@@ -126,7 +126,7 @@ def plan_by_region(
     by_rank = {rank: (la, ra) for rank in pairing.transfer_ranks} if any(x.size for x in la) else {}
     zero = [np.zeros((0, 3), dtype=np.int64)]
     for r, region in enumerate(local.regions):
-        if pairing.compat == "vllm" or spans[r] is None:
+        if not pairing.policy.by_tokens or spans[r] is None:
             stale = l_by[r][la[r].size :]
             zero.append(
                 np.stack(
@@ -227,7 +227,7 @@ def region_dcp_pairs(
     if not any(x.size for x in l_by):
         return {}, l_by  # every list empty: nothing to read or zero
     by_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-    if pairing.compat == "kvgeom":
+    if pairing.policy.by_tokens:
         units = [
             dcp_units_of(
                 local, remote, lids[lg], rids[rg], num_tokens, prefill_tokens, pairing.prefix_caching, lg

@@ -219,9 +219,9 @@ def _plan(
         if any_local and not dcp
         else None
     )
-    aligned = exact if pairing.compat == "kvgeom" else None
+    aligned = exact if pairing.policy.by_tokens else None
     transfers = []
-    if dcp and any_local and pairing.compat == "vllm" and mode == "pull":
+    if dcp and any_local and not pairing.policy.by_tokens and mode == "pull":
         vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
     rows = pairing.token_rows  # 1 unless kvgeom mode cuts token-major pages per token
     paired: tuple[list[np.ndarray], list[np.ndarray]] | None = None
@@ -303,7 +303,7 @@ def _plan(
     regroup: tuple[Regroup, ...] = ()
     zero = np.zeros((0, 3), dtype=np.int64)
     if mode == "pull" and any_local:
-        if dcp and pairing.compat == "kvgeom":
+        if dcp and pairing.policy.by_tokens:
             zero = dcp_zero_rows(
                 local,
                 pairing.remotes[pairing.targets[0]],
@@ -324,7 +324,7 @@ def _plan(
                 lk,
                 rk,
                 bsr,
-                pairing.compat,
+                pairing.policy,
                 pages=partial(zero_pages_of, pairing),
                 permute=pairing.permute,
             )

@@ -22,10 +22,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvgeom.dtypes import dtype_size
+from kvgeom.errors import KvgeomError
 from kvgeom.model.layers import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
 from kvgeom.model.spec import ModelSpec
 
-__all__ = ["POISON", "ZERO", "CoordSpace", "location_tags", "describe_tag"]
+
+class LayoutError(KvgeomError):
+    """The oracle's layout model and the allocated geometry disagree (content past a block or page): a
+    :class:`~kvgeom.errors.KvgeomError` whose ``field`` names the region, layer or index at fault and whose
+    ``values`` hold the sizes that disagree."""
+
+
+__all__ = ["POISON", "ZERO", "CoordSpace", "LayoutError", "describe_tag", "location_tags"]
 
 POISON = -1
 ZERO = -2
@@ -37,7 +45,12 @@ SIDES = ("P", "D")
 def location_tags(side: int, rank: int, region: int, offsets: np.ndarray) -> np.ndarray:
     """Tags naming bytes by place: engine ``side`` (0 = P, 1 = D), rank, region, byte offset."""
     if not (0 <= rank < 1 << _RANK_BITS and 0 <= region < 1 << _REGION_BITS):
-        raise ValueError(f"rank {rank} / region {region} too large for location tags")
+        raise LayoutError(
+            "rank" if not 0 <= rank < 1 << _RANK_BITS else "region",
+            f"rank {rank} / region {region} too large for location tags",
+            value=(rank, region),
+            expected=(1 << _RANK_BITS, 1 << _REGION_BITS),
+        )
     head = ((side << _RANK_BITS | rank) << _REGION_BITS | region) << _OFF_BITS
     return -(_LOC0 + head + np.asarray(offsets, dtype=np.int64))
 
@@ -130,7 +143,12 @@ class CoordSpace:
         for (name, extent), i in zip(f.dims, index, strict=True):
             i = np.asarray(i, dtype=np.int64)
             if np.any((i < 0) | (i >= extent)):
-                raise ValueError(f"{layer} {part}: {name} index outside [0, {extent})")
+                raise LayoutError(
+                    f"{layer} {part}.{name}",
+                    f"index outside [0, {extent})",
+                    value=i.tolist(),
+                    expected=extent,
+                )
             flat = flat * extent + i
         return f.base + np.asarray(flat, dtype=np.int64)
 

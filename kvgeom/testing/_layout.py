@@ -38,7 +38,7 @@ from kvgeom.dtypes import dtype_size
 from kvgeom.layout.engine import ConvLayout, KVLayout
 from kvgeom.layout.geometry import RankGeometry, Region
 from kvgeom.model.layers import AttentionSpec, CircularBufferSpec, MambaSpec, MLASpec, ReplicatedStateSpec
-from kvgeom.testing._coords import CoordSpace
+from kvgeom.testing._coords import CoordSpace, LayoutError
 
 __all__ = [
     "OUTSIDE",
@@ -59,10 +59,6 @@ OUTSIDE, PADDING, NEEDED, OPTIONAL = 0, 1, 2, 3
 request needs; a coordinate it may hold or not (tokens at or past ``num_tokens``)."""
 
 
-class LayoutError(ValueError):
-    """The oracle's layout model and the allocated geometry disagree (content past a block or page)."""
-
-
 @dataclass
 class RankImage:
     """One rank's bytes for one request: per region, the coordinate tag each byte should hold
@@ -81,8 +77,11 @@ class RankImage:
         role = np.broadcast_to(role, offsets.shape)
         if offsets.size and int(offsets.max()) >= self.tags[region].size:
             raise LayoutError(
-                f"rank {self.rank} region {region}: content at byte {int(offsets.max())} "
-                f"past the region's {self.tags[region].size} bytes"
+                f"regions[{region}]",
+                f"rank {self.rank}: content at byte {int(offsets.max())} past the region's "
+                f"{self.tags[region].size} bytes",
+                value=int(offsets.max()),
+                expected=int(self.tags[region].size),
             )
         self.tags[region][offsets] = tags
         self.role[region][offsets] = role
@@ -144,7 +143,7 @@ def byte_places(geom: RankGeometry, region: int) -> tuple[int, np.ndarray]:
 def _regions_of(geom: RankGeometry, layer: str) -> list[Region]:
     found = [r for r in geom.regions if any(name == layer for _, name in r.members)]
     if not found:
-        raise LayoutError(f"layer {layer!r} views no region of rank {geom.tp_rank}")
+        raise LayoutError("layer", f"{layer!r} views no region of rank {geom.tp_rank}", value=layer)
     return found
 
 
@@ -239,8 +238,10 @@ def _place_tokens(
 def _check_fits(region: Region, content: int, page: int) -> None:
     if content > page:
         raise LayoutError(
-            f"region {region.index} ({region.name}): {content} content bytes per kernel block "
-            f"exceed the page of {page} bytes"
+            f"regions[{region.index}]",
+            f"({region.name}): {content} content bytes per kernel block exceed the page of {page} bytes",
+            value=content,
+            expected=page,
         )
 
 
@@ -277,7 +278,10 @@ def _place_state(
     count = spec.temporal.elems_per_rank(tp)
     if conv_bytes + count * es > page:
         raise LayoutError(
-            f"{layer}: a {conv_bytes + count * es}-byte state does not fit its {page}-byte page"
+            layer,
+            f"a {conv_bytes + count * es}-byte state does not fit its {page}-byte page",
+            value=conv_bytes + count * es,
+            expected=page,
         )
     i = np.arange(count)[:, None]
     b2 = np.arange(es)[None, :]
@@ -310,6 +314,8 @@ def _place_replicated(
         part = "state"
     size = int(np.prod(dims))
     if size > page:
-        raise LayoutError(f"{layer}: a {size}-byte page does not fit its {page}-byte slot")
+        raise LayoutError(
+            layer, f"a {size}-byte page does not fit its {page}-byte slot", value=size, expected=page
+        )
     index = np.unravel_index(np.arange(size), dims)
     img.put(region.index, slot * page + np.arange(size), space.tag(layer, part, *index), NEEDED)

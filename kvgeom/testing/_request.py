@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kvgeom.errors import KvgeomError
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig
 from kvgeom.layout.geometry import RankGeometry
@@ -15,8 +16,10 @@ from kvgeom.model.spec import ModelSpec
 __all__ = ["Request", "RequestError", "check_side", "engine_geometries"]
 
 
-class RequestError(ValueError):
-    """A :class:`Request` does not fit the engines (wrong block counts, overlapping or out-of-pool ids)."""
+class RequestError(KvgeomError):
+    """A :class:`Request` does not fit the engines (wrong block counts, overlapping or out-of-pool ids): a
+    :class:`~kvgeom.errors.KvgeomError` whose ``field`` names the request's field (``d_ids[0]``, ``num_tokens``)
+    and whose ``values`` hold what was given and what was expected."""
 
 
 def _ids(x: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -46,12 +49,18 @@ class Request:
         object.__setattr__(self, "p_ids", _ids(self.p_ids))
         object.__setattr__(self, "d_ids", _ids(self.d_ids))
         if self.num_tokens < 1 or self.prefix_blocks < 0:
+            bad = "num_tokens" if self.num_tokens < 1 else "prefix_blocks"
             raise RequestError(
-                f"num_tokens must be >= 1 and prefix_blocks >= 0, got {self.num_tokens}, {self.prefix_blocks}"
+                bad,
+                f"num_tokens must be >= 1 and prefix_blocks >= 0, got {self.num_tokens}, {self.prefix_blocks}",
+                value=getattr(self, bad),
             )
         if self.prefill_tokens is not None and not 1 <= self.prefill_tokens <= self.num_tokens:
             raise RequestError(
-                f"prefill_tokens must lie in [1, num_tokens={self.num_tokens}], got {self.prefill_tokens}"
+                "prefill_tokens",
+                f"must lie in [1, num_tokens={self.num_tokens}], got {self.prefill_tokens}",
+                value=self.prefill_tokens,
+                expected=(1, self.num_tokens),
             )
 
     @property
@@ -86,17 +95,32 @@ class Request:
 
 def check_side(name: str, ids: tuple[tuple[int, ...], ...], geom: RankGeometry, want: int) -> None:
     if len(ids) != len(geom.groups):
-        raise RequestError(f"{name}: {len(ids)} groups of ids, the model has {len(geom.groups)} groups")
+        raise RequestError(
+            name,
+            f"{len(ids)} groups of ids, the model has {len(geom.groups)} groups",
+            value=len(ids),
+            expected=len(geom.groups),
+        )
     seen: set[int] = set()
     for g, (group, gids) in enumerate(zip(geom.groups, ids)):
         n = 1 if group.one_block else want
         if len(gids) != n:
-            raise RequestError(f"{name}[{g}] ({group.kind.value}): {len(gids)} ids, expected {n}")
+            raise RequestError(
+                f"{name}[{g}]",
+                f"({group.kind.value}): {len(gids)} ids, expected {n}",
+                value=len(gids),
+                expected=n,
+            )
         bad = [i for i in gids if not 0 <= i < geom.logical_num_blocks]
         if bad:
-            raise RequestError(f"{name}[{g}]: ids {bad} outside the pool of {geom.logical_num_blocks} blocks")
+            raise RequestError(
+                f"{name}[{g}]",
+                f"ids {bad} outside the pool of {geom.logical_num_blocks} blocks",
+                value=bad,
+                expected=geom.logical_num_blocks,
+            )
         if seen & set(gids) or len(set(gids)) != len(gids):
-            raise RequestError(f"{name}[{g}]: ids repeat within the engine's pool")
+            raise RequestError(f"{name}[{g}]", "ids repeat within the engine's pool", value=list(gids))
         seen |= set(gids)
 
 

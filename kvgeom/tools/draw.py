@@ -22,6 +22,7 @@ from kvgeom.errors import ConfigError
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry
+from kvgeom.modes import policy_of
 from kvgeom.plan.receive import receive_step
 from kvgeom.plan.requestplan import Regroup
 
@@ -173,7 +174,7 @@ def transfer_map(sc: Scenario, req: RequestIds) -> TransferMap:
     # every D rank (vLLM never zeroes in push, docs/vllm-behaviour.md B.6.1 item 9, nor permutes, B.6.15)
     if sc.mode == "pull":
         received = [(plan.consumer_rank, plan.regroup, plan.zero) for plan in plans.values()]
-    elif sc.compat == "kvgeom":
+    elif policy_of(sc.compat).by_tokens:
         received = [
             (d.tp_rank, *receive_step(d, p_geoms[0], req.decode, req.prefill, req.num_tokens))
             for d in d_geoms

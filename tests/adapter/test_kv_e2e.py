@@ -254,3 +254,44 @@ def test_incompatible_pair_fails_on_both_sides_with_the_same_readable_error() ->
     assert len(verdicts) == 2
     for verdict, row in zip(verdicts, rows):
         assert "kv_layout" in verdict and verdict.split(": ", 1)[1] in row["error"]
+
+
+def _cpu_page(
+    model: ModelSpec, p_block: int, d_block: int, tp: int, groups: list[list[str]] | None = None
+) -> dict:
+    """vLLM's CPU attention page (``head_kv_major``: per head K transposed, then V rows) on both sides."""
+    side = {"tp_size": tp, "num_blocks": 64, "kv_layout": "head_kv_major"}
+    return {
+        "model": model.to_json(),
+        "mode": "pull",
+        "compat": "kvgeom",
+        "prefill": {**side, "block_size": p_block},
+        "decode": {**side, "block_size": d_block},
+    }
+
+
+CPU_DENSE = ModelSpec.from_layers("cpu-dense", [AttentionSpec(2, 64, "float32")] * 2)
+CPU_HYBRID = ModelSpec.from_layers(
+    "cpu-nemotron-h",
+    [MambaSpec.mamba2(8, 32, 2, 16, 4, "float32", "float32"), AttentionSpec(2, 64, "float32"), None],
+)
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        _cpu_page(CPU_DENSE, 32, 64, 1),
+        _cpu_page(CPU_DENSE, 64, 32, 2),
+        _cpu_page(CPU_HYBRID, 32, 64, 1),
+        _cpu_page(CPU_HYBRID, 64, 32, 1),
+    ],
+    ids=["dense-p32-d64-tp1", "dense-p64-d32-tp2", "hybrid-p32-d64", "hybrid-p64-d32"],
+)
+def test_cpu_attention_page_at_a_block_size_ratio_moves_every_byte_into_place(scenario: dict) -> None:
+    """kvgeom mode cuts both sides' CPU pages by their token runs (each K row's token range, each V row
+    range) at P 32 -> D 64 and P 64 -> D 32; real NIXL moves them between processes and every D byte is
+    checked against the oracle's own model of the page."""
+    out = _run(scenario, [40, 150, 1, 64])
+    _assert_all_ok(out, 4)
+    rows = [r for rep in _decode_reports(out) for r in rep["results"]]
+    assert rows and all(r["bytes_moved"] > 0 for r in rows)

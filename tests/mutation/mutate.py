@@ -54,7 +54,7 @@ CI_MODULES = (
     "pair.handshake",
     "pair.route",
     "plan.align",
-    "testing.oracle",
+    "testing._oracle",
 )
 CI_PER_MODULE = 3
 #: the CI sample's tests: the ones that exercise planning end to end (bounded stats collection)
@@ -82,6 +82,7 @@ CI_TESTS = [
 #: modules of each area (strategies generate the tests' inputs: their mutants weaken tests, not kvgeom)
 ORACLE = (
     "testing.oracle",
+    "testing._oracle",
     "testing._coords",
     "testing._layout",
     "testing._report",

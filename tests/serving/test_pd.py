@@ -8,7 +8,7 @@ over NIXL instead of computing the prompt. D's greedy fp32 token ids must equal 
 computing the prompt alone (D itself, before any transfer, without ``kv_transfer_params``; the first pair
 of a model fixes the reference and every later D must agree with it), D's ``/metrics`` must show bytes moved
 and no failed transfer -- except where a case documents otherwise (P 32 -> D 64 on stock vLLM, which
-corrupts; on vLLM-compatible kvgeom_vllm, which refuses).
+corrupts; on vLLM-compatible kvgeom_vllm, which refuses; kvgeom mode serves it).
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ class Engines:
     p: Server
     d: dict[int, Server]  # D block size -> D
     start_s: float
+    p64: Server | None = None  # kvgeom mode: a P of block 64 too (P 64 -> D 32)
 
     def stop(self) -> None:
-        for s in (self.p, *self.d.values()):
+        for s in (self.p, *self.d.values(), *([self.p64] if self.p64 else [])):
             s.stop()
 
 
@@ -93,11 +94,16 @@ def engines(request: pytest.FixtureRequest, model_dirs: dict[str, Path], logs_di
         )  # fmt: skip
         for b in (32, 64)
     }
-    running = Engines(config, p, d, 0.0)
+    p64 = None
+    if config.mode == "kvgeom":  # the ratio the other way; stock vLLM asserts on it, vllm mode refuses it
+        p64 = Server(f"P64[{config.name}]", model, logs_dir / f"{tag}.P64.log", core=1, block_size=64,
+                     kv_transfer_config=cfg)  # fmt: skip
+    running = Engines(config, p, d, 0.0, p64)
+    servers = (p, *d.values(), *([p64] if p64 else []))
     try:
-        for s in (p, *d.values()):
+        for s in servers:
             s.start()
-        for s in (p, *d.values()):
+        for s in servers:
             s.wait_ready()
         running.start_s = time.monotonic() - t0
         yield running
@@ -114,10 +120,17 @@ class Served:
     errors: list[str]
 
 
-def serve(engines: Engines, d_block: int, references: dict[str, dict[str, list[int]]], case: str) -> Served:
-    """Every prompt through the toy-proxy flow, P -> D(d_block); D's greedy tokens against the reference."""
+def serve(
+    engines: Engines,
+    d_block: int,
+    references: dict[str, dict[str, list[int]]],
+    case: str,
+    p: Server | None = None,
+) -> Served:
+    """Every prompt through the toy-proxy flow, P (default: block 32) -> D(d_block); D's greedy tokens
+    against the reference."""
     t0 = time.monotonic()
-    p, d = engines.p, engines.d[d_block]
+    p, d = p or engines.p, engines.d[d_block]
     # one engine computing each prompt alone: D before any transfer
     own = {prompt: d.complete(prompt, MAX_TOKENS)["token_ids"] for prompt in PROMPTS}
     assert all(len(t) == MAX_TOKENS for t in own.values()), own
@@ -168,8 +181,9 @@ def test_p32_to_d64_on_the_cpu_page(engines: Engines, references: dict[str, dict
     """P block 32 -> D block 64 on vLLM's CPU attention page (per head K transposed, [head_size, tokens],
     then V rows: tests/serving/test_cpu_page.py): stock vLLM regroups it as [heads, tokens, head_size],
     reports success and serves wrong tokens (the documented regression, kept so that a fix in vLLM shows
-    here); kvgeom_vllm refuses the pair at handshake in both modes (no byte moved, nothing wrong served:
-    no token-range regroup exists for a transposed K half)."""
+    here); kvgeom_vllm in vLLM-compatible mode refuses the pair at handshake (no byte moved, nothing wrong
+    served); in kvgeom mode it cuts both pages by their token runs (kvgeom/layout/tokenruns.py) and D serves
+    the single engine's tokens."""
     c = engines.config
     case = f"{c.model} 32->64"
     out = serve(engines, 64, references, case)
@@ -177,6 +191,30 @@ def test_p32_to_d64_on_the_cpu_page(engines: Engines, references: dict[str, dict
         assert not out.errors, out.errors
         assert out.moved > 0 and out.failed == 0, (out.moved, out.failed)
         assert out.equal < len(PROMPTS), f"{case}: stock vLLM served the CPU page right (fixed upstream?)"
-    else:  # kvgeom_vllm, either mode: refused, never wrong tokens
+    elif c.mode == "vllm":  # refused, never wrong tokens
         assert out.moved == 0, f"{case}: {out.moved} bytes moved into a pair kvgeom refuses"
         assert not out.mismatches, f"{case}: wrong tokens served: {out.mismatches}"
+    else:  # kvgeom mode: the right bytes
+        assert not out.errors, out.errors
+        assert out.moved > 0, f"{case}: D's /metrics shows no bytes transferred"
+        assert out.failed == 0, f"{case}: {out.failed} failed transfers"
+        assert out.equal == len(PROMPTS), f"{case}: {out.equal} of {len(PROMPTS)} equal; {out.mismatches}"
+
+
+KVGEOM_MODE = [c for c in CONFIGS if c.mode == "kvgeom"]
+
+
+@pytest.mark.parametrize("engines", KVGEOM_MODE, ids=[c.name for c in KVGEOM_MODE], indirect=True)
+def test_p64_to_d32_on_the_cpu_page_in_kvgeom_mode(
+    engines: Engines, references: dict[str, dict[str, list[int]]]
+) -> None:
+    """P block 64 -> D block 32 (stock vLLM asserts; vLLM-compatible kvgeom_vllm refuses): kvgeom mode
+    reads each 32-token half of P's CPU pages by its token runs and D serves the single engine's tokens."""
+    c = engines.config
+    assert engines.p64 is not None, f"{c.name}: no P of block 64 started"
+    case = f"{c.model} 64->32"
+    out = serve(engines, 32, references, case, engines.p64)
+    assert not out.errors, out.errors
+    assert out.moved > 0, f"{case}: D's /metrics shows no bytes transferred"
+    assert out.failed == 0, f"{case}: {out.failed} failed transfers"
+    assert out.equal == len(PROMPTS), f"{case}: {out.equal} of {len(PROMPTS)} equal; {out.mismatches}"

@@ -12,7 +12,7 @@ import pytest
 from kvgeom import EngineConfig
 from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec, Shard
 from kvgeom.model.spec import ModelSpec
-from kvgeom.testing import CoordSpace, Request, RequestError, run
+from kvgeom.testing import CoordSpace, LayoutError, Request, RequestError, run
 from kvgeom.testing import _coords as co
 from kvgeom.testing._report import INVARIANTS, Report, Violation
 from kvgeom.testing._request import check_side, engine_geometries
@@ -42,9 +42,10 @@ def test_location_tags_values() -> None:
 
 @pytest.mark.parametrize(("rank", "region"), [(64, 0), (-1, 0), (0, 4096), (0, -1)])
 def test_location_tags_range(rank: int, region: int) -> None:
-    with pytest.raises(ValueError, match=f"rank {rank} / region {region} too large") as err:
+    with pytest.raises(LayoutError) as err:
         co.location_tags(0, rank, region, [0])
-    assert type(err.value) is ValueError
+    assert err.value.field == ("region" if rank == 0 else "rank")
+    assert err.value.values == {"value": (rank, region), "expected": (64, 4096)}
 
 
 def test_locations_decode() -> None:
@@ -121,9 +122,9 @@ def test_tags_are_mixed_radix() -> None:
 )
 def test_tag_index_outside_its_extent(part, index, name, extent) -> None:
     s = co.CoordSpace(HYB, 5)
-    with pytest.raises(ValueError, match=rf"layers.0.attn kv: {name} index outside \[0, {extent}\)") as err:
+    with pytest.raises(LayoutError) as err:
         s.tag("layers.0.attn", part, *index)
-    assert type(err.value) is ValueError
+    assert err.value.field == f"layers.0.attn kv.{name}" and err.value.values["expected"] == extent
 
 
 def test_tag_needs_every_dimension() -> None:
@@ -166,19 +167,19 @@ def test_request_values_and_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "text"),
+    ("args", "field", "values"),
     [
-        ((0, [[1]], [[2]]), "num_tokens must be >= 1 and prefix_blocks >= 0, got 0, 0"),
-        ((-3, [[1]], [[2]]), "got -3, 0"),
-        ((4, [[1]], [[2]], -1), "got 4, -1"),
-        ((4, [[1]], [[2]], 0, 0), r"prefill_tokens must lie in \[1, num_tokens=4\], got 0"),
-        ((4, [[1]], [[2]], 0, 5), r"prefill_tokens must lie in \[1, num_tokens=4\], got 5"),
+        ((0, [[1]], [[2]]), "num_tokens", {"value": 0}),
+        ((-3, [[1]], [[2]]), "num_tokens", {"value": -3}),
+        ((4, [[1]], [[2]], -1), "prefix_blocks", {"value": -1}),
+        ((4, [[1]], [[2]], 0, 0), "prefill_tokens", {"value": 0, "expected": (1, 4)}),
+        ((4, [[1]], [[2]], 0, 5), "prefill_tokens", {"value": 5, "expected": (1, 4)}),
     ],
 )
-def test_request_values_are_checked(args, text) -> None:
-    with pytest.raises(RequestError, match=text) as err:
+def test_request_values_are_checked(args, field, values) -> None:
+    with pytest.raises(RequestError) as err:
         Request(*args)
-    assert type(err.value) is RequestError
+    assert (err.value.field, err.value.values) == (field, values)
 
 
 M1 = ModelSpec.from_layers("t", [AttentionSpec(1, 1, "float16")])
@@ -207,20 +208,20 @@ def test_check_side() -> None:
     check_side("x", ((0, 3), (1,)), g, 2)
     check_side("x", ((2,), (3,)), g, 1)
     cases = [
-        (((0, 1),), 2, "x: 1 groups of ids, the model has 2 groups"),
-        (((0, 1), (2,), (3,)), 2, "x: 3 groups of ids, the model has 2 groups"),
-        (((0,), (1,)), 2, r"x\[0\] \(attention\): 1 ids, expected 2"),
-        (((0, 1, 2), (3,)), 2, r"x\[0\] \(attention\): 3 ids, expected 2"),
-        (((0, 1), (2, 3)), 2, r"x\[1\] \(mamba2\): 2 ids, expected 1"),
-        (((0, 4), (1,)), 2, r"x\[0\]: ids \[4\] outside the pool of 4 blocks"),
-        (((-1, 0), (1,)), 2, r"x\[0\]: ids \[-1\] outside the pool of 4 blocks"),
-        (((0, 1), (1,)), 2, r"x\[1\]: ids repeat within the engine's pool"),
-        (((0, 0), (1,)), 2, r"x\[0\]: ids repeat within the engine's pool"),
+        (((0, 1),), 2, "x", {"value": 1, "expected": 2}),
+        (((0, 1), (2,), (3,)), 2, "x", {"value": 3, "expected": 2}),
+        (((0,), (1,)), 2, "x[0]", {"value": 1, "expected": 2}),
+        (((0, 1, 2), (3,)), 2, "x[0]", {"value": 3, "expected": 2}),
+        (((0, 1), (2, 3)), 2, "x[1]", {"value": 2, "expected": 1}),
+        (((0, 4), (1,)), 2, "x[0]", {"value": [4], "expected": 4}),
+        (((-1, 0), (1,)), 2, "x[0]", {"value": [-1], "expected": 4}),
+        (((0, 1), (1,)), 2, "x[1]", {"value": [1]}),
+        (((0, 0), (1,)), 2, "x[0]", {"value": [0, 0]}),
     ]
-    for ids, want, text in cases:
-        with pytest.raises(RequestError, match=text) as err:
+    for ids, want, field, values in cases:
+        with pytest.raises(RequestError) as err:
             check_side("x", ids, g, want)
-        assert type(err.value) is RequestError
+        assert (err.value.field, err.value.values) == (field, values)
 
 
 def test_engine_geometries_are_every_rank_stage_by_stage() -> None:
@@ -295,10 +296,12 @@ DENSE = ModelSpec.from_layers("dense", [AttentionSpec(2, 4, "float16")])
 
 def test_a_request_with_the_wrong_d_id_count_is_refused_naming_d_ids() -> None:
     e = EngineConfig(tp_size=1, block_size=4, num_blocks=4)
-    with pytest.raises(RequestError, match=r"^d_ids"):
+    with pytest.raises(RequestError) as err:
         run(DENSE, e, e, Request(5, [[0, 1]], [[0]]), "pull", "kvgeom")
-    with pytest.raises(RequestError, match=r"^p_ids"):
+    assert err.value.field == "d_ids[0]" and err.value.values == {"value": 1, "expected": 2}
+    with pytest.raises(RequestError) as err:
         run(DENSE, e, e, Request(5, [[0]], [[0, 1]]), "pull", "kvgeom")
+    assert err.value.field == "p_ids[0]" and err.value.values == {"value": 1, "expected": 2}
 
 
 def test_oracle_coordinates_outside_their_extent_are_refused() -> None:
@@ -307,8 +310,9 @@ def test_oracle_coordinates_outside_their_extent_are_refused() -> None:
     ok = space.tag(layer, "kv", 0, 0, 0, 0)
     assert np.asarray(ok).size == 1
     for bad in ((8, 0, 0, 0), (0, -1, 0, 0), (0, 0, 2, 0)):  # token < 8, head < 2, K or V
-        with pytest.raises(ValueError, match="index outside"):
+        with pytest.raises(LayoutError) as err:
             space.tag(layer, "kv", *bad)
+        assert err.value.field.startswith(f"{layer} kv.")
 
 
 def test_run_plans_builds_its_own_oracle() -> None:

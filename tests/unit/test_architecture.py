@@ -312,3 +312,56 @@ def test_the_test_folders_helper_modules_have_unique_names() -> None:
         if f.name != "__init__.py" and "mutants" not in f.parts:
             names.setdefault(f.name, []).append(str(f.relative_to(ROOT)))
     assert {n: paths for n, paths in names.items() if len(paths) > 1} == {}
+
+
+#: where a compat mode may be read: the policy table (kvgeom.modes) and the drop-in for vLLM, which is the vLLM
+#: boundary itself (it speaks vLLM's configuration, where the mode is a string)
+MODE_READERS = ("kvgeom.modes", "kvgeom_vllm")
+_MODE_NAMES = frozenset({"vllm", "kvgeom", "VLLM", "KVGEOM"})
+
+
+def _reads_a_mode(node: ast.AST) -> bool:
+    """A comparison of anything with a mode's spelling or a ``Compat`` member (``x == "vllm"``,
+    ``x is Compat.KVGEOM``, ``x in ("vllm", ...)``)."""
+
+    def is_mode(e: ast.AST) -> bool:
+        if isinstance(e, ast.Constant) and e.value in ("vllm", "kvgeom"):
+            return True
+        if isinstance(e, ast.Attribute) and e.attr in _MODE_NAMES:
+            return isinstance(e.value, ast.Name) and e.value.id == "Compat"
+        if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
+            return any(is_mode(x) for x in e.elts)
+        return False
+
+    return isinstance(node, ast.Compare) and any(is_mode(e) for e in (node.left, *node.comparators))
+
+
+def mode_reads(graph: Graph) -> list[str]:
+    """``module:line`` of every comparison with a mode outside :data:`MODE_READERS`."""
+    found = []
+    for module, path in sorted(graph.files.items()):
+        if any(_in(module, m) for m in MODE_READERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if _reads_a_mode(node):
+                found.append(f"{module}:{node.lineno}")  # type: ignore[attr-defined]
+    return found
+
+
+def test_only_the_policy_table_reads_the_compat_mode(graph: Graph) -> None:
+    """Every stage reads :class:`kvgeom.modes.Policy` fields; the mode's name is compared in one module."""
+    assert mode_reads(graph) == []
+
+
+def test_a_stage_comparing_the_mode_is_found(tmp_path: Path) -> None:
+    _tree(
+        tmp_path,
+        {
+            "kvgeom/__init__.py": "",
+            "kvgeom/modes.py": "def policy_of(c):\n    return c == 'vllm'\n",
+            "kvgeom/plan/__init__.py": "",
+            "kvgeom/plan/request.py": "def f(p):\n    a = p.compat == 'kvgeom'\n    return a or p.x is Compat.VLLM\n",
+            "kvgeom/plan/bind.py": "def g(p):\n    return p.policy.by_tokens and p.mode == 'pull'\n",
+        },
+    )
+    assert mode_reads(draw({CORE: tmp_path / CORE})) == ["kvgeom.plan.request:2", "kvgeom.plan.request:3"]

@@ -4,6 +4,7 @@ takes a mode refuses a spelling that is neither, naming the field and the value.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -11,9 +12,13 @@ from kvgeom import (
     Compat,
     EngineConfig,
     IncompatiblePairError,
+    MambaSpec,
+    ModelSpec,
     Pairing,
+    UnsupportedError,
     card_of,
     check_pair,
+    policy_of,
     post_receive,
     presets,
 )
@@ -71,3 +76,55 @@ def test_every_entry_point_refuses_a_misspelt_mode(cards, call) -> None:  # type
     with pytest.raises(IncompatiblePairError) as e:
         call(d, p)
     assert e.value.field == "compat" and e.value.values == {"value": "kvgem"}
+
+
+def test_each_mode_has_one_policy_and_a_policy_stands_for_itself() -> None:
+    vllm, kvgeom = policy_of("vllm"), policy_of(Compat.KVGEOM)
+    assert (vllm.compat, kvgeom.compat) == (Compat.VLLM, Compat.KVGEOM)
+    assert policy_of(vllm) is vllm and policy_of(Compat.VLLM) is vllm
+    assert (vllm.engine_refusals, vllm.routed, vllm.by_tokens, vllm.token_cut, vllm.spread_dcp) == (
+        True,
+        False,
+        False,
+        False,
+        False,
+    )
+    assert (kvgeom.engine_refusals, kvgeom.routed, kvgeom.by_tokens, kvgeom.token_cut, kvgeom.spread_dcp) == (
+        False,
+        True,
+        True,
+        True,
+        True,
+    )
+    with pytest.raises(IncompatiblePairError) as e:
+        policy_of("kvgem")
+    assert e.value.field == "compat" and e.value.values == {"value": "kvgem"}
+
+
+def test_a_pairing_reads_its_policy_from_its_mode(cards) -> None:  # type: ignore[no-untyped-def]
+    d, p = cards
+    for mode in Compat:
+        assert Pairing.create(d, p, "pull", mode).policy is policy_of(mode)
+
+
+def test_check_pair_takes_a_policy_where_it_takes_a_mode(cards) -> None:  # type: ignore[no-untyped-def]
+    d, p = cards
+    for mode in Compat:
+        assert check_pair(d.geometry, p[0].geometry, "pull", policy_of(mode)) == check_pair(
+            d.geometry, p[0].geometry, "pull", mode
+        )
+
+
+def test_a_refusal_follows_the_policys_field_not_the_modes_name(cards) -> None:  # type: ignore[no-untyped-def]
+    """vLLM refuses an attention-free model (its NIXL tables need an attention group); kvgeom plans it. The
+    same refusal is switched by ``engine_refusals`` alone, on a policy that is otherwise kvgeom's."""
+    model = ModelSpec.from_layers("ssm-only", [MambaSpec.mamba2(8, 4, 2, 16)] * 2)
+    d = card_of("decode", model, EngineConfig(tp_size=1, block_size=32, num_blocks=16)).geometry
+    p = card_of("prefill", model, EngineConfig(tp_size=1, block_size=32, num_blocks=16)).geometry
+    check_pair(d, p, "pull", "kvgeom")
+    strict = replace(policy_of("kvgeom"), engine_refusals=True)
+    with pytest.raises(UnsupportedError) as e:
+        check_pair(d, p, "pull", strict)
+    assert e.value.field == "model"
+    with pytest.raises(UnsupportedError):
+        check_pair(d, p, "pull", "vllm")

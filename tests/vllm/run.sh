@@ -15,7 +15,8 @@
 # for the metadata step, and xgrammar comes without triton (1 GB; vLLM's CPU path and these tests never use
 # it). .venv-vllm is about 2.5 GB, and the set-up needs about 0.3 GB more while it runs.
 #   3. .vllm-src/hf: an offline Hugging Face cache holding facebook/opt-125m's config.json (tests/data).
-#   4. the tests: vLLM's three NIXL geometry test files with -p kvgeom_vllm.pytest_plugin, then tests/vllm.
+#   4. the tests: vLLM's three NIXL geometry test files with -p kvgeom_vllm.pytest_plugin, vLLM's three Mooncake
+#      connector test files with -p kvgeom_vllm.mooncake.pytest_plugin, then tests/vllm.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -36,6 +37,8 @@ LIGHT_DEPS=(
   partial-json-parser "llguidance>=1.7.0,<1.8.0" einops cloudpickle requests regex pyyaml sentencepiece
   blake3 py-cpuinfo gguf diskcache lark tiktoken
   hypothesis nixl
+  # vLLM's Mooncake connector tests (run through kvgeom_vllm.mooncake): its bootstrap server and client, async tests
+  httpx uvicorn pytest-asyncio
   # xgrammar's own requirements but triton (installed --no-deps below):
   "apache-tvm-ffi>=0.1.11" typing-extensions
 )
@@ -105,6 +108,21 @@ VLLM_TESTS=(
   tests/v1/kv_connector/unit/test_nixl_connector_hma.py
 )
 
+# vLLM's Mooncake connector tests (its transfer engine mocked by the tests; no Mooncake wheel needed). The two
+# deselected ones fail the same way on unmodified vLLM here: they patch the `httpx` module they import, while
+# the connector posts through `huggingface_hub.utils.httpx`, so the real client runs and the fake host does not
+# resolve. hypothesis' pytest plugin is off for this run: its terminal-summary import of hypothesis trips a
+# Python 3.11 AST recursion check after these tests (SystemError), on unmodified vLLM too.
+MOONCAKE_TESTS=(
+  tests/v1/kv_connector/unit/test_mooncake_connector.py
+  tests/v1/kv_connector/unit/test_mooncake_connector_hma.py
+  tests/v1/kv_connector/unit/test_mooncake_connector_hybrid_mamba.py
+)
+MOONCAKE_DESELECT=(
+  --deselect tests/v1/kv_connector/unit/test_mooncake_connector.py::test_register_worker_retries_on_read_timeout
+  --deselect tests/v1/kv_connector/unit/test_mooncake_connector.py::test_register_worker_raises_after_max_attempts
+)
+
 vllm_env() {  # the environment vLLM's CPU code path needs (see docs/vllm.md)
   export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_SSM_CONV_STATE_LAYOUT=DS
   export HF_HOME=$SRC/hf
@@ -115,6 +133,14 @@ run_vllm_tests() {  # vLLM's own tests, its NIXL geometry replaced by kvgeom_vll
   vllm_env
   (cd "$SRC" && "$VENV/bin/python" -m pytest -p kvgeom_vllm.pytest_plugin \
     --rootdir=. -c pyproject.toml --confcutdir=tests/v1/kv_connector/unit -p no:cacheprovider -q "${VLLM_TESTS[@]}" --deselect "$GPU_ONLY" "$@")
+}
+
+run_mooncake_tests() {  # vLLM's own Mooncake connector tests, its geometry replaced by kvgeom_vllm.mooncake
+  echo "== vLLM $VLLM_VERSION's Mooncake connector tests through kvgeom"
+  vllm_env
+  (cd "$SRC" && "$VENV/bin/python" -m pytest -p kvgeom_vllm.mooncake.pytest_plugin -p no:hypothesispytest \
+    --rootdir=. -c pyproject.toml --confcutdir=tests/v1/kv_connector/unit -p no:cacheprovider -q \
+    "${MOONCAKE_TESTS[@]}" "${MOONCAKE_DESELECT[@]}" "$@")
 }
 
 run_vllm_baseline() {  # the same tests on unmodified vLLM (for comparison; not part of make test-vllm)
@@ -140,6 +166,7 @@ all() {
   setup_hf
   local t1=$SECONDS
   run_vllm_tests
+  run_mooncake_tests
   run_kvgeom_tests
   echo "test-vllm: set-up $((t1 - t0))s, tests $((SECONDS - t1))s"
 }

@@ -4,9 +4,10 @@ vllm/v1/attention/backends/cpu_attn.py). Its kernel stores K transposed, ``[head
 ``[tokens, head_size]`` rows (measured on the real op: tests/serving/test_cpu_page.py).
 
 The byte oracle places every coordinate by its own model of that page. Equal kernel blocks move whole pages
-and are served in both modes; a block-size ratio cannot be regrouped by token ranges there, so both modes
-refuse P block 32 -> D block 64 (naming why), and vLLM's regroup -- planned for a head-major page, applied
-to this one, what stock vLLM does -- is what the oracle finds wrong."""
+and are served in both modes; a block-size ratio cannot be regrouped by token ranges there, so vllm mode
+refuses P block 32 -> D block 64 (naming why; kvgeom mode cuts the page by its token runs:
+tests/unit/plan/test_cpu_page_cut.py), and vLLM's regroup -- planned for a head-major page, applied to this
+one, what stock vLLM does -- is what the oracle finds wrong."""
 
 from __future__ import annotations
 
@@ -60,13 +61,14 @@ def test_equal_blocks_move_whole_cpu_pages(
     assert report.ok, report
 
 
-@pytest.mark.parametrize("compat", ["kvgeom", "vllm"])
 @pytest.mark.parametrize("model", [DENSE, HYBRID], ids=["dense", "hybrid"])
-def test_a_block_size_ratio_on_the_cpu_page_is_refused(compat: str, model: ModelSpec) -> None:
+def test_vllm_mode_refuses_a_block_size_ratio_on_the_cpu_page(model: ModelSpec) -> None:
+    """vLLM would regroup it as [heads, tokens, head_size]; kvgeom mode cuts the page by its token runs
+    (tests/unit/plan/test_cpu_page_cut.py)."""
     p, d = engines(model, 32, 64)
     p_geom, d_geom = rank_geometry(model, p), rank_geometry(model, d)
     with pytest.raises(IncompatiblePairError) as info:
-        Pairing.create(d_geom, [p_geom], mode="pull", compat=compat)  # type: ignore[arg-type]
+        Pairing.create(d_geom, [p_geom], mode="pull", compat="vllm")
     assert info.value.field == "kv_layout"
     assert info.value.values == {"local": "head_kv_major", "remote": "head_kv_major"}
 

@@ -53,14 +53,17 @@ TOKENS = (16, 449, 4096, 32768, 131072, 1048576)
 BLOCKS = (100, 1000, 10000, 100000)
 
 
-def scenario(d_blocks: int) -> Scenario:
+DECADES = ((16, 100), (100, 1000), (1000, 10000), (10000, 100000), (100000, 1048577))
+
+
+def scenario(d_blocks: int, compat: str = "vllm") -> Scenario:
     """The pair, with ``d_blocks`` logical blocks (of 60 kernel blocks) per D rank; P holds twice as many
     logical blocks (of 64 kernel blocks)."""
     return Scenario.from_json(
         {
             "model": "kimi-linear-48b-a3b",
             "mode": "pull",
-            "compat": "vllm",
+            "compat": compat,
             "prefill": {"tp_size": 2, "kernel_block_size": 16, "num_blocks": 2 * d_blocks},
             "decode": {"tp_size": 1, "kernel_block_size": 32, "num_blocks": d_blocks},
         }
@@ -218,6 +221,197 @@ def request_row(sc: Scenario, side: VllmSide, tokens: int, budget: float) -> dic
     }
 
 
+def stream_lengths(count: int, lo: int, hi: int, seed: int, realistic: bool) -> list[int]:
+    """``count`` distinct request lengths in ``[lo, hi)``: log-normal around 2k tokens (``realistic``: most
+    prompts short, a long tail to 1M) or log-uniform (one decade alone)."""
+    rng = np.random.default_rng(seed)
+    out: dict[int, None] = {}
+    while len(out) < count:
+        x = rng.normal(np.log(2048), 1.9) if realistic else rng.uniform(np.log(lo), np.log(hi))
+        t = int(round(float(np.exp(x))))
+        if lo <= t < hi and t not in out:
+            out[t] = None
+    return list(out)
+
+
+def _sorted_moves(m: np.ndarray) -> np.ndarray:
+    return m[np.lexsort(m.T[::-1])]
+
+
+class Floor:
+    """The numpy calls a plan of this pair cannot avoid, in straight-line code written for this one pair
+    (MLA group 0 of kernel blocks 60 (D) / 64 (P) per logical block, block-size ratio 2, SSM groups 1-3, every
+    group read from P rank 0, the SSM groups from rank 1 too, D's list from token 0): both sides' ids checked
+    (one sort each: distinct, inside the pool), the attention ids expanded to kernel and fine blocks, per
+    transfer and side one broadcast per run of a group's segments, and the zero rows of
+    the partly and wholly unwritten blocks. Every lookup that depends only on the pairing is done in
+    ``__init__``; :meth:`check` asserts the floor builds the plan's own arrays."""
+
+    def __init__(self, sc: Scenario) -> None:
+        from kvgeom.plan.align import PageSet
+        from kvgeom.plan.bind import rank_tables
+
+        p = sc.pairings[0]
+        assert p.local.ppl == 60 and p.remote_view(0).ppl == 64 and p.bsr == 2 and p.transfer_ranks == (0, 1)
+        self.lnb, self.rnb = p.local.logical_num_blocks, p.remotes[0].logical_num_blocks
+        self.cols = [  # per transfer, per side: (group, offsets column) of the groups it sends
+            tuple(
+                tuple((g, c) for g, c in seg.columns if rank_tables(p, r).keep[g])
+                for seg in (rank_tables(p, r).local, rank_tables(p, r).remote)
+            )
+            for r in p.transfer_ranks
+        ]
+        ps = PageSet.of(p.tables.group_pages[0], p.local.block_size)
+        self.pages, self.run_page, self.run_off, self.run_tok = (
+            ps.cols,
+            ps.run_page,
+            ps.run_offset,
+            ps.run_token_bytes,
+        )
+        self.s60, self.s64, self.s2 = (np.arange(k, dtype=np.int64) for k in (60, 64, 2))
+        self.tokens = p.local.block_size
+
+    def __call__(self, lids: list[np.ndarray], rids: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+        for ids, nb in ((lids, self.lnb), (rids, self.rnb)):
+            s = np.sort(np.concatenate(ids))
+            if not (s[0] >= 0 and s[-1] < nb) or (s[1:] == s[:-1]).any():
+                raise ValueError("bad ids")
+        lk = np.add.outer(lids[0] * 60, self.s60).reshape(-1)
+        rk = np.add.outer(rids[0] * 64, self.s64).reshape(-1)
+        lf = np.add.outer(lk * 2, self.s2).reshape(-1)
+        n = min(lf.size, rk.size)
+        lg = [lf[:n], lids[1], lids[2], lids[3]]
+        rg = [rk[:n], rids[1], rids[2], rids[3]]
+        out = []
+        for lcols, rcols in self.cols:
+            for cols, ids in ((lcols, lg), (rcols, rg)):
+                out.append(np.concatenate([(c + ids[g]).reshape(-1) for g, c in cols]))
+        a, b = n // 2, -(-n // 2)  # blocks [b, end) unwritten; block a partly when n is odd
+        whole = lk[b:]
+        pages = self.pages
+        full = np.empty((pages.shape[0], whole.size, 3), dtype=np.int64)
+        full[..., 0] = pages[:, 0, None]
+        full[..., 1] = whole[None, :] * pages[:, 3, None] + pages[:, 1, None]
+        full[..., 2] = pages[:, 2, None]
+        zero = full.reshape(-1, 3)
+        if a < b:
+            first = self.tokens // 2
+            page = self.run_page
+            gap = np.empty((page.size, 3), dtype=np.int64)
+            gap[:, 0] = pages[page, 0]
+            gap[:, 1] = lk[a] * pages[page, 3] + pages[page, 1] + first * self.run_tok + self.run_off
+            gap[:, 2] = (self.tokens - first) * self.run_tok
+            zero = np.concatenate([gap, zero])
+        return out, zero
+
+    def check(self, plan: Any, lids: list[np.ndarray], rids: list[np.ndarray], tokens: int) -> None:
+        out, zero = self(lids, rids)
+        mine = [x for t in plan.transfers for x in (t.local_ids, t.remote_ids)]
+        if plan.regroup:
+            raise SystemExit(f"{tokens} tokens: a regroup the floor does not build")
+        if len(mine) != len(out) or not all(np.array_equal(a, b) for a, b in zip(mine, out)):
+            raise SystemExit(f"{tokens} tokens: the floor's descriptor ids differ from the plan's")
+        if not np.array_equal(zero, plan.zero):
+            raise SystemExit(f"{tokens} tokens: the floor's zero rows differ from the plan's")
+
+
+def stream_rows(
+    sides: dict[str, tuple[Scenario, VllmSide]],
+    count: int,
+    per_decade: int,
+    reps: int,
+    decades: tuple[tuple[int, int], ...] = DECADES,
+) -> list[dict[str, Any]]:
+    """Per mode and per stream (a realistic mix of ``count`` lengths, then each decade alone with
+    ``per_decade``): every length new, so kvgeom's general planner is timed (its per-shape memo is cleared
+    before every timed call, so no recipe can help) against vLLM's chain on the same request. Checked
+    first, per request: vllm mode's descriptor ids equal vLLM's; kvgeom mode moves the same bytes
+    (``RequestPlan.moves``, sorted) as vLLM's ids resolved in the vllm-mode pairing, with the same zero rows."""
+    top = decades[-1][1]
+    streams = [(f"16 to {top - 1:,}, realistic", stream_lengths(count, 16, top, 19, True))] + [
+        (f"{lo:,} to {hi - 1:,}", stream_lengths(per_decade, lo, hi, 19 + i, False))
+        for i, (lo, hi) in enumerate(decades)
+    ]
+    vsc, vside = sides["vllm"]
+    floor = Floor(vsc)
+    rows = []
+    for name, lengths in streams:
+        for compat, (sc, side) in sides.items():
+            pairing = sc.pairings[0]
+            memo = memo_of(pairing)
+            t_v = t_k = t_f = 0.0
+            descs = 0
+            for tokens in lengths:
+                req = vsc.request(tokens, seed=tokens)
+                local, remote = [list(x) for x in req.decode], [list(x) for x in req.prefill]
+                larr = [np.asarray(x, dtype=np.int64) for x in local]
+                rarr = [np.asarray(x, dtype=np.int64) for x in remote]
+                memo.shapes.clear()
+                plan = plan_request(pairing, larr, rarr, "req", num_tokens=tokens)
+                theirs = vside.desc_ids(local, remote)
+                if compat == "vllm":
+                    mine = {t.remote_rank: (t.local_ids, t.remote_ids) for t in plan.transfers}
+                    if sorted(mine) != sorted(theirs) or any(
+                        not (
+                            np.array_equal(mine[r][0], theirs[r][0])
+                            and np.array_equal(mine[r][1], theirs[r][1])
+                        )
+                        for r in mine
+                    ):
+                        raise SystemExit(f"stream {name}, {tokens} tokens: descriptor ids differ from vLLM's")
+                else:
+                    vplan = plan_request(vsc.pairings[0], larr, rarr, "req", num_tokens=tokens)
+                    vmine = {t.remote_rank: (t.local_ids, t.remote_ids) for t in vplan.transfers}
+                    if any(
+                        not (
+                            np.array_equal(vmine[r][0], theirs[r][0])
+                            and np.array_equal(vmine[r][1], theirs[r][1])
+                        )
+                        for r in theirs
+                    ) or not (
+                        np.array_equal(
+                            _sorted_moves(plan.moves(pairing)), _sorted_moves(vplan.moves(vsc.pairings[0]))
+                        )
+                        and np.array_equal(_sorted_moves(plan.zero), _sorted_moves(vplan.zero))
+                    ):
+                        raise SystemExit(
+                            f"stream {name}, {tokens} tokens: kvgeom mode moves other bytes than vLLM"
+                        )
+                floor.check(plan, larr, rarr, tokens)
+                descs += plan.num_descriptors
+                vs, ks, fs = [], [], []
+                for _ in range(reps):  # interleaved; every kvgeom call sees the shape for the first time
+                    t0 = time.perf_counter()
+                    side.desc_ids(local, remote)
+                    vs.append(time.perf_counter() - t0)
+                    memo.shapes.clear()
+                    t0 = time.perf_counter()
+                    plan_request(pairing, larr, rarr, "req", num_tokens=tokens)
+                    ks.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    floor(larr, rarr)
+                    fs.append(time.perf_counter() - t0)
+                t_v += statistics.median(vs)
+                t_k += statistics.median(ks)
+                t_f += statistics.median(fs)
+            rows.append(
+                {
+                    "stream": name,
+                    "compat": compat,
+                    "requests": len(lengths),
+                    "median_tokens": int(statistics.median(lengths)),
+                    "descriptor_pairs": descs,
+                    "vllm_us": t_v / len(lengths) * 1e6,
+                    "kvgeom_us": t_k / len(lengths) * 1e6,
+                    "floor_us": t_f / len(lengths) * 1e6,
+                    "ratio": t_k / t_v,
+                    "floor_ratio": t_f / t_v,
+                    "vs_floor": t_k / t_f,
+                }
+            )
+    return rows
+
+
 def _runs(plan: Any, pairing: Any) -> int:
     from kvgeom.plan.requestplan import contiguous_runs
 
@@ -283,21 +477,40 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--blocks", type=int, nargs="*", default=list(BLOCKS))
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per measurement and side")
+    ap.add_argument(
+        "--stream", type=int, default=200, help="requests in the realistic new-length stream (0: none)"
+    )
+    ap.add_argument("--per-decade", type=int, default=40, help="requests in each decade's stream")
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per request and side (median)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    most = max(args.tokens) if args.tokens else 16
-    sc = scenario(
-        max(64, -(-most * 5 // 1920 // 2) + 8)
-    )  # room for the request's probes (2.5x) on both sides
+    most = max([*args.tokens, DECADES[-1][1] if args.stream else 16])
+    d_blocks = max(64, -(-most * 5 // 1920 // 2) + 8)  # room for the request's probes (2.5x) on both sides
+    sc = scenario(d_blocks)
     side = VllmSide(sc)
     check_tables(sc, side)
+    stream = []
+    if args.stream:
+        ksc = scenario(d_blocks, "kvgeom")
+        stream = stream_rows(
+            {"vllm": (sc, side), "kvgeom": (ksc, side)}, args.stream, args.per_decade, args.reps
+        )
     requests = [request_row(sc, side, t, args.budget) for t in args.tokens]
     handshakes = [handshake_row(b, args.budget) for b in args.blocks]
-    out = {"pair": sc.describe(), "requests": requests, "handshakes": handshakes}
+    out = {"pair": sc.describe(), "stream": stream, "requests": requests, "handshakes": handshakes}
     if args.json:
         print(json.dumps(out))
         return
     print(out["pair"])
+    if stream:
+        print(
+            f"{'new lengths':>22} {'mode':>7} {'reqs':>5} {'median tok':>10} {'vLLM us':>9} {'kvgeom us':>9} {'ratio':>6}"
+        )
+    for r in stream:
+        print(
+            f"{r['stream']:>22} {r['compat']:>7} {r['requests']:5d} {r['median_tokens']:10d} {r['vllm_us']:9.1f} "
+            f"{r['kvgeom_us']:9.1f} {r['ratio']:6.2f} {r['floor_us']:9.1f} {r['floor_ratio']:10.2f} {r['vs_floor']:12.2f}"
+        )
     print(
         f"{'tokens':>9} {'pairs':>8} {'runs':>8} {'vLLM us':>10} {'new shape':>10} {'ratio':>6} {'repeated':>10} "
         f"{'ratio':>6}"

@@ -111,9 +111,25 @@ def check_distinct(groups: Sequence[np.ndarray], field: str) -> None:
         )
 
 
+_STEPS: dict[
+    int, np.ndarray
+] = {}  # ratio -> the row 0..ratio-1 (read-only): a constant, not a cache of input
+
+
+def _steps(ratio: int) -> np.ndarray:
+    row = _STEPS.get(ratio)
+    if row is None:
+        row = np.arange(ratio, dtype=np.int64)
+        row.flags.writeable = False
+        if len(_STEPS) < 4096:
+            _STEPS[ratio] = row
+    return row
+
+
 def _expand(ids: np.ndarray, ratio: int) -> np.ndarray:
     """``b -> b*ratio + j`` for ``j < ratio``, id-major (the shared kernel of the two expansions)."""
-    return (ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).reshape(-1)
+    out: np.ndarray = np.add.outer(ids * ratio, _steps(ratio)).reshape(-1)
+    return out
 
 
 def logical_to_kernel(block_ids: BlockIds, ppl: int, group_is_ssm: Sequence[bool]) -> list[np.ndarray]:
@@ -129,7 +145,16 @@ def logical_to_kernel(block_ids: BlockIds, ppl: int, group_is_ssm: Sequence[bool
 
 def kernel_of(groups: list[np.ndarray], ppl: int, group_is_ssm: Sequence[bool]) -> list[np.ndarray]:
     """:func:`logical_to_kernel` on ids a planner has already checked (one ``int64`` array per group)."""
-    return [g if (ssm or ppl == 1) else _expand(g, ppl) for g, ssm in zip(groups, group_is_ssm, strict=True)]
+    if len(groups) != len(group_is_ssm):
+        raise GroupMismatchError(
+            "block_ids",
+            f"{len(groups)} groups of ids for {len(group_is_ssm)} group kinds",
+            value=len(groups),
+            expected=len(group_is_ssm),
+        )
+    if ppl == 1:
+        return list(groups)
+    return [g if ssm else _expand(g, ppl) for g, ssm in zip(groups, group_is_ssm)]
 
 
 def get_mapped_blocks(ids: IdsLike, ratio: int) -> np.ndarray:

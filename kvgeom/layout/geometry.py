@@ -67,7 +67,7 @@ class Group:
     def is_mla(self) -> bool:
         return self.kind is LayerKind.MLA
 
-    @property
+    @cached_property
     def one_block(self) -> bool:
         """A request holds one block of this group, paired by slot (SSM states, rings)."""
         return self.kind.one_block

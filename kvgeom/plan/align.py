@@ -28,7 +28,8 @@ block more.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from kvgeom.errors import PlanError
 from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.tokenruns import TokenRun, layer_token_runs
 
-__all__ = ["list_starts", "overlap", "Page", "page_heads", "group_pages", "consumer_zero_rows"]
+__all__ = ["list_starts", "overlap", "Page", "PageSet", "page_heads", "group_pages", "consumer_zero_rows"]
 
 
 def _producer_end(
@@ -206,8 +207,64 @@ def _as_page(page: object, heads: int | None) -> Page:
     return Page(page.index, 0, page.block_len, page.block_stride, heads or 1)  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True, eq=False)
+class PageSet:
+    """Pages as the arrays :func:`consumer_zero_rows` reads (built once per pairing and group, not per
+    request): ``cols`` ``(region, offset, length, stride)`` per page; per run of a head-major page (one per
+    head) its page, its byte offset in the page and its bytes per token (``run_page``, ``run_offset``,
+    ``run_token_bytes``)."""
+
+    pages: tuple[Page, ...]
+    cols: np.ndarray
+    run_page: np.ndarray
+    run_offset: np.ndarray
+    run_token_bytes: np.ndarray
+    tokens: int
+    most_heads: int = 1  # the most runs of any page (1: no page is head-major with several heads)
+    cut: bool = False  # some page is cut by token runs (:attr:`Page.runs`)
+    #: per page, its whole-block row ``(region, offset, length)`` (``row_base``) and what one block id adds
+    #: to it (``row_step``: ``(0, stride, 0)``), shaped ``(pages, 1, 3)``
+    row_base: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 3), dtype=np.int64))
+    row_step: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 3), dtype=np.int64))
+
+    @classmethod
+    def of(cls, pages: Sequence[object], tokens: int, heads: int | None = None) -> PageSet:
+        """``pages`` (:class:`Page` values, or region-like values viewed whole) of kernel blocks of ``tokens``
+        tokens; ``heads``: the runs of every page (default: each page's own)."""
+        ps = tuple(_as_page(p, heads) for p in pages)
+        cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in ps], dtype=np.int64).reshape(
+            -1, 4
+        )
+        nheads = np.asarray([p.heads for p in ps], dtype=np.int64)
+        page = np.repeat(np.arange(len(ps)), nheads)
+        head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
+        per_head = cols[page, 2] // nheads[page] if ps else np.zeros(0, np.int64)
+        base = np.zeros((len(ps), 1, 3), dtype=np.int64)
+        base[:, 0, 0], base[:, 0, 1], base[:, 0, 2] = cols[:, 0], cols[:, 1], cols[:, 2]
+        step = np.zeros((len(ps), 1, 3), dtype=np.int64)
+        step[:, 0, 1] = cols[:, 3]
+        return cls(
+            ps,
+            cols,
+            page,
+            head * per_head,
+            per_head // tokens,
+            tokens,
+            max(nheads.tolist(), default=1),
+            any(p.runs for p in ps),
+            base,
+            step,
+        )
+
+    def __iter__(self) -> Iterator[Page]:
+        return iter(self.pages)
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
 def consumer_zero_rows(
-    pages: list[Page],
+    pages: Sequence[object] | PageSet,
     kernel_ids: np.ndarray,
     units: int,
     first: int,
@@ -217,49 +274,69 @@ def consumer_zero_rows(
 ) -> np.ndarray:
     """``(region, offset, length)`` rows zeroing the consumer's kernel blocks ``kernel_ids`` outside fine
     positions ``[first, first + count)`` (``units`` fine positions per kernel block of ``tokens`` tokens), in
-    every page of ``pages`` (:class:`Page` values, or region-like values viewed whole). Head-major pages
-    (``heads`` > 1: each page's own, or ``heads`` for all) zero one run per head; others one run per token
-    range."""
-    pages = [_as_page(p, heads) for p in pages]
-    n = kernel_ids.size * units
+    every page of ``pages`` (:class:`Page` values, or region-like values viewed whole, or a :class:`PageSet`
+    of them built for ``tokens``). Head-major pages (``heads`` > 1: each page's own, or ``heads`` for all)
+    zero one run per head; others one run per token range."""
+    ps = pages if isinstance(pages, PageSet) and heads is None and pages.tokens == tokens else None
+    if ps is None:
+        ps = PageSet.of(list(pages), tokens, heads)
+    cols = ps.cols
+    size = int(kernel_ids.size)
+    n = size * units
     lo, hi = first, first + count
-    blocks = np.arange(kernel_ids.size)
-    whole = (blocks * units >= hi) | ((blocks + 1) * units <= lo)
-    inside = (blocks * units >= lo) & ((blocks + 1) * units <= hi)
-    ids = kernel_ids[whole]
-    cols = np.asarray([(p.region, p.offset, p.length, p.stride) for p in pages], dtype=np.int64).reshape(
-        -1, 4
-    )
-    full = np.empty((cols.shape[0], ids.size, 3), dtype=np.int64)  # every page of the whole blocks at once
-    full[..., 0] = cols[:, 0, None]
-    full[..., 1] = ids[None, :] * cols[:, 3, None] + cols[:, 1, None]
-    full[..., 2] = cols[:, 2, None]
-    rows = [full.reshape(-1, 3)]
+    # blocks [0, a) and [b, size) lie wholly outside [lo, hi); at most the blocks a and b - 1 lie partly in it
+    a = min(max(lo // units, 0), size)
+    b = min(max(-(-hi // units), a), size)
+    ids = kernel_ids[:a] if b >= size else np.concatenate([kernel_ids[:a], kernel_ids[b:]])
+    # every page of the whole blocks at once: (region, offset + id * stride, length), page-major
+    whole: np.ndarray = (ids[None, :, None] * ps.row_step + ps.row_base).reshape(-1, 3)
     gaps = []  # (kernel block, first token, end token) of the partly covered blocks: at most two
-    for k in np.flatnonzero(~whole & ~inside).tolist():
+    for k in sorted({a, b - 1}) if b > a else ():
         start, end = k * units, (k + 1) * units
-        for a, b in ((start, max(start, lo)), (min(end, hi), end)):
-            if a < b <= n:
+        if start >= lo and end <= hi:
+            continue
+        for x, y in ((start, max(start, lo)), (min(end, hi), end)):
+            if x < y <= n:
                 gaps.append(
-                    (int(kernel_ids[k]), (a - start) * tokens // units, (b - start) * tokens // units)
+                    (int(kernel_ids[k]), (x - start) * tokens // units, (y - start) * tokens // units)
                 )
+    if not gaps:
+        return whole
+    if ps.cut:
+        return _cut_gap_rows(whole, list(ps.pages), cols, gaps, tokens)
+    # one run per (gap, page, head), all at once
+    page, tok = ps.run_page, ps.run_token_bytes
+    g = np.asarray(gaps, dtype=np.int64)
+    out = np.empty((len(gaps), page.size, 3), dtype=np.int64)
+    out[..., 0] = cols[page, 0]
+    out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + ps.run_offset
+    out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
+    return np.concatenate([whole, out.reshape(-1, 3)])
+
+
+def _cut_gap_rows(
+    whole: np.ndarray, pages: list[Page], cols: np.ndarray, gaps: list[tuple[int, int, int]], tokens: int
+) -> np.ndarray:
+    """:func:`consumer_zero_rows`' rows of the partly covered blocks where some page is cut by token runs:
+    the whole blocks' rows, then one row per (gap, page, run, row) of the cut pages, then one run per (gap,
+    page, head) of the others."""
+    rows = [whole]
     cut = [k for k, p in enumerate(pages) if p.runs]
-    if gaps and cut:  # pages cut by token runs: one row per (gap, page, run, row)
-        for k in cut:
-            p = pages[k]
-            r = np.asarray(p.runs, dtype=np.int64).reshape(-1, 4)
-            row = np.repeat(np.arange(r.shape[0]), r[:, 1])
-            sub = np.arange(row.size) - np.repeat(np.cumsum(r[:, 1]) - r[:, 1], r[:, 1])
-            start = p.offset + r[row, 0] + sub * r[row, 2]
-            g = np.asarray(gaps, dtype=np.int64)
-            out = np.empty((len(gaps), row.size, 3), dtype=np.int64)
-            out[..., 0] = p.region
-            out[..., 1] = g[:, 0, None] * p.stride + start[None, :] + g[:, 1, None] * r[row, 3][None, :]
-            out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * r[row, 3][None, :]
-            rows.append(out.reshape(-1, 3))
-        keep = [k for k, p in enumerate(pages) if not p.runs]
-        pages, cols = [pages[k] for k in keep], cols[keep]
-    if gaps and pages:  # one run per (gap, page, head), all at once
+    for k in cut:  # pages cut by token runs: one row per (gap, page, run, row)
+        p = pages[k]
+        r = np.asarray(p.runs, dtype=np.int64).reshape(-1, 4)
+        row = np.repeat(np.arange(r.shape[0]), r[:, 1])
+        sub = np.arange(row.size) - np.repeat(np.cumsum(r[:, 1]) - r[:, 1], r[:, 1])
+        start = p.offset + r[row, 0] + sub * r[row, 2]
+        g = np.asarray(gaps, dtype=np.int64)
+        out = np.empty((len(gaps), row.size, 3), dtype=np.int64)
+        out[..., 0] = p.region
+        out[..., 1] = g[:, 0, None] * p.stride + start[None, :] + g[:, 1, None] * r[row, 3][None, :]
+        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * r[row, 3][None, :]
+        rows.append(out.reshape(-1, 3))
+    keep = [k for k, p in enumerate(pages) if not p.runs]
+    pages, cols = [pages[k] for k in keep], cols[keep]
+    if pages:  # one run per (gap, page, head), all at once
         nheads = np.asarray([p.heads for p in pages], dtype=np.int64)
         page = np.repeat(np.arange(len(pages)), nheads)
         head = np.arange(page.size) - np.repeat(np.cumsum(nheads) - nheads, nheads)
@@ -271,4 +348,4 @@ def consumer_zero_rows(
         out[..., 1] = g[:, 0, None] * cols[page, 3] + cols[page, 1] + g[:, 1, None] * tok + head * per_head
         out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tok
         rows.append(out.reshape(-1, 3))
-    return np.concatenate(rows).astype(np.int64)  # rows holds the whole blocks' rows, even if empty
+    return np.concatenate(rows).astype(np.int64)

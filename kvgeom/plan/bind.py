@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from kvgeom.blocks import (
 from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedError
 from kvgeom.layout.geometry import Group, RankGeometry
 from kvgeom.layout.view import EngineView
-from kvgeom.plan.align import Page, list_starts, overlap
+from kvgeom.plan.align import PageSet, list_starts, overlap
 from kvgeom.plan.descids import Segments, desc_segments
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.planmemo import memo_of
@@ -34,7 +35,13 @@ __all__ = [
     "require_num_tokens",
     "cached_blocks",
     "zero_pages_of",
+    "filled_pages_of",
     "segments_of",
+    "ids_bounded",
+    "RankTables",
+    "rank_tables",
+    "sent_groups",
+    "fine_of",
     "vllm_pairs",
     "check_same_tokens",
     "is_sliding",
@@ -43,8 +50,17 @@ __all__ = [
 ]
 
 
-def select_groups(ids: list[np.ndarray], groups: Sequence[bool]) -> list[np.ndarray]:
-    return [g if keep else g[:0] for g, keep in zip(ids, groups)]
+def select_groups(ids: list[np.ndarray], groups: Sequence[bool], every: bool = False) -> list[np.ndarray]:
+    """``ids`` with the groups not in ``groups`` emptied (``every``: the caller knows all are kept)."""
+    if every:
+        return ids
+    return [g if keep else _NONE for g, keep in zip(ids, groups)]
+
+
+_NONE = np.zeros(
+    0, dtype=np.int64
+)  # the ids of a group left out (shared: an empty array has nothing to write)
+_NONE.flags.writeable = False
 
 
 def intake(block_ids: BlockIds, kinds: Sequence[bool], field: str) -> list[np.ndarray]:
@@ -118,9 +134,24 @@ def cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: i
     return cached
 
 
-def zero_pages_of(pairing: Pairing, group: int) -> list[Page]:
-    """Every page of the local rank's layers of ``group`` (prepared by the pairing: a shape, not a request)."""
-    return pairing.tables.group_pages[group]
+def zero_pages_of(pairing: Pairing, group: int) -> PageSet:
+    """Every page of the local rank's layers of ``group`` (prepared by the pairing: a shape, not a request),
+    as the arrays the receive step reads."""
+    sets = memo_of(pairing).page_sets
+    ps = sets.get((False, group))
+    if ps is None:
+        ps = sets[(False, group)] = PageSet.of(pairing.tables.group_pages[group], pairing.local.block_size)
+    return ps
+
+
+def filled_pages_of(pairing: Pairing, group: int) -> PageSet:
+    """:meth:`Pairing.zero_pages` (the pages of ``group`` this pairing fills) as the arrays the receive
+    step reads."""
+    sets = memo_of(pairing).page_sets
+    ps = sets.get((True, group))
+    if ps is None:
+        ps = sets[(True, group)] = PageSet.of(pairing.zero_pages(group), pairing.local.block_size)
+    return ps
 
 
 def segments_of(pairing: Pairing, side: str, rank: int) -> Segments:
@@ -156,13 +187,93 @@ def segments_of(pairing: Pairing, side: str, rank: int) -> Segments:
     return memo[(side, rank)]
 
 
+def ids_bounded(pairing: Pairing, side: str, rank: int) -> bool:
+    """Whether every descriptor id a checked request can bring on ``side`` of the transfer to/from ``rank``
+    lies inside its segment and its table, whatever the request: each group's largest possible id (its
+    pool, at the granularity the planner brings it to) below every capacity of its segments, and every
+    segment's last id inside the table. Then the planner skips bounding each request's ids again (once per
+    pairing, like the segment table)."""
+    memo = memo_of(pairing).bounded
+    got = memo.get((side, rank))
+    if got is None:
+        seg = segments_of(pairing, side, rank)
+        kinds = pairing.local.group_is_ssm
+        if side == "local":
+            geom, n = pairing.local, len(pairing.local_table(pairing.local_key(rank)))
+            fine = geom.ppl * pairing.local_rows
+        else:
+            geom, n = pairing.remotes[pairing.targets[0]], len(pairing.remote_table(rank))
+            fine = pairing.remote_view(rank).ppl * pairing.token_rows
+        nb = geom.logical_num_blocks
+        bound = np.asarray([nb if ssm else nb * fine for ssm in kinds], dtype=np.int64)[seg.group]
+        got = bool(((seg.offset >= 0) & (bound <= seg.capacity) & (seg.offset + bound <= n)).all())
+        memo[(side, rank)] = got
+    return got
+
+
+@dataclass(frozen=True, eq=False)
+class RankTables:
+    """What a request's transfer to/from one remote rank reads of the pairing, looked up once per pairing:
+    the groups sent (``keep``, ``every``: all of them), both sides' segment tables, the local table's key,
+    both tables' lengths and whether ids need bounding per request (:func:`ids_bounded`)."""
+
+    keep: tuple[bool, ...]
+    every: bool
+    local: Segments
+    remote: Segments
+    key: tuple[int, int]
+    local_rows: int
+    remote_rows: int
+    bounded: bool
+
+
+def rank_tables(pairing: Pairing, rank: int) -> RankTables:
+    """:class:`RankTables` of the transfer to/from ``rank`` (built on first use, kept with the pairing)."""
+    memo = memo_of(pairing).ranks
+    got: RankTables | None = memo.get(rank)
+    if got is None:
+        keep = pairing.group_mask(rank)
+        key = pairing.local_key(rank)
+        got = RankTables(
+            keep,
+            all(keep),
+            segments_of(pairing, "local", rank),
+            segments_of(pairing, "remote", rank),
+            key,
+            len(pairing.local_table(key)),
+            len(pairing.remote_table(rank)),
+            ids_bounded(pairing, "local", rank) and ids_bounded(pairing, "remote", rank),
+        )
+        memo[rank] = got
+    return got
+
+
+def sent_groups(pairing: Pairing) -> tuple[bool, ...]:
+    """The groups some transfer rank's requests carry (the union of their group masks)."""
+    memo = memo_of(pairing)
+    if memo.sent_groups is None:
+        masks = [rank_tables(pairing, r).keep for r in pairing.transfer_ranks]
+        memo.sent_groups = tuple(any(m[g] for m in masks) for g in range(len(pairing.local.groups)))
+    return memo.sent_groups
+
+
 def vllm_pairs(
-    pairing: Pairing, lg: list[np.ndarray], rg: list[np.ndarray], rview: EngineView
+    pairing: Pairing,
+    lg: list[np.ndarray],
+    rg: list[np.ndarray],
+    rview: EngineView,
+    fine: list[np.ndarray] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """vLLM's pairing of one source's lists: block-size-ratio map, then prefix trimming (B.3.5, B.3.6)."""
+    """vLLM's pairing of one source's lists: block-size-ratio map, then prefix trimming (B.3.5, B.3.6).
+    ``fine``: ``lg`` already expanded by the block-size ratio (:func:`fine_of`), where the caller has it."""
     local, kinds, bsr = pairing.local, pairing.local.group_is_ssm, pairing.bsr
     if bsr > 1:
-        lg, rg = map_checked(lg, rg, bsr, kinds)
+        if fine is None:
+            lg, rg = map_checked(lg, rg, bsr, kinds)
+        else:  # the local ids already at the remote granularity: vLLM's map is a clip
+            lg = [x if ssm else f[: r.size] for x, f, r, ssm in zip(lg, fine, rg, kinds)]
+            if all(m.size == 0 for m in lg):
+                lg = []
         if not lg or not any(x.size for x in lg):
             return [], []
     if not any(x.size for x in lg):
@@ -187,7 +298,7 @@ def check_same_tokens(
             continue
         a = lg[g] if lg else np.zeros(0, np.int64)
         b = rg[g] if rg else np.zeros(0, np.int64)
-        if a.size and not (np.array_equal(a, el[g]) and np.array_equal(b, er[g])):
+        if a.size and not (_same(a, el[g]) and _same(b, er[g])):
             raise UnsupportedError(
                 f"block_ids[{g}]",
                 "vLLM 0.33.0 pairs these blocks by count and would move the wrong tokens "
@@ -196,6 +307,28 @@ def check_same_tokens(
                 local=a.tolist()[:8],
                 remote=b.tolist()[:8],
             )
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal`` of two 1-D ``int64`` arrays, without its conversions."""
+    return a.shape == b.shape and (a is b or bool((a == b).all()))
+
+
+def fine_of(
+    kernel_ids: list[np.ndarray],
+    bsr: int,
+    kinds: Sequence[bool],
+    logical: list[np.ndarray] | None = None,
+    ppl: int = 1,
+) -> list[np.ndarray]:
+    """A side's kernel ids at the other side's (``bsr`` times finer) granularity; SSM groups unchanged.
+    With its ``logical`` ids (``ppl`` kernel blocks each) given, each group is one expansion of them by
+    ``ppl * bsr`` (the same ids: ``(b * ppl + i) * bsr + j = b * ppl * bsr + (i * bsr + j)``)."""
+    if bsr == 1:
+        return list(kernel_ids)
+    if logical is not None:
+        return [k if ssm else _expand(b, ppl * bsr) for k, b, ssm in zip(kernel_ids, logical, kinds)]
+    return [k if ssm else _expand(k, bsr) for k, ssm in zip(kernel_ids, kinds)]
 
 
 def is_sliding(group: Group) -> bool:
@@ -249,13 +382,16 @@ def exact_pairs(
     rk: list[np.ndarray],
     num_tokens: int | None,
     prefill_tokens: int | None = None,
+    lfine: list[np.ndarray] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[int, int, int]]]:
     """kvgeom mode: the local and remote fine ids of every group, paired by token (attention) or by
-    state slot (SSM, vLLM's slot rule), and each attention group's coverage on the consumer."""
+    state slot (SSM, vLLM's slot rule), and each attention group's coverage on the consumer. ``lfine``:
+    :func:`fine_of` ``lk``, where the caller has it."""
     local, kinds, bsr, pull = pairing.local, pairing.local.group_is_ssm, pairing.bsr, pairing.mode == "pull"
     remote = pairing.remotes[pairing.targets[0]]
     rview = pairing.remote_view(pairing.targets[0])
-    lfine = [k if ssm else _expand(k, bsr) for k, ssm in zip(lk, kinds)]
+    if lfine is None:
+        lfine = fine_of(lk, bsr, kinds)
     rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
     if pull:
         spans = align_groups(
@@ -283,17 +419,18 @@ def exact_pairs(
             pairing.prefix_caching,
             prefill_tokens,
         )
-    empty = [x[:0] for x in lk]
+    empty = [_NONE] * len(lk)
     ssm_l, ssm_r = (select_groups(lk, kinds), select_groups(rk, kinds))
     if pull:
         ssm_l, ssm_r = prefix_checked(ssm_l, ssm_r, local.ppl, rview.ppl, kinds)
     else:
         ssm_r, ssm_l = prefix_checked(ssm_r, ssm_l, rview.ppl, local.ppl, kinds)
     lsel, rsel = list(empty), list(empty)
+    one = local.group_one_block
     for g, (ssm, (cpos, ppos, n)) in enumerate(zip(kinds, spans)):
         if ssm:
             lsel[g], rsel[g] = ssm_l[g], ssm_r[g]
-        elif local.groups[g].one_block:  # a ring: the request's one block, whole
+        elif one[g]:  # a ring: the request's one block, whole
             lsel[g], rsel[g] = lk[g], rk[g]
         elif pull:
             lsel[g], rsel[g] = lfine[g][cpos : cpos + n], rk[g][ppos : ppos + n]

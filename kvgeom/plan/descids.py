@@ -53,6 +53,30 @@ class Segments:
         return out
 
     @cached_property
+    def carried(self) -> frozenset[int]:
+        """The groups some segment carries."""
+        return frozenset(self.limits)
+
+    @cached_property
+    def carried_prefix(self) -> int:
+        """The number of leading groups ``0..k-1`` that some segment carries."""
+        k = 0
+        while k in self.carried:
+            k += 1
+        return k
+
+    @cached_property
+    def columns(self) -> tuple[tuple[int, np.ndarray], ...]:
+        """Per run of :attr:`runs`, its group and its segments' offsets as a column (what a request adds its
+        ids to)."""
+        return tuple((g, self.offset[a:b, None]) for g, a, b in self.runs)
+
+    @cached_property
+    def grid_offsets(self) -> np.ndarray:
+        """Region-major tables (:attr:`grid`): each region's offset, as a column."""
+        return self.offset[:: max(len(self.grid or ()), 1), None]
+
+    @cached_property
     def runs(self) -> tuple[tuple[int, int, int], ...]:
         """``(group, first, end)`` of each run of consecutive segments of one group."""
         if not self.group.size:
@@ -244,21 +268,26 @@ def apply_segments(segments: Segments, groups: Sequence[np.ndarray], checked: bo
     """:func:`segment_ids` on ids that are already one 1-D ``int64`` array per group (a planner's own).
     ``checked``: the caller bounds every id by its pool and checks the descriptor ids it gets against its
     tables, so only groups without segments are refused here."""
-    limits = segments.limits
-    for g, x in enumerate(groups):  # a loop over groups: the checks, then the broadcast
-        if x.size and (g not in limits or (not checked and int(x.max()) >= limits[g])):
-            _refuse(segments, groups)
+    if checked:
+        carried = segments.carried
+        for g, x in (
+            enumerate(groups) if len(groups) > segments.carried_prefix else ()
+        ):  # a loop over groups: the checks, then the broadcast
+            if x.size and g not in carried:
+                _refuse(segments, groups)
+    else:
+        limits = segments.limits
+        for g, x in enumerate(groups):
+            if x.size and (g not in limits or int(x.max()) >= limits[g]):
+                _refuse(segments, groups)
     if segments.grid is not None:  # region-major: every region carries the same groups, in order
         v = np.concatenate([np.zeros(0, np.int64), *(groups[g] for g in segments.grid)])
-        regions = segments.offset[:: max(len(segments.grid), 1)]
-        out: np.ndarray = (regions[:, None] + v[None, :]).reshape(-1)
+        out: np.ndarray = (segments.grid_offsets + v[None, :]).reshape(-1)
         return out
     # one broadcast per run of a group's segments (a loop over groups, never over blocks)
-    parts = [
-        (segments.offset[a:b, None] + groups[g][None, :]).reshape(-1)
-        for g, a, b in segments.runs
-        if groups[g].size
-    ]
+    parts: list[np.ndarray] = [(col + groups[g]).reshape(-1) for g, col in segments.columns if groups[g].size]
+    if len(parts) == 1:
+        return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 

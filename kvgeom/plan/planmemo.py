@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgeom.plan.align import PageSet
 from kvgeom.plan.descids import Segments
 from kvgeom.plan.pairing import Pairing
 
@@ -29,6 +30,16 @@ class PlanMemo:
     segments: dict[tuple[str, int], Segments] = field(default_factory=dict)
     #: a region-mapped pull's (local, remote) segment tables by remote rank
     region_segments: dict[int, tuple[Segments, ...]] = field(default_factory=dict)
+    #: per (only the pages this pairing fills?, local group), the pages the receive step zeroes, as arrays
+    #: (:class:`~kvgeom.plan.align.PageSet`)
+    page_sets: dict[tuple[bool, int], PageSet] = field(default_factory=dict)
+    #: per remote rank, what its transfer reads of the pairing (:func:`kvgeom.plan.bind.rank_tables`)
+    ranks: dict[int, Any] = field(default_factory=dict)
+    #: the groups some transfer rank's requests carry
+    sent_groups: tuple[bool, ...] | None = None
+    #: per (side, remote rank): whether every id a checked request can bring stays inside its segment and
+    #: its table (then the planner does not bound the descriptor ids again per request)
+    bounded: dict[tuple[str, int], bool] = field(default_factory=dict)
     #: vLLM push: the P ranks (mod DCP) whose mappings write D rank ``rank``
     push_writers: dict[int, set[int]] = field(default_factory=dict)
 

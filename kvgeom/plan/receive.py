@@ -4,7 +4,7 @@ received as finer blocks, or permuted from another layout; then the zero rows fo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from kvgeom.layout.view import EngineView
 from kvgeom.model.layers import AttentionSpec
 from kvgeom.modes import Compat, CompatLike, policy_of
 from kvgeom.pair.rules import check_permute
-from kvgeom.plan.align import Page, consumer_zero_rows, group_pages
+from kvgeom.plan.align import Page, PageSet, consumer_zero_rows, group_pages
 from kvgeom.plan.bind import align_groups, require_num_tokens
 from kvgeom.plan.dcpbind import dcp_zero_rows
 from kvgeom.plan.requestplan import Regroup
@@ -34,7 +34,7 @@ def regroups(
     consumer: RankGeometry,
     kernel_ids: list[np.ndarray],
     bsr: int,
-    pages: Callable[[int], list[Page]] | None = None,
+    pages: Callable[[int], Sequence[Page] | PageSet] | None = None,
     permute: bool = False,
 ) -> tuple[Regroup, ...]:
     """Head-major blocks that arrived as ``bsr`` finer remote pages are regrouped per head (B.3.9), in the
@@ -47,6 +47,8 @@ def regroups(
         if group.one_block or not L.size or (bsr == 1 and not permute):
             continue
         where = pages(group.index) if pages is not None else group_pages(consumer, group.index)
+        if not permute and isinstance(where, PageSet) and where.most_heads <= 1:
+            continue  # no page holds several heads: nothing to regroup
         kinds: dict[tuple[str, int, int], list[int]] = {}
         for p in where:
             region = consumer.regions[p.region]
@@ -87,7 +89,7 @@ def zero_rows(
     kernel_ids: list[np.ndarray],
     units: int,
     spans: list[tuple[int, int, int]],
-    pages: Callable[[int], list[Page]] | None = None,
+    pages: Callable[[int], Sequence[Page] | PageSet] | None = None,
 ) -> np.ndarray:
     """Zero every byte of the consumer's attention blocks outside the units the transfer covered, in the
     pages of each group (``pages``; default: every page of the group's layers)."""
@@ -161,7 +163,7 @@ def post_receive(
     producer_kernel_ids: list[np.ndarray],
     bsr: int,
     compat: CompatLike = Compat.KVGEOM,
-    pages: Callable[[int], list[Page]] | None = None,
+    pages: Callable[[int], Sequence[Page] | PageSet] | None = None,
     permute: bool = False,
 ) -> tuple[tuple[Regroup, ...], np.ndarray]:
     """The consumer's post-receive step (vLLM B.3.9 / B.6.11): regroup head-major blocks that arrived as

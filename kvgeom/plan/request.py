@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -28,10 +29,13 @@ from kvgeom.plan.bind import (
     check_ids,
     check_same_tokens,
     exact_pairs,
+    filled_pages_of,
+    fine_of,
     intake,
+    rank_tables,
     require_num_tokens,
-    segments_of,
     select_groups,
+    sent_groups,
     vllm_pairs,
     zero_pages_of,
 )
@@ -72,7 +76,7 @@ def plan_request(
     at token 0); otherwise the :class:`~kvgeom.errors.PlanError` names the argument to pass."""
     local = pairing.local
     kinds = local.group_is_ssm
-    empty = isinstance(local_ids, (Sequence, np.ndarray)) and len(local_ids) == 0
+    empty = (type(local_ids) is list or isinstance(local_ids, (Sequence, np.ndarray))) and len(local_ids) == 0
     lids = intake([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
     if pairing.region_mapped:
         return plan_by_region(
@@ -209,8 +213,9 @@ def _plan(
     expected = pairing.mapping.local_consumers
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
     dcp = pairing.dcp_active
+    lfine = fine_of(lk, bsr, kinds, lids, local.ppl) if any_local and not dcp else lk
     exact = (
-        exact_pairs(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens)
+        exact_pairs(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens, lfine)
         if any_local and not dcp
         else None
     )
@@ -218,23 +223,46 @@ def _plan(
     transfers = []
     if dcp and any_local and not pairing.policy.by_tokens and mode == "pull":
         vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
+    rows = pairing.token_rows  # 1 unless kvgeom mode cuts token-major pages per token
+    paired: tuple[list[np.ndarray], list[np.ndarray]] | None = None
     for rank in pairing.transfer_ranks if any_local else ():
-        keep = pairing.group_mask(rank)
+        rt = rank_tables(pairing, rank)
+        keep, every = rt.keep, rt.every
         if dcp:
             lg, rg = dcp_pairs(
                 pairing,
                 rank,
-                select_groups(lids, keep),
-                select_groups(rids, keep),
+                select_groups(lids, keep, every),
+                select_groups(rids, keep, every),
                 num_tokens,
                 prefill_tokens,
             )
         elif aligned is not None:
-            lg, rg = select_groups(aligned[0], keep), select_groups(aligned[1], keep)
+            lg, rg = select_groups(aligned[0], keep, every), select_groups(aligned[1], keep, every)
         else:
-            lg, rg = vllm_pairs(pairing, select_groups(lk, keep), select_groups(rk, keep), rview)
-            if exact is not None:
-                check_same_tokens(lg, rg, select_groups(exact[0], keep), select_groups(exact[1], keep), kinds)
+            if paired is None:  # vLLM's count-based pairing works group by group: once for every group sent
+                sent_keep = sent_groups(pairing)
+                sent_all = all(sent_keep)
+                paired = vllm_pairs(
+                    pairing,
+                    select_groups(lk, sent_keep, sent_all),
+                    select_groups(rk, sent_keep, sent_all),
+                    rview,
+                    select_groups(lfine, sent_keep, sent_all),
+                )
+                if exact is not None and paired[0]:
+                    check_same_tokens(
+                        paired[0],
+                        paired[1],
+                        select_groups(exact[0], sent_keep, sent_all),
+                        select_groups(exact[1], sent_keep, sent_all),
+                        kinds,
+                    )
+            lg, rg = (
+                (select_groups(paired[0], keep, every), select_groups(paired[1], keep, every))
+                if paired[0]
+                else ([], [])
+            )
         if not lg or not any(x.size for x in lg):
             continue
         for g, (a, b) in enumerate(zip(lg, rg)):
@@ -245,12 +273,11 @@ def _plan(
                     local=int(a.size),
                     remote=int(b.size),
                 )
-        rows = pairing.token_rows  # 1 unless kvgeom mode cuts token-major pages per token
         if rows > 1:  # token-major pages cut per token: every attention unit becomes its token rows
             lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
             rg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(rg, kinds)]
-        r_desc = apply_segments(segments_of(pairing, "remote", rank), rg, checked=True)
-        l_desc = apply_segments(segments_of(pairing, "local", rank), lg, checked=True)
+        r_desc = apply_segments(rt.remote, rg, checked=True)
+        l_desc = apply_segments(rt.local, lg, checked=True)
         if r_desc.size != l_desc.size:
             raise PlanError(
                 "descriptor ids",
@@ -258,11 +285,11 @@ def _plan(
                 local=int(l_desc.size),
                 remote=int(r_desc.size),
             )
-        key = pairing.local_key(rank)
-        for side, ids, n in (
-            ("local", l_desc, len(pairing.local_table(key))),
-            ("remote", r_desc, len(pairing.remote_table(rank))),
-        ):
+        key = rt.key
+        if not dcp and rt.bounded:  # every id a checked request brings lies inside both tables
+            transfers.append(Transfer(rank, key, l_desc, r_desc, notif))
+            continue
+        for side, ids, n in (("local", l_desc, rt.local_rows), ("remote", r_desc, rt.remote_rows)):
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
                 raise PlanError(
                     f"{side} descriptor ids",
@@ -287,8 +314,9 @@ def _plan(
                 pairing.prefix_caching,
             )
         elif aligned is not None:
-            regroup = regroups(local, lk, bsr, pairing.zero_pages, pairing.permute)
-            zero = zero_rows(local, lk, bsr, aligned[2], pairing.zero_pages)
+            filled = partial(filled_pages_of, pairing)
+            regroup = regroups(local, lk, bsr, filled, pairing.permute)
+            zero = zero_rows(local, lk, bsr, aligned[2], filled)
         else:
             regroup, zero = post_receive(
                 local,
@@ -297,7 +325,7 @@ def _plan(
                 rk,
                 bsr,
                 pairing.policy,
-                pages=lambda g: zero_pages_of(pairing, g),
+                pages=partial(zero_pages_of, pairing),
                 permute=pairing.permute,
             )
     return RequestPlan(

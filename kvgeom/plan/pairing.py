@@ -21,11 +21,8 @@ from kvgeom.dtypes import dtype_size
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
 from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.conv import remote_conv_offsets
-from kvgeom.layout.engine import KVLayout
-from kvgeom.layout.geometry import RankGeometry, Region
-from kvgeom.layout.tokenruns import TokenRun, layer_token_runs, page_token_runs, unit_runs
-from kvgeom.layout.view import EngineView, pseudo_bases, unpseudo
-from kvgeom.model.layers import AttentionSpec
+from kvgeom.layout.geometry import RankGeometry
+from kvgeom.layout.view import EngineView, unpseudo
 from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.route import Route, dcp_pages_differ, route
@@ -33,7 +30,8 @@ from kvgeom.pair.sides import as_geometry, checked_sides
 from kvgeom.pair.streams import region_mapped
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
 from kvgeom.plan.align import Page, group_pages, page_heads
-from kvgeom.plan.dlist import Dlist, cut_fa_rows, local_dlist, remote_dlist, routed_tables
+from kvgeom.plan.dlist import Dlist, local_dlist, remote_dlist, routed_tables
+from kvgeom.plan.pagecut import PageCut, cut_rows, page_cut
 from kvgeom.plan.splits import build_local_splits
 
 __all__ = ["Pairing", "PairTables", "LocalKey", "pair_targets", "push_writers"]
@@ -230,47 +228,14 @@ class Pairing:
         return next(iter(self.remotes.values())).dcp_size
 
     @cached_property
-    def page_cut(self) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None:
-        """kvgeom mode at a block-size ratio on vLLM's CPU page (``head_kv_major``, K transposed): per
-        attention stream of each side (local, then remote), its kernel block cut into descriptors of one
-        finer block's token runs each (:func:`kvgeom.layout.tokenruns.unit_runs`: per token chunk, per head
-        its K rows then its V rows), so that descriptor ``k`` of a finer block and descriptor ``j * U + k``
-        of a coarser one hold the same bytes of chunk ``j``; ``None`` for any other pair."""
-        spec = self.local.model.attention_spec
-        if (
-            not self.policy.token_cut
-            or spec is None
-            or self.local.is_mla
-            or self.local.engine.kv_layout is not KVLayout.HEAD_KV_MAJOR
-            or (self.bsr == 1 and self.shape.remote_split == 1)
-        ):
+    def page_cut(self) -> PageCut | None:
+        """kvgeom mode at a block-size ratio on vLLM's CPU page: both sides' attention blocks cut into one
+        finer block's token runs each (:func:`kvgeom.plan.pagecut.page_cut`); ``None`` for any other pair."""
+        if not self.policy.token_cut:
             return None
         remote = self.remotes[self.targets[0]]
-        unit = min(self.local.engine.kernel, remote.engine.kernel)
-        sides = []
-        for geom, view in (
-            (self.local, self.local_view),
-            (remote, self.shape.streams[1] if self.shape.streams else EngineView.of(remote)),
-        ):
-            if view.bases or view.transfer_groups or view.num_regions != geom.num_regions:
-                raise UnsupportedError(
-                    "regions",
-                    "kvgeom mode cuts the CPU attention page by its token runs with one stream per region",
-                    local=self.local_view.num_regions,
-                    remote=view.num_regions,
-                )
-            sides.append(tuple(_region_runs(geom, r) for r in geom.regions))
-        counts = {sum(rows for _, rows, _, _ in runs) for side in sides for runs in side}
-        if len(counts) != 1:
-            raise UnsupportedError(
-                "regions",
-                "the CPU attention pages of the two sides cut into different numbers of token runs",
-                value=sorted(counts),
-            )
-        return tuple(
-            tuple(unit_runs(runs, geom.engine.kernel, unit) for runs in side)
-            for geom, side in zip((self.local, remote), sides)
-        )  # type: ignore[return-value]
+        view = self.shape.streams[1] if self.shape.streams else EngineView.of(remote)
+        return page_cut(self.local, remote, self.local_view, view, self.bsr, self.shape.remote_split)
 
     @cached_property
     def token_rows(self) -> int:
@@ -454,30 +419,11 @@ class Pairing:
         return local, remote
 
     def _cut_rows(self, rank: int, r: Route) -> tuple[np.ndarray, np.ndarray] | None:
-        """Both sides' attention runs of :attr:`page_cut` for remote rank ``rank``, whose route must move
-        whole rows (the same heads on both sides, one source)."""
+        """Both sides' attention rows of :attr:`page_cut` for remote rank ``rank``
+        (:func:`kvgeom.plan.pagecut.cut_rows`)."""
         if self.page_cut is None:
             return None
-        if any(lo or ro for lo, ro, _ in r.fa):
-            raise UnsupportedError(
-                "tp_size",
-                f"remote rank {rank} gives part of each row (route {list(r.fa)}): the CPU attention page is "
-                "cut by its token runs only where one remote rank holds the local heads",
-                local=self.local.tp_size,
-                remote=self.remote_tp,
-            )
-        remote = self.remotes[rank]
-        sides = []
-        for geom, units in ((self.local, self.page_cut[0]), (remote, self.page_cut[1])):
-            sides.append(
-                cut_fa_rows(
-                    pseudo_bases(geom.num_regions),
-                    [x.block_stride for x in geom.regions],
-                    [x.num_blocks for x in geom.regions],
-                    units,
-                )
-            )
-        return sides[0], sides[1]
+        return cut_rows(self.local, self.remotes[rank], self.page_cut, rank, r)
 
     def _vllm_tables(self) -> tuple[dict[LocalKey, Dlist], dict[int, Dlist]]:
         """vLLM mode: the whole local table (and one split per source rank when P_TP > D_TP), and each remote
@@ -544,27 +490,6 @@ class Pairing:
             + ", ".join(f"rank {r}: {len(self.remote_table(r))}" for r in self.targets),
         ]
         return "\n".join(lines)
-
-
-def _region_runs(geom: RankGeometry, region: Region) -> tuple[TokenRun, ...]:
-    """The token runs of ``region``'s attention page: its first attention member's, or, in a region no
-    attention layer views (its attention rows are moved but never read), the model's attention page."""
-    for _, name in region.members:
-        if isinstance(geom.layer_specs[name], AttentionSpec):
-            return layer_token_runs(geom, name)
-    spec = geom.model.attention_spec
-    if spec is None:  # not reached: page_cut plans only models with attention
-        return ()
-    e = dtype_size(spec.dtype)
-    return page_token_runs(
-        geom.engine.kv_layout,
-        spec.heads_per_rank(geom.tp_size),
-        geom.engine.kernel,
-        spec.head_size * e,
-        spec.v_size * e,
-        e,
-        region.part if region.part in ("k", "v") else "kv",
-    )
 
 
 def _remote_view(shape: PairShape, geom: RankGeometry, rank: int) -> EngineView:

@@ -62,7 +62,7 @@ from .errors import (
     TransferError,
 )
 from .fence import Fence, Held, Token
-from .sidechannel import Session, SideChannelServer, check_generation, fetch, make_payload, probe
+from .sidechannel import Session, SideChannelServer, check_generation, fetch, make_payload
 
 __all__ = [
     "KVRank",
@@ -78,6 +78,8 @@ __all__ = [
 ]
 
 _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
+_REPROBE_S = 0.1  # how often while its side channel refuses (a streak that must last gone_refused_s)
+_GONE_REFUSALS = 3  # at least this many refusals in a row, over at least gone_refused_s
 _GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
 _ETCD_RETRY_S = 5.0  # after etcd failed a freshness check, peers' side channels are asked for this long
 MAX_REQUEST_ID = 1024  # a notice carries the request id and must fit MAX_NOTICE_BYTES
@@ -508,6 +510,7 @@ class KVRank:
             "etcd_fallbacks": 0,
             "probes_unknown": 0,  # a writer's side channel did not answer: no evidence, kept holding
             "probes_new_incarnation": 0,  # another process answered on a writer's port: it is gone
+            "probes_refused": 0,  # a writer's side channel refused: gone only if it lasts gone_refused_s
             "retired": 0,  # attempts whose blocks passed quarantine_bound_s (ever)
             "retired_blocks": 0,  # blocks retired now (out of the pool until positive evidence)
         }
@@ -523,6 +526,8 @@ class KVRank:
             tuple[str, int], str
         ] = {}  # (engine, rank) -> agent name, from authenticated payloads
         self._probed: dict[tuple[str, int], float] = {}
+        # (engine, rank) -> (first refusal of the current streak, refusals in it): every probe refused
+        self._refusing: dict[tuple[str, int], tuple[float, int]] = {}
         self._watched: dict[str, dict[int, dict[str, Any]]] = {}  # engine -> rank -> payload (etcd ``watch``)
         self._aborts: list[tuple[Transfer, Token]] = []  # our fenced WRITEs: an A notice if one ends in error
         self._swept = 0.0
@@ -1317,26 +1322,46 @@ class KVRank:
         return out
 
     def _probe_writers(self) -> bool:
-        """Ask each silent writer's side channel (at most every ``_PROBE_EVERY_S``) whether its process is
-        alive; positive evidence of its death clears it: a refused connection, or an authenticated answer
-        from another incarnation than the one it was known by. True if one was cleared."""
+        """Ask each silent writer's side channel (at most every ``_PROBE_EVERY_S``, over a kept-open
+        authenticated session) whether its process is alive; positive evidence of its death clears it:
+        refusals that last (every probe refused for at least ``gone_refused_s``, at least
+        ``_GONE_REFUSALS`` of them, the session to it torn down), or an authenticated answer from another
+        incarnation than the one it was known by. One refusal is not evidence: a live server's port under a
+        connection flood refused some fresh connects (docs/reliability.md). True if one was cleared."""
         now = time.monotonic()
         gone = False
-        for w in self.fence.writers():
+        writers = self.fence.writers()
+        for w in [w for w in self._refusing if w not in writers]:
+            del self._refusing[w]
+        for w in writers:
             addr = self._watch.get(w)
-            if addr is None or now - self._probed.get(w, 0.0) < _PROBE_EVERY_S:
+            every = _REPROBE_S if w in self._refusing else _PROBE_EVERY_S
+            if addr is None or now - self._probed.get(w, 0.0) < every:
                 continue
             self._probed[w] = now
+            session = self._sessions.get(addr)
+            if session is None:
+                session = self._sessions[addr] = Session(addr[0], addr[1], self.auth)
             try:
-                seen = probe(addr[0], addr[1], timeout_s=0.25, auth=self.auth).incarnation
-            except PeerGone:  # refused: nothing listens any more (a stopped process still accepts)
-                gone = self.fence.writer_gone(w) > 0 or gone
+                # the session answers over its open connection (no connect, no accept queue); only a
+                # session that is torn down (the kernel closes a dead process's sockets) connects again
+                seen = session.probe(timeout_s=0.25).incarnation
+            except PeerGone:  # refused: nothing listened on the port for this connect
+                self.stats["probes_refused"] += 1
+                first, n = self._refusing.get(w, (time.monotonic(), 0))
+                self._refusing[w] = (first, n + 1)
+                if n + 1 >= _GONE_REFUSALS and time.monotonic() - first >= self.config.gone_refused_s:
+                    del self._refusing[w]
+                    gone = self.fence.writer_gone(w) > 0 or gone
                 continue
             except PeerUnknown:  # reset, EOF, timeout, unreachable: no evidence, keep holding
+                self._refusing.pop(w, None)
                 self.stats["probes_unknown"] += 1
                 continue
             except AdapterError:
+                self._refusing.pop(w, None)
                 continue
+            self._refusing.pop(w, None)  # an authenticated answer: whoever answers is alive
             known = self._incarnations.setdefault(w, seen)  # first answer: who serves the port now
             if seen != known:  # authenticated, and another process: the one we knew is gone
                 self.stats["probes_new_incarnation"] += 1

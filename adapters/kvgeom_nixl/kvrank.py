@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,7 @@ __all__ = [
 _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
 _REPROBE_S = 0.1  # how often while its side channel refuses (a streak that must last gone_refused_s)
 _GONE_REFUSALS = 3  # at least this many refusals in a row, over at least gone_refused_s
+_SESSION_FRESH_S = 20.0  # a writer's session unused this long is renewed when an attempt starts waiting
 _GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
 _ETCD_RETRY_S = 5.0  # after etcd failed a freshness check, peers' side channels are asked for this long
 MAX_REQUEST_ID = 1024  # a notice carries the request id and must fit MAX_NOTICE_BYTES
@@ -1075,10 +1076,7 @@ class KVRank:
                 self.stats["etcd_fallbacks"] += 1
         elif link.via == "etcd":
             self.stats["etcd_fallbacks"] += 1
-        addr = (link.host, link.port)
-        session = self._sessions.get(addr)
-        if session is None:
-            session = self._sessions[addr] = Session(link.host, link.port, self.auth)
+        session = self._session((link.host, link.port))
         check_generation(
             link.host,
             link.port,
@@ -1223,6 +1221,7 @@ class KVRank:
         end = t0 + (timeout_s if timeout_s is not None else self.config.notif_timeout_s)
         got: dict = {}
         try:
+            self._keep_sessions(writers, end)
             while True:
                 self.drain()
                 got = self._arrived.get(token, {})
@@ -1321,6 +1320,33 @@ class KVRank:
         self._retire()
         return out
 
+    def _session(self, addr: tuple[str, int]) -> Session:
+        """The kept-open side-channel session to ``addr`` (freshness checks and liveness probes share it)."""
+        session = self._sessions.get(addr)
+        if session is None:
+            session = self._sessions[addr] = Session(addr[0], addr[1], self.auth)
+        return session
+
+    def _keep_sessions(self, writers: Iterable[tuple[str, int]], end: float) -> None:
+        """Before an attempt waits for its writers, make sure each one's liveness session is open and
+        recent (one short authenticated query if not), so that if the attempt fails its writer is probed
+        over a connection that already exists: a flood that later fills the writer's accept queue, or
+        makes its port refuse some fresh connects, then cannot hide a live writer. Failures are ignored
+        here (the probes in :meth:`settle` judge them)."""
+        now = time.monotonic()
+        for w in writers:
+            addr = self._watch.get(w)
+            if addr is None:
+                continue
+            session = self._session(addr)
+            if session.answered_at is not None and now - session.answered_at < _SESSION_FRESH_S:
+                continue
+            try:
+                seen = session.probe(timeout_s=max(0.01, min(0.25, (end - now) / 4))).incarnation
+            except AdapterError:
+                continue
+            self._incarnations.setdefault(w, seen)
+
     def _probe_writers(self) -> bool:
         """Ask each silent writer's side channel (at most every ``_PROBE_EVERY_S``, over a kept-open
         authenticated session) whether its process is alive; positive evidence of its death clears it:
@@ -1339,9 +1365,7 @@ class KVRank:
             if addr is None or now - self._probed.get(w, 0.0) < every:
                 continue
             self._probed[w] = now
-            session = self._sessions.get(addr)
-            if session is None:
-                session = self._sessions[addr] = Session(addr[0], addr[1], self.auth)
+            session = self._session(addr)
             try:
                 # the session answers over its open connection (no connect, no accept queue); only a
                 # session that is torn down (the kernel closes a dead process's sockets) connects again

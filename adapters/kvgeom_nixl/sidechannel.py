@@ -1215,6 +1215,7 @@ class Session:
         self._greeting: Greeting | None = None
         self.opened = 0  # connections made (a new one after each failure)
         self.queries = 0
+        self.answered_at: float | None = None  # monotonic time of the last authenticated answer
 
     def probe(self, timeout_s: float = 2.0) -> Liveness:
         """The peer's generation and incarnation, bounded as a whole by ``timeout_s``."""
@@ -1265,6 +1266,7 @@ class Session:
             )
         self._greeting = Greeting(greeting.incarnation, challenge, greeting.started)
         self.queries += 1
+        self.answered_at = time.monotonic()
         return Liveness(gen, greeting.incarnation)
 
     def close(self) -> None:

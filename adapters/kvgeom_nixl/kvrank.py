@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 
 from kvgeom import GeometryCard, KvgeomError, Pairing, RequestPlan, check_pair, plan_request
-from kvgeom.blocks import as_group_ids, logical_to_kernel
 from kvgeom.errors import PlanError
 from kvgeom.layout.card import DEFAULT_LIMITS, CardLimits
+from kvgeom.plan.blockrows import block_rows, zero_runs
 from kvgeom.plan.pairing import push_writers
 from kvgeom.plan.receive import receive_step
 from kvgeom.plan.requestplan import Regroup, check_writes, contiguous_runs
@@ -112,51 +112,6 @@ def _host(t: Any) -> bool:
     """Whether ``t``'s bytes are host memory this process may write directly (libc, numpy); the other
     devices' tensors are zeroed by torch alone (tests force that path on CPU tensors through this)."""
     return bool(t.is_cpu)
-
-
-def zero_runs(rows: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """``(region, offset, length)`` rows as the fewest disjoint runs: ``(region, start, end)`` arrays sorted
-    by region then start, where touching or overlapping rows of one region are one run (never across
-    regions), and the rows' byte total (every row counted, as zeroed). Rows of length 0 are dropped. A row
-    outside its region (``sizes``) or a region that is not one raises :class:`~kvgeom.errors.PlanError`."""
-    rows = np.asarray(rows, dtype=np.int64)
-    if rows.size == 0:
-        e = np.zeros(0, np.int64)
-        return e, e, e, 0
-    if rows.ndim != 2 or rows.shape[1] != 3:
-        raise PlanError("zero", f"rows must be (region, offset, length) triples, got shape {rows.shape}")
-    size = np.asarray(sizes, dtype=np.int64)
-    region, offset, length = rows.T
-    lo, hi = int(region.min()), int(region.max())
-    if lo < 0 or hi >= size.size:
-        raise PlanError("zero", f"rows name region {lo if lo < 0 else hi}; there are {size.size}")
-    over = (offset < 0) | (length < 0) | (offset + length > size[region])
-    if over.any():
-        i = int(np.flatnonzero(over)[0])
-        raise PlanError(
-            "zero", f"row {i} {rows[i].tolist()} lies outside its region ({int(size[region[i]])} B)"
-        )
-    total = int(length.sum())
-    if total == 0:
-        e = np.zeros(0, np.int64)
-        return e, e, e, 0
-    if not length.all():
-        keep = length > 0
-        region, offset, length = region[keep], offset[keep], length[keep]
-    # one address space with a 1-byte gap after every region: sorting and merging never join two regions
-    base = np.cumsum(size + 1) - (size + 1)
-    start = base[region] + offset
-    end = start + length
-    if (start[1:] < start[:-1]).any():
-        order = np.argsort(start, kind="stable")
-        start, end = start[order], end[order]
-    reach = np.maximum.accumulate(end)  # an overlapping row may end before the one it lies in
-    first = np.flatnonzero(start[1:] > reach[:-1]) + 1
-    run_start = start[np.append(0, first)]
-    run_end = reach[np.append(first - 1, start.size - 1)]
-    run_region = np.searchsorted(base, run_start, side="right") - 1
-    local = base[run_region]
-    return run_region, run_start - local, run_end - local, total
 
 
 def _chunks(start: np.ndarray, end: np.ndarray, nbytes: int) -> tuple[int, np.ndarray]:
@@ -297,29 +252,6 @@ def request_block_rows(card: GeometryCard, ids: Sequence[Sequence[int]]) -> np.n
     """``(region, offset, length)`` rows covering every block of a request on this rank (all regions,
     whole pages): what a failed request zeroes so that no stale or partial bytes are ever read."""
     return block_rows(card.geometry, ids)
-
-
-def block_rows(geom: Any, ids: Sequence[Sequence[int]]) -> np.ndarray:
-    """:func:`request_block_rows` for a :class:`~kvgeom.layout.geometry.RankGeometry`."""
-    kinds = geom.group_is_ssm
-    kernel = logical_to_kernel(as_group_ids(ids, kinds, "ids"), geom.ppl, kinds)
-    blocks = np.unique(
-        np.concatenate(
-            [np.zeros(0, np.int64)]
-            + [
-                k if not ssm else (k[:, None] * geom.ppl + np.arange(geom.ppl)).ravel()
-                for k, ssm in zip(kernel, kinds)
-            ]
-        )
-    )
-    # region-major, one row per (region, block): every region's rows at once, no per-region arrays
-    index = np.asarray([r.index for r in geom.regions], dtype=np.int64)
-    stride = np.asarray([r.block_stride for r in geom.regions], dtype=np.int64)
-    rows = np.empty((index.size, blocks.size, 3), dtype=np.int64)
-    rows[:, :, 0] = index[:, None]
-    rows[:, :, 1] = stride[:, None] * blocks[None, :]
-    rows[:, :, 2] = stride[:, None]
-    return rows.reshape(-1, 3)
 
 
 def merge_runs(

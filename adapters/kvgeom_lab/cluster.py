@@ -68,7 +68,9 @@ FAULTS = {
     "request `at` is sent (`when`: before), or `delay_s` after D starts it (`when`: after_post); SIGCONT "
     "`seconds` later",
     "busy": "engine `engine` (every rank, or rank `rank`) stops driving NIXL (alive, its side channel answers) "
-    "for `seconds` before attempt `attempt` (default 1) of request `at`",
+    "for `seconds` before attempt `attempt` (default 1) of request `at`; with `refuse`, its side channels' ports "
+    "also refuse every fresh connect from then on (the listening socket is shut down; the process, its accept "
+    "thread and its open sessions live on: what a flooded, live server was measured to do to some connects)",
     "lie": "engine `engine` serves a lying handshake payload: `what` is num_blocks | sizes | unregistered | "
     "overlap | impersonate | swap",
     "rogue": "a process with no role tries every side channel without the secret; given the ranks' leaked NIXL "
@@ -262,6 +264,10 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
             if cmd == "exit":
                 exiting = time.monotonic() + 3.0  # bounded wait for stragglers' notices
             elif cmd == "busy":
+                if isinstance(data, dict):
+                    if data.get("refuse"):
+                        _refuse_fresh_connects(kv)
+                    data = data["seconds"]
                 time.sleep(float(data))  # alive, answering its side channel, but not driving NIXL
             elif cmd == "reregister":
                 kv.reregister()
@@ -286,6 +292,16 @@ def _producer_main(spec: dict, engine: str, rank: int, events: Any, inbox: Any) 
             sidechannel=dict(kv.server.stats),
         )
         return out
+
+
+def _refuse_fresh_connects(kv: KVRank) -> None:
+    """The ``busy`` fault's ``refuse``: the rank's side-channel port refuses every fresh connect while the
+    process, its side channel's threads and its open sessions live (``shutdown`` of the listening socket
+    unhashes it). A live producer that a probe on a new connection would take for dead."""
+    import socket
+
+    if kv.server is not None:
+        kv.server._sock.shutdown(socket.SHUT_RD)
 
 
 def _fill(kv: KVRank, card: GeometryCard, space: CoordSpace, mine: list[tuple[int, dict]]) -> None:
@@ -1011,7 +1027,9 @@ def _before(s: _Scheduler, faults: dict, rid: str, attempt: int, engine: str) ->
     if busy and _hits(busy, rid, attempt):
         for n in s.inboxes:
             if n[0] == busy["engine"] and busy.get("rank", n[1]) == n[1]:
-                s.inboxes[n].put(("busy", float(busy["seconds"])))
+                s.inboxes[n].put(
+                    ("busy", {"seconds": float(busy["seconds"]), "refuse": bool(busy.get("refuse"))})
+                )
     flood = faults.get("flood")
     if flood and _hits(flood, rid, attempt):
         for i in range(_flooders(faults)):

@@ -87,7 +87,10 @@ class FloodRun:
             "bad_at_completion": self.bad_at_completion,
             "mismatches": len(self.mismatches),
             "flood": self.flood,
-            "stats": {k: self.stats.get(k) for k in ("probes_unknown", "retired", "retired_blocks")},
+            "stats": {
+                k: self.stats.get(k)
+                for k in ("probes_unknown", "probes_refused", "retired", "retired_blocks")
+            },
         }
 
 
@@ -151,11 +154,15 @@ def _error(attempt: dict[str, Any]) -> str:
     return str(next(iter(errors.values()), None) or attempt.get("error") or "failed")
 
 
-def live_producer_flood(connections: int = 40, max_connects: int = 60000) -> FloodRun:
+def live_producer_flood(
+    connections: int = 40, max_connects: int = 60000, processes: int = 1, refuse: bool = False
+) -> FloodRun:
     """Issue 22, finding 1 (push). r0 to ``prefill``; r1 to ``prefill``, busy past the timeout (its WRITE
-    lands ~3 s late) while the flood holds ``connections`` per side channel of ``prefill`` for ``T + 6`` s;
-    r2 to ``backup`` meanwhile (it must not get r1's blocks); r3 to ``backup`` after the late WRITE.
-    ``faulty``: r1's attempt."""
+    lands ~3 s late) while the flood holds ``connections`` per side channel of ``prefill`` for ``T + 6`` s,
+    from each of ``processes`` processes; r2 to ``backup`` meanwhile (it must not get r1's blocks); r3 to
+    ``backup`` after the late WRITE. With ``refuse``, ``prefill``'s side-channel ports also refuse every
+    fresh connect from r1 on, while it lives (what a heavy flood did to some connects of a live server:
+    docs/reliability.md); D must not read that as its death. ``faulty``: r1's attempt."""
     reqs = [
         {"id": "r0", "tokens": 300, "engine": "prefill"},
         {"id": "r1", "tokens": 900, "engine": "prefill"},
@@ -163,13 +170,14 @@ def live_producer_flood(connections: int = 40, max_connects: int = 60000) -> Flo
         {"id": "r3", "tokens": 300, "engine": "backup", "delay_s": 5.0},  # past the late WRITE
     ]
     faults = {
-        "busy": {"engine": "prefill", "at": "r1", "seconds": T + 3.0},
+        "busy": {"engine": "prefill", "at": "r1", "seconds": T + 3.0, "refuse": refuse},
         "flood": {
             "engine": "prefill",
             "at": "r1",
             "seconds": T + 6.0,
             "connections": connections,
             "max_connects": max_connects,
+            "processes": processes,
         },
     }
     out = run_cluster(spec("push", reqs, faults, linger_s=2.0), timeout_s=400)  # stressed: > 150 s

@@ -34,18 +34,18 @@ from typing import Any
 import numpy as np
 
 from kvgeom import (
-    BlockIdError,
     GeometryCard,
     KvgeomError,
     Pairing,
-    PlanError,
     RankGeometry,
     Regroup,
     RequestPlan,
+    block_rows,
     check_writes,
     plan_request,
     push_writers,
     receive_step,
+    zero_runs,
 )
 
 from .batches import Batch, batches
@@ -104,56 +104,20 @@ def allocate(card: GeometryCard) -> list[np.ndarray]:
     return [np.zeros(r.nbytes, dtype=np.uint8) for r in card.geometry.regions]
 
 
-def block_spans(geom: RankGeometry, ids: Sequence[Sequence[int]]) -> np.ndarray:
-    """``(region, offset, length)`` rows covering every kernel block of a request on this rank, in every
-    region (whole block strides): logical id ``b`` is kernel blocks ``b * ppl + j``, ``j < ppl``, in every
-    group (an SSM slot's page spans ``ppl`` kernel blocks)."""
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise BlockIdError("ids", f"one id list per group, got {type(ids).__name__}", value=str(ids)[:80])
-    flat: list[int] = []
-    for g in ids:
-        if isinstance(g, (str, bytes, int)) or not hasattr(g, "__iter__"):
-            raise BlockIdError("ids", f"one id list per group, got {g!r}", value=str(g)[:80])
-        flat.extend(int(b) for b in g)
-    logical = np.asarray(flat, dtype=np.int64)
-    limit = geom.logical_num_blocks
-    if logical.size and (logical.min() < 0 or logical.max() >= limit):
-        bad = int(logical.min() if logical.min() < 0 else logical.max())
-        raise BlockIdError("ids", f"block id {bad} outside 0..{limit - 1}", value=bad, expected=limit)
-    kernel = np.unique((logical[:, None] * geom.ppl + np.arange(geom.ppl)).ravel())
-    rows = [
-        np.stack(
-            [np.full(kernel.size, r.index), kernel * r.block_stride, np.full(kernel.size, r.block_stride)], 1
-        )
-        for r in geom.regions
-    ]
-    return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 3), np.int64)
+block_spans = block_rows
+"""``(region, offset, length)`` rows covering every kernel block of a request on this rank, in every region
+(whole block strides): :func:`kvgeom.block_rows`, the geometry both transports zero with."""
 
 
 def zero_rows(arrays: Sequence[np.ndarray], rows: np.ndarray) -> int:
     """Zero ``(region, offset, length)`` rows (merged per region where they touch); the rows' byte total.
     A row outside its region is a :class:`kvgeom.PlanError` before any byte is written."""
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-    if not rows.size:
-        return 0
-    region, off, n = rows.T
     sizes = np.asarray([a.size for a in arrays], dtype=np.int64)
-    if region.min() < 0 or region.max() >= sizes.size:
-        raise PlanError("zero", f"rows name region {int(region.max())}; there are {sizes.size}")
-    bad = (off < 0) | (n < 0) | (off + n > sizes[region])
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise PlanError("zero", f"row {rows[i].tolist()} lies outside its region ({int(sizes[region[i]])} B)")
-    order = np.lexsort((off, region))
-    runs: list[list[int]] = []  # [region, start, end], rows sorted by region then offset
-    for r, o, e in zip(region[order].tolist(), off[order].tolist(), (off + n)[order].tolist()):
-        if runs and runs[-1][0] == r and o <= runs[-1][2]:
-            runs[-1][2] = max(runs[-1][2], e)
-        else:
-            runs.append([r, o, e])
-    for r, o, e in runs:
+    run_region, start, end, total = zero_runs(rows, sizes)  # the fewest runs (kvgeom.zero_runs)
+    for r, o, e in zip(run_region.tolist(), start.tolist(), end.tolist()):
         arrays[r][o:e] = 0
-    return int(n.sum())
+    return total
 
 
 _ORDER = {"head_major": (0, 2, 1, 3, 4), "token_major": (0, 1, 3, 2, 4)}

@@ -122,6 +122,14 @@ class TransportConfig:
     (docs/reliability.md), so a retired entry is returned by ``settle()`` only on the same positive
     evidence as any other (the writer's notice, the transfer's end, the writer's death)."""
 
+    gone_refused_s: float = 1.0
+    """How long a silent writer's side channel must keep *refusing* connections before the writer counts
+    as gone (its blocks then leave the quarantine): every probe over at least this long, at least 3 of
+    them, refused (``ECONNREFUSED``), with no other outcome in between and no kept-open session to it
+    answering. One refusal is no evidence: a live but flooded server's port was measured to refuse some
+    fresh connections (docs/reliability.md). A killed process refuses every connect at once, so its
+    blocks come back about this long after its death. Above 0."""
+
     discovery: str = "sidechannel"
     """How a rank finds its peers' handshake payloads: ``"sidechannel"`` (ask each peer rank's side channel,
     whose addresses the caller gives) or ``"etcd"`` (every rank publishes its sealed, encrypted payload in
@@ -194,7 +202,13 @@ class TransportConfig:
             if not v >= 0:
                 raise ValueError(f"{f}: must be >= 0, got {v!r}")
             object.__setattr__(self, f, v)
-        for f in ("peer_payload_ttl_s", "replay_window_s", "notif_ttl_s", "quarantine_bound_s"):
+        for f in (
+            "peer_payload_ttl_s",
+            "replay_window_s",
+            "notif_ttl_s",
+            "quarantine_bound_s",
+            "gone_refused_s",
+        ):
             v = float(getattr(self, f))
             if not v > 0:
                 raise ValueError(f"{f}: must be > 0, got {v!r}")

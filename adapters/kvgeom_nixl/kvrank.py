@@ -32,16 +32,16 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvgeom import GeometryCard, KvgeomError, Pairing, RequestPlan, check_pair, plan_request
-from kvgeom.blocks import as_group_ids, logical_to_kernel
 from kvgeom.errors import PlanError
 from kvgeom.layout.card import DEFAULT_LIMITS, CardLimits
+from kvgeom.plan.blockrows import block_rows, zero_runs
 from kvgeom.plan.pairing import push_writers
 from kvgeom.plan.receive import receive_step
 from kvgeom.plan.requestplan import Regroup, check_writes, contiguous_runs
@@ -62,7 +62,7 @@ from .errors import (
     TransferError,
 )
 from .fence import Fence, Held, Token
-from .sidechannel import Session, SideChannelServer, check_generation, fetch, make_payload, probe
+from .sidechannel import Session, SideChannelServer, check_generation, fetch, make_payload
 
 __all__ = [
     "KVRank",
@@ -78,6 +78,9 @@ __all__ = [
 ]
 
 _PROBE_EVERY_S = 0.5  # how often a silent writer's side channel is asked whether its process is alive
+_REPROBE_S = 0.1  # how often while its side channel refuses (a streak that must last gone_refused_s)
+_GONE_REFUSALS = 3  # at least this many refusals in a row, over at least gone_refused_s
+_SESSION_FRESH_S = 20.0  # a writer's session unused this long is renewed when an attempt starts waiting
 _GONE_DRAIN_S = 0.2  # progress driven after a writer's death, so that bytes already received are applied
 _ETCD_RETRY_S = 5.0  # after etcd failed a freshness check, peers' side channels are asked for this long
 MAX_REQUEST_ID = 1024  # a notice carries the request id and must fit MAX_NOTICE_BYTES
@@ -109,51 +112,6 @@ def _host(t: Any) -> bool:
     """Whether ``t``'s bytes are host memory this process may write directly (libc, numpy); the other
     devices' tensors are zeroed by torch alone (tests force that path on CPU tensors through this)."""
     return bool(t.is_cpu)
-
-
-def zero_runs(rows: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """``(region, offset, length)`` rows as the fewest disjoint runs: ``(region, start, end)`` arrays sorted
-    by region then start, where touching or overlapping rows of one region are one run (never across
-    regions), and the rows' byte total (every row counted, as zeroed). Rows of length 0 are dropped. A row
-    outside its region (``sizes``) or a region that is not one raises :class:`~kvgeom.errors.PlanError`."""
-    rows = np.asarray(rows, dtype=np.int64)
-    if rows.size == 0:
-        e = np.zeros(0, np.int64)
-        return e, e, e, 0
-    if rows.ndim != 2 or rows.shape[1] != 3:
-        raise PlanError("zero", f"rows must be (region, offset, length) triples, got shape {rows.shape}")
-    size = np.asarray(sizes, dtype=np.int64)
-    region, offset, length = rows.T
-    lo, hi = int(region.min()), int(region.max())
-    if lo < 0 or hi >= size.size:
-        raise PlanError("zero", f"rows name region {lo if lo < 0 else hi}; there are {size.size}")
-    over = (offset < 0) | (length < 0) | (offset + length > size[region])
-    if over.any():
-        i = int(np.flatnonzero(over)[0])
-        raise PlanError(
-            "zero", f"row {i} {rows[i].tolist()} lies outside its region ({int(size[region[i]])} B)"
-        )
-    total = int(length.sum())
-    if total == 0:
-        e = np.zeros(0, np.int64)
-        return e, e, e, 0
-    if not length.all():
-        keep = length > 0
-        region, offset, length = region[keep], offset[keep], length[keep]
-    # one address space with a 1-byte gap after every region: sorting and merging never join two regions
-    base = np.cumsum(size + 1) - (size + 1)
-    start = base[region] + offset
-    end = start + length
-    if (start[1:] < start[:-1]).any():
-        order = np.argsort(start, kind="stable")
-        start, end = start[order], end[order]
-    reach = np.maximum.accumulate(end)  # an overlapping row may end before the one it lies in
-    first = np.flatnonzero(start[1:] > reach[:-1]) + 1
-    run_start = start[np.append(0, first)]
-    run_end = reach[np.append(first - 1, start.size - 1)]
-    run_region = np.searchsorted(base, run_start, side="right") - 1
-    local = base[run_region]
-    return run_region, run_start - local, run_end - local, total
 
 
 def _chunks(start: np.ndarray, end: np.ndarray, nbytes: int) -> tuple[int, np.ndarray]:
@@ -294,29 +252,6 @@ def request_block_rows(card: GeometryCard, ids: Sequence[Sequence[int]]) -> np.n
     """``(region, offset, length)`` rows covering every block of a request on this rank (all regions,
     whole pages): what a failed request zeroes so that no stale or partial bytes are ever read."""
     return block_rows(card.geometry, ids)
-
-
-def block_rows(geom: Any, ids: Sequence[Sequence[int]]) -> np.ndarray:
-    """:func:`request_block_rows` for a :class:`~kvgeom.layout.geometry.RankGeometry`."""
-    kinds = geom.group_is_ssm
-    kernel = logical_to_kernel(as_group_ids(ids, kinds, "ids"), geom.ppl, kinds)
-    blocks = np.unique(
-        np.concatenate(
-            [np.zeros(0, np.int64)]
-            + [
-                k if not ssm else (k[:, None] * geom.ppl + np.arange(geom.ppl)).ravel()
-                for k, ssm in zip(kernel, kinds)
-            ]
-        )
-    )
-    # region-major, one row per (region, block): every region's rows at once, no per-region arrays
-    index = np.asarray([r.index for r in geom.regions], dtype=np.int64)
-    stride = np.asarray([r.block_stride for r in geom.regions], dtype=np.int64)
-    rows = np.empty((index.size, blocks.size, 3), dtype=np.int64)
-    rows[:, :, 0] = index[:, None]
-    rows[:, :, 1] = stride[:, None] * blocks[None, :]
-    rows[:, :, 2] = stride[:, None]
-    return rows.reshape(-1, 3)
 
 
 def merge_runs(
@@ -508,6 +443,7 @@ class KVRank:
             "etcd_fallbacks": 0,
             "probes_unknown": 0,  # a writer's side channel did not answer: no evidence, kept holding
             "probes_new_incarnation": 0,  # another process answered on a writer's port: it is gone
+            "probes_refused": 0,  # a writer's side channel refused: gone only if it lasts gone_refused_s
             "retired": 0,  # attempts whose blocks passed quarantine_bound_s (ever)
             "retired_blocks": 0,  # blocks retired now (out of the pool until positive evidence)
         }
@@ -523,6 +459,8 @@ class KVRank:
             tuple[str, int], str
         ] = {}  # (engine, rank) -> agent name, from authenticated payloads
         self._probed: dict[tuple[str, int], float] = {}
+        # (engine, rank) -> (first refusal of the current streak, refusals in it): every probe refused
+        self._refusing: dict[tuple[str, int], tuple[float, int]] = {}
         self._watched: dict[str, dict[int, dict[str, Any]]] = {}  # engine -> rank -> payload (etcd ``watch``)
         self._aborts: list[tuple[Transfer, Token]] = []  # our fenced WRITEs: an A notice if one ends in error
         self._swept = 0.0
@@ -1070,10 +1008,7 @@ class KVRank:
                 self.stats["etcd_fallbacks"] += 1
         elif link.via == "etcd":
             self.stats["etcd_fallbacks"] += 1
-        addr = (link.host, link.port)
-        session = self._sessions.get(addr)
-        if session is None:
-            session = self._sessions[addr] = Session(link.host, link.port, self.auth)
+        session = self._session((link.host, link.port))
         check_generation(
             link.host,
             link.port,
@@ -1218,6 +1153,7 @@ class KVRank:
         end = t0 + (timeout_s if timeout_s is not None else self.config.notif_timeout_s)
         got: dict = {}
         try:
+            self._keep_sessions(writers, end)
             while True:
                 self.drain()
                 got = self._arrived.get(token, {})
@@ -1316,27 +1252,72 @@ class KVRank:
         self._retire()
         return out
 
+    def _session(self, addr: tuple[str, int]) -> Session:
+        """The kept-open side-channel session to ``addr`` (freshness checks and liveness probes share it)."""
+        session = self._sessions.get(addr)
+        if session is None:
+            session = self._sessions[addr] = Session(addr[0], addr[1], self.auth)
+        return session
+
+    def _keep_sessions(self, writers: Iterable[tuple[str, int]], end: float) -> None:
+        """Before an attempt waits for its writers, make sure each one's liveness session is open and
+        recent (one short authenticated query if not), so that if the attempt fails its writer is probed
+        over a connection that already exists: a flood that later fills the writer's accept queue, or
+        makes its port refuse some fresh connects, then cannot hide a live writer. Failures are ignored
+        here (the probes in :meth:`settle` judge them)."""
+        now = time.monotonic()
+        for w in writers:
+            addr = self._watch.get(w)
+            if addr is None:
+                continue
+            session = self._session(addr)
+            if session.answered_at is not None and now - session.answered_at < _SESSION_FRESH_S:
+                continue
+            try:
+                seen = session.probe(timeout_s=max(0.01, min(0.25, (end - now) / 4))).incarnation
+            except AdapterError:
+                continue
+            self._incarnations.setdefault(w, seen)
+
     def _probe_writers(self) -> bool:
-        """Ask each silent writer's side channel (at most every ``_PROBE_EVERY_S``) whether its process is
-        alive; positive evidence of its death clears it: a refused connection, or an authenticated answer
-        from another incarnation than the one it was known by. True if one was cleared."""
+        """Ask each silent writer's side channel (at most every ``_PROBE_EVERY_S``, over a kept-open
+        authenticated session) whether its process is alive; positive evidence of its death clears it:
+        refusals that last (every probe refused for at least ``gone_refused_s``, at least
+        ``_GONE_REFUSALS`` of them, the session to it torn down), or an authenticated answer from another
+        incarnation than the one it was known by. One refusal is not evidence: a live server's port under a
+        connection flood refused some fresh connects (docs/reliability.md). True if one was cleared."""
         now = time.monotonic()
         gone = False
-        for w in self.fence.writers():
+        writers = self.fence.writers()
+        for w in [w for w in self._refusing if w not in writers]:
+            del self._refusing[w]
+        for w in writers:
             addr = self._watch.get(w)
-            if addr is None or now - self._probed.get(w, 0.0) < _PROBE_EVERY_S:
+            every = _REPROBE_S if w in self._refusing else _PROBE_EVERY_S
+            if addr is None or now - self._probed.get(w, 0.0) < every:
                 continue
             self._probed[w] = now
+            session = self._session(addr)
             try:
-                seen = probe(addr[0], addr[1], timeout_s=0.25, auth=self.auth).incarnation
-            except PeerGone:  # refused: nothing listens any more (a stopped process still accepts)
-                gone = self.fence.writer_gone(w) > 0 or gone
+                # the session answers over its open connection (no connect, no accept queue); only a
+                # session that is torn down (the kernel closes a dead process's sockets) connects again
+                seen = session.probe(timeout_s=0.25).incarnation
+            except PeerGone:  # refused: nothing listened on the port for this connect
+                self.stats["probes_refused"] += 1
+                first, n = self._refusing.get(w, (time.monotonic(), 0))
+                self._refusing[w] = (first, n + 1)
+                if n + 1 >= _GONE_REFUSALS and time.monotonic() - first >= self.config.gone_refused_s:
+                    del self._refusing[w]
+                    gone = self.fence.writer_gone(w) > 0 or gone
                 continue
             except PeerUnknown:  # reset, EOF, timeout, unreachable: no evidence, keep holding
+                self._refusing.pop(w, None)
                 self.stats["probes_unknown"] += 1
                 continue
             except AdapterError:
+                self._refusing.pop(w, None)
                 continue
+            self._refusing.pop(w, None)  # an authenticated answer: whoever answers is alive
             known = self._incarnations.setdefault(w, seen)  # first answer: who serves the port now
             if seen != known:  # authenticated, and another process: the one we knew is gone
                 self.stats["probes_new_incarnation"] += 1

@@ -417,11 +417,14 @@ class SideChannelServer:
     from the deployment's peers.
 
     A ``session`` request (authenticated like any other, empty body) is answered like ``generation``, with
-    a fresh challenge, and its connection stays open in the accept thread: each later ``session`` preamble
-    on it must name that challenge (and is answered with the next one), so a peer's freshness checks need
-    no new connection, and a flood that fills the accept queue cannot delay them. At most ``max_sessions``
-    are kept (the least recently used is closed for a new one), each closed after ``session_idle_s``
-    unused; only secret holders can open one.
+    a fresh challenge, and its connection stays open: each later ``session`` preamble on it must name that
+    challenge (and is answered with the next one), so a peer's freshness checks and liveness probes need
+    no new connection. Sessions are served by their *own* thread with its own selector (the accept thread
+    hands an authenticated session over and never touches it again), so a flood that keeps the accept
+    thread busy, or fills the accept queue, cannot delay them: the session thread sleeps in ``select`` on
+    the sessions alone and, woken by a session's bytes, waits at most one interpreter switch interval for
+    the GIL. At most ``max_sessions`` are kept (the least recently used is closed for a new one), each
+    closed after ``session_idle_s`` unused; only secret holders can open one.
 
     The socket is bound in the constructor (``port=0`` picks a free port; read :attr:`port`), the
     thread starts in :meth:`start` (or ``with``). ``auth`` is required: ``Auth(secret)``, or
@@ -475,6 +478,12 @@ class SideChannelServer:
         self.refusals: deque[AdapterError] = deque(maxlen=64)
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._session_thread: threading.Thread | None = None
+        # authenticated sessions handed from the accept thread to the session thread, and its wake-up pair
+        self._handoff: deque[tuple[socket.socket, Greeting, Preamble]] = deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._set_payload(dict(payload or {}))
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -484,6 +493,7 @@ class SideChannelServer:
             self._sock.setblocking(False)
         except BaseException:
             self._sock.close()
+            self._close_wake()
             raise
         self.host, self.port = self._sock.getsockname()[:2]
 
@@ -556,6 +566,10 @@ class SideChannelServer:
     # -- thread
     def start(self) -> SideChannelServer:
         if self._thread is None:
+            self._session_thread = threading.Thread(
+                target=self._serve_sessions, name=f"sidechannel-sessions:{self.port}", daemon=True
+            )
+            self._session_thread.start()
             self._thread = threading.Thread(target=self._serve, name=f"sidechannel:{self.port}", daemon=True)
             self._thread.start()
         return self
@@ -570,11 +584,14 @@ class SideChannelServer:
         """Stop accepting and close the socket (clients then get *connection refused*); wait up to
         ``timeout_s`` for the accept thread and for handlers still answering."""
         self._closed.set()
+        self._wake()
         deadline = time.monotonic() + timeout_s
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        for t in (self._thread, self._session_thread):
+            if t is not None and t is not threading.current_thread():
+                t.join(max(deadline - time.monotonic(), 0.001))
         if self._thread is None:
             self._close_socket()
+            self._close_wake()
         with self._lock:
             while self._handlers and time.monotonic() < deadline:
                 self._lock.wait(max(deadline - time.monotonic(), 0.001))
@@ -583,6 +600,20 @@ class SideChannelServer:
         try:
             self._sock.close()
         except OSError:
+            pass
+
+    def _close_wake(self) -> None:
+        for s in (self._wake_r, self._wake_w):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _wake(self) -> None:
+        """Wake the session thread (a byte on its wake-up pair; a full pair is already awake)."""
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # BlockingIOError: bytes are waiting already; closed: the thread is gone
             pass
 
     def _serve(self) -> None:
@@ -598,14 +629,12 @@ class SideChannelServer:
                     else:
                         self._read_preamble(sel, key.data)
                 self._drop_late(sel)
-                self._drop_idle(sel)
         finally:
             for p in list(self._pending.values()):
                 self._drop(sel, p, None)
-            for sess in list(self._sessions.values()):
-                self._end_session(sel, sess, None)
             sel.close()
             self._close_socket()
+            self._wake()
 
     # -- the unauthenticated phase (the accept thread; nothing here blocks)
     def _accept(self, sel: selectors.BaseSelector) -> None:
@@ -692,8 +721,9 @@ class SideChannelServer:
             tagged = not isinstance(e, AuthenticationError) or isinstance(e, ReplayError)
             self._refuse(p.conn, e, pre.nonce_hex if tagged else None)
             return
-        if pre.op == "session":
-            self._open_session(sel, p.conn, p.greeting, pre)
+        if pre.op == "session":  # the session thread owns it from here on
+            self._handoff.append((p.conn, p.greeting, pre))
+            self._wake()
             return
         with self._lock:
             busy = self._handlers >= 4 * self._max_handlers
@@ -709,7 +739,36 @@ class SideChannelServer:
                 self._handlers -= 1
             self._refuse(p.conn, _busy(), pre.nonce_hex, "refused_busy")
 
-    # -- sessions (the accept thread; nothing here blocks)
+    # -- sessions (their own thread and selector; nothing here blocks)
+    def _serve_sessions(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            while not self._closed.is_set():
+                for key, _ in sel.select(0.25):
+                    if key.data is None:
+                        self._take_handoffs(sel)
+                    else:
+                        self._read_session(sel, key.data)
+                self._drop_idle(sel)
+        finally:
+            while self._handoff:
+                self._handoff.popleft()[0].close()
+            for sess in list(self._sessions.values()):
+                self._end_session(sel, sess, None)
+            sel.close()
+            self._close_wake()
+
+    def _take_handoffs(self, sel: selectors.BaseSelector) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:  # BlockingIOError: drained
+            pass
+        while self._handoff:
+            conn, greeting, pre = self._handoff.popleft()
+            self._open_session(sel, conn, greeting, pre)
+
     def _open_session(
         self, sel: selectors.BaseSelector, conn: socket.socket, greeting: Greeting, pre: Preamble
     ) -> None:
@@ -1156,6 +1215,7 @@ class Session:
         self._greeting: Greeting | None = None
         self.opened = 0  # connections made (a new one after each failure)
         self.queries = 0
+        self.answered_at: float | None = None  # monotonic time of the last authenticated answer
 
     def probe(self, timeout_s: float = 2.0) -> Liveness:
         """The peer's generation and incarnation, bounded as a whole by ``timeout_s``."""
@@ -1206,6 +1266,7 @@ class Session:
             )
         self._greeting = Greeting(greeting.incarnation, challenge, greeting.started)
         self.queries += 1
+        self.answered_at = time.monotonic()
         return Liveness(gen, greeting.incarnation)
 
     def close(self) -> None:

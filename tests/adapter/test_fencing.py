@@ -161,6 +161,26 @@ def test_push_a_connection_flood_on_the_live_producer_never_releases_its_blocks(
     assert run.flood["closed_by_server"] >= 1 and run.flood["connects"] >= 80, run.flood
 
 
+def test_push_a_live_producer_whose_port_refuses_under_a_heavy_flood_is_never_declared_gone():
+    """Issue 22, the refusals under a heavy flood: ``prefill`` is alive and busy past the timeout (its
+    WRITE of r1 lands late) while 2 processes without the secret hold 900 connections each on each of its
+    side channels, and its ports refuse every fresh connect meanwhile (a live server's port was measured to
+    refuse some under such a flood: docs/reliability.md). Before (a probe on a new connection, one refusal
+    = gone): D read the first refusal as death, released r1's blocks, r2 got them and the late WRITE
+    landed in it. Now D probes over the session it opened when r1 started waiting, which the live
+    producer answers: r1's blocks stay held until its late ``W`` notices, and no byte lands elsewhere."""
+    run = live_producer_flood(connections=900, processes=2, max_connects=300_000, refuse=True)
+    r1 = ("r1", 1)
+    print(f"\nrefuse+flood: {run.row()}")
+    assert run.served == [("r0", 1), ("r2", 1), ("r3", 1)], run.failed
+    assert run.failed[r1].startswith("NotifTimeout"), run.failed
+    assert run.reused_while_held == 0 and run.blocks_held[r1] > 0
+    assert sorted(run.cleared_by[r1]) == ["prefill:0 late W", "prefill:1 late W"], run.cleared_by
+    assert run.mismatches == [] and run.bytes_damaged == 0 and run.skipped_bytes == 0, run.mismatches[:3]
+    assert run.bad_at_completion == 0
+    assert run.flood["processes"] == 2 and run.flood["closed_by_server"] >= 1000, run.flood  # refused
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_a_flood_on_the_freshness_checks_side_channel_fails_no_legitimate_request(mode):
     """What was left of issue 22 finding 1 (:func:`kvgeom_lab.floods.legit_requests_under_flood`): before

@@ -24,6 +24,7 @@ pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
 from _inproc import AUTH, CONFIG, HOST, card  # noqa: E402
+from _slack import SLACK_S  # noqa: E402
 from kvgeom_nixl import (  # noqa: E402
     HandshakeTimeout,
     PeerGone,
@@ -297,3 +298,63 @@ def test_an_entry_past_the_bound_is_retired_reported_and_returned_only_on_eviden
     finally:
         kv.close()
         server.close()
+
+
+def _stop_listening(srv: SideChannelServer) -> None:
+    """The server's port refuses fresh connects while its process, its accept thread and its sessions
+    live on (``shutdown`` of a listening socket unhashes it; the port stays bound): what a live but
+    flooded server was measured to do to some connects (docs/reliability.md)."""
+    srv._sock.shutdown(socket.SHUT_RD)
+
+
+def test_refusals_while_the_writers_session_answers_are_no_evidence(d_rank):
+    """Issue 22, the refusals of a live, flooded server: fresh connects to the writer's port are refused,
+    but the writer lives and its kept-open session answers. Before (a new connection per probe, one
+    refusal = gone): the first probe after the refusals began released the blocks. Now the probes go over
+    the session, and the blocks stay held however long the port refuses."""
+    kv = d_rank
+    srv = SideChannelServer(HOST, 0, None, auth=AUTH).start()
+    kv.watch("prefill", {0: srv.port})
+    kv.fence.hold(("r1", 1), [[3, 4, 5]], writers=[WRITER], reason="test")
+    try:
+        assert _settle_until(kv, lambda _: srv.stats["session_queries"] >= 2, 10.0) == []
+        _stop_listening(srv)
+        with pytest.raises(PeerGone):  # a fresh connection is refused now
+            query_generation(HOST, srv.port, timeout_s=1.0, auth=AUTH)
+        asked = srv.stats["session_queries"]
+        held = _settle_until(kv, lambda _: srv.stats["session_queries"] >= asked + 6, 3 * 1.0 + 10.0)
+        assert held == [] and srv.stats["session_queries"] >= asked + 6, srv.stats
+        assert [h.token for h in kv.quarantined()] == [("r1", 1)]
+        assert kv.stats["probes_refused"] == 0 and srv.stats["sessions_opened"] == 1, (kv.stats, srv.stats)
+    finally:
+        srv.close()
+
+
+def test_a_refusal_is_gone_only_when_it_lasts_gone_refused_s(d_rank):
+    """No session (the writer's port refuses from the start, then answers, then refuses for good): a
+    streak of refusals shorter than ``gone_refused_s`` is no evidence, an answer ends it, and the blocks
+    come back only after every probe for ``gone_refused_s`` (at least 3 probes) was refused."""
+    kv = d_rank
+    bound = kv.config.gone_refused_s
+    hold = socket.socket()  # bound, not listening: every connect is refused, and the port stays ours
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.bind((HOST, 0))
+    port = hold.getsockname()[1]
+    kv.watch("prefill", {0: port})
+    kv.fence.hold(("r1", 1), [[3, 4, 5]], writers=[WRITER], reason="test")
+    t0 = time.monotonic()
+    early = _settle_until(kv, lambda _: time.monotonic() - t0 > bound / 2, 10.0)
+    assert early == [] and kv.stats["probes_refused"] >= 1, kv.stats
+    hold.close()
+    srv = SideChannelServer(HOST, port, None, auth=AUTH).start()
+    try:
+        assert _settle_until(kv, lambda _: srv.stats["session_queries"] >= 1, 10.0) == []
+        assert _settle_until(kv, bool, bound) == []  # the answer ended the streak: still held
+    finally:
+        srv.close()
+    t_gone = time.monotonic()
+    refused = kv.stats["probes_refused"]
+    out = _settle_until(kv, bool, bound + 10.0)
+    assert [(s.request_id, s.attempt, s.cleared_by) for s in out] == [("r1", 1, ("prefill:0 gone",))]
+    assert bound <= time.monotonic() - t_gone < bound + 1.0 + SLACK_S
+    assert kv.stats["probes_refused"] - refused >= 3, kv.stats

@@ -1,0 +1,87 @@
+"""The byte rows of a request's blocks on one rank, and rows as the fewest runs: the pure geometry every
+transport zeroes with (a failed request's blocks, a quarantined attempt's blocks given back, the receive
+step's zero rows). Rows are ``(region, offset, length)`` triples of ``int64``, as the plan's moves are.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvgeom.blocks import BlockIds, as_group_ids
+from kvgeom.errors import BlockIdError, PlanError
+from kvgeom.layout.geometry import RankGeometry
+
+__all__ = ["block_rows", "zero_runs"]
+
+
+def block_rows(geom: RankGeometry, ids: BlockIds) -> np.ndarray:
+    """``(region, offset, length)`` rows covering every block of a request on this rank: every region,
+    whole block strides, one row per (region, kernel block), region-major, each kernel block once. Logical
+    id ``b`` of any group is kernel blocks ``b * ppl + j``, ``j < ppl`` (an attention block is split into
+    ``ppl`` kernel blocks; an SSM slot's page spans as many). ``ids``: one id list per group
+    (:class:`~kvgeom.errors.BlockIdError` / ``GroupMismatchError`` otherwise); an id outside
+    ``0 .. geom.logical_num_blocks - 1`` is a :class:`~kvgeom.errors.BlockIdError` naming it and the limit.
+    """
+    groups = as_group_ids(ids, geom.group_is_ssm, "ids")
+    logical = np.concatenate([np.zeros(0, np.int64), *groups])
+    limit = geom.logical_num_blocks
+    if logical.size and (logical.min() < 0 or logical.max() >= limit):
+        bad = int(logical.min() if logical.min() < 0 else logical.max())
+        raise BlockIdError("ids", f"block id {bad} outside 0..{limit - 1}", value=bad, expected=limit)
+    ppl = geom.ppl
+    blocks = np.unique((np.unique(logical)[:, None] * ppl + np.arange(ppl)).ravel())
+    index = np.asarray([r.index for r in geom.regions], dtype=np.int64)
+    stride = np.asarray([r.block_stride for r in geom.regions], dtype=np.int64)
+    rows = np.empty((index.size, blocks.size, 3), dtype=np.int64)
+    rows[:, :, 0] = index[:, None]
+    rows[:, :, 1] = stride[:, None] * blocks[None, :]
+    rows[:, :, 2] = stride[:, None]
+    return rows.reshape(-1, 3)
+
+
+def zero_runs(
+    rows: np.ndarray, sizes: np.ndarray | list[int] | tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(region, offset, length)`` rows as the fewest disjoint runs: ``(region, start, end)`` arrays sorted
+    by region then start, where touching or overlapping rows of one region are one run (never across
+    regions), and the rows' byte total (every row counted, as zeroed). Rows of length 0 are dropped. A row
+    outside its region (``sizes``: each region's bytes) or a region that is not one raises
+    :class:`~kvgeom.errors.PlanError` naming the row."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        e = np.zeros(0, np.int64)
+        return e, e, e, 0
+    if rows.ndim != 2 or rows.shape[1] != 3:
+        raise PlanError("zero", f"rows must be (region, offset, length) triples, got shape {rows.shape}")
+    size = np.asarray(sizes, dtype=np.int64)
+    region, offset, length = rows.T
+    lo, hi = int(region.min()), int(region.max())
+    if lo < 0 or hi >= size.size:
+        raise PlanError("zero", f"rows name region {lo if lo < 0 else hi}; there are {size.size}")
+    over = (offset < 0) | (length < 0) | (offset + length > size[region])
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise PlanError(
+            "zero", f"row {i} {rows[i].tolist()} lies outside its region ({int(size[region[i]])} B)"
+        )
+    total = int(length.sum())
+    if total == 0:
+        e = np.zeros(0, np.int64)
+        return e, e, e, 0
+    if not length.all():
+        keep = length > 0
+        region, offset, length = region[keep], offset[keep], length[keep]
+    # one address space with a 1-byte gap after every region: sorting and merging never join two regions
+    base = np.cumsum(size + 1) - (size + 1)
+    start = base[region] + offset
+    end = start + length
+    if (start[1:] < start[:-1]).any():
+        order = np.argsort(start, kind="stable")
+        start, end = start[order], end[order]
+    reach = np.maximum.accumulate(end)  # an overlapping row may end before the one it lies in
+    first = np.flatnonzero(start[1:] > reach[:-1]) + 1
+    run_start = start[np.append(0, first)]
+    run_end = reach[np.append(first - 1, start.size - 1)]
+    run_region = np.searchsorted(base, run_start, side="right") - 1
+    local = base[run_region]
+    return run_region, run_start - local, run_end - local, total

@@ -13,16 +13,14 @@ call fails the run: a pass must not come from vLLM's own code.
 
 from __future__ import annotations
 
-import sys
-from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
 
+from ._plugin_report import Outcomes, replace_everywhere, write_zero_rows, zero_rows
 from .table import CALLS, EXERCISED, REFUSED, TABLE
 
-_OUTCOMES: dict[str, Counter[str]] = defaultdict(Counter)
-_REPLACED: list[tuple[str, str]] = []
+_OUTCOMES = Outcomes()
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -32,20 +30,6 @@ def pytest_addoption(parser: Any) -> None:
         action="store_true",
         help="do not fail the run when an exercised function got no call",
     )
-
-
-def _replace_everywhere(original: Any, replacement: Any, label: str) -> int:
-    """Replace ``original`` by ``replacement`` in every loaded vLLM module that holds it."""
-    n = 0
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("vllm") or mod is None:
-            continue
-        for attr, value in list(vars(mod).items()):
-            if value is original:
-                setattr(mod, attr, replacement)
-                _REPLACED.append((f"{name}.{attr}", label))
-                n += 1
-    return n
 
 
 def install() -> None:
@@ -63,8 +47,8 @@ def install() -> None:
             mod = importlib.import_module(e.module)
             answer = worker.counted(e)
             if e.qualname in worker.DISPATCHERS:  # in the tests every call goes to kvgeom, whoever makes it
-                _replace_everywhere(worker.DISPATCHERS[e.qualname], answer, e.qualname)
-            _replace_everywhere(getattr(mod, e.attr), answer, e.qualname)
+                replace_everywhere(worker.DISPATCHERS[e.qualname], answer)
+            replace_everywhere(getattr(mod, e.attr), answer)
     classes = [
         (worker._TransferTopology, worker.KvgeomTransferTopology),
         (ORIGINAL_CONV_SPLIT_INFO, worker.KvgeomConvSplitInfo),
@@ -78,7 +62,7 @@ def install() -> None:
         (connector._nixl.NixlPushConnector, connector.KvgeomNixlPushConnector),
     ]
     for original, replacement in classes:
-        _replace_everywhere(original, replacement, replacement.__name__)
+        replace_everywhere(original, replacement)
 
 
 def pytest_configure(config: Any) -> None:
@@ -86,13 +70,11 @@ def pytest_configure(config: Any) -> None:
 
 
 def pytest_runtest_logreport(report: Any) -> None:
-    file = report.nodeid.split("::", 1)[0]
-    if report.when == "call" or (report.when == "setup" and not report.passed):
-        _OUTCOMES[file][report.outcome] += 1
+    _OUTCOMES.record(report)
 
 
 def _zero_rows() -> list[str]:
-    return [e.qualname for e in EXERCISED if CALLS[e.qualname] == 0]
+    return zero_rows(EXERCISED, CALLS)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
@@ -115,18 +97,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         )
         for field, n in CARDLESS.most_common():
             tr.write_line(f"    {field} x{n}, e.g. {CARDLESS_EXAMPLE[field][:160]}")
-    tr.section("kvgeom_vllm: outcomes per test file")
-    for file in sorted(_OUTCOMES):
-        c = _OUTCOMES[file]
-        tr.write_line(
-            f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "skipped") if c[k])
-        )
+    _OUTCOMES.write(tr, "kvgeom_vllm: outcomes per test file")
     zero = _zero_rows()
     if zero and not config.getoption("--kvgeom-no-zero-check"):
-        tr.write_line(
-            f"  FAILED: no call reached kvgeom for {zero}: a pass there would come from vLLM's own code",
-            red=True,
-        )
+        write_zero_rows(tr, zero)
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

@@ -11,27 +11,15 @@ from vLLM's own code).
 
 from __future__ import annotations
 
-import sys
-from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
 
+from kvgeom_vllm._plugin_report import Outcomes, replace_everywhere, write_zero_rows, zero_rows
+
 from .table import CALLS, EXERCISED, REFUSED, TABLE
 
-_OUTCOMES: dict[str, Counter[str]] = defaultdict(Counter)
-
-
-def _replace_everywhere(original: Any, replacement: Any) -> int:
-    n = 0
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("vllm") or mod is None:
-            continue
-        for attr, value in list(vars(mod).items()):
-            if value is original:
-                setattr(mod, attr, replacement)
-                n += 1
-    return n
+_OUTCOMES = Outcomes()
 
 
 def install() -> None:
@@ -44,7 +32,7 @@ def install() -> None:
     for e in TABLE:
         if e.kind == "function":
             answer = connector.counted(e)
-            _replace_everywhere(connector.DISPATCHERS[e.qualname], answer)
+            replace_everywhere(connector.DISPATCHERS[e.qualname], answer)
     classes = [
         (worker._TransferTopology, worker.KvgeomTransferTopology),
         (mc.MooncakeConnectorWorker, connector.KvgeomMooncakeConnectorWorker),
@@ -52,7 +40,7 @@ def install() -> None:
         (mc.MooncakeConnector, connector.KvgeomMooncakeConnector),
     ]
     for original, replacement in classes:
-        _replace_everywhere(original, replacement)
+        replace_everywhere(original, replacement)
 
 
 def pytest_configure(config: Any) -> None:
@@ -60,13 +48,11 @@ def pytest_configure(config: Any) -> None:
 
 
 def pytest_runtest_logreport(report: Any) -> None:
-    file = report.nodeid.split("::", 1)[0]
-    if report.when == "call" or (report.when == "setup" and not report.passed):
-        _OUTCOMES[file][report.outcome] += 1
+    _OUTCOMES.record(report)
 
 
 def _zero_rows() -> list[str]:
-    return [e.qualname for e in EXERCISED if CALLS[e.qualname] == 0]
+    return zero_rows(EXERCISED, CALLS)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
@@ -78,18 +64,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
             f"  {e.qualname:<{width}}  {CALLS[e.qualname]:>7} calls  {REFUSED[e.qualname]:>5} refused   <- {e.kvgeom}"
         )
     tr.write_line(f"  total: {sum(CALLS[e.qualname] for e in TABLE)} calls reached kvgeom")
-    tr.section("kvgeom_vllm.mooncake: outcomes per test file")
-    for file in sorted(_OUTCOMES):
-        c = _OUTCOMES[file]
-        tr.write_line(
-            f"  {file}: " + ", ".join(f"{c[k]} {k}" for k in ("passed", "failed", "skipped") if c[k])
-        )
+    _OUTCOMES.write(tr, "kvgeom_vllm.mooncake: outcomes per test file")
     zero = _zero_rows()
     if zero:
-        tr.write_line(
-            f"  FAILED: no call reached kvgeom for {zero}: a pass there would come from vLLM's own code",
-            red=True,
-        )
+        write_zero_rows(tr, zero)
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

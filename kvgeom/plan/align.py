@@ -74,16 +74,7 @@ def list_starts(
     """First token of the consumer's (``n_c`` blocks of ``b_c``) and the producer's (``n_p`` of ``b_p``)
     list of one attention group; ``p_end_hint``: where the producer's full-attention lists of the same
     request end (for a sliding group without ``prefill_tokens``)."""
-    if num_tokens is not None and num_tokens < 1:
-        raise PlanError("num_tokens", f"must be >= 1, got {num_tokens}", value=num_tokens)
-    if prefill_tokens is not None:
-        if prefill_tokens < 0 or (num_tokens is not None and prefill_tokens > num_tokens):
-            raise PlanError(
-                "prefill_tokens",
-                f"{prefill_tokens} tokens computed by P for a request D holds {num_tokens} tokens of",
-                value=prefill_tokens,
-                expected=num_tokens,
-            )
+    _check_token_counts(num_tokens, prefill_tokens)
     p_end = _producer_end(n_p, b_p, prefill_tokens, sliding, p_end_hint, group)
     p0 = p_end - n_p * b_p
     if p0 < 0 or (p0 and not sliding):
@@ -95,23 +86,7 @@ def list_starts(
             remote=n_p,
         )
     if num_tokens is not None:
-        c_end = math.ceil(num_tokens / b_c) * b_c
-        c0 = c_end - n_c * b_c
-        if c0 < 0:
-            raise PlanError(
-                f"block_ids[{group}]",
-                f"D's {n_c} blocks of {b_c} tokens are more than num_tokens={num_tokens} need",
-                local=n_c,
-                remote=n_p,
-            )
-        if (n_p - 1) * b_p >= num_tokens and prefill_tokens is None and not sliding:
-            raise PlanError(
-                f"block_ids[{group}]",
-                f"P's {n_p} blocks of {b_p} tokens are more than num_tokens={num_tokens} need",
-                local=n_c,
-                remote=n_p,
-            )
-        return c0, p0
+        return _counted_start(n_c, b_c, n_p, b_p, num_tokens, sliding, group, prefill_tokens), p0
     if not prefix_caching and not sliding:
         if n_c * b_c <= (n_p - 1) * b_p:  # D's whole list is shorter than what P computed: not from token 0
             raise PlanError(
@@ -135,6 +110,49 @@ def list_starts(
         local=n_c,
         remote=n_p,
     )
+
+
+def _check_token_counts(num_tokens: int | None, prefill_tokens: int | None) -> None:
+    if num_tokens is not None and num_tokens < 1:
+        raise PlanError("num_tokens", f"must be >= 1, got {num_tokens}", value=num_tokens)
+    if prefill_tokens is not None:
+        if prefill_tokens < 0 or (num_tokens is not None and prefill_tokens > num_tokens):
+            raise PlanError(
+                "prefill_tokens",
+                f"{prefill_tokens} tokens computed by P for a request D holds {num_tokens} tokens of",
+                value=prefill_tokens,
+                expected=num_tokens,
+            )
+
+
+def _counted_start(
+    n_c: int,
+    b_c: int,
+    n_p: int,
+    b_p: int,
+    num_tokens: int,
+    sliding: bool,
+    group: int,
+    prefill_tokens: int | None,
+) -> int:
+    """The consumer list's first token from the tokens D holds blocks for (its list ends there)."""
+    c_end = math.ceil(num_tokens / b_c) * b_c
+    c0 = c_end - n_c * b_c
+    if c0 < 0:
+        raise PlanError(
+            f"block_ids[{group}]",
+            f"D's {n_c} blocks of {b_c} tokens are more than num_tokens={num_tokens} need",
+            local=n_c,
+            remote=n_p,
+        )
+    if (n_p - 1) * b_p >= num_tokens and prefill_tokens is None and not sliding:
+        raise PlanError(
+            f"block_ids[{group}]",
+            f"P's {n_p} blocks of {b_p} tokens are more than num_tokens={num_tokens} need",
+            local=n_c,
+            remote=n_p,
+        )
+    return c0
 
 
 def overlap(c_start: int, n_c: int, p_start: int, n_p: int) -> tuple[int, int, int]:

@@ -393,32 +393,13 @@ def exact_pairs(
     if lfine is None:
         lfine = fine_of(lk, bsr, kinds)
     rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
-    if pull:
-        spans = align_groups(
-            local,
-            lids,
-            lfine,
-            rblock,
-            rids,
-            rk,
-            rview.block_size,
-            num_tokens,
-            pairing.prefix_caching,
-            prefill_tokens,
-        )
-    else:
-        spans = align_groups(
-            remote,
-            rids,
-            rk,
-            local.logical_block_size,
-            lids,
-            lfine,
-            rview.block_size,
-            num_tokens,
-            pairing.prefix_caching,
-            prefill_tokens,
-        )
+    # the consumer's lists first: D's in pull, the remote's in push
+    c_side = (
+        (local, lids, lfine, rblock, rids, rk)
+        if pull
+        else (remote, rids, rk, local.logical_block_size, lids, lfine)
+    )
+    spans = align_groups(*c_side, rview.block_size, num_tokens, pairing.prefix_caching, prefill_tokens)
     empty = [_NONE] * len(lk)
     ssm_l, ssm_r = (select_groups(lk, kinds), select_groups(rk, kinds))
     if pull:

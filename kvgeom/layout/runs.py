@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvgeom.errors import PlanError
+from kvgeom.layout.view import OFFSET_MASK, REGION_SHIFT
 
 __all__ = ["Runs", "coalesce_moves"]
 
@@ -73,6 +74,17 @@ class Runs:
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
+    def _made(cls, base: np.ndarray, length: np.ndarray, stride: np.ndarray, count: np.ndarray) -> Runs:
+        """Runs from columns an operation computed from valid runs (``int64``, one length, lengths and
+        counts >= 0): the checks of the public constructor skipped."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "base", base)
+        object.__setattr__(out, "length", length)
+        object.__setattr__(out, "stride", stride)
+        object.__setattr__(out, "count", count)
+        return out
+
+    @classmethod
     def of(cls, base: IntArray, length: IntArray, stride: IntArray = 0, count: IntArray = 1) -> Runs:
         """Runs from columns; a one-value column is repeated for every run."""
         n = max(np.asarray(x).size for x in (base, length, stride, count))
@@ -93,7 +105,21 @@ class Runs:
         """One element per ``(address, length)`` range (``count`` 1, ``stride`` the length)."""
         a = np.asarray(address, dtype=np.int64).reshape(-1)
         ln = _col(length, a.size, "length")
-        return cls(a, ln, ln, np.ones(a.size, dtype=np.int64))
+        if a.size and int(ln.min()) < 0:
+            raise PlanError("runs.length", "must be >= 0", value=int(ln.min()))
+        return cls._made(a, ln, ln, np.ones(a.size, dtype=np.int64))
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray) -> Runs:
+        """``(region, offset, length)`` rows (a plan's moves, zero rows) as one element each, at
+        pseudo-addresses (``region << 44 | offset``), so that no operation joins two regions."""
+        r = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        return cls.ranges((r[:, 0] << REGION_SHIFT) | r[:, 1], r[:, 2])
+
+    def rows(self) -> np.ndarray:
+        """Every element as a ``(region, offset, length)`` row (the inverse of :meth:`from_rows`)."""
+        addr, length = self.expand()
+        return np.column_stack([addr >> REGION_SHIFT, addr & OFFSET_MASK, length])
 
     @classmethod
     def from_nixl(cls, rows: np.ndarray) -> Runs:
@@ -115,7 +141,7 @@ class Runs:
             return cls.empty()
         if len(parts) == 1:
             return parts[0]
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
+        return cls._made(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
 
     # -- size ---------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -137,6 +163,10 @@ class Runs:
         return out
 
     # -- conversion ---------------------------------------------------------------------------------
+    def table(self) -> np.ndarray:
+        """The runs as an N x 4 ``int64`` array ``(base, length, stride, count)``."""
+        return np.column_stack([self.base, self.length, self.stride, self.count]).reshape(-1, 4)
+
     def nixl(self, device: int = 0) -> np.ndarray:
         """NIXL's N x 5 ``int64`` strided rows ``(addr, len, dev, stride, count)``."""
         out = np.empty((len(self), 5), dtype=np.int64)
@@ -151,6 +181,8 @@ class Runs:
 
     def expand(self) -> tuple[np.ndarray, np.ndarray]:
         """Every element as ``(address, length)``, in id order."""
+        if (self.count == 1).all():  # one element per run (byte rows): the columns themselves
+            return self.base, self.length
         run = np.repeat(np.arange(len(self)), self.count)
         k = np.arange(run.size, dtype=np.int64) - np.repeat(self.starts(), self.count)
         return self.base[run] + k * self.stride[run], self.length[run]
@@ -181,7 +213,7 @@ class Runs:
                 value=(int(off[i]), int(ln[i])),
                 expected=int(self.length[i]),
             )
-        return Runs(self.base + off, ln, self.stride, self.count)
+        return Runs._made(self.base + off, ln, self.stride, self.count)
 
     def units(self, first: IntArray, n: IntArray) -> Runs:
         """Units ``[first, first + n)`` of every element, where an element is one unit (say one token's
@@ -191,27 +223,22 @@ class Runs:
             raise PlanError(
                 "units", "first unit and unit count must be >= 0", value=(int(a.min()), int(m.min()))
             )
-        return Runs(self.base + a * self.length, m * self.length, self.stride, self.count)
+        return Runs._made(self.base + a * self.length, m * self.length, self.stride, self.count)
 
     def shift(self, delta: IntArray) -> Runs:
         """Every element moved by ``delta`` bytes (per run, or one value for all)."""
-        return Runs(self.base + _col(delta, len(self), "delta"), self.length, self.stride, self.count)
+        return Runs._made(self.base + _col(delta, len(self), "delta"), self.length, self.stride, self.count)
 
     def compose(self, inner: Runs) -> Runs:
         """``inner`` placed in every element of this value (its addresses relative to the element's first
         byte): run by run, element by element, then ``inner``'s runs in order. Each element becomes
         ``len(inner)`` runs, so compose frames with few elements (blocks of a table, not tokens)."""
         frame, _ = self.expand()
-        m = len(inner)
-        return (
-            Runs(
-                (frame[:, None] + inner.base[None, :]).reshape(-1),
-                np.tile(inner.length, frame.size),
-                np.tile(inner.stride, frame.size),
-                np.tile(inner.count, frame.size),
-            )
-            if m
-            else Runs.empty()
+        return Runs._made(
+            (frame[:, None] + inner.base[None, :]).reshape(-1),
+            np.tile(inner.length, frame.size),
+            np.tile(inner.stride, frame.size),
+            np.tile(inner.count, frame.size),
         )
 
     def joined(self) -> Runs:
@@ -229,7 +256,7 @@ class Runs:
         if not cont.any():
             return self
         first = np.flatnonzero(np.append(True, ~cont))
-        return Runs(
+        return Runs._made(
             self.base[first], self.length[first], self.stride[first], np.add.reduceat(self.count, first)
         )
 
@@ -250,7 +277,8 @@ class Runs:
         first = np.flatnonzero(a[1:] > reach[:-1]) + 1
         start = a[np.append(0, first)]
         stop = reach[np.append(first - 1, a.size - 1)]
-        return Runs.ranges(start, stop - start)
+        ln = stop - start
+        return Runs._made(start, ln, ln, np.ones(start.size, dtype=np.int64))
 
 
 _FIELDS = ("base", "length", "stride", "count")

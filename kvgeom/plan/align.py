@@ -35,7 +35,7 @@ import numpy as np
 
 from kvgeom.errors import PlanError
 from kvgeom.layout.engine import KVLayout
-from kvgeom.layout.tokenruns import TokenRun, layer_token_runs
+from kvgeom.layout.tokenruns import TokenRun, as_runs, layer_token_runs
 
 __all__ = ["list_starts", "overlap", "Page", "PageSet", "page_heads", "group_pages", "consumer_zero_rows"]
 
@@ -342,15 +342,12 @@ def _cut_gap_rows(
     cut = [k for k, p in enumerate(pages) if p.runs]
     for k in cut:  # pages cut by token runs: one row per (gap, page, run, row)
         p = pages[k]
-        r = np.asarray(p.runs, dtype=np.int64).reshape(-1, 4)
-        row = np.repeat(np.arange(r.shape[0]), r[:, 1])
-        sub = np.arange(row.size) - np.repeat(np.cumsum(r[:, 1]) - r[:, 1], r[:, 1])
-        start = p.offset + r[row, 0] + sub * r[row, 2]
+        start, tb = as_runs(p.runs).shift(p.offset).expand()  # each row's token 0 and its bytes per token
         g = np.asarray(gaps, dtype=np.int64)
-        out = np.empty((len(gaps), row.size, 3), dtype=np.int64)
+        out = np.empty((len(gaps), start.size, 3), dtype=np.int64)
         out[..., 0] = p.region
-        out[..., 1] = g[:, 0, None] * p.stride + start[None, :] + g[:, 1, None] * r[row, 3][None, :]
-        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * r[row, 3][None, :]
+        out[..., 1] = g[:, 0, None] * p.stride + start[None, :] + g[:, 1, None] * tb[None, :]
+        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tb[None, :]
         rows.append(out.reshape(-1, 3))
     keep = [k for k, p in enumerate(pages) if not p.runs]
     pages, cols = [pages[k] for k in keep], cols[keep]

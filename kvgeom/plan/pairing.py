@@ -15,13 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-import numpy as np
-
 from kvgeom.dtypes import dtype_size
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
 from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.conv import remote_conv_offsets
 from kvgeom.layout.geometry import RankGeometry
+from kvgeom.layout.runs import Runs
 from kvgeom.layout.view import EngineView, unpseudo
 from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
@@ -246,7 +245,7 @@ class Pairing:
         if self.page_cut is not None:
             remote = self.remotes[self.targets[0]]  # a finer block's descriptors, as both sides cut them
             split = remote.engine.kernel // min(self.local.engine.kernel, remote.engine.kernel)
-            return int(self.page_cut[1][0][:, 3].sum()) // split
+            return self.page_cut[1][0].size // split
         if (
             not self.policy.token_cut
             or spec is None
@@ -418,7 +417,7 @@ class Pairing:
             )
         return local, remote
 
-    def _cut_rows(self, rank: int, r: Route) -> tuple[np.ndarray, np.ndarray] | None:
+    def _cut_rows(self, rank: int, r: Route) -> tuple[Runs, Runs] | None:
         """Both sides' attention rows of :attr:`page_cut` for remote rank ``rank``
         (:func:`kvgeom.plan.pagecut.cut_rows`)."""
         if self.page_cut is None:
@@ -433,7 +432,7 @@ class Pairing:
         local: dict[LocalKey, Dlist] = {(bsr, -1): whole}
         if self.needs_split:
             splits = build_local_splits(
-                whole.runs,
+                whole.runs,  # vLLM's N x 5 rows
                 self.mapping,
                 whole.num_fa,
                 bsr,

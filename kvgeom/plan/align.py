@@ -36,6 +36,7 @@ import numpy as np
 from kvgeom.errors import PlanError
 from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.tokenruns import TokenRun, as_runs, layer_token_runs
+from kvgeom.layout.view import EngineView, unpseudo
 
 __all__ = ["list_starts", "overlap", "Page", "PageSet", "page_heads", "group_pages", "consumer_zero_rows"]
 
@@ -208,6 +209,29 @@ def group_pages(geom: object, group: int) -> list[Page]:
                     ),
                 )
     return list(out.values())
+
+
+def streamed_pages(geom: object, view: EngineView, group: int, every: list[Page]) -> list[Page]:
+    """The pages of group ``group`` (all of them: ``every``) that ``view``'s streams carry: all, unless the
+    streams pair layer by layer (layer-name routing, a pipeline stage's regions), then the pages of the
+    layers a stream transfers."""
+    if not view.transfer_groups and (view.num_regions == geom.num_regions or view.group_streams):  # type: ignore[attr-defined]
+        return every
+    pages = []  # streams pair layer by layer
+    regions = geom.regions  # type: ignore[attr-defined]
+    for b, length, stride, g in zip(view.bases, view.block_lens, view.block_strides, view.transfer_groups):
+        region, offset = unpseudo(b)
+        layer = next(
+            (
+                name
+                for gg, name in regions[region].members
+                if gg == g and regions[region].slot(name)[0] == offset
+            ),
+            None,
+        )
+        if g == group and layer is not None:
+            pages.append(Page(region, offset, length, stride, page_heads(geom, layer)))
+    return pages
 
 
 def _runs(geom: object, layer: str) -> tuple[TokenRun, ...]:

@@ -21,14 +21,14 @@ from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.conv import remote_conv_offsets
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.layout.runs import Runs
-from kvgeom.layout.view import EngineView, unpseudo
+from kvgeom.layout.view import EngineView
 from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.route import Route, dcp_pages_differ, route
 from kvgeom.pair.sides import as_geometry, checked_sides
 from kvgeom.pair.streams import region_mapped
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
-from kvgeom.plan.align import Page, group_pages, page_heads
+from kvgeom.plan.align import Page, group_pages, streamed_pages
 from kvgeom.plan.dlist import Dlist, local_dlist, remote_dlist, routed_tables
 from kvgeom.plan.pagecut import PageCut, cut_rows, page_cut
 from kvgeom.plan.splits import build_local_splits
@@ -160,7 +160,7 @@ class Pairing:
         masks = {rank: self._group_mask(rank, routes[rank]) for rank in self.targets}
         local, remote = self._routed(routes) if self.policy.routed else self._vllm_tables()
         pages = tuple(group_pages(self.local, g) for g in range(len(self.local.groups)))
-        zero = tuple(self._zero_pages(g, pages[g]) for g in range(len(pages)))
+        zero = tuple(streamed_pages(self.local, self.local_view, g, pages[g]) for g in range(len(pages)))
         return PairTables(routes, masks, local, remote, pages, zero)
 
     def _validate_routes(self) -> None:
@@ -278,27 +278,6 @@ class Pairing:
         """The local pages of group ``group`` this pairing fills (pull): every page of the group's layers, or,
         when streams pair layer by layer, the pages of the layers this pairing transfers."""
         return self.tables.zero_pages[group]
-
-    def _zero_pages(self, group: int, every: list[Page]) -> list[Page]:
-        view = self.local_view
-        if not view.transfer_groups and (view.num_regions == self.local.num_regions or view.group_streams):
-            return every
-        pages = []  # streams pair layer by layer
-        for b, length, stride, g in zip(
-            view.bases, view.block_lens, view.block_strides, view.transfer_groups
-        ):
-            region, offset = unpseudo(b)
-            layer = next(
-                (
-                    name
-                    for k, (gg, name) in enumerate(self.local.regions[region].members)
-                    if gg == g and self.local.regions[region].slot(name)[0] == offset
-                ),
-                None,
-            )
-            if g == group and layer is not None:
-                pages.append(Page(region, offset, length, stride, page_heads(self.local, layer)))
-        return pages
 
     def carries(self, group: int) -> bool:
         """Whether any stream carries group ``group`` (under layer-name routing a pipeline stage may hold no

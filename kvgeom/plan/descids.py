@@ -146,16 +146,9 @@ def desc_segments(
        g)`` over the ``len(ssm_region_indices) * (num_conv_pieces + 1)`` streams, ``NBL = dst_num_blocks
        // ppl``; the replicated-state group ``ple_group`` takes the one stream after them.
     """
-    nblocks = check_positive_int(dst_num_blocks, "dst_num_blocks", minimum=0, error=GroupMismatchError)
-    bsr = 1 if block_size_ratio is None else check_positive_int(block_size_ratio, "block_size_ratio")
-    ppl = check_positive_int(physical_blocks_per_logical, "physical_blocks_per_logical")
-    if len(group_is_ssm) != num_groups:
-        raise GroupMismatchError(
-            "group_is_ssm",
-            f"{len(group_is_ssm)} group kinds for {num_groups} groups",
-            value=len(group_is_ssm),
-            expected=num_groups,
-        )
+    nblocks, bsr, ppl = _checked_sizes(
+        num_groups, dst_num_blocks, block_size_ratio, physical_blocks_per_logical, group_is_ssm
+    )
     nb = nblocks * bsr
     routed = list(transfer_layer_group_ids or ())
     if routed:
@@ -172,14 +165,7 @@ def desc_segments(
             nb,
             bsr,
         )
-    ssm_regions = [int(r) for r in ssm_region_indices]
-    bad = [r for r in ssm_regions if not 0 <= r < nregions]
-    if bad or len(set(ssm_regions)) != len(ssm_regions):
-        raise GroupMismatchError(
-            "ssm_region_indices",
-            f"must be distinct regions in [0, {nregions}), got {ssm_regions}",
-            value=ssm_regions,
-        )
+    ssm_regions = _checked_ssm_regions(ssm_region_indices, nregions)
     return _hybrid_segments(  # arguments in the order vLLM's checks run
         group_is_ssm,
         nregions,
@@ -193,6 +179,39 @@ def desc_segments(
         _own_groups(region_group_ids, nregions) if group_streams else None,
         ple_group,
     )
+
+
+def _checked_sizes(
+    num_groups: int,
+    dst_num_blocks: int,
+    block_size_ratio: int | None,
+    physical_blocks_per_logical: int,
+    group_is_ssm: Sequence[bool],
+) -> tuple[int, int, int]:
+    """The table's block count, block-size ratio and kernel blocks per logical block, checked."""
+    nblocks = check_positive_int(dst_num_blocks, "dst_num_blocks", minimum=0, error=GroupMismatchError)
+    bsr = 1 if block_size_ratio is None else check_positive_int(block_size_ratio, "block_size_ratio")
+    ppl = check_positive_int(physical_blocks_per_logical, "physical_blocks_per_logical")
+    if len(group_is_ssm) != num_groups:
+        raise GroupMismatchError(
+            "group_is_ssm",
+            f"{len(group_is_ssm)} group kinds for {num_groups} groups",
+            value=len(group_is_ssm),
+            expected=num_groups,
+        )
+    return nblocks, bsr, ppl
+
+
+def _checked_ssm_regions(ssm_region_indices: Sequence[int], nregions: int) -> list[int]:
+    ssm_regions = [int(r) for r in ssm_region_indices]
+    bad = [r for r in ssm_regions if not 0 <= r < nregions]
+    if bad or len(set(ssm_regions)) != len(ssm_regions):
+        raise GroupMismatchError(
+            "ssm_region_indices",
+            f"must be distinct regions in [0, {nregions}), got {ssm_regions}",
+            value=ssm_regions,
+        )
+    return ssm_regions
 
 
 def _routed_segments(

@@ -41,6 +41,12 @@ __all__ = ["Runs", "coalesce_moves"]
 IntArray = int | Sequence[int] | np.ndarray
 
 
+def _check_sizes(length: np.ndarray, count: np.ndarray) -> None:
+    for f, c in (("length", length), ("count", count)):
+        if c.size and int(c.min()) < 0:
+            raise PlanError(f"runs.{f}", "must be >= 0", value=int(c.min()))
+
+
 def _col(x: IntArray, n: int, field: str) -> np.ndarray:
     a = np.asarray(x, dtype=np.int64).reshape(-1)
     if a.size == 1 and n != 1:
@@ -67,10 +73,7 @@ class Runs:
             if c.size != n:
                 raise PlanError(f"runs.{f}", f"{c.size} values for {n} runs", value=int(c.size), expected=n)
             object.__setattr__(self, f, c)
-        for f in ("length", "count"):
-            c = getattr(self, f)
-            if c.size and int(c.min()) < 0:
-                raise PlanError(f"runs.{f}", "must be >= 0", value=int(c.min()))
+        _check_sizes(cols[1], cols[3])
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
@@ -87,13 +90,15 @@ class Runs:
     @classmethod
     def of(cls, base: IntArray, length: IntArray, stride: IntArray = 0, count: IntArray = 1) -> Runs:
         """Runs from columns; a one-value column is repeated for every run."""
-        n = max(np.asarray(x).size for x in (base, length, stride, count))
-        return cls(
+        n = max(np.size(base), np.size(length), np.size(stride), np.size(count))
+        cols = (
             _col(base, n, "base"),
             _col(length, n, "length"),
             _col(stride, n, "stride"),
             _col(count, n, "count"),
         )
+        _check_sizes(cols[1], cols[3])
+        return cls._made(*cols)
 
     @classmethod
     def empty(cls) -> Runs:
@@ -132,16 +137,24 @@ class Runs:
             raise PlanError("rows", f"must be N x 3 or N x 5, got shape {r.shape}", value=r.shape)
         if r.shape[1] == 3:
             return cls.ranges(r[:, 0], r[:, 1])
-        return cls(r[:, 0], r[:, 1], r[:, 3], r[:, 4])
+        length, count = r[:, 1].copy(), r[:, 4].copy()
+        _check_sizes(length, count)
+        return cls._made(r[:, 0].copy(), length, r[:, 3].copy(), count)
 
     @classmethod
     def concat(cls, parts: Sequence[Runs]) -> Runs:
         """The runs of ``parts``, in order."""
+        parts = [p for p in parts if len(p)]
         if not parts:
             return cls.empty()
         if len(parts) == 1:
             return parts[0]
-        return cls._made(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
+        return cls._made(
+            np.concatenate([p.base for p in parts]),
+            np.concatenate([p.length for p in parts]),
+            np.concatenate([p.stride for p in parts]),
+            np.concatenate([p.count for p in parts]),
+        )
 
     # -- size ---------------------------------------------------------------------------------------
     def __len__(self) -> int:

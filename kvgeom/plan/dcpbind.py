@@ -17,11 +17,9 @@ from kvgeom.blocks import (
 from kvgeom.errors import PlanError, UnsupportedError
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.pair.dcp import apply_dcp_prefix_caching, dcp_units
-from kvgeom.pair.tp import compute_tp_mapping, dcp_handshake_targets
 from kvgeom.plan.align import group_pages
-from kvgeom.plan.bind import select_groups, vllm_pairs
+from kvgeom.plan.bind import plan_of, select_groups, vllm_pairs
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.planmemo import memo_of
 
 __all__ = [
     "first_position",
@@ -299,26 +297,7 @@ def vllm_push_covers(
     """vLLM's push writes D rank ``rank`` only from the P ranks whose TP mapping names it: refuse when some
     unit P computed for that D rank lives on another P rank (it would stay unwritten)."""
     local, d = pairing.local, pairing.remotes[rank]
-    memo = memo_of(pairing).push_writers
-    if rank not in memo:  # shape-only: the P ranks vLLM's mappings send to D rank ``rank``
-        writers = set()
-        for q in range(local.tp_size):
-            m = compute_tp_mapping(
-                q,
-                local.tp_size,
-                d.tp_size,
-                local.num_kv_heads,
-                local.is_mla,
-                local.group_is_ssm,
-                local.dcp_size,
-                d.dcp_size,
-            )
-            every = local.is_mla and not local.has_ssm and pairing.tp_ratio < 0
-            targets = dcp_handshake_targets(q, local.tp_size, local.dcp_size, d.tp_size, d.dcp_size)
-            if rank in (targets if every else m.all_source_ranks):
-                writers.add(q % local.dcp_size)
-        memo[rank] = writers
-    writers = memo[rank]
+    writers = plan_of(pairing).push_writers[rank]
     for g, (c, p) in enumerate(zip(d_ids, p_ids)):
         if local.groups[g].is_ssm or not c.size or not p.size:
             continue

@@ -190,11 +190,11 @@ def _fa_rows(
     """Attention runs: stream-major, block-minor, ``bsr`` sub-blocks per block (streams start at ``bases``),
     each descriptor cut to its stream's slice ``(offsets, lengths)`` (a route's)."""
     parts = [
-        Runs.from_nixl(block_strided_rows(int(b), int(n) // bsr, int(st), nb, bsr))
-        for b, n, st in zip(bases, lens, strides)
+        block_strided_rows(int(b), int(n) // bsr, int(st), nb, bsr) for b, n, st in zip(bases, lens, strides)
     ]
     counts = np.asarray([len(x) for x in parts], dtype=np.int64)
-    return Runs.concat(parts).slice(np.repeat(offsets, counts), np.repeat(lengths, counts))
+    runs = Runs.from_nixl(np.concatenate(parts)) if parts else Runs.empty()
+    return runs.slice(np.repeat(offsets, counts), np.repeat(lengths, counts))
 
 
 def cut_fa_rows(

@@ -31,6 +31,7 @@ from kvgeom.pair.tp import TPMapping, compute_tp_mapping, dcp_handshake_targets,
 from kvgeom.plan.align import Page, group_pages, streamed_pages
 from kvgeom.plan.dlist import Dlist, local_dlist, remote_dlist, routed_tables
 from kvgeom.plan.pagecut import PageCut, cut_rows, page_cut
+from kvgeom.plan.pairplan import PairPlan, pair_plan
 from kvgeom.plan.splits import build_local_splits
 
 __all__ = ["Pairing", "PairTables", "LocalKey", "pair_targets", "push_writers"]
@@ -120,6 +121,8 @@ class Pairing:
     #: the remote ranks' streams as planned with (:meth:`remote_view`)
     views: Mapping[int, EngineView] = field(default_factory=dict, repr=False)
     tables: PairTables = field(default_factory=PairTables, repr=False)
+    #: what every request reads, computed once at handshake after the tables (:mod:`kvgeom.plan.pairplan`)
+    plan: PairPlan | None = field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -152,7 +155,7 @@ class Pairing:
         )
         pairing = replace(base, tables=base._prepare())
         pairing._validate_routes()
-        return pairing
+        return replace(pairing, plan=pair_plan(pairing))
 
     def _prepare(self) -> PairTables:
         """Every value the pairing prepares once (from its fields and ``views``)."""
@@ -467,6 +470,8 @@ class Pairing:
             f" descriptors; remote tables: "
             + ", ".join(f"rank {r}: {len(self.remote_table(r))}" for r in self.targets),
         ]
+        if self.plan is not None and self.plan.ranks:
+            lines += ["  per-pair plan:", self.plan.describe()]
         return "\n".join(lines)
 
 

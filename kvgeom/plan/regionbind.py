@@ -17,11 +17,10 @@ from kvgeom.blocks import (
 from kvgeom.errors import PlanError, UnsupportedError
 from kvgeom.pair.streams import region_group_ids
 from kvgeom.plan.align import Page, consumer_zero_rows, list_starts, overlap, page_heads
-from kvgeom.plan.bind import cached_blocks, check_ids, is_sliding, require_num_tokens
+from kvgeom.plan.bind import cached_blocks, check_ids, is_sliding, plan_of, require_num_tokens
 from kvgeom.plan.dcpbind import dcp_units_of, first_position, pair_codes
-from kvgeom.plan.descids import apply_segments, desc_segments
+from kvgeom.plan.descids import apply_segments
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.planmemo import memo_of
 from kvgeom.plan.regionmap import (
     apply_prefix_caching_by_region,
     block_ids_by_region,
@@ -205,30 +204,12 @@ def region_plan(
     """A region-mapped pull's plan: one transfer per remote rank of ``by_rank`` (its kernel ids per region, on
     each side), descriptor ids with every region its own list; ``zero`` rows of D's pages nothing filled."""
     local = pairing.local
-    n = local.num_regions
     tag = remote_request_id if remote_request_id is not None else request_id
     expected = pairing.mapping.local_consumers
     transfers = []
     for rank, (la, ra) in by_rank.items():
-        memo = memo_of(pairing).region_segments
+        lseg, rseg = plan_of(pairing).region_segments[rank]
         rows = pairing.token_rows  # kvgeom mode cuts token-major pages per token when heads differ
-        if rank not in memo:
-            flat = [False] * n
-            lv, rv = pairing.local_view, pairing.remote_view(rank)
-            memo[rank] = tuple(
-                desc_segments(
-                    n,
-                    v.num_blocks,
-                    n,
-                    rows if rows > 1 else None,
-                    v.ppl,
-                    flat,
-                    region_group_ids=list(range(n)),
-                    uses_region_group_mapping=n > 1,
-                )
-                for v in (lv, rv)
-            )
-        lseg, rseg = memo[rank]
         lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
         rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
         transfers.append(

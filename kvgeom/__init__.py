@@ -40,6 +40,7 @@ from kvgeom.layout.geometry import (
     SSMLayout,
     align_hybrid_block_size,
 )
+from kvgeom.layout.runs import Runs, coalesce_moves
 from kvgeom.layout.view import EngineView
 from kvgeom.model.layers import (
     AttentionSpec,
@@ -99,6 +100,7 @@ __all__ = [
     "ReplicatedLayout",
     "ReplicatedStateSpec",
     "RequestPlan",
+    "Runs",
     "SSMLayout",
     "Shard",
     "SpecError",
@@ -111,6 +113,7 @@ __all__ = [
     "card_of",
     "check_pair",
     "check_writes",
+    "coalesce_moves",
     "compute_tp_mapping",
     "plan_request",
     "policy_of",

@@ -38,7 +38,16 @@ from typing import Any
 
 import numpy as np
 
-from kvgeom import GeometryCard, KvgeomError, Pairing, RequestPlan, check_pair, plan_request
+from kvgeom import (
+    GeometryCard,
+    KvgeomError,
+    Pairing,
+    RequestPlan,
+    Runs,
+    check_pair,
+    coalesce_moves,
+    plan_request,
+)
 from kvgeom.errors import PlanError
 from kvgeom.layout.card import DEFAULT_LIMITS, CardLimits
 from kvgeom.plan.blockrows import block_rows, zero_runs
@@ -274,23 +283,9 @@ def merge_runs(
             "descriptor length", f"pair {i}: local {int(local[i, 2])} B, remote {int(remote[i, 2])} B"
         )
     s, d = (local, remote) if src == "local" else (remote, local)
-    if len(s) > 1:
-        order = np.lexsort((d[:, 1], d[:, 0], s[:, 1], s[:, 0]))
-        if (order[1:] < order[:-1]).any():
-            s, d = s[order], d[order]
-        n = s[:, 2]
-        join = (
-            (s[1:, 0] == s[:-1, 0])
-            & (d[1:, 0] == d[:-1, 0])
-            & (s[1:, 1] == s[:-1, 1] + n[:-1])
-            & (d[1:, 1] == d[:-1, 1] + n[:-1])
-        )
-        if join.any():
-            first = np.flatnonzero(np.append(True, ~join))
-            ends = np.cumsum(n)
-            length = ends[np.append(first[1:] - 1, len(n) - 1)] - (ends[first] - n[first])
-            s = np.column_stack([s[first, 0], s[first, 1], length])
-            d = np.column_stack([d[first, 0], d[first, 1], length])
+    if len(s) > 1:  # as pseudo-addresses, so that no run crosses a region on either side
+        sm, dm = coalesce_moves(Runs.from_rows(s), Runs.from_rows(d))
+        s, d = sm.rows(), dm.rows()
     out_l, out_r = (s, d) if src == "local" else (d, s)
     for rows, sizes, side in ((out_l, local_sizes, "local"), (out_r, remote_sizes, "remote")):
         size = np.asarray(sizes, dtype=np.int64)

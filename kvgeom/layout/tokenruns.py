@@ -25,8 +25,9 @@ import numpy as np
 from kvgeom.dtypes import dtype_size
 from kvgeom.errors import ConfigError
 from kvgeom.layout.engine import KVLayout
+from kvgeom.layout.runs import Runs
 
-__all__ = ["TokenRun", "page_token_runs", "layer_token_runs", "unit_runs", "units_per_block"]
+__all__ = ["TokenRun", "as_runs", "page_token_runs", "layer_token_runs", "unit_runs", "units_per_block"]
 
 TokenRun = tuple[int, int, int, int]  # (offset, rows, row_stride, token_bytes) within one kernel block's page
 
@@ -90,13 +91,13 @@ def units_per_block(runs: tuple[TokenRun, ...], tokens: int, unit_tokens: int) -
     return (tokens // unit_tokens) * sum(rows for _, rows, _, _ in runs)
 
 
-def unit_runs(runs: tuple[TokenRun, ...], tokens: int, unit_tokens: int) -> np.ndarray:
+def unit_runs(runs: tuple[TokenRun, ...], tokens: int, unit_tokens: int) -> Runs:
     """A kernel block of ``tokens`` tokens cut into descriptors of ``unit_tokens`` tokens each, in the order
     (token chunk, run, row): chunk ``j`` of run ``(o, rows, s, tb)``, row ``r`` is the ``unit_tokens * tb``
     bytes at ``o + r * s + j * unit_tokens * tb``. So descriptor ``k`` of a block of ``unit_tokens`` tokens
     and descriptor ``j * U + k`` of a coarser block (``U`` per chunk) hold the same run, row and token of
-    chunk ``j``, whatever the layout. Returned as strided runs within the block: ``M x 4`` int64
-    ``(offset, length, stride, count)``, one per (chunk, run), its rows ``stride`` apart."""
+    chunk ``j``, whatever the layout. Returned as :class:`~kvgeom.layout.runs.Runs` within the block, one run
+    per (chunk, run), its rows ``stride`` apart."""
     if unit_tokens < 1 or tokens % unit_tokens:
         raise ConfigError(
             "unit_tokens",
@@ -104,11 +105,19 @@ def unit_runs(runs: tuple[TokenRun, ...], tokens: int, unit_tokens: int) -> np.n
             value=unit_tokens,
             expected=tokens,
         )
+    page = as_runs(runs)
+    chunks = tokens // unit_tokens
+    units = Runs.concat([page] * chunks).units(
+        np.repeat(np.arange(chunks) * unit_tokens, len(page)), unit_tokens
+    )
+    # a run of one row: its stride is its length (one descriptor, as a block's sub-block rows are)
+    return Runs.of(
+        units.base, units.length, np.where(units.count > 1, units.stride, units.length), units.count
+    )
+
+
+def as_runs(runs: tuple[TokenRun, ...]) -> Runs:
+    """A page's token runs as :class:`~kvgeom.layout.runs.Runs`: one element per row, one token's bytes
+    long (:meth:`~kvgeom.layout.runs.Runs.units` then takes a token range of every row)."""
     r = np.asarray(runs, dtype=np.int64).reshape(-1, 4)
-    chunks = np.arange(tokens // unit_tokens, dtype=np.int64)
-    out = np.empty((chunks.size, r.shape[0], 4), dtype=np.int64)
-    out[..., 0] = r[None, :, 0] + chunks[:, None] * unit_tokens * r[None, :, 3]
-    out[..., 1] = unit_tokens * r[None, :, 3]
-    out[..., 2] = np.where(r[None, :, 1] > 1, r[None, :, 2], unit_tokens * r[None, :, 3])
-    out[..., 3] = r[None, :, 1]
-    return out.reshape(-1, 4)
+    return Runs.of(r[:, 0], r[:, 3], r[:, 2], r[:, 1])

@@ -117,6 +117,28 @@ def align_regions_by_layer(
     remote region of each of ``layer_names`` (found by its members), with a packed remote row narrowed to
     the layer's page (``base += offset``, ``len = page``, which must equal the local region's length and lie
     inside the row). The result has one region per transfer layer, named after it."""
+    by_layer = _region_of_layer(remote)
+    missing = [n for n in layer_names if n not in by_layer]
+    if missing:
+        raise IncompatiblePairError("region_members", f"the remote lacks layers {missing}", value=missing)
+    picks = [by_layer[n] for n in layer_names]
+    packed_regions = {by_layer[n] for n in remote.packed if n in by_layer}
+    fields = remote._take(picks)
+    bases, lens = list(fields["bases"]), list(fields["block_lens"])
+    for k, name in enumerate(layer_names):
+        if picks[k] not in packed_regions:
+            continue
+        offset, page = _packed_page(remote, name, lens[k], int(local_block_lens[layer_regions[k]]))
+        bases[k] += offset
+        lens[k] = page
+    fields.update(
+        bases=tuple(bases), block_lens=tuple(lens), names=None if remote.names is None else tuple(layer_names)
+    )
+    return RegionTable(**fields, members=tuple((n,) for n in layer_names), packed={})
+
+
+def _region_of_layer(remote: RegionTable) -> dict[str, int]:
+    """The remote region of each layer its members name (every layer in one region only)."""
     if not remote.members:
         raise IncompatiblePairError(
             "region_members",
@@ -139,41 +161,31 @@ def align_regions_by_layer(
                     "region_members", f"the remote lists layer {name!r} in several regions", value=name
                 )
             by_layer[name] = r
-    missing = [n for n in layer_names if n not in by_layer]
-    if missing:
-        raise IncompatiblePairError("region_members", f"the remote lacks layers {missing}", value=missing)
-    picks = [by_layer[n] for n in layer_names]
-    packed_regions = {by_layer[n] for n in remote.packed if n in by_layer}
-    fields = remote._take(picks)
-    bases, lens = list(fields["bases"]), list(fields["block_lens"])
-    for k, name in enumerate(layer_names):
-        if picks[k] not in packed_regions:
-            continue
-        if name not in remote.packed:
-            raise IncompatiblePairError(
-                "packed_member_layouts", f"packed remote layer {name!r} has no layout", value=name
-            )
-        offset, page = remote.packed[name]
-        if not 0 <= offset < offset + page <= lens[k]:
-            raise IncompatiblePairError(
-                "packed_member_layouts",
-                f"layer {name!r}'s page [{offset}, {offset + page}) escapes its {lens[k]}-byte row",
-                value=(offset, page),
-            )
-        local_len = int(local_block_lens[layer_regions[k]])
-        if page != local_len:
-            raise IncompatiblePairError(
-                "packed_member_layouts",
-                f"layer {name!r}: packed page of {page} B vs local page of {local_len} B",
-                local=local_len,
-                remote=page,
-            )
-        bases[k] += offset
-        lens[k] = page
-    fields.update(
-        bases=tuple(bases), block_lens=tuple(lens), names=None if remote.names is None else tuple(layer_names)
-    )
-    return RegionTable(**fields, members=tuple((n,) for n in layer_names), packed={})
+    return by_layer
+
+
+def _packed_page(remote: RegionTable, name: str, row_len: int, local_len: int) -> tuple[int, int]:
+    """``(offset, page)`` of packed layer ``name`` in its ``row_len``-byte remote row, checked inside the row
+    and as long as the local page."""
+    if name not in remote.packed:
+        raise IncompatiblePairError(
+            "packed_member_layouts", f"packed remote layer {name!r} has no layout", value=name
+        )
+    offset, page = remote.packed[name]
+    if not 0 <= offset < offset + page <= row_len:
+        raise IncompatiblePairError(
+            "packed_member_layouts",
+            f"layer {name!r}'s page [{offset}, {offset + page}) escapes its {row_len}-byte row",
+            value=(offset, page),
+        )
+    if page != local_len:
+        raise IncompatiblePairError(
+            "packed_member_layouts",
+            f"layer {name!r}: packed page of {page} B vs local page of {local_len} B",
+            local=local_len,
+            remote=page,
+        )
+    return offset, page
 
 
 def split_packed_rows(remote: RegionTable, local_region_names: Sequence[str]) -> RegionTable:

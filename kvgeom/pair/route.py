@@ -21,7 +21,7 @@ from kvgeom.dtypes import dtype_size
 from kvgeom.errors import UnsupportedError
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.layers import MambaSpec, Shard
-from kvgeom.pair.tp import compute_tp_mapping
+from kvgeom.pair.tp import TPMapping, compute_tp_mapping
 
 __all__ = ["Slice", "Route", "route", "dcp_pages_differ"]
 
@@ -134,66 +134,15 @@ def route(
         p_geom.dcp_size,
         head_sharded_kv_heads=draft,
     )
-    spread = dcp_pages_differ(c_geom, p_geom, mode)  # any producer rank may hold a token of the consumer's
-    groups = tuple(
-        (spread and not ssm) or p_rank in srcs for srcs, ssm in zip(cmap.source_ranks_per_group, kinds)
-    )
-    if local.ple is not None:  # the replicated state page: whole, from the first of its sources only
-        g = local.ple.group
-        groups = groups[:g] + (p_rank == cmap.source_ranks_per_group[g][0],) + groups[g + 1 :]
+    groups = _route_groups(local, cmap, dcp_pages_differ(c_geom, p_geom, mode), p_rank)
     attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
-    fa = []
     lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)
     mla = local_is_mla if local_is_mla is not None else local.region_is_mla
-    for r, (length, is_mla, rlen) in enumerate(zip(lens, mla, remote_row_lens)):
-        llen = length // local_rows  # sub-blocks (or token rows) of a local kernel block
-        c_len, p_len = (llen, rlen) if pull else (rlen, llen)
-        n = len(attn_src)
-        # identical copies on every source (a draft's latent; a CSA-linear model's compressed keys and rings
-        # next to a head-sharded main KV): a chunk from each; a CSA page that does not divide is read whole
-        replicated = is_mla and p_rank in attn_src and n > 1 and r not in unread
-        if replicated and (draft is not None or local.is_csa_linear):
-            if c_len % n == 0 and c_len == p_len:
-                ch, j = c_len // n, attn_src.index(p_rank)
-                fa.append((j * ch, j * ch, ch))
-                continue
-            if draft is not None:
-                raise UnsupportedError(
-                    f"regions[{r}].block_len",
-                    f"a {c_len}-byte replicated page cannot be gathered from {n} sources in equal chunks",
-                    local=llen,
-                    remote=rlen,
-                )
-        whole = (
-            is_mla
-            or spec is None
-            or r in unread
-            or p_rank not in attn_src
-            or (spec.heads_per_rank(c_tp) == spec.heads_per_rank(p_tp) and len(attn_src) == 1)
-        )
-        if whole or spec is None:  # the row as it is: a replicated latent, or the same heads on both sides
-            if c_len != p_len and p_rank in attn_src and spec is not None and r not in unread:
-                raise UnsupportedError(
-                    f"regions[{r}].block_len",
-                    "rows of different lengths cannot be paired",
-                    local=llen,
-                    remote=rlen,
-                )
-            fa.append((0, 0, min(c_len, p_len)))
-            continue
-        heads = spec.heads_per_rank(c_tp)
-        c, p, ln = _unit_slice(
-            spec.heads,
-            c_len // heads,
-            c_rank,
-            c_tp,
-            p_rank,
-            p_tp,
-            attn_src.index(p_rank),
-            len(attn_src),
-            f"regions[{r}] heads",
-        )
-        fa.append((c, p, ln) if pull else (p, c, ln))
+    side = _Sides(pull, c_rank, c_tp, p_rank, p_tp, attn_src, draft)
+    fa = tuple(
+        _region_slice(local, side, r, length // local_rows, rlen, is_mla, r in unread)
+        for r, (length, is_mla, rlen) in enumerate(zip(lens, mla, remote_row_lens))
+    )
     ssm = None
     if local.ssm is not None:
         ssm_src = next((s for s, is_ssm in zip(cmap.source_ranks_per_group, kinds) if is_ssm), ())
@@ -202,4 +151,84 @@ def route(
                 local.ssm.spec, c_rank, c_tp, p_rank, p_tp, ssm_src.index(p_rank), len(ssm_src)
             )
             ssm = tuple((c, p, ln) if pull else (p, c, ln) for c, p, ln in slices)
-    return Route(remote_rank, groups, tuple(fa), ssm)
+    return Route(remote_rank, groups, fa, ssm)
+
+
+def _route_groups(local: RankGeometry, cmap: TPMapping, spread: bool, p_rank: int) -> tuple[bool, ...]:
+    """Per group, whether its ids travel between the consumer and producer rank ``p_rank``: the producer is
+    one of the group's sources (or, ``spread``, any producer rank may hold a token of the consumer's); the
+    replicated state page travels whole from the first of its sources only."""
+    kinds = local.group_is_ssm
+    groups = tuple(
+        (spread and not ssm) or p_rank in srcs for srcs, ssm in zip(cmap.source_ranks_per_group, kinds)
+    )
+    if local.ple is not None:
+        g = local.ple.group
+        groups = groups[:g] + (p_rank == cmap.source_ranks_per_group[g][0],) + groups[g + 1 :]
+    return groups
+
+
+@dataclass(frozen=True)
+class _Sides:
+    """Who consumes and who produces in one route: ranks, TP sizes, the attention sources of the consumer,
+    and the KV heads of head-sharded layers next to MLA (``draft``)."""
+
+    pull: bool
+    c_rank: int
+    c_tp: int
+    p_rank: int
+    p_tp: int
+    attn_src: tuple[int, ...]
+    draft: int | None
+
+
+def _region_slice(
+    local: RankGeometry, side: _Sides, r: int, llen: int, rlen: int, is_mla: bool, unread: bool
+) -> Slice:
+    """``(local offset, remote offset, length)`` of region ``r``'s rows (``llen`` local bytes per row, ``rlen``
+    remote): a chunk of a replicated row from each source, the row whole, or the consumer's head slice."""
+    spec = local.model.attention_spec
+    c_len, p_len = (llen, rlen) if side.pull else (rlen, llen)
+    src, n = side.attn_src, len(side.attn_src)
+    # identical copies on every source (a draft's latent; a CSA-linear model's compressed keys and rings
+    # next to a head-sharded main KV): a chunk from each; a CSA page that does not divide is read whole
+    replicated = is_mla and side.p_rank in src and n > 1 and not unread
+    if replicated and (side.draft is not None or local.is_csa_linear):
+        if c_len % n == 0 and c_len == p_len:
+            ch, j = c_len // n, src.index(side.p_rank)
+            return (j * ch, j * ch, ch)
+        if side.draft is not None:
+            raise UnsupportedError(
+                f"regions[{r}].block_len",
+                f"a {c_len}-byte replicated page cannot be gathered from {n} sources in equal chunks",
+                local=llen,
+                remote=rlen,
+            )
+    if (
+        is_mla
+        or spec is None
+        or unread
+        or side.p_rank not in src
+        or (spec.heads_per_rank(side.c_tp) == spec.heads_per_rank(side.p_tp) and n == 1)
+    ):  # the row as it is: a replicated latent, or the same heads on both sides
+        if c_len != p_len and side.p_rank in src and spec is not None and not unread:
+            raise UnsupportedError(
+                f"regions[{r}].block_len",
+                "rows of different lengths cannot be paired",
+                local=llen,
+                remote=rlen,
+            )
+        return (0, 0, min(c_len, p_len))
+    heads = spec.heads_per_rank(side.c_tp)
+    c, p, ln = _unit_slice(
+        spec.heads,
+        c_len // heads,
+        side.c_rank,
+        side.c_tp,
+        side.p_rank,
+        side.p_tp,
+        src.index(side.p_rank),
+        n,
+        f"regions[{r}] heads",
+    )
+    return (c, p, ln) if side.pull else (p, c, ln)

@@ -102,50 +102,8 @@ def _registration(geom: RankGeometry, mode: str) -> Registration:
     holds no SSM state) advertises region members; on a pipeline stage it routes by layer name."""
     tracks = mode == "push" and (hma_required(geom) or geom.engine.packed_rows) and not geom.has_ssm
     routing = tracks and geom.pp_size > 1
-    bases: list[int] = []
-    lens: list[int] = []
-    strides: list[int] = []
-    gids: list[int] = []
-    names: list[str] = []
-    members: list[tuple[str, ...]] = []
-    is_mla: list[bool] = []
-    packed: dict[str, tuple[int, int]] = {}
-
-    def add(
-        region: Region, offset: int, length: int, stride: int, who: list[tuple[int, str]], name: str
-    ) -> None:
-        bases.append(pseudo(region.index, offset))
-        lens.append(length)
-        strides.append(stride)
-        gids.append(_group_id(who))
-        names.append(name)
-        members.append(tuple(n for _, n in who))
-        is_mla.append(region.is_mla)
-
-    for region in geom.regions:
-        order = sorted(range(len(region.members)), key=lambda k: region_sort_key(region.members[k][1]))
-        who = [region.members[k] for k in order]
-        if not region.slots:
-            add(
-                region,
-                0,
-                region.block_len,
-                region.block_stride,
-                who,
-                region.name if region.part != "kv" else who[0][1],
-            )
-            continue
-        slots = [region.slots[k] for k in order]
-        if routing:  # one region per layer's page, aliases kept apart
-            for (g, name), (off, length) in zip(who, slots):
-                add(region, off, length, region.block_stride, [(g, name)], name)
-        elif geom.pp_size == 1:  # the whole row, each layer's page advertised
-            add(region, 0, region.block_len, region.block_stride, who, who[0][1])
-            packed.update({name: slot for (_, name), slot in zip(who, slots)})
-        else:  # one region per page, layers at one address sharing it
-            for off in dict.fromkeys(off for off, _ in slots):
-                at = [m for m, s in zip(who, slots) if s[0] == off]
-                add(region, off, max(s[1] for s in slots if s[0] == off), region.block_stride, at, at[0][1])
+    rows, packed = _advertised(geom, routing)
+    bases, lens, strides, gids, names, members, is_mla = (list(c) for c in zip(*rows)) if rows else ([],) * 7
     nb = geom.num_blocks
     table = RegionTable(
         tuple(bases),
@@ -164,6 +122,50 @@ def _registration(geom: RankGeometry, mode: str) -> Registration:
     group_of = {name: g for region in geom.regions for g, name in region.members}
     flat = tuple(n for m in members for n in m)
     return Registration(table, tuple(is_mla), flat, regions, tuple(group_of[n] for n in flat))
+
+
+_Row = tuple[
+    int, int, int, int, str, tuple[str, ...], bool
+]  # base, length, stride, group id, name, members, MLA
+
+
+def _advertised(geom: RankGeometry, routing: bool) -> tuple[list[_Row], dict[str, tuple[int, int]]]:
+    """The regions vLLM's worker registers for ``geom``, in order, and each packed row's layer pages."""
+    rows: list[_Row] = []
+    packed: dict[str, tuple[int, int]] = {}
+
+    def add(region: Region, offset: int, length: int, who: list[tuple[int, str]], name: str) -> None:
+        members = tuple(n for _, n in who)
+        rows.append(
+            (
+                pseudo(region.index, offset),
+                length,
+                region.block_stride,
+                _group_id(who),
+                name,
+                members,
+                region.is_mla,
+            )
+        )
+
+    for region in geom.regions:
+        order = sorted(range(len(region.members)), key=lambda k: region_sort_key(region.members[k][1]))
+        who = [region.members[k] for k in order]
+        if not region.slots:
+            add(region, 0, region.block_len, who, region.name if region.part != "kv" else who[0][1])
+            continue
+        slots = [region.slots[k] for k in order]
+        if routing:  # one region per layer's page, aliases kept apart
+            for (g, name), (off, length) in zip(who, slots):
+                add(region, off, length, [(g, name)], name)
+        elif geom.pp_size == 1:  # the whole row, each layer's page advertised
+            add(region, 0, region.block_len, who, who[0][1])
+            packed.update({name: slot for (_, name), slot in zip(who, slots)})
+        else:  # one region per page, layers at one address sharing it
+            for off in dict.fromkeys(off for off, _ in slots):
+                at = [m for m, s in zip(who, slots) if s[0] == off]
+                add(region, off, max(s[1] for s in slots if s[0] == off), at, at[0][1])
+    return rows, packed
 
 
 def _view(
@@ -189,6 +191,30 @@ def _view(
 
 def _vllm_streams(local: RankGeometry, remote: RankGeometry, mode: str) -> tuple[EngineView, EngineView]:
     """vLLM 0.33.0's handling of the peer's advertised regions (``add_remote_agent``), its refusals typed."""
+    _refuse_vllm_peer_stages(local, remote, mode)
+    mine, theirs = registration(local, mode), registration(remote, mode)
+    _refuse_vllm_local_stages(local, remote, mode)
+    routing = bool(mine.transfer_regions)
+    if routing:
+        _refuse_vllm_layer_routing(local, remote)
+    table = _peer_table(local, mine, theirs.table)
+    _check_same_regions(mine, table, routing)
+    if routing:
+        picks = mine.transfer_regions
+        sub = RegionTable(
+            tuple(mine.table.bases[r] for r in picks),
+            tuple(mine.table.block_lens[r] for r in picks),
+            tuple(mine.table.block_strides[r] for r in picks),
+            group_ids=mine.transfer_groups,
+        )
+        is_mla = tuple(mine.is_mla[r] for r in picks)
+        lview = _view(local, sub, is_mla, mine.transfer_groups)
+        return lview, replace(_view(remote, table, is_mla), transfer_groups=mine.transfer_groups)
+    return _view(local, mine.table, mine.is_mla), _view(remote, table, mine.is_mla)
+
+
+def _refuse_vllm_peer_stages(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
+    """vLLM 0.33.0 pairs with no peer in pipeline stages."""
     if remote.pp_size > 1:
         why = (
             "its push connector refuses a decode engine in pipeline stages"
@@ -203,9 +229,10 @@ def _vllm_streams(local: RankGeometry, remote: RankGeometry, mode: str) -> tuple
             local=local.pp_size,
             remote=remote.pp_size,
         )
-    mine, theirs = registration(local, mode), registration(remote, mode)
-    table = theirs.table
-    routing = bool(mine.transfer_regions)
+
+
+def _refuse_vllm_local_stages(local: RankGeometry, remote: RankGeometry, mode: str) -> None:
+    """The models vLLM 0.33.0 does not run in pipeline stages."""
     if local.pp_size > 1:
         if mode == "pull" and hma_required(local):
             raise UnsupportedError(
@@ -223,30 +250,43 @@ def _vllm_streams(local: RankGeometry, remote: RankGeometry, mode: str) -> tuple
                 local=local.pp_size,
                 remote=remote.pp_size,
             )
-    if routing:
-        if local.block_size != remote.block_size:
-            raise UnsupportedError(
-                "block_size",
-                "vLLM 0.33.0 routes pipeline stages by layer name only between identical P/D block sizes",
-                local=local.block_size,
-                remote=remote.block_size,
-            )
-        if remote.tp_size > local.tp_size and not local.is_mla:
-            raise UnsupportedError(
-                "tp_size",
-                "vLLM 0.33.0 routes attention layers by name only when decode TP is "
-                "not greater than prefill TP",
-                local=local.tp_size,
-                remote=remote.tp_size,
-            )
-        table = align_regions_by_layer(
+
+
+def _refuse_vllm_layer_routing(local: RankGeometry, remote: RankGeometry) -> None:
+    """What vLLM 0.33.0's routing of regions by layer name does not pair."""
+    if local.block_size != remote.block_size:
+        raise UnsupportedError(
+            "block_size",
+            "vLLM 0.33.0 routes pipeline stages by layer name only between identical P/D block sizes",
+            local=local.block_size,
+            remote=remote.block_size,
+        )
+    if remote.tp_size > local.tp_size and not local.is_mla:
+        raise UnsupportedError(
+            "tp_size",
+            "vLLM 0.33.0 routes attention layers by name only when decode TP is not greater than prefill TP",
+            local=local.tp_size,
+            remote=remote.tp_size,
+        )
+
+
+def _peer_table(local: RankGeometry, mine: Registration, table: RegionTable) -> RegionTable:
+    """The peer's advertised regions as this rank reads them: aligned by layer name (routing), its packed rows
+    split to this rank's regions, or the slice of this rank's pipeline stage."""
+    if mine.transfer_regions:
+        return align_regions_by_layer(
             table, mine.transfer_names, mine.transfer_regions, mine.table.block_lens
         )
-    elif table.packed and not mine.table.packed:
-        table = split_packed_rows(table, mine.table.names or ())
-    elif local.pp_size > 1 and len(table) > len(mine.table):
+    if table.packed and not mine.table.packed:
+        return split_packed_rows(table, mine.table.names or ())
+    if local.pp_size > 1 and len(table) > len(mine.table):
         start, end = stage_range(local.model.num_hidden_layers, local.pp_rank, local.pp_size)
-        table = slice_regions(table, pp_region_offset(len(mine.table), start, end), len(mine.table))
+        return slice_regions(table, pp_region_offset(len(mine.table), start, end), len(mine.table))
+    return table
+
+
+def _check_same_regions(mine: Registration, table: RegionTable, routing: bool) -> None:
+    """Both sides' transfer regions: the same packed rows, the same count, the same caches in order."""
     if mine.table.packed and not routing and dict(mine.table.packed) != dict(table.packed):
         raise IncompatiblePairError(
             "packed_rows",
@@ -267,23 +307,6 @@ def _vllm_streams(local: RankGeometry, remote: RankGeometry, mode: str) -> tuple
             local=list(expected)[:8],
             remote=list(table.names)[:8],
         )
-    if routing:
-        picks = mine.transfer_regions
-        sub = RegionTable(
-            tuple(mine.table.bases[r] for r in picks),
-            tuple(mine.table.block_lens[r] for r in picks),
-            tuple(mine.table.block_strides[r] for r in picks),
-            group_ids=mine.transfer_groups,
-        )
-        lview = _view(local, sub, tuple(mine.is_mla[r] for r in picks), mine.transfer_groups)
-    else:
-        lview = _view(local, mine.table, mine.is_mla)
-    rview = _view(
-        remote, table, mine.is_mla if not routing else tuple(mine.is_mla[r] for r in mine.transfer_regions)
-    )
-    if routing:
-        rview = replace(rview, transfer_groups=mine.transfer_groups)
-    return lview, rview
 
 
 def _structure(geom: RankGeometry) -> list[tuple[object, ...]]:

@@ -155,31 +155,15 @@ def compute_tp_mapping(
     else:
         a = remote_tp // local_tp
         candidates = [local_rank * a + j for j in range(a)]
-    if is_mla and remote_dcp_size > 1:
-        attn = list(
-            dcp_source_ranks(dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp, remote_dcp_size)
-        )
-    elif is_mla or local_tp >= remote_tp:
-        attn = [local_rank * remote_tp // local_tp]
-    else:
-        seen: set[int] = set()
-        attn = []
-        for p in candidates:
-            head = p * k // remote_tp
-            if head not in seen:
-                seen.add(head)
-                attn.append(p)
+    attn = _attention_sources(
+        local_rank, local_tp, remote_tp, k, is_mla, candidates, local_dcp_size, remote_dcp_size
+    )
     has_ssm = any(group_is_ssm)
     ssm = (candidates if local_tp < remote_tp else attn) if has_ssm else []
     all_ranks = tuple(sorted(set(attn) | set(ssm)))
     head_slot = {p * k // remote_tp: i for i, p in enumerate(attn)}  # the last source of a head wins
     slots = tuple((r, head_slot.get(r * k // remote_tp, 0)) for r in all_ranks)
-    if is_mla or local_tp <= remote_tp:
-        offset = 0
-    elif local_tp > k:
-        offset = local_rank * k // local_tp - attn[0] * k // remote_tp
-    else:
-        offset = local_rank % (local_tp // remote_tp)
+    offset = _rank_offset_factor(local_rank, local_tp, remote_tp, k, is_mla, attn)
     return TPMapping(
         source_ranks_per_group=tuple(tuple(ssm if s else attn) for s in group_is_ssm),
         all_source_ranks=all_ranks,
@@ -187,6 +171,45 @@ def compute_tp_mapping(
         rank_offset_factor=offset,
         local_consumers=dcp_consumer_count(local_tp, local_dcp_size, remote_tp, remote_dcp_size),
     )
+
+
+def _attention_sources(
+    local_rank: int,
+    local_tp: int,
+    remote_tp: int,
+    k: int,
+    is_mla: bool,
+    candidates: list[int],
+    local_dcp_size: int,
+    remote_dcp_size: int,
+) -> list[int]:
+    """Step 1 of :func:`compute_tp_mapping`: the attention source ranks (DCP sources of an MLA model; one
+    rank; or the first candidate of each distinct head, ascending)."""
+    if is_mla and remote_dcp_size > 1:
+        return list(
+            dcp_source_ranks(dcp_rank(local_rank, local_dcp_size), local_dcp_size, remote_tp, remote_dcp_size)
+        )
+    if is_mla or local_tp >= remote_tp:
+        return [local_rank * remote_tp // local_tp]
+    seen: set[int] = set()
+    attn = []
+    for p in candidates:
+        head = p * k // remote_tp
+        if head not in seen:
+            seen.add(head)
+            attn.append(p)
+    return attn
+
+
+def _rank_offset_factor(
+    local_rank: int, local_tp: int, remote_tp: int, k: int, is_mla: bool, attn: list[int]
+) -> int:
+    """Step 5 of :func:`compute_tp_mapping`."""
+    if is_mla or local_tp <= remote_tp:
+        return 0
+    if local_tp > k:
+        return local_rank * k // local_tp - attn[0] * k // remote_tp
+    return local_rank % (local_tp // remote_tp)
 
 
 def head_offset(local_rank: int, local_tp: int, remote_tp: int, num_kv_heads: int) -> int:

@@ -35,7 +35,8 @@ import numpy as np
 
 from kvgeom.errors import PlanError
 from kvgeom.layout.engine import KVLayout
-from kvgeom.layout.tokenruns import TokenRun, layer_token_runs
+from kvgeom.layout.tokenruns import TokenRun, as_runs, layer_token_runs
+from kvgeom.layout.view import EngineView, unpseudo
 
 __all__ = ["list_starts", "overlap", "Page", "PageSet", "page_heads", "group_pages", "consumer_zero_rows"]
 
@@ -74,16 +75,7 @@ def list_starts(
     """First token of the consumer's (``n_c`` blocks of ``b_c``) and the producer's (``n_p`` of ``b_p``)
     list of one attention group; ``p_end_hint``: where the producer's full-attention lists of the same
     request end (for a sliding group without ``prefill_tokens``)."""
-    if num_tokens is not None and num_tokens < 1:
-        raise PlanError("num_tokens", f"must be >= 1, got {num_tokens}", value=num_tokens)
-    if prefill_tokens is not None:
-        if prefill_tokens < 0 or (num_tokens is not None and prefill_tokens > num_tokens):
-            raise PlanError(
-                "prefill_tokens",
-                f"{prefill_tokens} tokens computed by P for a request D holds {num_tokens} tokens of",
-                value=prefill_tokens,
-                expected=num_tokens,
-            )
+    _check_token_counts(num_tokens, prefill_tokens)
     p_end = _producer_end(n_p, b_p, prefill_tokens, sliding, p_end_hint, group)
     p0 = p_end - n_p * b_p
     if p0 < 0 or (p0 and not sliding):
@@ -95,23 +87,7 @@ def list_starts(
             remote=n_p,
         )
     if num_tokens is not None:
-        c_end = math.ceil(num_tokens / b_c) * b_c
-        c0 = c_end - n_c * b_c
-        if c0 < 0:
-            raise PlanError(
-                f"block_ids[{group}]",
-                f"D's {n_c} blocks of {b_c} tokens are more than num_tokens={num_tokens} need",
-                local=n_c,
-                remote=n_p,
-            )
-        if (n_p - 1) * b_p >= num_tokens and prefill_tokens is None and not sliding:
-            raise PlanError(
-                f"block_ids[{group}]",
-                f"P's {n_p} blocks of {b_p} tokens are more than num_tokens={num_tokens} need",
-                local=n_c,
-                remote=n_p,
-            )
-        return c0, p0
+        return _counted_start(n_c, b_c, n_p, b_p, num_tokens, sliding, group, prefill_tokens), p0
     if not prefix_caching and not sliding:
         if n_c * b_c <= (n_p - 1) * b_p:  # D's whole list is shorter than what P computed: not from token 0
             raise PlanError(
@@ -135,6 +111,49 @@ def list_starts(
         local=n_c,
         remote=n_p,
     )
+
+
+def _check_token_counts(num_tokens: int | None, prefill_tokens: int | None) -> None:
+    if num_tokens is not None and num_tokens < 1:
+        raise PlanError("num_tokens", f"must be >= 1, got {num_tokens}", value=num_tokens)
+    if prefill_tokens is not None:
+        if prefill_tokens < 0 or (num_tokens is not None and prefill_tokens > num_tokens):
+            raise PlanError(
+                "prefill_tokens",
+                f"{prefill_tokens} tokens computed by P for a request D holds {num_tokens} tokens of",
+                value=prefill_tokens,
+                expected=num_tokens,
+            )
+
+
+def _counted_start(
+    n_c: int,
+    b_c: int,
+    n_p: int,
+    b_p: int,
+    num_tokens: int,
+    sliding: bool,
+    group: int,
+    prefill_tokens: int | None,
+) -> int:
+    """The consumer list's first token from the tokens D holds blocks for (its list ends there)."""
+    c_end = math.ceil(num_tokens / b_c) * b_c
+    c0 = c_end - n_c * b_c
+    if c0 < 0:
+        raise PlanError(
+            f"block_ids[{group}]",
+            f"D's {n_c} blocks of {b_c} tokens are more than num_tokens={num_tokens} need",
+            local=n_c,
+            remote=n_p,
+        )
+    if (n_p - 1) * b_p >= num_tokens and prefill_tokens is None and not sliding:
+        raise PlanError(
+            f"block_ids[{group}]",
+            f"P's {n_p} blocks of {b_p} tokens are more than num_tokens={num_tokens} need",
+            local=n_c,
+            remote=n_p,
+        )
+    return c0
 
 
 def overlap(c_start: int, n_c: int, p_start: int, n_p: int) -> tuple[int, int, int]:
@@ -190,6 +209,29 @@ def group_pages(geom: object, group: int) -> list[Page]:
                     ),
                 )
     return list(out.values())
+
+
+def streamed_pages(geom: object, view: EngineView, group: int, every: list[Page]) -> list[Page]:
+    """The pages of group ``group`` (all of them: ``every``) that ``view``'s streams carry: all, unless the
+    streams pair layer by layer (layer-name routing, a pipeline stage's regions), then the pages of the
+    layers a stream transfers."""
+    if not view.transfer_groups and (view.num_regions == geom.num_regions or view.group_streams):  # type: ignore[attr-defined]
+        return every
+    pages = []  # streams pair layer by layer
+    regions = geom.regions  # type: ignore[attr-defined]
+    for b, length, stride, g in zip(view.bases, view.block_lens, view.block_strides, view.transfer_groups):
+        region, offset = unpseudo(b)
+        layer = next(
+            (
+                name
+                for gg, name in regions[region].members
+                if gg == g and regions[region].slot(name)[0] == offset
+            ),
+            None,
+        )
+        if g == group and layer is not None:
+            pages.append(Page(region, offset, length, stride, page_heads(geom, layer)))
+    return pages
 
 
 def _runs(geom: object, layer: str) -> tuple[TokenRun, ...]:
@@ -324,15 +366,12 @@ def _cut_gap_rows(
     cut = [k for k, p in enumerate(pages) if p.runs]
     for k in cut:  # pages cut by token runs: one row per (gap, page, run, row)
         p = pages[k]
-        r = np.asarray(p.runs, dtype=np.int64).reshape(-1, 4)
-        row = np.repeat(np.arange(r.shape[0]), r[:, 1])
-        sub = np.arange(row.size) - np.repeat(np.cumsum(r[:, 1]) - r[:, 1], r[:, 1])
-        start = p.offset + r[row, 0] + sub * r[row, 2]
+        start, tb = as_runs(p.runs).shift(p.offset).expand()  # each row's token 0 and its bytes per token
         g = np.asarray(gaps, dtype=np.int64)
-        out = np.empty((len(gaps), row.size, 3), dtype=np.int64)
+        out = np.empty((len(gaps), start.size, 3), dtype=np.int64)
         out[..., 0] = p.region
-        out[..., 1] = g[:, 0, None] * p.stride + start[None, :] + g[:, 1, None] * r[row, 3][None, :]
-        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * r[row, 3][None, :]
+        out[..., 1] = g[:, 0, None] * p.stride + start[None, :] + g[:, 1, None] * tb[None, :]
+        out[..., 2] = (g[:, 2, None] - g[:, 1, None]) * tb[None, :]
         rows.append(out.reshape(-1, 3))
     keep = [k for k, p in enumerate(pages) if not p.runs]
     pages, cols = [pages[k] for k in keep], cols[keep]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,9 +23,8 @@ from kvgeom.errors import BlockIdError, PlanError, TokenCountError, UnsupportedE
 from kvgeom.layout.geometry import Group, RankGeometry
 from kvgeom.layout.view import EngineView
 from kvgeom.plan.align import PageSet, list_starts, overlap
-from kvgeom.plan.descids import Segments, desc_segments
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.planmemo import memo_of
+from kvgeom.plan.pairplan import PairPlan, RankTables
 
 __all__ = [
     "select_groups",
@@ -36,8 +34,7 @@ __all__ = [
     "cached_blocks",
     "zero_pages_of",
     "filled_pages_of",
-    "segments_of",
-    "ids_bounded",
+    "plan_of",
     "RankTables",
     "rank_tables",
     "sent_groups",
@@ -134,127 +131,35 @@ def cached_blocks(pairing: Pairing, count: int, num_tokens: int | None, group: i
     return cached
 
 
+def plan_of(pairing: Pairing) -> PairPlan:
+    """The pairing's per-pair plan (every pairing :meth:`Pairing.create` builds has one)."""
+    if pairing.plan is None:
+        raise PlanError(
+            "pairing", "build pairings with Pairing.create (it computes the per-pair plan)", value=None
+        )
+    return pairing.plan
+
+
 def zero_pages_of(pairing: Pairing, group: int) -> PageSet:
     """Every page of the local rank's layers of ``group`` (prepared by the pairing: a shape, not a request),
     as the arrays the receive step reads."""
-    sets = memo_of(pairing).page_sets
-    ps = sets.get((False, group))
-    if ps is None:
-        ps = sets[(False, group)] = PageSet.of(pairing.tables.group_pages[group], pairing.local.block_size)
-    return ps
+    return plan_of(pairing).zero_pages[group]
 
 
 def filled_pages_of(pairing: Pairing, group: int) -> PageSet:
     """:meth:`Pairing.zero_pages` (the pages of ``group`` this pairing fills) as the arrays the receive
     step reads."""
-    sets = memo_of(pairing).page_sets
-    ps = sets.get((True, group))
-    if ps is None:
-        ps = sets[(True, group)] = PageSet.of(pairing.zero_pages(group), pairing.local.block_size)
-    return ps
-
-
-def segments_of(pairing: Pairing, side: str, rank: int) -> Segments:
-    """The descriptor-id segment table of one side of the transfer to/from ``rank`` (built once per
-    pairing: per request only the ids are gathered)."""
-    memo = memo_of(pairing).segments
-    if (side, rank) not in memo:
-        kinds, rows = pairing.local.group_is_ssm, pairing.token_rows
-        if side == "remote":
-            v = pairing.remote_view(rank)
-            ratio = rows if rows > 1 else None
-            pieces = v.num_conv_pieces or 3
-        else:
-            v, g = pairing.local_view, pairing.local
-            ratio, pieces = pairing.local_rows, g.ssm.num_pieces if g.ssm else 3
-        seg = desc_segments(
-            len(kinds),
-            v.num_blocks,
-            v.num_regions,
-            ratio,
-            v.ppl,
-            kinds,
-            v.ssm_region_indices or None,
-            pieces,
-            region_group_ids=v.group_ids or None,
-            transfer_layer_group_ids=v.transfer_groups,
-            scratch_groups=pairing.local.scratch_groups,
-            scratch_region_indices=v.scratch_region_indices,
-            ple_group=pairing.local.ple.group if pairing.local.ple else None,
-            group_streams=v.group_streams,
-        )
-        memo[(side, rank)] = seg
-    return memo[(side, rank)]
-
-
-def ids_bounded(pairing: Pairing, side: str, rank: int) -> bool:
-    """Whether every descriptor id a checked request can bring on ``side`` of the transfer to/from ``rank``
-    lies inside its segment and its table, whatever the request: each group's largest possible id (its
-    pool, at the granularity the planner brings it to) below every capacity of its segments, and every
-    segment's last id inside the table. Then the planner skips bounding each request's ids again (once per
-    pairing, like the segment table)."""
-    memo = memo_of(pairing).bounded
-    got = memo.get((side, rank))
-    if got is None:
-        seg = segments_of(pairing, side, rank)
-        kinds = pairing.local.group_is_ssm
-        if side == "local":
-            geom, n = pairing.local, len(pairing.local_table(pairing.local_key(rank)))
-            fine = geom.ppl * pairing.local_rows
-        else:
-            geom, n = pairing.remotes[pairing.targets[0]], len(pairing.remote_table(rank))
-            fine = pairing.remote_view(rank).ppl * pairing.token_rows
-        nb = geom.logical_num_blocks
-        bound = np.asarray([nb if ssm else nb * fine for ssm in kinds], dtype=np.int64)[seg.group]
-        got = bool(((seg.offset >= 0) & (bound <= seg.capacity) & (seg.offset + bound <= n)).all())
-        memo[(side, rank)] = got
-    return got
-
-
-@dataclass(frozen=True, eq=False)
-class RankTables:
-    """What a request's transfer to/from one remote rank reads of the pairing, looked up once per pairing:
-    the groups sent (``keep``, ``every``: all of them), both sides' segment tables, the local table's key,
-    both tables' lengths and whether ids need bounding per request (:func:`ids_bounded`)."""
-
-    keep: tuple[bool, ...]
-    every: bool
-    local: Segments
-    remote: Segments
-    key: tuple[int, int]
-    local_rows: int
-    remote_rows: int
-    bounded: bool
+    return plan_of(pairing).filled_pages[group]
 
 
 def rank_tables(pairing: Pairing, rank: int) -> RankTables:
-    """:class:`RankTables` of the transfer to/from ``rank`` (built on first use, kept with the pairing)."""
-    memo = memo_of(pairing).ranks
-    got: RankTables | None = memo.get(rank)
-    if got is None:
-        keep = pairing.group_mask(rank)
-        key = pairing.local_key(rank)
-        got = RankTables(
-            keep,
-            all(keep),
-            segments_of(pairing, "local", rank),
-            segments_of(pairing, "remote", rank),
-            key,
-            len(pairing.local_table(key)),
-            len(pairing.remote_table(rank)),
-            ids_bounded(pairing, "local", rank) and ids_bounded(pairing, "remote", rank),
-        )
-        memo[rank] = got
-    return got
+    """:class:`~kvgeom.plan.pairplan.RankTables` of the transfer to/from ``rank`` (the per-pair plan's)."""
+    return plan_of(pairing).ranks[rank]
 
 
 def sent_groups(pairing: Pairing) -> tuple[bool, ...]:
     """The groups some transfer rank's requests carry (the union of their group masks)."""
-    memo = memo_of(pairing)
-    if memo.sent_groups is None:
-        masks = [rank_tables(pairing, r).keep for r in pairing.transfer_ranks]
-        memo.sent_groups = tuple(any(m[g] for m in masks) for g in range(len(pairing.local.groups)))
-    return memo.sent_groups
+    return plan_of(pairing).sent_groups
 
 
 def vllm_pairs(
@@ -393,32 +298,13 @@ def exact_pairs(
     if lfine is None:
         lfine = fine_of(lk, bsr, kinds)
     rblock = rview.block_size * rview.ppl  # the remote's logical block in tokens (unchanged by a rescale)
-    if pull:
-        spans = align_groups(
-            local,
-            lids,
-            lfine,
-            rblock,
-            rids,
-            rk,
-            rview.block_size,
-            num_tokens,
-            pairing.prefix_caching,
-            prefill_tokens,
-        )
-    else:
-        spans = align_groups(
-            remote,
-            rids,
-            rk,
-            local.logical_block_size,
-            lids,
-            lfine,
-            rview.block_size,
-            num_tokens,
-            pairing.prefix_caching,
-            prefill_tokens,
-        )
+    # the consumer's lists first: D's in pull, the remote's in push
+    c_side = (
+        (local, lids, lfine, rblock, rids, rk)
+        if pull
+        else (remote, rids, rk, local.logical_block_size, lids, lfine)
+    )
+    spans = align_groups(*c_side, rview.block_size, num_tokens, pairing.prefix_caching, prefill_tokens)
     empty = [_NONE] * len(lk)
     ssm_l, ssm_r = (select_groups(lk, kinds), select_groups(rk, kinds))
     if pull:

@@ -10,6 +10,7 @@ import numpy as np
 from kvgeom.blocks import BlockIds, as_group_ids
 from kvgeom.errors import BlockIdError, PlanError
 from kvgeom.layout.geometry import RankGeometry
+from kvgeom.layout.runs import Runs
 
 __all__ = ["block_rows", "zero_runs"]
 
@@ -68,20 +69,5 @@ def zero_runs(
     if total == 0:
         e = np.zeros(0, np.int64)
         return e, e, e, 0
-    if not length.all():
-        keep = length > 0
-        region, offset, length = region[keep], offset[keep], length[keep]
-    # one address space with a 1-byte gap after every region: sorting and merging never join two regions
-    base = np.cumsum(size + 1) - (size + 1)
-    start = base[region] + offset
-    end = start + length
-    if (start[1:] < start[:-1]).any():
-        order = np.argsort(start, kind="stable")
-        start, end = start[order], end[order]
-    reach = np.maximum.accumulate(end)  # an overlapping row may end before the one it lies in
-    first = np.flatnonzero(start[1:] > reach[:-1]) + 1
-    run_start = start[np.append(0, first)]
-    run_end = reach[np.append(first - 1, start.size - 1)]
-    run_region = np.searchsorted(base, run_start, side="right") - 1
-    local = base[run_region]
-    return run_region, run_start - local, run_end - local, total
+    runs = Runs.from_rows(rows).coalesced().rows()  # pseudo-addresses: two regions never touch
+    return runs[:, 0], runs[:, 1], runs[:, 1] + runs[:, 2], total

@@ -17,11 +17,9 @@ from kvgeom.blocks import (
 from kvgeom.errors import PlanError, UnsupportedError
 from kvgeom.layout.geometry import RankGeometry
 from kvgeom.pair.dcp import apply_dcp_prefix_caching, dcp_units
-from kvgeom.pair.tp import compute_tp_mapping, dcp_handshake_targets
 from kvgeom.plan.align import group_pages
-from kvgeom.plan.bind import select_groups, vllm_pairs
+from kvgeom.plan.bind import plan_of, select_groups, vllm_pairs
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.planmemo import memo_of
 
 __all__ = [
     "first_position",
@@ -98,6 +96,35 @@ def dcp_pairs(
     ids at the local table's granularity and remote kernel ids. Attention units pair by global token position
     (:mod:`kvgeom.pair.dcp`); SSM slots pair as without DCP. kvgeom mode takes the units P computed; vLLM mode
     pairs as vLLM does (pages by its closed form in pull, by counts in push) and refuses when that differs."""
+    exact_l, exact_r, allowed = _dcp_token_pairs(pairing, rank, lids, rids, num_tokens, prefill_tokens)
+    if pairing.policy.by_tokens:
+        return exact_l, exact_r
+    pull, kinds = pairing.mode == "pull", pairing.local.group_is_ssm
+    lg, rg = (
+        _vllm_dcp_pull_pairs(pairing, rank, lids, rids, num_tokens)
+        if pull
+        else _vllm_dcp_push_pairs(pairing, rank, lids, rids)
+    )
+    c_all, p_all = (lids, rids) if pull else (rids, lids)
+    if not pull and c_all and any(x.size for x, ssm in zip(c_all, kinds) if not ssm):
+        vllm_push_covers(pairing, rank, c_all, p_all, num_tokens, prefill_tokens)
+    for g, ssm in enumerate(kinds):
+        if not ssm:
+            _check_vllm_dcp_group(g, rank, lg[g], rg[g], exact_l[g], exact_r[g], allowed[g])
+    return lg, rg
+
+
+def _dcp_token_pairs(
+    pairing: Pairing,
+    rank: int,
+    lids: list[np.ndarray],
+    rids: list[np.ndarray],
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per group, the local and remote ids remote rank ``rank`` exchanges by global token position (the units
+    P computed; SSM slots as without DCP), and the pair codes of every unit holding the same tokens on both
+    sides (computed by P or not: what vLLM's pairing may also pair)."""
     local, remote, pull = pairing.local, pairing.remotes[rank], pairing.mode == "pull"
     consumer, producer = (local, remote) if pull else (remote, local)
     c_all, p_all = (lids, rids) if pull else (rids, lids)
@@ -130,60 +157,80 @@ def dcp_pairs(
         ssm_r, ssm_l = apply_prefix_caching(ssm_r, ssm_l, remote.ppl, local.ppl, kinds)
     exact_l = [s if ssm else e for s, e, ssm in zip(ssm_l, exact_l, kinds)]
     exact_r = [s if ssm else e for s, e, ssm in zip(ssm_r, exact_r, kinds)]
-    if pairing.policy.by_tokens:
-        return exact_l, exact_r
-    if pull:  # vLLM's closed form on logical pages, then its block-size-ratio map
-        lg, rg = [], []
-        for g, (lo, ro, ssm) in enumerate(zip(lids, rids, kinds)):
-            if ssm or not lo.size:
-                lg.append(lo)
-                rg.append(ro if ssm else ro[:0])
-                continue
-            first = first_position(local, lo.size, num_tokens, pairing.prefix_caching, g)
-            a, b = apply_dcp_prefix_caching(
-                lo, ro, rank, local.dcp_size, local.dcp_rank, remote.dcp_size, first
-            )
-            lg.append(a)
-            rg.append(b)
-        lg, rg = (
-            logical_to_kernel(lg, local.ppl, kinds),
-            logical_to_kernel(rg, pairing.remote_view(rank).ppl, kinds),
-        )
-        if pairing.bsr > 1:
-            lg, rg = map_block_ids_for_block_size_ratio(lg, rg, pairing.bsr, kinds)
-            if not lg:
-                lg = [x[:0] for x in rg]
-    else:
-        lg, rg = vllm_pairs(pairing, lk, rk, pairing.remote_view(rank))
-        if not lg:
-            lg, rg = [x[:0] for x in lk], [x[:0] for x in rk]
-    if not pull and c_all and any(x.size for x, ssm in zip(c_all, kinds) if not ssm):
-        vllm_push_covers(pairing, rank, c_all, p_all, num_tokens, prefill_tokens)
-    for g, ssm in enumerate(kinds):
-        if ssm:
+    return exact_l, exact_r, allowed
+
+
+def _vllm_dcp_pull_pairs(
+    pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray], num_tokens: int | None
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """vLLM's DCP pull pairing: its closed form on logical pages, then its block-size-ratio map."""
+    local, remote, kinds = pairing.local, pairing.remotes[rank], pairing.local.group_is_ssm
+    lg, rg = [], []
+    for g, (lo, ro, ssm) in enumerate(zip(lids, rids, kinds)):
+        if ssm or not lo.size:
+            lg.append(lo)
+            rg.append(ro if ssm else ro[:0])
             continue
-        if lg[g].size != rg[g].size:  # vLLM's descriptor-count assert would fail in _read_blocks
-            raise UnsupportedError(
-                f"block_ids[{g}]",
-                f"with decode context parallelism vLLM 0.33.0 would pair "
-                f"{lg[g].size} local with {rg[g].size} remote blocks of remote rank {rank} and fail; "
-                "kvgeom mode pairs them by token",
-                local=int(lg[g].size),
-                remote=int(rg[g].size),
-            )
-        got, want = pair_codes(lg[g], rg[g]), pair_codes(exact_l[g], exact_r[g])
-        if not np.isin(got, allowed[g]).all() or not np.isin(want, got).all():
-            # other tokens paired, or tokens P computed left unread
-            raise UnsupportedError(
-                f"block_ids[{g}]",
-                "with decode context parallelism vLLM 0.33.0 would pair other "
-                f"pages ({unpair_codes(np.setdiff1d(got, allowed[g]))[:4]}...) or leave pages P "
-                f"computed unread ({unpair_codes(np.setdiff1d(want, got))[:4]}...); kvgeom mode pairs "
-                "them by token",
-                local=unpair_codes(got)[:8],
-                remote=unpair_codes(want)[:8],
-            )
+        first = first_position(local, lo.size, num_tokens, pairing.prefix_caching, g)
+        a, b = apply_dcp_prefix_caching(lo, ro, rank, local.dcp_size, local.dcp_rank, remote.dcp_size, first)
+        lg.append(a)
+        rg.append(b)
+    lg, rg = (
+        logical_to_kernel(lg, local.ppl, kinds),
+        logical_to_kernel(rg, pairing.remote_view(rank).ppl, kinds),
+    )
+    if pairing.bsr > 1:
+        lg, rg = map_block_ids_for_block_size_ratio(lg, rg, pairing.bsr, kinds)
+        if not lg:
+            lg = [x[:0] for x in rg]
     return lg, rg
+
+
+def _vllm_dcp_push_pairs(
+    pairing: Pairing, rank: int, lids: list[np.ndarray], rids: list[np.ndarray]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """vLLM's DCP push pairing: by counts, on kernel ids."""
+    kinds = pairing.local.group_is_ssm
+    lk = logical_to_kernel(lids, pairing.local.ppl, kinds)
+    rk = logical_to_kernel(rids, pairing.remote_view(rank).ppl, kinds)
+    lg, rg = vllm_pairs(pairing, lk, rk, pairing.remote_view(rank))
+    if not lg:
+        lg, rg = [x[:0] for x in lk], [x[:0] for x in rk]
+    return lg, rg
+
+
+def _check_vllm_dcp_group(
+    g: int,
+    rank: int,
+    lg: np.ndarray,
+    rg: np.ndarray,
+    exact_l: np.ndarray,
+    exact_r: np.ndarray,
+    allowed: np.ndarray,
+) -> None:
+    """Refuse where vLLM's pairing of group ``g`` with remote rank ``rank`` would fail its count assert, pair
+    other tokens than the token axis does, or leave tokens P computed unread."""
+    if lg.size != rg.size:  # vLLM's descriptor-count assert would fail in _read_blocks
+        raise UnsupportedError(
+            f"block_ids[{g}]",
+            f"with decode context parallelism vLLM 0.33.0 would pair "
+            f"{lg.size} local with {rg.size} remote blocks of remote rank {rank} and fail; "
+            "kvgeom mode pairs them by token",
+            local=int(lg.size),
+            remote=int(rg.size),
+        )
+    got, want = pair_codes(lg, rg), pair_codes(exact_l, exact_r)
+    if not np.isin(got, allowed).all() or not np.isin(want, got).all():
+        # other tokens paired, or tokens P computed left unread
+        raise UnsupportedError(
+            f"block_ids[{g}]",
+            "with decode context parallelism vLLM 0.33.0 would pair other "
+            f"pages ({unpair_codes(np.setdiff1d(got, allowed))[:4]}...) or leave pages P "
+            f"computed unread ({unpair_codes(np.setdiff1d(want, got))[:4]}...); kvgeom mode pairs "
+            "them by token",
+            local=unpair_codes(got)[:8],
+            remote=unpair_codes(want)[:8],
+        )
 
 
 def pair_codes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -250,26 +297,7 @@ def vllm_push_covers(
     """vLLM's push writes D rank ``rank`` only from the P ranks whose TP mapping names it: refuse when some
     unit P computed for that D rank lives on another P rank (it would stay unwritten)."""
     local, d = pairing.local, pairing.remotes[rank]
-    memo = memo_of(pairing).push_writers
-    if rank not in memo:  # shape-only: the P ranks vLLM's mappings send to D rank ``rank``
-        writers = set()
-        for q in range(local.tp_size):
-            m = compute_tp_mapping(
-                q,
-                local.tp_size,
-                d.tp_size,
-                local.num_kv_heads,
-                local.is_mla,
-                local.group_is_ssm,
-                local.dcp_size,
-                d.dcp_size,
-            )
-            every = local.is_mla and not local.has_ssm and pairing.tp_ratio < 0
-            targets = dcp_handshake_targets(q, local.tp_size, local.dcp_size, d.tp_size, d.dcp_size)
-            if rank in (targets if every else m.all_source_ranks):
-                writers.add(q % local.dcp_size)
-        memo[rank] = writers
-    writers = memo[rank]
+    writers = plan_of(pairing).push_writers[rank]
     for g, (c, p) in enumerate(zip(d_ids, p_ids)):
         if local.groups[g].is_ssm or not c.size or not p.size:
             continue

@@ -146,6 +146,49 @@ def desc_segments(
        g)`` over the ``len(ssm_region_indices) * (num_conv_pieces + 1)`` streams, ``NBL = dst_num_blocks
        // ppl``; the replicated-state group ``ple_group`` takes the one stream after them.
     """
+    nblocks, bsr, ppl = _checked_sizes(
+        num_groups, dst_num_blocks, block_size_ratio, physical_blocks_per_logical, group_is_ssm
+    )
+    nb = nblocks * bsr
+    routed = list(transfer_layer_group_ids or ())
+    if routed:
+        return _routed_segments(routed, num_groups, region_num_blocks, nb, bsr)
+    nregions = check_positive_int(num_regions, "num_regions", minimum=1, error=GroupMismatchError)
+    if ssm_region_indices is None:
+        return _attention_segments(
+            num_groups,
+            group_is_ssm,
+            nregions,
+            region_num_blocks,
+            region_group_ids,
+            uses_region_group_mapping,
+            nb,
+            bsr,
+        )
+    ssm_regions = _checked_ssm_regions(ssm_region_indices, nregions)
+    return _hybrid_segments(  # arguments in the order vLLM's checks run
+        group_is_ssm,
+        nregions,
+        len(ssm_regions)
+        * (check_positive_int(num_conv_pieces, "num_conv_pieces", error=GroupMismatchError) + 1),
+        _caps(region_num_blocks, nregions, nb, bsr, "region_num_blocks"),
+        nb,
+        nblocks // ppl,
+        _checked_scratch(scratch_region_indices, nregions),
+        frozenset(scratch_groups),
+        _own_groups(region_group_ids, nregions) if group_streams else None,
+        ple_group,
+    )
+
+
+def _checked_sizes(
+    num_groups: int,
+    dst_num_blocks: int,
+    block_size_ratio: int | None,
+    physical_blocks_per_logical: int,
+    group_is_ssm: Sequence[bool],
+) -> tuple[int, int, int]:
+    """The table's block count, block-size ratio and kernel blocks per logical block, checked."""
     nblocks = check_positive_int(dst_num_blocks, "dst_num_blocks", minimum=0, error=GroupMismatchError)
     bsr = 1 if block_size_ratio is None else check_positive_int(block_size_ratio, "block_size_ratio")
     ppl = check_positive_int(physical_blocks_per_logical, "physical_blocks_per_logical")
@@ -156,58 +199,10 @@ def desc_segments(
             value=len(group_is_ssm),
             expected=num_groups,
         )
-    nb = nblocks * bsr
-    routed = list(transfer_layer_group_ids or ())
-    if routed:
-        caps = _caps(region_num_blocks, len(routed), nb, bsr, "region_num_blocks")
-        bad = [g for g in routed if not 0 <= g < num_groups]
-        if bad:
-            raise GroupMismatchError(
-                "transfer_layer_group_ids", f"groups {bad} outside [0, {num_groups})", value=bad
-            )
-        return _table(np.cumsum(caps) - caps, np.asarray(routed), caps)
-    nregions = check_positive_int(num_regions, "num_regions", minimum=1, error=GroupMismatchError)
-    if ssm_region_indices is None:
-        ssm_groups = [g for g, ssm in enumerate(group_is_ssm) if ssm]
-        count = nregions if region_num_blocks is None else len(region_num_blocks)
-        if region_group_ids is None and count != nregions:
-            raise GroupMismatchError(
-                "region_num_blocks",
-                f"{count} capacities for {nregions} regions",
-                value=count,
-                expected=nregions,
-            )
-        caps = _caps(region_num_blocks, count, nb, bsr, "region_num_blocks")
-        offs = np.cumsum(caps) - caps
-        # without explicit group ids, the worker's own: one group for all of its num_regions regions
-        gids = (
-            np.zeros(nregions, dtype=np.int64)
-            if region_group_ids is None
-            else np.asarray(region_group_ids, dtype=np.int64).reshape(-1)
-        )
-        if gids.size != count:
-            raise GroupMismatchError(
-                "region_group_ids",
-                f"{gids.size} group ids for {count} regions",
-                value=int(gids.size),
-                expected=count,
-            )
-        mapped = (
-            np.unique(gids).size > 1 if uses_region_group_mapping is None else bool(uses_region_group_mapping)
-        )
-        attn = [g for g in range(num_groups) if g not in ssm_groups]
-        if not mapped:
-            grid = np.asarray(attn, dtype=np.int64)
-            return _table(
-                np.repeat(offs, grid.size), np.tile(grid, count), np.repeat(caps, grid.size), tuple(attn)
-            )
-        rows = [
-            (offs[m], np.full(int(m.sum()), g), caps[m])
-            for g in attn
-            for m in [(gids == g) | (gids == SHARED_GROUP)]
-        ]
-        cols = [np.concatenate([np.zeros(0, np.int64)] + [r[i] for r in rows]) for i in range(3)]
-        return _table(cols[0], cols[1], cols[2])
+    return nblocks, bsr, ppl
+
+
+def _checked_ssm_regions(ssm_region_indices: Sequence[int], nregions: int) -> list[int]:
     ssm_regions = [int(r) for r in ssm_region_indices]
     bad = [r for r in ssm_regions if not 0 <= r < nregions]
     if bad or len(set(ssm_regions)) != len(ssm_regions):
@@ -216,26 +211,108 @@ def desc_segments(
             f"must be distinct regions in [0, {nregions}), got {ssm_regions}",
             value=ssm_regions,
         )
-    pieces = check_positive_int(num_conv_pieces, "num_conv_pieces", error=GroupMismatchError)
-    caps = _caps(region_num_blocks, nregions, nb, bsr, "region_num_blocks")
-    nfa = int(caps.sum())
-    nbl = nblocks // ppl
-    streams = len(ssm_regions) * (pieces + 1)
+    return ssm_regions
+
+
+def _routed_segments(
+    routed: list[int], num_groups: int, region_num_blocks: Sequence[int] | None, nb: int, bsr: int
+) -> Segments:
+    """Path 1, layer-name routing: one segment per transfer layer, of its group."""
+    caps = _caps(region_num_blocks, len(routed), nb, bsr, "region_num_blocks")
+    bad = [g for g in routed if not 0 <= g < num_groups]
+    if bad:
+        raise GroupMismatchError(
+            "transfer_layer_group_ids", f"groups {bad} outside [0, {num_groups})", value=bad
+        )
+    return _table(np.cumsum(caps) - caps, np.asarray(routed), caps)
+
+
+def _attention_segments(
+    num_groups: int,
+    group_is_ssm: Sequence[bool],
+    nregions: int,
+    region_num_blocks: Sequence[int] | None,
+    region_group_ids: Sequence[int] | None,
+    uses_region_group_mapping: bool | None,
+    nb: int,
+    bsr: int,
+) -> Segments:
+    """Paths 2 and 3, no SSM: region-major over every attention group, or per group over its regions."""
+    ssm_groups = [g for g, ssm in enumerate(group_is_ssm) if ssm]
+    count = nregions if region_num_blocks is None else len(region_num_blocks)
+    if region_group_ids is None and count != nregions:
+        raise GroupMismatchError(
+            "region_num_blocks", f"{count} capacities for {nregions} regions", value=count, expected=nregions
+        )
+    caps = _caps(region_num_blocks, count, nb, bsr, "region_num_blocks")
+    offs = np.cumsum(caps) - caps
+    # without explicit group ids, the worker's own: one group for all of its num_regions regions
+    gids = (
+        np.zeros(nregions, dtype=np.int64)
+        if region_group_ids is None
+        else np.asarray(region_group_ids, dtype=np.int64).reshape(-1)
+    )
+    if gids.size != count:
+        raise GroupMismatchError(
+            "region_group_ids",
+            f"{gids.size} group ids for {count} regions",
+            value=int(gids.size),
+            expected=count,
+        )
+    mapped = (
+        np.unique(gids).size > 1 if uses_region_group_mapping is None else bool(uses_region_group_mapping)
+    )
+    attn = [g for g in range(num_groups) if g not in ssm_groups]
+    if not mapped:
+        grid = np.asarray(attn, dtype=np.int64)
+        return _table(
+            np.repeat(offs, grid.size), np.tile(grid, count), np.repeat(caps, grid.size), tuple(attn)
+        )
+    rows = [
+        (offs[m], np.full(int(m.sum()), g), caps[m])
+        for g in attn
+        for m in [(gids == g) | (gids == SHARED_GROUP)]
+    ]
+    cols = [np.concatenate([np.zeros(0, np.int64)] + [r[i] for r in rows]) for i in range(3)]
+    return _table(cols[0], cols[1], cols[2])
+
+
+def _checked_scratch(scratch_region_indices: Sequence[int], nregions: int) -> np.ndarray:
     scratch = np.asarray(sorted(int(r) for r in scratch_region_indices), dtype=np.int64)
     if scratch.size and (scratch.min() < 0 or scratch.max() >= nregions):
         raise GroupMismatchError(
             "scratch_region_indices", f"must lie in [0, {nregions})", value=scratch.tolist()
         )
-    own = None
-    if group_streams:
-        own = np.asarray(region_group_ids if region_group_ids is not None else (), dtype=np.int64).reshape(-1)
-        if own.size != nregions:
-            raise GroupMismatchError(
-                "region_group_ids",
-                f"group streams need one group id per region: {own.size} for {nregions} regions",
-                value=int(own.size),
-                expected=nregions,
-            )
+    return scratch
+
+
+def _own_groups(region_group_ids: Sequence[int] | None, nregions: int) -> np.ndarray:
+    own = np.asarray(region_group_ids if region_group_ids is not None else (), dtype=np.int64).reshape(-1)
+    if own.size != nregions:
+        raise GroupMismatchError(
+            "region_group_ids",
+            f"group streams need one group id per region: {own.size} for {nregions} regions",
+            value=int(own.size),
+            expected=nregions,
+        )
+    return own
+
+
+def _hybrid_segments(
+    group_is_ssm: Sequence[bool],
+    nregions: int,
+    streams: int,
+    caps: np.ndarray,
+    nb: int,
+    nbl: int,
+    scratch: np.ndarray,
+    scratch_groups: frozenset[int],
+    own: np.ndarray | None,
+    ple_group: int | None,
+) -> Segments:
+    """Path 4, SSM present: per group its attention regions' streams, or its ``streams`` SSM streams after
+    every attention region."""
+    nfa = int(caps.sum())
     starts: list[np.ndarray] = []
     groups: list[np.ndarray] = []
     cap_rows: list[np.ndarray] = []

@@ -21,101 +21,67 @@ from functools import cached_property
 import numpy as np
 
 from kvgeom.errors import IncompatiblePairError, PlanError
+from kvgeom.layout.runs import Runs
 from kvgeom.layout.view import OFFSET_MASK, REGION_SHIFT, EngineView, pseudo_bases
-from kvgeom.plan.splits import expand_strided
 from kvgeom.plan.strided import block_strided_rows, fa_local_rows, fa_remote_rows, mamba_local_rows
 
 __all__ = ["Dlist", "local_dlist", "remote_dlist", "routed_tables", "cut_fa_rows"]
 
 
 class Dlist:
-    """A descriptor table kept as strided runs: ``runs`` is an N x 5 int64 array ``(region << 44 | offset,
-    length, 0, stride, count)``, each run standing for ``count`` descriptors ``stride`` bytes apart
-    (NIXL >= 1.5's compressed form). Descriptor ids index the expansion in run order; ``num_fa`` of them
-    are attention rows.
+    """A descriptor table: its :class:`~kvgeom.layout.runs.Runs` (``layout``) at pseudo-addresses (``region
+    << 44 | offset``), each run standing for ``count`` descriptors ``stride`` bytes apart; descriptor ids index
+    its elements in run order, and ``num_fa`` of them are attention rows. :attr:`runs` is the same as NIXL's
+    N x 5 strided rows ``(region << 44 | offset, length, 0, stride, count)``.
 
-    ``Dlist(rows, num_fa)`` takes either the runs (N x 5) or expanded ``(region, offset, length)`` rows
-    (N x 3, one descriptor each). The expanded rows (:attr:`rows`) are built only when asked for; the
-    handshake checks, NIXL binding (:meth:`bind_strided`) and per-id lookups (:meth:`take`) work on the
-    runs, so a table's memory and its checks are linear in runs, not in blocks.
+    ``Dlist(rows, num_fa)`` takes the runs (a :class:`~kvgeom.layout.runs.Runs`, or N x 5 rows) or expanded
+    ``(region, offset, length)`` rows (N x 3, one descriptor each). The handshake checks, NIXL binding
+    (:meth:`bind_strided`) and per-id lookups (:meth:`take`) work on the runs, so a table's memory and its
+    checks are linear in runs, not in blocks; the expanded rows (:attr:`rows`) are derived on first use.
     """
 
-    def __init__(self, rows: np.ndarray, num_fa: int) -> None:
-        arr = np.asarray(rows, dtype=np.int64)
-        self._rows: np.ndarray | None = None  # the expanded rows: given (N x 3), or built by :attr:`rows`
-        if arr.size == 0:
-            arr = arr.reshape(0, arr.shape[1] if arr.ndim == 2 and arr.shape[1] in (3, 5) else 5)
-        if arr.ndim != 2 or arr.shape[1] not in (3, 5):
-            raise PlanError(
-                "rows",
-                f"must be an N x 3 (region, offset, length) or N x 5 strided array, got shape {arr.shape}",
-                value=arr.shape,
-            )
-        if arr.shape[1] == 3:
-            if arr.size and (int(arr[:, 1].min()) < 0 or int(arr[:, 1].max()) > OFFSET_MASK):
-                raise PlanError(
-                    "rows",
-                    f"offsets must lie in [0, 2**{REGION_SHIFT}) (a pseudo-address's offset bits)",
-                    value=(int(arr[:, 1].min()), int(arr[:, 1].max())),
-                )
-            runs = np.empty((arr.shape[0], 5), dtype=np.int64)
-            runs[:, 0] = (arr[:, 0] << REGION_SHIFT) | arr[:, 1]
-            runs[:, 1] = arr[:, 2]
-            runs[:, 2] = 0
-            runs[:, 3] = arr[:, 2]
-            runs[:, 4] = 1
-            self._rows = arr
-            arr = runs
-        self.runs = arr
+    def __init__(self, rows: np.ndarray | Runs, num_fa: int) -> None:
+        self.layout = rows if isinstance(rows, Runs) else _as_runs(rows)
         self.num_fa = int(num_fa)
 
     @cached_property
-    def _ends(self) -> np.ndarray:
-        return np.cumsum(self.runs[:, 4])
+    def runs(self) -> np.ndarray:
+        """NIXL's N x 5 strided rows of :attr:`layout` (device 0)."""
+        return self.layout.nixl()
 
     @cached_property
-    def _len(self) -> int:
-        return int(self._ends[-1]) if self._ends.size else 0
+    def _ends(self) -> np.ndarray:
+        out: np.ndarray = np.cumsum(self.layout.count)
+        return out
 
     def __len__(self) -> int:
-        return self._len
+        return int(self._ends[-1]) if self._ends.size else 0
 
-    @property
+    @cached_property
     def rows(self) -> np.ndarray:
-        """The expanded N x 3 ``(region, offset, length)`` rows, one per descriptor (built on first use)."""
-        if self._rows is None:
-            pseudo = expand_strided(self.runs)
-            out = np.empty((pseudo.shape[0], 3), dtype=np.int64)
-            out[:, 0] = pseudo[:, 0] >> REGION_SHIFT
-            out[:, 1] = pseudo[:, 0] & OFFSET_MASK
-            out[:, 2] = pseudo[:, 1]
-            self._rows = out
-        return self._rows
+        """The expanded N x 3 ``(region, offset, length)`` rows, one per descriptor."""
+        return self.layout.rows()
 
     def take(self, ids: np.ndarray) -> np.ndarray:
         """``(region, offset, length)`` of descriptors ``ids`` without expanding the table."""
         ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self)):
+        n = len(self)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
             raise PlanError(
-                "descriptor ids",
-                f"id outside the {len(self)}-row table",
-                value=int(ids.max()),
-                expected=len(self),
+                "descriptor ids", f"id outside the {n}-row table", value=int(ids.max()), expected=n
             )
-        if self._rows is not None:
-            return np.asarray(self._rows[ids], dtype=np.int64)
+        lay = self.layout
         run = np.searchsorted(self._ends, ids, side="right")
-        r = self.runs[run]
-        addr = r[:, 0] + (ids - (self._ends[run] - r[:, 4])) * r[:, 3]
+        addr = lay.base[run] + (ids - (self._ends[run] - lay.count[run])) * lay.stride[run]
         out = np.empty((ids.size, 3), dtype=np.int64)
         out[:, 0] = addr >> REGION_SHIFT
         out[:, 1] = addr & OFFSET_MASK
-        out[:, 2] = r[:, 1]
+        out[:, 2] = lay.length[run]
         return out
 
     def _bases(self, bases: Sequence[int]) -> np.ndarray:
         base = np.asarray(bases, dtype=np.uint64)
-        regions = self.runs[:, 0] >> REGION_SHIFT
+        regions = self.layout.base >> REGION_SHIFT
         if regions.size and int(regions.max()) >= base.size:
             raise PlanError(
                 "bases",
@@ -138,68 +104,78 @@ class Dlist:
         memory type, NIXL >= 1.5): the same descriptor ids as :meth:`bind`, one row per run."""
         base = self._bases(bases)
         out = self.runs.astype(np.uint64)
-        out[:, 0] = base[self.runs[:, 0] >> REGION_SHIFT] + (self.runs[:, 0] & OFFSET_MASK).astype(np.uint64)
+        lay = self.layout
+        out[:, 0] = base[lay.base >> REGION_SHIFT] + (lay.base & OFFSET_MASK).astype(np.uint64)
         out[:, 2] = np.uint64(device)
         return out
 
     def pseudo_addresses(self) -> np.ndarray:
         """N x 3 int64 ``(region << 44 | offset, length, 0)``: lets address-based code run address-free."""
-        return expand_strided(self.runs)
+        addr, length = self.layout.expand()
+        return np.column_stack([addr, length, np.zeros_like(addr)])
 
     @classmethod
     def from_pseudo(cls, descs: np.ndarray, num_fa: int) -> Dlist:
         """A table from pseudo-addressed rows: N x 3 ``(addr, len, dev)`` or N x 5 strided runs."""
-        descs = np.asarray(descs, dtype=np.int64)
-        if descs.ndim == 2 and descs.shape[1] == 5:
-            runs = descs.copy()
-            runs[:, 2] = 0
-            return cls(runs, num_fa)
-        rows = np.empty((descs.shape[0], 3), dtype=np.int64)
-        rows[:, 0] = descs[:, 0] >> REGION_SHIFT
-        rows[:, 1] = descs[:, 0] & OFFSET_MASK
-        rows[:, 2] = descs[:, 1]
-        return cls(rows, num_fa)
+        return cls(Runs.from_nixl(np.asarray(descs, dtype=np.int64)), num_fa)
 
     def check_bounds(self, region_bytes: Sequence[int], side: str) -> None:
         """Raise unless every descriptor lies inside its region (invariant I6); checked per run (its first
         and last descriptor), never per descriptor."""
-        runs = self.runs[self.runs[:, 4] > 0]
-        if not len(runs):
+        lay = self.layout
+        keep = lay.count > 0
+        if not keep.any():
             return
+        base, ln, stride, count = lay.base[keep], lay.length[keep], lay.stride[keep], lay.count[keep]
         sizes = np.asarray(region_bytes, dtype=np.int64)
-        r, off, ln = runs[:, 0] >> REGION_SHIFT, runs[:, 0] & OFFSET_MASK, runs[:, 1]
-        last = off + (runs[:, 4] - 1) * runs[:, 3]
+        r, off = base >> REGION_SHIFT, base & OFFSET_MASK
+        last = off + (count - 1) * stride
         lo, hi = np.minimum(off, last), np.maximum(off, last)
         bad = (r < 0) | (r >= sizes.size) | (lo < 0) | (ln < 0)
         bad |= ~bad & (hi + ln > sizes[np.clip(r, 0, sizes.size - 1)])
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            first = int(np.cumsum(runs[:, 4])[i] - runs[i, 4])
+            first = int(np.cumsum(count)[i] - count[i])
             raise PlanError(
                 f"{side} dlist[{first}]",
                 f"run (region {r[i]}, offset {off[i]}, length {ln[i]}, "
-                f"stride {runs[i, 3]}, count {runs[i, 4]}) leaves its registered region of "
+                f"stride {stride[i]}, count {count[i]}) leaves its registered region of "
                 f"{int(sizes[np.clip(r[i], 0, sizes.size - 1)])} bytes",
-                value=(int(r[i]), int(off[i]), int(ln[i]), int(runs[i, 3]), int(runs[i, 4])),
+                value=(int(r[i]), int(off[i]), int(ln[i]), int(stride[i]), int(count[i])),
             )
 
 
-def _ssm_rows(
-    regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[tuple[int, int]]
-) -> np.ndarray:
+def _as_runs(rows: np.ndarray) -> Runs:
+    """N x 5 strided rows or N x 3 ``(region, offset, length)`` rows as runs at pseudo-addresses."""
+    arr = np.asarray(rows, dtype=np.int64)
+    if arr.size == 0:
+        return Runs.empty()
+    if arr.ndim != 2 or arr.shape[1] not in (3, 5):
+        raise PlanError(
+            "rows",
+            f"must be an N x 3 (region, offset, length) or N x 5 strided array, got shape {arr.shape}",
+            value=arr.shape,
+        )
+    if arr.shape[1] == 5:
+        return Runs.from_nixl(arr)
+    if int(arr[:, 1].min()) < 0 or int(arr[:, 1].max()) > OFFSET_MASK:
+        raise PlanError(
+            "rows",
+            f"offsets must lie in [0, 2**{REGION_SHIFT}) (a pseudo-address's offset bits)",
+            value=(int(arr[:, 1].min()), int(arr[:, 1].max())),
+        )
+    return Runs.from_rows(arr)
+
+
+def _ssm_rows(regions: np.ndarray, page: np.ndarray, nbl: int, pieces: Sequence[tuple[int, int]]) -> Runs:
     """SSM runs: for each SSM region, for each piece ``(offset, length)``, one run over the logical blocks
     (state pages ``page`` bytes apart)."""
     if not len(regions) or not len(pieces):
-        return np.zeros((0, 5), dtype=np.int64)
+        return Runs.empty()
     offs = np.asarray([p[0] for p in pieces], dtype=np.int64)
     lens = np.asarray([p[1] for p in pieces], dtype=np.int64)
-    runs = np.empty((len(regions), len(pieces), 5), dtype=np.int64)
-    runs[..., 0] = (np.asarray(regions, dtype=np.int64) << REGION_SHIFT)[:, None] + offs[None, :]
-    runs[..., 1] = lens[None, :]
-    runs[..., 2] = 0
-    runs[..., 3] = np.asarray(page, dtype=np.int64)[:, None]
-    runs[..., 4] = nbl
-    return runs.reshape(-1, 5)
+    base = (np.asarray(regions, dtype=np.int64) << REGION_SHIFT)[:, None] + offs[None, :]
+    return Runs.of(base.reshape(-1), np.tile(lens, len(regions)), np.repeat(page, len(pieces)), nbl)
 
 
 def _fa_rows(
@@ -210,43 +186,35 @@ def _fa_rows(
     bases: Sequence[int],
     offsets: np.ndarray,
     lengths: np.ndarray,
-) -> np.ndarray:
+) -> Runs:
     """Attention runs: stream-major, block-minor, ``bsr`` sub-blocks per block (streams start at ``bases``),
-    each descriptor moved by its stream's ``offsets`` and cut to its ``lengths``."""
+    each descriptor cut to its stream's slice ``(offsets, lengths)`` (a route's)."""
     parts = [
         block_strided_rows(int(b), int(n) // bsr, int(st), nb, bsr) for b, n, st in zip(bases, lens, strides)
     ]
     counts = np.asarray([len(x) for x in parts], dtype=np.int64)
-    runs = np.concatenate(parts) if parts else np.zeros((0, 5), dtype=np.int64)
-    runs[:, 0] += np.repeat(offsets, counts)
-    runs[:, 1] = np.repeat(lengths, counts)
-    return runs
+    runs = Runs.from_nixl(np.concatenate(parts)) if parts else Runs.empty()
+    return runs.slice(np.repeat(offsets, counts), np.repeat(lengths, counts))
 
 
 def cut_fa_rows(
-    bases: Sequence[int], strides: Sequence[int], num_blocks: Sequence[int], units: Sequence[np.ndarray]
-) -> np.ndarray:
+    bases: Sequence[int], strides: Sequence[int], num_blocks: Sequence[int], units: Sequence[Runs]
+) -> Runs:
     """Attention runs of pages cut by their token runs (:func:`kvgeom.layout.tokenruns.unit_runs`): per
     stream ``i`` (first byte ``bases[i]``, ``num_blocks[i]`` kernel blocks ``strides[i]`` apart), per block,
-    its ``units[i]`` (``M x 4`` ``(offset, length, stride, count)`` within a block), in that order: stream-major,
-    block, then unit, as :func:`local_dlist` orders sub-blocks."""
-    parts = []
-    for base, stride, nb, u in zip(bases, strides, num_blocks, units):
-        u = np.asarray(u, dtype=np.int64).reshape(-1, 4)
-        runs = np.empty((int(nb), u.shape[0], 5), dtype=np.int64)
-        runs[..., 0] = int(base) + np.arange(int(nb), dtype=np.int64)[:, None] * int(stride) + u[None, :, 0]
-        runs[..., 1] = u[None, :, 1]
-        runs[..., 2] = 0
-        runs[..., 3] = u[None, :, 2]
-        runs[..., 4] = u[None, :, 3]
-        parts.append(runs.reshape(-1, 5))
-    return np.concatenate(parts) if parts else np.zeros((0, 5), dtype=np.int64)
+    its ``units[i]`` (runs within a block), in that order: stream-major, block, then unit, as
+    :func:`local_dlist` orders sub-blocks."""
+    return Runs.concat(
+        [
+            Runs.of(int(b), 0, int(st), int(nb)).compose(u)
+            for b, st, nb, u in zip(bases, strides, num_blocks, units)
+        ]
+    )
 
 
-def _table(fa: np.ndarray, ssm: np.ndarray | None) -> Dlist:
-    """A table from strided rows on pseudo-addresses: attention rows, then SSM rows."""
-    rows = fa if ssm is None or not len(ssm) else np.concatenate([fa, ssm])
-    return Dlist.from_pseudo(rows, int(fa[:, 4].sum()))
+def _table(fa: Runs, ssm: Runs | None) -> Dlist:
+    """A table from runs on pseudo-addresses: attention runs, then SSM runs."""
+    return Dlist(fa if ssm is None else Runs.concat([fa, ssm]), fa.size)
 
 
 def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
@@ -264,30 +232,38 @@ def local_dlist(view: EngineView, bsr: int = 1) -> Dlist:
             value=bsr,
             expected=view.block_lens,
         )
-    fa = fa_local_rows(
-        view.pseudo_bases(), view.block_lens, view.block_strides, [view.num_blocks] * view.num_regions, bsr
+    fa = Runs.from_nixl(
+        fa_local_rows(
+            view.pseudo_bases(),
+            view.block_lens,
+            view.block_strides,
+            [view.num_blocks] * view.num_regions,
+            bsr,
+        )
     )
     ssm = None
     if view.ssm_sizes is not None and view.conv_offsets is not None:
-        ssm = mamba_local_rows(
-            pseudo_bases(view.num_regions),
-            view.block_strides,
-            view.ssm_region_indices,
-            view.conv_offsets,
-            view.ssm_sizes,
-            view.ppl,
-            view.logical_num_blocks,
-            ple_region=view.ple_region,
-            ple_block_len=view.ple_len if view.ple_region is not None else None,
+        ssm = Runs.from_nixl(
+            mamba_local_rows(
+                pseudo_bases(view.num_regions),
+                view.block_strides,
+                view.ssm_region_indices,
+                view.conv_offsets,
+                view.ssm_sizes,
+                view.ppl,
+                view.logical_num_blocks,
+                ple_region=view.ple_region,
+                ple_block_len=view.ple_len if view.ple_region is not None else None,
+            )
         )
     return _table(fa, ssm)
 
 
-def _ple_rows(local: EngineView, remote: EngineView, bases: Sequence[int]) -> np.ndarray:
-    """The replicated state page of ``remote`` (region ``local.ple_region``) as one row over its logical
+def _ple_rows(local: EngineView, remote: EngineView, bases: Sequence[int]) -> Runs:
+    """The replicated state page of ``remote`` (region ``local.ple_region``) as one run over its logical
     blocks, copied whole; the two sides' pages must be equally long (vLLM's handshake rule)."""
     if local.ple_region is None:
-        return np.zeros((0, 5), dtype=np.int64)
+        return Runs.empty()
     if remote.ple_region is None or local.ple_len * local.ppl != remote.ple_len * remote.ppl:
         raise IncompatiblePairError(
             "ple_block_len",
@@ -296,17 +272,11 @@ def _ple_rows(local: EngineView, remote: EngineView, bases: Sequence[int]) -> np
             remote=None if remote.ple_region is None else remote.ple_len * remote.ppl,
         )
     r = local.ple_region
-    return np.asarray(
-        [
-            [
-                int(bases[r]),
-                remote.ple_len * remote.ppl,
-                0,
-                int(remote.block_strides[r]) * remote.ppl,
-                remote.logical_num_blocks,
-            ]
-        ],
-        dtype=np.int64,
+    return Runs.of(
+        int(bases[r]),
+        remote.ple_len * remote.ppl,
+        int(remote.block_strides[r]) * remote.ppl,
+        remote.logical_num_blocks,
     )
 
 
@@ -334,7 +304,7 @@ def remote_dlist(
     bases = pseudo_bases(remote.num_regions)
     drafts = [k for k, mla in enumerate(local.region_is_mla) if not mla] if draft is not None else []
     reads, factor = draft if draft is not None else (1, 0)
-    fa = fa_remote_rows(
+    fa = fa_remote_rows(  # vLLM's N x 5 rows
         remote.pseudo_bases(),
         remote.block_strides,
         [remote.num_blocks] * remote.num_regions,
@@ -349,7 +319,7 @@ def remote_dlist(
     )
     ssm = None
     if ssm_pieces is not None:
-        ssm = _rows_over(
+        over = _rows_over(
             bases,
             remote.block_strides,
             local.ssm_region_indices,
@@ -357,8 +327,8 @@ def remote_dlist(
             remote.ppl,
             remote.logical_num_blocks,
         )
-        ssm = np.concatenate([ssm, _ple_rows(local, remote, bases)])
-    return _table(fa, ssm)
+        ssm = Runs.concat([over, _ple_rows(local, remote, bases)])
+    return _table(Runs.from_nixl(fa), ssm)
 
 
 def _rows_over(
@@ -368,12 +338,15 @@ def _rows_over(
     pieces: Sequence[tuple[int, int]],
     ppl: int,
     nbl: int,
-) -> np.ndarray:
-    """Strided SSM rows of ``pieces`` in every region of ``regions`` (state pages ``stride * ppl`` apart)."""
-    return np.asarray(
-        [(int(bases[i]) + off, size, 0, int(strides[i]) * ppl, nbl) for i in regions for off, size in pieces],
+) -> Runs:
+    """Strided SSM runs of ``pieces`` in every region of ``regions`` (state pages ``stride * ppl`` apart)."""
+    if not len(regions) or not len(pieces):
+        return Runs.empty()
+    cols = np.asarray(
+        [(int(bases[i]) + off, size, int(strides[i]) * ppl) for i in regions for off, size in pieces],
         dtype=np.int64,
-    ).reshape(-1, 5)
+    )
+    return Runs.of(cols[:, 0], cols[:, 1], cols[:, 2], nbl)
 
 
 def routed_tables(
@@ -383,7 +356,7 @@ def routed_tables(
     remote_rows: int,
     fa: Sequence[tuple[int, int, int]],
     ssm: Sequence[tuple[int, int, int]] | None,
-    cut: tuple[np.ndarray, np.ndarray] | None = None,
+    cut: tuple[Runs, Runs] | None = None,
 ) -> tuple[Dlist, Dlist]:
     """kvgeom mode: the local and remote tables of one remote rank, every row cut by its slice
     (``(local offset, remote offset, length)`` per attention region and per SSM piece, from
@@ -420,13 +393,13 @@ def _with_ssm(
     local: EngineView,
     remote: EngineView,
     ssm: Sequence[tuple[int, int, int]] | None,
-    base: np.ndarray,
-    rrows: np.ndarray,
+    base: Runs,
+    rrows: Runs,
 ) -> tuple[Dlist, Dlist]:
     """Both tables of :func:`routed_tables`: the attention runs given, then each side's SSM runs."""
     lstride = np.asarray(local.block_strides, dtype=np.int64)
     rstride = np.asarray(remote.block_strides, dtype=np.int64)
-    lssm = rssm = np.zeros((0, 5), dtype=np.int64)
+    lssm = rssm = Runs.empty()
     if local.ssm_sizes is not None and local.conv_offsets is not None and remote.ssm_sizes is not None:
         regions = np.asarray(local.ssm_region_indices, dtype=np.int64)
         if ssm is None:  # this rank sends no state: whole pieces on each side (in bounds, never referenced)
@@ -440,9 +413,6 @@ def _with_ssm(
         lssm = _ssm_rows(regions, lstride[regions] * local.ppl, local.logical_num_blocks, lpieces)
         rssm = _ssm_rows(regions, rstride[regions] * remote.ppl, remote.logical_num_blocks, rpieces)
         # the replicated page, whole on both sides
-        lssm = np.concatenate([lssm, _ple_rows(local, local, pseudo_bases(local.num_regions))])
-        rssm = np.concatenate([rssm, _ple_rows(local, remote, pseudo_bases(remote.num_regions))])
-    return (
-        Dlist(np.concatenate([base, lssm]), int(base[:, 4].sum())),
-        Dlist(np.concatenate([rrows, rssm]), int(rrows[:, 4].sum())),
-    )
+        lssm = Runs.concat([lssm, _ple_rows(local, local, pseudo_bases(local.num_regions))])
+        rssm = Runs.concat([rssm, _ple_rows(local, remote, pseudo_bases(remote.num_regions))])
+    return Dlist(Runs.concat([base, lssm]), base.size), Dlist(Runs.concat([rrows, rssm]), rrows.size)

@@ -5,12 +5,11 @@ nothing is regrouped after the transfer (:class:`~kvgeom.plan.pairing.Pairing` b
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvgeom.dtypes import dtype_size
 from kvgeom.errors import UnsupportedError
 from kvgeom.layout.engine import KVLayout
 from kvgeom.layout.geometry import RankGeometry, Region
+from kvgeom.layout.runs import Runs
 from kvgeom.layout.tokenruns import TokenRun, layer_token_runs, page_token_runs, unit_runs
 from kvgeom.layout.view import EngineView, pseudo_bases
 from kvgeom.model.layers import AttentionSpec
@@ -20,7 +19,7 @@ from kvgeom.plan.dlist import cut_fa_rows
 __all__ = ["PageCut", "cut_rows", "page_cut"]
 
 #: per side (local, then remote), per attention stream: its kernel block's unit runs (:func:`unit_runs`)
-PageCut = tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]
+PageCut = tuple[tuple[Runs, ...], tuple[Runs, ...]]
 
 
 def page_cut(
@@ -69,7 +68,7 @@ def page_cut(
 
 def cut_rows(
     local: RankGeometry, remote: RankGeometry, cut: PageCut, rank: int, r: Route
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[Runs, Runs]:
     """Both sides' attention rows of ``cut`` for remote rank ``rank`` (``remote``), whose route ``r`` must move
     whole rows (the same heads on both sides, one source)."""
     if any(lo or ro for lo, ro, _ in r.fa):

@@ -15,23 +15,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-import numpy as np
-
 from kvgeom.dtypes import dtype_size
 from kvgeom.errors import IncompatiblePairError, UnsupportedError
 from kvgeom.layout.card import GeometryCard
 from kvgeom.layout.conv import remote_conv_offsets
 from kvgeom.layout.geometry import RankGeometry
-from kvgeom.layout.view import EngineView, unpseudo
+from kvgeom.layout.runs import Runs
+from kvgeom.layout.view import EngineView
 from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.route import Route, dcp_pages_differ, route
 from kvgeom.pair.sides import as_geometry, checked_sides
 from kvgeom.pair.streams import region_mapped
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
-from kvgeom.plan.align import Page, group_pages, page_heads
+from kvgeom.plan.align import Page, group_pages, streamed_pages
 from kvgeom.plan.dlist import Dlist, local_dlist, remote_dlist, routed_tables
 from kvgeom.plan.pagecut import PageCut, cut_rows, page_cut
+from kvgeom.plan.pairplan import PairPlan, pair_plan
 from kvgeom.plan.splits import build_local_splits
 
 __all__ = ["Pairing", "PairTables", "LocalKey", "pair_targets", "push_writers"]
@@ -121,6 +121,8 @@ class Pairing:
     #: the remote ranks' streams as planned with (:meth:`remote_view`)
     views: Mapping[int, EngineView] = field(default_factory=dict, repr=False)
     tables: PairTables = field(default_factory=PairTables, repr=False)
+    #: what every request reads, computed once at handshake after the tables (:mod:`kvgeom.plan.pairplan`)
+    plan: PairPlan | None = field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -153,7 +155,7 @@ class Pairing:
         )
         pairing = replace(base, tables=base._prepare())
         pairing._validate_routes()
-        return pairing
+        return replace(pairing, plan=pair_plan(pairing))
 
     def _prepare(self) -> PairTables:
         """Every value the pairing prepares once (from its fields and ``views``)."""
@@ -161,7 +163,7 @@ class Pairing:
         masks = {rank: self._group_mask(rank, routes[rank]) for rank in self.targets}
         local, remote = self._routed(routes) if self.policy.routed else self._vllm_tables()
         pages = tuple(group_pages(self.local, g) for g in range(len(self.local.groups)))
-        zero = tuple(self._zero_pages(g, pages[g]) for g in range(len(pages)))
+        zero = tuple(streamed_pages(self.local, self.local_view, g, pages[g]) for g in range(len(pages)))
         return PairTables(routes, masks, local, remote, pages, zero)
 
     def _validate_routes(self) -> None:
@@ -246,7 +248,7 @@ class Pairing:
         if self.page_cut is not None:
             remote = self.remotes[self.targets[0]]  # a finer block's descriptors, as both sides cut them
             split = remote.engine.kernel // min(self.local.engine.kernel, remote.engine.kernel)
-            return int(self.page_cut[1][0][:, 3].sum()) // split
+            return self.page_cut[1][0].size // split
         if (
             not self.policy.token_cut
             or spec is None
@@ -279,27 +281,6 @@ class Pairing:
         """The local pages of group ``group`` this pairing fills (pull): every page of the group's layers, or,
         when streams pair layer by layer, the pages of the layers this pairing transfers."""
         return self.tables.zero_pages[group]
-
-    def _zero_pages(self, group: int, every: list[Page]) -> list[Page]:
-        view = self.local_view
-        if not view.transfer_groups and (view.num_regions == self.local.num_regions or view.group_streams):
-            return every
-        pages = []  # streams pair layer by layer
-        for b, length, stride, g in zip(
-            view.bases, view.block_lens, view.block_strides, view.transfer_groups
-        ):
-            region, offset = unpseudo(b)
-            layer = next(
-                (
-                    name
-                    for k, (gg, name) in enumerate(self.local.regions[region].members)
-                    if gg == g and self.local.regions[region].slot(name)[0] == offset
-                ),
-                None,
-            )
-            if g == group and layer is not None:
-                pages.append(Page(region, offset, length, stride, page_heads(self.local, layer)))
-        return pages
 
     def carries(self, group: int) -> bool:
         """Whether any stream carries group ``group`` (under layer-name routing a pipeline stage may hold no
@@ -418,7 +399,7 @@ class Pairing:
             )
         return local, remote
 
-    def _cut_rows(self, rank: int, r: Route) -> tuple[np.ndarray, np.ndarray] | None:
+    def _cut_rows(self, rank: int, r: Route) -> tuple[Runs, Runs] | None:
         """Both sides' attention rows of :attr:`page_cut` for remote rank ``rank``
         (:func:`kvgeom.plan.pagecut.cut_rows`)."""
         if self.page_cut is None:
@@ -433,7 +414,7 @@ class Pairing:
         local: dict[LocalKey, Dlist] = {(bsr, -1): whole}
         if self.needs_split:
             splits = build_local_splits(
-                whole.runs,
+                whole.runs,  # vLLM's N x 5 rows
                 self.mapping,
                 whole.num_fa,
                 bsr,
@@ -489,6 +470,8 @@ class Pairing:
             f" descriptors; remote tables: "
             + ", ".join(f"rank {r}: {len(self.remote_table(r))}" for r in self.targets),
         ]
+        if self.plan is not None and self.plan.ranks:
+            lines += ["  per-pair plan:", self.plan.describe()]
         return "\n".join(lines)
 
 

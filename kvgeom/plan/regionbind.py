@@ -17,11 +17,10 @@ from kvgeom.blocks import (
 from kvgeom.errors import PlanError, UnsupportedError
 from kvgeom.pair.streams import region_group_ids
 from kvgeom.plan.align import Page, consumer_zero_rows, list_starts, overlap, page_heads
-from kvgeom.plan.bind import cached_blocks, check_ids, is_sliding, require_num_tokens
+from kvgeom.plan.bind import cached_blocks, check_ids, is_sliding, plan_of, require_num_tokens
 from kvgeom.plan.dcpbind import dcp_units_of, first_position, pair_codes
-from kvgeom.plan.descids import apply_segments, desc_segments
+from kvgeom.plan.descids import apply_segments
 from kvgeom.plan.pairing import Pairing
-from kvgeom.plan.planmemo import memo_of
 from kvgeom.plan.regionmap import (
     apply_prefix_caching_by_region,
     block_ids_by_region,
@@ -61,10 +60,38 @@ def plan_by_region(
         return region_plan(
             pairing, by_rank, region_zero_rows(pages, lens, strides), request_id, remote_request_id
         )
+    spans, starts = _region_spans(pairing, lids, rids, l_by, r_by, num_tokens, prefill_tokens)
+    # a region without a span (vllm mode's shared regions) pairs nothing of its own and is zeroed whole
+    full = [s if s is not None else (0, 0, 0) for s in spans]
+    if pairing.policy.by_tokens:
+        la = [x[c : c + n] for x, (c, _, n) in zip(l_by, full)]
+        ra = [x[p : p + n] for x, (_, p, n) in zip(r_by, full)]
+    else:
+        la, ra = _counted_region_pairs(pairing, lids, l_by, r_by, spans, starts, num_tokens, prefill_tokens)
+    by_rank = {rank: (la, ra) for rank in pairing.transfer_ranks} if any(x.size for x in la) else {}
+    zero = _region_zero(pairing, l_by, la, spans, full)
+    return region_plan(pairing, by_rank, zero, request_id, remote_request_id)
+
+
+_Span = tuple[int, int, int]  # (first local page, first remote page, pages) of a region's overlap
+
+
+def _region_spans(
+    pairing: Pairing,
+    lids: list[np.ndarray],
+    rids: list[np.ndarray],
+    l_by: list[np.ndarray],
+    r_by: list[np.ndarray],
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> tuple[list[_Span | None], list[int]]:
+    """Per region, the overlap of both sides' pages on the token axis (``None``: a region viewed by several
+    groups, vLLM mode only) and the token its local list starts at."""
+    local, remote = pairing.local, pairing.remotes[pairing.targets[0]]
     kb = local.block_size  # equal kernel blocks on both sides (handshake)
-    spans: list[tuple[int, int, int] | None] = []
+    spans: list[_Span | None] = []
     starts: list[int] = []
-    for r, (lg, rg) in enumerate(zip(lgid, rgid)):
+    for r, (lg, rg) in enumerate(zip(region_group_ids(local), region_group_ids(remote))):
         if lg < 0 or rg < 0:  # vLLM mode only (kvgeom mode refuses shared regions at handshake)
             spans.append(None)
             starts.append(0)
@@ -82,48 +109,71 @@ def plan_by_region(
         )
         spans.append(overlap(c0 // kb, l_by[r].size, p0 // kb, r_by[r].size))
         starts.append(c0)
-    # a region without a span (vllm mode's shared regions) pairs nothing of its own and is zeroed whole
-    full = [s if s is not None else (0, 0, 0) for s in spans]
-    if pairing.policy.by_tokens:
-        la = [x[c : c + n] for x, (c, _, n) in zip(l_by, full)]
-        ra = [x[p : p + n] for x, (_, p, n) in zip(r_by, full)]
-    else:
-        computed, total = None, None
-        tokens = prefill_tokens  # vLLM's remote_num_tokens: without it vLLM end-trims each region
-        if tokens is not None and min(lgid) >= 0 and min(rgid) >= 0:
-            counts = [cached_blocks(pairing, x.size, num_tokens, g) for g, x in enumerate(lids)]
-            computed = [counts[g] * local.ppl for g in lgid]
-            total = math.ceil(tokens / remote.block_size)
-        elif any(x.size for x in l_by) and remote.ppl != local.ppl:
+    return spans, starts
+
+
+def _counted_region_pairs(
+    pairing: Pairing,
+    lids: list[np.ndarray],
+    l_by: list[np.ndarray],
+    r_by: list[np.ndarray],
+    spans: list[_Span | None],
+    starts: list[int],
+    num_tokens: int | None,
+    prefill_tokens: int | None,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """vLLM's pairing of differently grouped regions (page position from the token counts, or end-trim),
+    refused where it pairs other pages than the token axis does or leaves a page P computed unread."""
+    local, rank0 = pairing.local, pairing.targets[0]
+    remote = pairing.remotes[rank0]
+    lgid, rgid = region_group_ids(local), region_group_ids(remote)
+    computed, total = None, None
+    tokens = prefill_tokens  # vLLM's remote_num_tokens: without it vLLM end-trims each region
+    if tokens is not None and min(lgid) >= 0 and min(rgid) >= 0:
+        counts = [cached_blocks(pairing, x.size, num_tokens, g) for g, x in enumerate(lids)]
+        computed = [counts[g] * local.ppl for g in lgid]
+        total = math.ceil(tokens / remote.block_size)
+    elif any(x.size for x in l_by) and remote.ppl != local.ppl:
+        raise UnsupportedError(
+            "prefill_tokens",
+            "vLLM 0.33.0 pairs differently grouped regions of different "
+            "logical block sizes only by page position, from the request's token counts",
+            local=local.ppl,
+            remote=remote.ppl,
+        )
+    la, ra = apply_prefix_caching_by_region(l_by, r_by, computed, total, remote_rank=rank0)
+    computed_tokens = prefill_tokens if prefill_tokens is not None else num_tokens
+    kb = local.block_size
+    for r, span in enumerate(spans):
+        if span is None:
+            continue
+        c, p, n = span  # vLLM's pairs must be the token axis's, and leave no page holding a computed token
+        exact, got = pair_codes(l_by[r][c : c + n], r_by[r][p : p + n]), pair_codes(la[r], ra[r])
+        positions = np.arange(c, c + n)
+        left = ~np.isin(l_by[r][positions], la[r])
+        if computed_tokens is not None:
+            left &= starts[r] + positions * kb < computed_tokens
+        if not np.isin(got, exact).all() or left.any():
             raise UnsupportedError(
-                "prefill_tokens",
-                "vLLM 0.33.0 pairs differently grouped regions of different "
-                "logical block sizes only by page position, from the request's token counts",
-                local=local.ppl,
-                remote=remote.ppl,
+                f"regions[{r}]",
+                "vLLM 0.33.0 would pair other pages of this region than the "
+                "token axis does, or leave pages P computed unread; kvgeom mode plans it",
+                local=la[r].tolist()[:8],
+                remote=ra[r].tolist()[:8],
             )
-        la, ra = apply_prefix_caching_by_region(l_by, r_by, computed, total, remote_rank=rank0)
-        computed_tokens = prefill_tokens if prefill_tokens is not None else num_tokens
-        for r, span in enumerate(spans):
-            if span is None:
-                continue
-            c, p, n = (
-                span  # vLLM's pairs must be the token axis's, and leave no page holding a computed token
-            )
-            exact, got = pair_codes(l_by[r][c : c + n], r_by[r][p : p + n]), pair_codes(la[r], ra[r])
-            positions = np.arange(c, c + n)
-            left = ~np.isin(l_by[r][positions], la[r])
-            if computed_tokens is not None:
-                left &= starts[r] + positions * kb < computed_tokens
-            if not np.isin(got, exact).all() or left.any():
-                raise UnsupportedError(
-                    f"regions[{r}]",
-                    "vLLM 0.33.0 would pair other pages of this region than the "
-                    "token axis does, or leave pages P computed unread; kvgeom mode plans it",
-                    local=la[r].tolist()[:8],
-                    remote=ra[r].tolist()[:8],
-                )
-    by_rank = {rank: (la, ra) for rank in pairing.transfer_ranks} if any(x.size for x in la) else {}
+    return la, ra
+
+
+def _region_zero(
+    pairing: Pairing,
+    l_by: list[np.ndarray],
+    la: list[np.ndarray],
+    spans: list[_Span | None],
+    full: list[_Span],
+) -> np.ndarray:
+    """D's rows nothing fills, per region: past the pages paired (vLLM mode, or a region without a span), or
+    the token ranges of D's pages outside the overlap (kvgeom mode)."""
+    local = pairing.local
     zero = [np.zeros((0, 3), dtype=np.int64)]
     for r, region in enumerate(local.regions):
         if not pairing.policy.by_tokens or spans[r] is None:
@@ -140,8 +190,8 @@ def plan_by_region(
             )
         else:
             page = Page(r, 0, region.block_len, region.block_stride, page_heads(local, region.members[0][1]))
-            zero.append(consumer_zero_rows([page], l_by[r], 1, full[r][0], full[r][2], kb))
-    return region_plan(pairing, by_rank, np.concatenate(zero).astype(np.int64), request_id, remote_request_id)
+            zero.append(consumer_zero_rows([page], l_by[r], 1, full[r][0], full[r][2], local.block_size))
+    return np.concatenate(zero).astype(np.int64)
 
 
 def region_plan(
@@ -154,30 +204,12 @@ def region_plan(
     """A region-mapped pull's plan: one transfer per remote rank of ``by_rank`` (its kernel ids per region, on
     each side), descriptor ids with every region its own list; ``zero`` rows of D's pages nothing filled."""
     local = pairing.local
-    n = local.num_regions
     tag = remote_request_id if remote_request_id is not None else request_id
     expected = pairing.mapping.local_consumers
     transfers = []
     for rank, (la, ra) in by_rank.items():
-        memo = memo_of(pairing).region_segments
+        lseg, rseg = plan_of(pairing).region_segments[rank]
         rows = pairing.token_rows  # kvgeom mode cuts token-major pages per token when heads differ
-        if rank not in memo:
-            flat = [False] * n
-            lv, rv = pairing.local_view, pairing.remote_view(rank)
-            memo[rank] = tuple(
-                desc_segments(
-                    n,
-                    v.num_blocks,
-                    n,
-                    rows if rows > 1 else None,
-                    v.ppl,
-                    flat,
-                    region_group_ids=list(range(n)),
-                    uses_region_group_mapping=n > 1,
-                )
-                for v in (lv, rv)
-            )
-        lseg, rseg = memo[rank]
         lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
         rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
         transfers.append(

@@ -80,26 +80,16 @@ def apply_prefix_caching_by_region(
         empty = [np.zeros(0, np.int64) for _ in dec]
         return empty, [e.copy() for e in empty]
     if num_computed_blocks is not None:
-        if num_remote_blocks is None:
-            raise PlanError(
-                "num_remote_blocks",
-                "matching regions by page position needs the request's remote page count",
-                value=None,
-            )
-        if len(num_computed_blocks) != len(dec):
-            raise GroupMismatchError(
-                "num_computed_blocks",
-                f"{len(num_computed_blocks)} counts for {len(dec)} regions",
-                value=len(num_computed_blocks),
-                expected=len(dec),
-            )
-        pairs = [
-            apply_dcp_prefix_caching(
-                d, p, remote_rank, local_dcp_size, local_dcp_rank, remote_dcp_size, int(c), num_remote_blocks
-            )
-            for d, p, c in zip(dec, pre, num_computed_blocks)
-        ]
-        return [a for a, _ in pairs], [b for _, b in pairs]
+        return _by_page_position(
+            dec,
+            pre,
+            num_computed_blocks,
+            num_remote_blocks,
+            remote_rank,
+            local_dcp_size,
+            local_dcp_rank,
+            remote_dcp_size,
+        )
     out = []
     for r, (d, p) in enumerate(zip(dec, pre)):
         if d.size > p.size:
@@ -111,6 +101,39 @@ def apply_prefix_caching_by_region(
             )
         out.append(p[p.size - d.size :])  # d.size == 0: p[p.size:], empty
     return dec, out
+
+
+def _by_page_position(
+    dec: list[np.ndarray],
+    pre: list[np.ndarray],
+    num_computed_blocks: Sequence[int],
+    num_remote_blocks: int | None,
+    remote_rank: int,
+    local_dcp_size: int,
+    local_dcp_rank: int,
+    remote_dcp_size: int,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each region paired by global page position, from D's cached pages and the request's pages on P."""
+    if num_remote_blocks is None:
+        raise PlanError(
+            "num_remote_blocks",
+            "matching regions by page position needs the request's remote page count",
+            value=None,
+        )
+    if len(num_computed_blocks) != len(dec):
+        raise GroupMismatchError(
+            "num_computed_blocks",
+            f"{len(num_computed_blocks)} counts for {len(dec)} regions",
+            value=len(num_computed_blocks),
+            expected=len(dec),
+        )
+    pairs = [
+        apply_dcp_prefix_caching(
+            d, p, remote_rank, local_dcp_size, local_dcp_rank, remote_dcp_size, int(c), num_remote_blocks
+        )
+        for d, p, c in zip(dec, pre, num_computed_blocks)
+    ]
+    return [a for a, _ in pairs], [b for _, b in pairs]
 
 
 def region_zero_ids(

@@ -26,6 +26,7 @@ from kvgeom.blocks import (
 )
 from kvgeom.errors import PlanError
 from kvgeom.plan.bind import (
+    RankTables,
     check_ids,
     check_same_tokens,
     exact_pairs,
@@ -191,6 +192,159 @@ class _Shape:
         )
 
 
+class _Binding:
+    """One request's blocks on the pairing's token axis, computed once for every transfer rank: the kernel
+    ids of both sides, the pairs by token position where the policy pairs by tokens (or to cross-check
+    vLLM's count pairing), and vLLM's count pairing, computed on first use."""
+
+    __slots__ = (
+        "pairing", "lids", "rids", "num_tokens", "prefill_tokens", "lk", "rk", "rview", "lfine", "exact",
+        "aligned", "dcp", "_counted",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        pairing: Pairing,
+        lids: list[np.ndarray],
+        rids: list[np.ndarray],
+        num_tokens: int | None,
+        prefill_tokens: int | None,
+    ) -> None:
+        local, kinds = pairing.local, pairing.local.group_is_ssm
+        self.pairing, self.lids, self.rids = pairing, lids, rids
+        self.num_tokens, self.prefill_tokens = num_tokens, prefill_tokens
+        self.rview = pairing.remote_view(pairing.targets[0])
+        self.lk = kernel_of(lids, local.ppl, kinds)
+        self.rk = kernel_of(rids, self.rview.ppl, kinds)
+        self.dcp = pairing.dcp_active
+        self.lfine = self.lk if self.dcp else fine_of(self.lk, pairing.bsr, kinds, lids, local.ppl)
+        self.exact = (
+            None
+            if self.dcp
+            else exact_pairs(pairing, lids, rids, self.lk, self.rk, num_tokens, prefill_tokens, self.lfine)
+        )
+        self.aligned = self.exact if pairing.policy.by_tokens else None
+        self._counted: tuple[list[np.ndarray], list[np.ndarray]] | None = None
+        if self.dcp and not pairing.policy.by_tokens and pairing.mode == "pull":
+            vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
+
+    def counted(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """vLLM's count-based pairing of every group sent, once (it works group by group), cross-checked
+        against the pairs by token position."""
+        if self._counted is None:
+            pairing, kinds = self.pairing, self.pairing.local.group_is_ssm
+            keep = sent_groups(pairing)
+            every = all(keep)
+            self._counted = vllm_pairs(
+                pairing,
+                select_groups(self.lk, keep, every),
+                select_groups(self.rk, keep, every),
+                self.rview,
+                select_groups(self.lfine, keep, every),
+            )
+            if self.exact is not None and self._counted[0]:
+                check_same_tokens(
+                    self._counted[0],
+                    self._counted[1],
+                    select_groups(self.exact[0], keep, every),
+                    select_groups(self.exact[1], keep, every),
+                    kinds,
+                )
+        return self._counted
+
+    def blocks_for(self, rank: int, rt: RankTables) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The local and remote blocks paired for transfer rank ``rank``, per group it carries."""
+        keep, every = rt.keep, rt.every
+        if self.dcp:
+            return dcp_pairs(
+                self.pairing,
+                rank,
+                select_groups(self.lids, keep, every),
+                select_groups(self.rids, keep, every),
+                self.num_tokens,
+                self.prefill_tokens,
+            )
+        if self.aligned is not None:
+            la, ra = self.aligned[0], self.aligned[1]
+        else:
+            la, ra = self.counted()
+            if not la:
+                return [], []
+        return select_groups(la, keep, every), select_groups(ra, keep, every)
+
+
+def _lowered(
+    pairing: Pairing, rank: int, rt: RankTables, lg: list[np.ndarray], rg: list[np.ndarray], notif: str
+) -> Transfer | None:
+    """The paired blocks of transfer rank ``rank`` lowered to both sides' descriptor ids (``None``: no block
+    travels), every id checked inside its table unless the pairing proved it."""
+    if not lg or not any(x.size for x in lg):
+        return None
+    kinds = pairing.local.group_is_ssm
+    for g, (a, b) in enumerate(zip(lg, rg)):
+        if a.size != b.size:
+            raise PlanError(
+                f"block_ids[{g}]",
+                f"{a.size} local and {b.size} remote blocks cannot be paired",
+                local=int(a.size),
+                remote=int(b.size),
+            )
+    rows = pairing.token_rows  # 1 unless kvgeom mode cuts token-major pages per token
+    if rows > 1:  # every attention unit becomes its token rows
+        lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
+        rg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(rg, kinds)]
+    r_desc = apply_segments(rt.remote, rg, checked=True)
+    l_desc = apply_segments(rt.local, lg, checked=True)
+    if r_desc.size != l_desc.size:
+        raise PlanError(
+            "descriptor ids",
+            f"{l_desc.size} local ids vs {r_desc.size} remote ids",
+            local=int(l_desc.size),
+            remote=int(r_desc.size),
+        )
+    if pairing.dcp_active or not rt.bounded:  # else every id a checked request brings lies inside both
+        for side, ids, n in (("local", l_desc, rt.local_rows), ("remote", r_desc, rt.remote_rows)):
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+                raise PlanError(
+                    f"{side} descriptor ids",
+                    f"id outside the {n}-row table",
+                    value=int(ids.max()),
+                    expected=n,
+                )
+    return Transfer(rank, rt.key, l_desc, r_desc, notif)
+
+
+def _consumer_step(b: _Binding) -> tuple[tuple[Regroup, ...], np.ndarray]:
+    """What the consumer does after the bytes land: regroups, and the rows it zeroes (nothing wrote them)."""
+    pairing = b.pairing
+    local = pairing.local
+    if b.dcp and pairing.policy.by_tokens:
+        zero = dcp_zero_rows(
+            local,
+            pairing.remotes[pairing.targets[0]],
+            b.lids,
+            b.rids,
+            b.num_tokens,
+            b.prefill_tokens,
+            pairing.prefix_caching,
+        )
+        return (), zero
+    if b.aligned is not None:
+        filled = partial(filled_pages_of, pairing)
+        regroup = regroups(local, b.lk, pairing.bsr, filled, pairing.permute)
+        return regroup, zero_rows(local, b.lk, pairing.bsr, b.aligned[2], filled)
+    return post_receive(
+        local,
+        b.rview,
+        b.lk,
+        b.rk,
+        pairing.bsr,
+        pairing.policy,
+        pages=partial(zero_pages_of, pairing),
+        permute=pairing.permute,
+    )
+
+
 def _plan(
     pairing: Pairing,
     lids: list[np.ndarray],
@@ -200,139 +354,31 @@ def _plan(
     num_tokens: int | None,
     prefill_tokens: int | None,
 ) -> RequestPlan:
-    """The general planner, on checked ids."""
+    """The general planner, on checked ids: the request bound on the token axis, its blocks paired and
+    lowered per transfer rank, then the consumer's step."""
     local, mode = pairing.local, pairing.mode
-    kinds = local.group_is_ssm
-    any_local = any(x.size for x in lids)
-    rview = pairing.remote_view(pairing.targets[0])
-    lk = kernel_of(lids, local.ppl, kinds)
-    rk = kernel_of(rids, rview.ppl, kinds)
     tag = remote_request_id if remote_request_id is not None else request_id
-    bsr = pairing.bsr
     # pull: P frees after the D ranks reading it have read (D_TP/P_TP, or DCP's count); push: D ends after P_TP
     expected = pairing.mapping.local_consumers
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
-    dcp = pairing.dcp_active
-    lfine = fine_of(lk, bsr, kinds, lids, local.ppl) if any_local and not dcp else lk
-    exact = (
-        exact_pairs(pairing, lids, rids, lk, rk, num_tokens, prefill_tokens, lfine)
-        if any_local and not dcp
-        else None
-    )
-    aligned = exact if pairing.policy.by_tokens else None
+    bound = _Binding(pairing, lids, rids, num_tokens, prefill_tokens) if any(x.size for x in lids) else None
     transfers = []
-    if dcp and any_local and not pairing.policy.by_tokens and mode == "pull":
-        vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
-    rows = pairing.token_rows  # 1 unless kvgeom mode cuts token-major pages per token
-    paired: tuple[list[np.ndarray], list[np.ndarray]] | None = None
-    for rank in pairing.transfer_ranks if any_local else ():
+    for rank in pairing.transfer_ranks if bound is not None else ():
         rt = rank_tables(pairing, rank)
-        keep, every = rt.keep, rt.every
-        if dcp:
-            lg, rg = dcp_pairs(
-                pairing,
-                rank,
-                select_groups(lids, keep, every),
-                select_groups(rids, keep, every),
-                num_tokens,
-                prefill_tokens,
-            )
-        elif aligned is not None:
-            lg, rg = select_groups(aligned[0], keep, every), select_groups(aligned[1], keep, every)
-        else:
-            if paired is None:  # vLLM's count-based pairing works group by group: once for every group sent
-                sent_keep = sent_groups(pairing)
-                sent_all = all(sent_keep)
-                paired = vllm_pairs(
-                    pairing,
-                    select_groups(lk, sent_keep, sent_all),
-                    select_groups(rk, sent_keep, sent_all),
-                    rview,
-                    select_groups(lfine, sent_keep, sent_all),
-                )
-                if exact is not None and paired[0]:
-                    check_same_tokens(
-                        paired[0],
-                        paired[1],
-                        select_groups(exact[0], sent_keep, sent_all),
-                        select_groups(exact[1], sent_keep, sent_all),
-                        kinds,
-                    )
-            lg, rg = (
-                (select_groups(paired[0], keep, every), select_groups(paired[1], keep, every))
-                if paired[0]
-                else ([], [])
-            )
-        if not lg or not any(x.size for x in lg):
-            continue
-        for g, (a, b) in enumerate(zip(lg, rg)):
-            if a.size != b.size:
-                raise PlanError(
-                    f"block_ids[{g}]",
-                    f"{a.size} local and {b.size} remote blocks cannot be paired",
-                    local=int(a.size),
-                    remote=int(b.size),
-                )
-        if rows > 1:  # token-major pages cut per token: every attention unit becomes its token rows
-            lg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(lg, kinds)]
-            rg = [x if ssm else get_mapped_blocks(x, rows) for x, ssm in zip(rg, kinds)]
-        r_desc = apply_segments(rt.remote, rg, checked=True)
-        l_desc = apply_segments(rt.local, lg, checked=True)
-        if r_desc.size != l_desc.size:
-            raise PlanError(
-                "descriptor ids",
-                f"{l_desc.size} local ids vs {r_desc.size} remote ids",
-                local=int(l_desc.size),
-                remote=int(r_desc.size),
-            )
-        key = rt.key
-        if not dcp and rt.bounded:  # every id a checked request brings lies inside both tables
-            transfers.append(Transfer(rank, key, l_desc, r_desc, notif))
-            continue
-        for side, ids, n in (("local", l_desc, rt.local_rows), ("remote", r_desc, rt.remote_rows)):
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
-                raise PlanError(
-                    f"{side} descriptor ids",
-                    f"id outside the {n}-row table",
-                    value=int(ids.max()),
-                    expected=n,
-                )
-        transfers.append(Transfer(rank, key, l_desc, r_desc, notif))
+        lg, rg = bound.blocks_for(rank, rt)  # type: ignore[union-attr]
+        t = _lowered(pairing, rank, rt, lg, rg, notif)
+        if t is not None:
+            transfers.append(t)
     sent = {t.remote_rank for t in transfers}
-    notify_only = tuple(r for r in pairing.targets if r not in sent)
     regroup: tuple[Regroup, ...] = ()
     zero = np.zeros((0, 3), dtype=np.int64)
-    if mode == "pull" and any_local:
-        if dcp and pairing.policy.by_tokens:
-            zero = dcp_zero_rows(
-                local,
-                pairing.remotes[pairing.targets[0]],
-                lids,
-                rids,
-                num_tokens,
-                prefill_tokens,
-                pairing.prefix_caching,
-            )
-        elif aligned is not None:
-            filled = partial(filled_pages_of, pairing)
-            regroup = regroups(local, lk, bsr, filled, pairing.permute)
-            zero = zero_rows(local, lk, bsr, aligned[2], filled)
-        else:
-            regroup, zero = post_receive(
-                local,
-                rview,
-                lk,
-                rk,
-                bsr,
-                pairing.policy,
-                pages=partial(zero_pages_of, pairing),
-                permute=pairing.permute,
-            )
+    if mode == "pull" and bound is not None:
+        regroup, zero = _consumer_step(bound)
     return RequestPlan(
         request_id,
         mode,
         tuple(transfers),
-        notify_only,
+        tuple(r for r in pairing.targets if r not in sent),
         expected,
         local.tp_rank if mode == "pull" else -1,
         regroup,

@@ -121,6 +121,33 @@ def build_local_splits(
             value=len(group_is_ssm),
             expected=n_groups,
         )
+    starts, tail = _boundaries(rows, nfa, num_replicated_tail)
+    total = int(rows[:, COUNT].sum())
+    is_fa = starts < nfa  # by first descriptor, as vLLM: a row straddling the boundary counts as FA
+    replicated = _replicated_fa_rows(starts[is_fa], bsr, region_is_mla, region_num_blocks, nfa)
+    split_fa = np.zeros(rows.shape[0], dtype=bool)
+    split_fa[np.flatnonzero(is_fa)[~replicated]] = True
+    is_ssm = ~is_fa & (starts < total - tail)
+    fa_splits, ssm_splits = _split_counts(
+        mapping, group_is_ssm, split_fa, is_ssm, rows[:, COUNT], bsr, allow_sharded_ratio
+    )
+    fa_len = rows[:, LEN] // fa_splits
+    ssm_len = rows[:, LEN] // ssm_splits
+    out: list[np.ndarray] = []
+    for p, rank in enumerate(mapping.all_source_ranks):
+        split = rows.copy()
+        slot = mapping.slot_of(rank)
+        split[split_fa, LEN] = fa_len[split_fa]
+        split[split_fa, ADDR] += slot * fa_len[split_fa]
+        split[is_ssm, LEN] = ssm_len[is_ssm]
+        split[is_ssm, ADDR] += p * ssm_len[is_ssm]
+        out.append(split)
+    return out
+
+
+def _boundaries(rows: np.ndarray, nfa: int, num_replicated_tail: int) -> tuple[np.ndarray, int]:
+    """Each row's first flat descriptor index, and the replicated tail, both checked against the FA/SSM
+    boundary ``nfa``."""
     counts = rows[:, COUNT]
     starts = np.cumsum(counts) - counts
     total = int(counts.sum())
@@ -139,11 +166,19 @@ def build_local_splits(
             value=tail,
             expected=total - nfa,
         )
-    is_fa = starts < nfa  # by first descriptor, as vLLM: a row straddling the boundary counts as FA
-    replicated = _replicated_fa_rows(starts[is_fa], bsr, region_is_mla, region_num_blocks, nfa)
-    split_fa = np.zeros(rows.shape[0], dtype=bool)
-    split_fa[np.flatnonzero(is_fa)[~replicated]] = True
-    is_ssm = ~is_fa & (starts < total - tail)
+    return starts, tail
+
+
+def _split_counts(
+    mapping: TPMapping,
+    group_is_ssm: Sequence[bool],
+    split_fa: np.ndarray,
+    is_ssm: np.ndarray,
+    counts: np.ndarray,
+    bsr: int,
+    allow_sharded_ratio: bool,
+) -> tuple[int, int]:
+    """How many source ranks split an FA row and an SSM row (the first attention and SSM group's sources)."""
     fa_ranks = _first_list(mapping, group_is_ssm, want_ssm=False)
     ssm_ranks = _first_list(mapping, group_is_ssm, want_ssm=True)
     fa_splits = len(fa_ranks) if fa_ranks else 1
@@ -163,15 +198,4 @@ def build_local_splits(
             f"(block_size_ratio={bsr}, {fa_splits} attention source ranks)",
             value=bsr,
         )
-    fa_len = rows[:, LEN] // fa_splits
-    ssm_len = rows[:, LEN] // ssm_splits
-    out: list[np.ndarray] = []
-    for p, rank in enumerate(mapping.all_source_ranks):
-        split = rows.copy()
-        slot = mapping.slot_of(rank)
-        split[split_fa, LEN] = fa_len[split_fa]
-        split[split_fa, ADDR] += slot * fa_len[split_fa]
-        split[is_ssm, LEN] = ssm_len[is_ssm]
-        split[is_ssm, ADDR] += p * ssm_len[is_ssm]
-        out.append(split)
-    return out
+    return fa_splits, ssm_splits

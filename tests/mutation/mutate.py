@@ -223,6 +223,77 @@ def load_equivalents() -> list[dict[str, str]]:
     return out
 
 
+def _function_sources(module: str) -> dict[str, list[str]]:
+    """Every function of core module ``module`` (``"plan.request"``) by its mutmut name (``x_name``,
+    ``xǁClassǁmethod``), as its stripped source lines; empty if the module is gone."""
+    import ast
+
+    path = ROOT / "kvgeom" / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        return {}
+    text = path.read_text()
+    lines = text.splitlines()
+    out: dict[str, list[str]] = {}
+
+    def body(node: ast.AST) -> list[str]:
+        return [x.strip() for x in lines[node.lineno - 1 : node.end_lineno]]  # type: ignore[attr-defined]
+
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[f"x_{node.name}"] = body(node)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"xǁ{node.name}ǁ{item.name}"] = body(item)
+    return out
+
+
+def _holds(source: list[str], before: str) -> bool:
+    """Whether some consecutive stripped lines of ``source``, joined as :func:`_diff` joins them, are
+    ``before`` (a line may itself hold " / ", so every count of lines up to the separators' is tried)."""
+    for n in range(1, before.count(" / ") + 2):
+        if any(" / ".join(source[i : i + n]) == before for i in range(len(source) - n + 1)):
+            return True
+    return False
+
+
+def stale_equivalents(entries: list[dict[str, str]]) -> list[tuple[dict[str, str], str | None]]:
+    """Recorded equivalents whose function no longer holds their mutated line (the code moved or is gone),
+    each with the one function of the same module that now holds it (``None``: none, or several)."""
+    cache: dict[str, dict[str, list[str]]] = {}
+    out = []
+    for e in entries:
+        funcs = cache.setdefault(e["module"], _function_sources(e["module"]))
+        if _holds(funcs.get(e["function"], []), e["before"]):
+            continue
+        holders = [name for name, src in funcs.items() if _holds(src, e["before"])]
+        out.append((e, holders[0] if len(holders) == 1 else None))
+    return out
+
+
+def fix_stale() -> int:
+    """``--fix-stale``: re-key each stale equivalent to the one function that now holds its line, drop those
+    whose line is gone, print both; the reasons are kept (review them: a moved line may sit in new context)."""
+    files = [EQUIVALENTS, *sorted(EQUIVALENTS_DIR.glob("*.json"))]
+    for path in files:
+        data = json.loads(path.read_text())
+        stale = {id(e): new for e, new in stale_equivalents(data["equivalents"])}
+        kept = []
+        for e in data["equivalents"]:
+            if id(e) not in stale:
+                kept.append(e)
+            elif stale[id(e)] is None:
+                print(f"dropped {e['module']}.{e['function']}: {e['before']}")
+            else:
+                print(f"re-keyed {e['module']}.{e['function']} -> {stale[id(e)]}: {e['before']}")
+                kept.append({**e, "function": stale[id(e)]})
+        if len(kept) != len(data["equivalents"]) or any(id(e) in stale for e in data["equivalents"]):
+            data["equivalents"] = kept
+            path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    EQUIVALENTS_DOC.write_text(equivalents_doc(load_equivalents()))
+    return 0
+
+
 def is_equivalent(m: Mutant, equivalents: list[dict[str, str]]) -> dict[str, str] | None:
     for e in equivalents:
         if (
@@ -459,8 +530,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="score the last run again (after recording equivalents), running nothing",
     )
+    ap.add_argument(
+        "--fix-stale",
+        action="store_true",
+        help="re-key recorded equivalents whose code moved to another function, drop those whose code is gone",
+    )
     args = ap.parse_args(argv)
 
+    if args.fix_stale:
+        return fix_stale()
     equivalents = load_equivalents()
     if args.rescore:
         return rescore(equivalents, args.write_docs)

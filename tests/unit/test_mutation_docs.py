@@ -34,3 +34,23 @@ def test_equivalents_page_is_generated_from_the_json_files() -> None:
         *sorted((ROOT / "tests/mutation/equivalents").glob("*.json")),
     ]
     assert len(entries) == sum(len(json.loads(f.read_text())["equivalents"]) for f in files)
+
+
+def test_every_recorded_equivalent_names_a_function_that_holds_its_line() -> None:
+    # an entry whose code moved or is gone would hide nothing (or a different mutant): the redesign's moves
+    # re-key them and its removals drop them, with `mutate.py --fix-stale`
+    mutate = _mutate()
+    stale = mutate.stale_equivalents(mutate.load_equivalents())
+    assert [(e["module"], e["function"], e["before"], new) for e, new in stale] == []
+
+
+def test_a_moved_line_is_found_in_the_function_that_now_holds_it() -> None:
+    mutate = _mutate()
+    moved = {
+        "module": "plan.descids",
+        "function": "x_desc_segments",
+        "before": "grid = np.asarray(attn, dtype=np.int64)",
+    }
+    gone = {**moved, "before": "grid = np.asarray(attn, dtype=np.int32)"}
+    kept = {**moved, "function": "x__attention_segments"}
+    assert mutate.stale_equivalents([moved, gone, kept]) == [(moved, "x__attention_segments"), (gone, None)]

@@ -11,6 +11,7 @@ import pytest
 from kvgeom.errors import PlanError
 from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import EngineConfig, KVLayout
+from kvgeom.layout.tokenruns import page_token_runs
 from kvgeom.model.layers import AttentionSpec, MLASpec
 from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.align import Page, consumer_zero_rows, group_pages, list_starts, overlap, page_heads
@@ -193,3 +194,21 @@ def test_list_starts_messages_name_the_group_and_the_reason() -> None:
     with pytest.raises(PlanError) as info:
         list_starts(2, 16, 2, 16, None, False, True, 3, 32)
     assert "a sliding window keeps only its last blocks" in str(info.value)
+
+
+def _zeroed_bytes(rows: np.ndarray) -> set[tuple[int, int]]:
+    return {(int(r), int(o) + i) for r, o, n in rows.tolist() for i in range(int(n))}
+
+
+@pytest.mark.parametrize("first, count", [(1, 5), (0, 3), (2, 2), (5, 3)])
+def test_a_group_mixing_cut_and_plain_pages_zeroes_each_page_as_alone(first: int, count: int) -> None:
+    # one CPU attention page (cut by its token runs: 2 heads, 4 tokens, head size 2, fp32) and one plain
+    # head-major page of 2 heads in another region: the mixed set zeroes exactly what each page zeroes alone
+    cut = Page(0, 0, 128, 160, 1, page_token_runs(KVLayout.HEAD_KV_MAJOR, 2, 4, 8, 8, 4))
+    plain = Page(1, 16, 64, 96, 2)
+    ids = np.asarray([3, 0, 5], dtype=np.int64)
+    args = (ids, 2, first, count, 4)  # 2 fine units per kernel block of 4 tokens
+    mixed = consumer_zero_rows([cut, plain], *args)
+    alone = consumer_zero_rows([cut], *args), consumer_zero_rows([plain], *args)
+    assert _zeroed_bytes(mixed) == _zeroed_bytes(alone[0]) | _zeroed_bytes(alone[1])
+    assert len(mixed) == len(alone[0]) + len(alone[1])

@@ -50,9 +50,9 @@ def test_units_of_a_coarse_block_are_the_token_ranges_of_the_fine_blocks() -> No
     fine = unit_runs(page_token_runs(CPU, 1, 4, 8, 8, 4), 4, 4)
     coarse = unit_runs(runs8, 8, 4)
     # fine block: K^T rows 0, 1 (4 elements each, 16 B apart), then V rows of 4 tokens
-    assert fine.tolist() == [[0, 16, 16, 2], [32, 32, 32, 1]]
+    assert fine.table().tolist() == [[0, 16, 16, 2], [32, 32, 32, 1]]
     # coarse block, chunk j: K^T row d at d * 32 + j * 16, V rows from 64 + j * 32
-    assert coarse.tolist() == [[0, 16, 32, 2], [64, 32, 32, 1], [16, 16, 32, 2], [96, 32, 32, 1]]
+    assert coarse.table().tolist() == [[0, 16, 32, 2], [64, 32, 32, 1], [16, 16, 32, 2], [96, 32, 32, 1]]
 
 
 CASES = [(32, 64), (64, 32), (32, 128), (128, 32)]

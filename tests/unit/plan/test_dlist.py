@@ -145,9 +145,9 @@ def test_dlist_check_bounds():
     Dlist([[90, 10, 0, -30, 3]], 3).check_bounds([100], "local")
     err = _raises(PlanError, Dlist([[10, 10, 0, -30, 2]], 2).check_bounds, [100], "local")
     assert err.field == "local dlist[0]"
-    # a negative length, a negative region
-    err = _raises(PlanError, Dlist([[0, -1, 0, 1, 1]], 1).check_bounds, [100], "local")
-    assert err.values == {"value": (0, 0, -1, 1, 1)}
+    # a negative length is refused when the table is built (its runs are a layout value); a negative region
+    err = _raises(PlanError, Dlist, [[0, -1, 0, 1, 1]], 1)
+    assert err.field == "runs.length" and err.values == {"value": -1}
     err = _raises(PlanError, Dlist([[-1, 0, 4]], 1).check_bounds, [100], "local")
     assert err.field == "local dlist[0]" and err.values["value"][0] == -1
 

@@ -227,6 +227,7 @@ def main() -> None:
         notes.append(f"bench_descs.py: {err}")
     else:
         descs = json.loads(descs_json.read_text())["results"]
+    e2e = run_e2e_vllm(vpy, args.quick, notes, took)
     out, took["bench_plan"], err = run(
         [py, "bench/bench_plan.py"] + (["--tokens", "4096"] if args.quick else []), 120
     )
@@ -237,7 +238,19 @@ def main() -> None:
     if not made:
         notes.append("plots: not made (matplotlib missing: install the `plot` extra)")
     Path(args.out).write_text(
-        render(vs, zero, pull, pull_text, plan_text, made, notes, took, descs=descs, descs_text=descs_text)
+        render(
+            vs,
+            zero,
+            pull,
+            pull_text,
+            plan_text,
+            made,
+            notes,
+            took,
+            descs=descs,
+            descs_text=descs_text,
+            e2e=e2e,
+        )
     )
     print(f"wrote {args.out} ({sum(took.values()):.0f} s of benchmarks)")
 
@@ -267,6 +280,7 @@ def render(
     took: dict[str, float],
     descs: dict | None = None,
     descs_text: str = "",
+    e2e: list[str] | None = None,
 ) -> str:
     L = [
         "# Performance",
@@ -350,12 +364,47 @@ def render(
             "",
         ]
         L += [x for x in descs_text.splitlines() if x.startswith(("|", "scenario", "wall"))] + [""]
+    L += e2e or []
     L += ["## Planning cost per descriptor (`bench/bench_plan.py`)", "", "```", plan_text.strip(), "```", ""]
     L += targets(vs, zero, pull, descs)
     L += FINDINGS.splitlines() + [""]
     if notes:
         L += ["## Notes", ""] + [f"* {n}" for n in notes] + [""]
     return "\n".join(L)
+
+
+def run_e2e_vllm(vpy: Path, quick: bool, notes: list[str], took: dict[str, float]) -> list[str]:
+    """``bench_e2e_vllm.py`` in the vLLM venv (kvgeom's KVRank against vLLM's own pull worker, both with real
+    NIXL agents): docs/performance.md's end-to-end section (empty, with a note, when it did not run)."""
+    if not vpy.exists():
+        notes.append("bench_e2e_vllm.py: not run (no .venv-vllm; `make test-vllm` builds it)")
+        return []
+    path = ROOT / "build" / "bench_e2e_vllm.json"
+    out, took["bench_e2e_vllm"], err = run(
+        [str(vpy), "bench/bench_e2e_vllm.py", "--json", str(path)]
+        + (["--tokens", "1024", "16384", "--reps", "2"] if quick else ["--reps", "5"]),
+        480,
+        {"PYTHONPATH": f"{ROOT}:{ROOT / 'adapters'}"},
+    )
+    if err:
+        notes.append(f"bench_e2e_vllm.py: {err}")
+        return []
+    return (
+        [
+            "## End to end through real NIXL against vLLM 0.33.0 (`bench/bench_e2e_vllm.py`)",
+            "",
+            "One request pulled by D, in one run: vLLM's own `NixlPullConnectorWorker` (`_read_blocks_for_req`,",
+            "then `get_finished` polled until the request is received) against kvgeom's `KVRank.pull` in kvgeom",
+            "mode (plan, the peer's freshness check, merged runs posted, completion, the post-receive step, done",
+            "notices), each with its own NIXL agent on the same geometry and the same P bytes; every byte of both",
+            "D caches checked (equal to P's on the request's blocks, and to each other) before timing. *vLLM",
+            "pairs*: the descriptor pairs vLLM posted; *kvgeom posted*: the runs kvgeom posted (the fewest,",
+            "`contiguous_runs`); *freshness*: kvgeom's generation check; *post to done*: kvgeom's post and completion.",
+            "",
+        ]
+        + [x for x in out.splitlines() if x.startswith(("|", "opt-125m", "wall"))]
+        + [""]
+    )
 
 
 def zero_section(zero: dict) -> list[str]:

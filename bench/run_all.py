@@ -374,37 +374,46 @@ def render(
 
 
 def run_e2e_vllm(vpy: Path, quick: bool, notes: list[str], took: dict[str, float]) -> list[str]:
-    """``bench_e2e_vllm.py`` in the vLLM venv (kvgeom's KVRank against vLLM's own pull worker, both with real
-    NIXL agents): docs/performance.md's end-to-end section (empty, with a note, when it did not run)."""
+    """``bench_e2e_vllm.py`` in the vLLM venv, pull then push (kvgeom's KVRank against vLLM's own workers, each
+    with a real NIXL agent): docs/performance.md's end-to-end section (empty, with a note, when it did not run)."""
     if not vpy.exists():
         notes.append("bench_e2e_vllm.py: not run (no .venv-vllm; `make test-vllm` builds it)")
         return []
-    path = ROOT / "build" / "bench_e2e_vllm.json"
-    out, took["bench_e2e_vllm"], err = run(
-        [str(vpy), "bench/bench_e2e_vllm.py", "--json", str(path)]
-        + (["--tokens", "1024", "16384", "--reps", "2"] if quick else ["--reps", "5"]),
-        480,
-        {"PYTHONPATH": f"{ROOT}:{ROOT / 'adapters'}"},
-    )
-    if err:
-        notes.append(f"bench_e2e_vllm.py: {err}")
+    rows: list[str] = []
+    for op in ("pull", "push"):
+        path = ROOT / "build" / f"bench_e2e_vllm_{op}.json"
+        out, took[f"bench_e2e_vllm {op}"], err = run(
+            [str(vpy), "bench/bench_e2e_vllm.py", "--op", op, "--json", str(path)]
+            + (["--tokens", "1024", "16384", "--reps", "2"] if quick else ["--reps", "5"]),
+            480,
+            {"PYTHONPATH": f"{ROOT}:{ROOT / 'adapters'}"},
+        )
+        if err:
+            notes.append(f"bench_e2e_vllm.py --op {op}: {err}")
+            continue
+        table = [x for x in out.splitlines() if x.startswith("|")]
+        if not rows:  # the conditions line and the table head once
+            rows += [x for x in out.splitlines() if x.startswith("opt-125m")] + [""] + table[:2]
+        rows += table[2:]
+    if not rows:
         return []
-    return (
-        [
-            "## End to end through real NIXL against vLLM 0.33.0 (`bench/bench_e2e_vllm.py`)",
-            "",
-            "One request pulled by D, in one run: vLLM's own `NixlPullConnectorWorker` (`_read_blocks_for_req`,",
-            "then `get_finished` polled until the request is received) against kvgeom's `KVRank.pull` in kvgeom",
-            "mode (plan, the peer's freshness check, merged runs posted, completion, the post-receive step, done",
-            "notices), each with its own NIXL agent on the same geometry and the same P bytes; every byte of both",
-            "D caches checked (equal to P's on the request's blocks, and to each other) before timing. *vLLM",
-            "pairs*: the descriptor pairs vLLM posted; *kvgeom posted*: the runs kvgeom posted (the fewest,",
-            "`contiguous_runs`); *freshness*: kvgeom's generation check; *post to done*: kvgeom's post and completion.",
-            "",
-        ]
-        + [x for x in out.splitlines() if x.startswith(("|", "opt-125m", "wall"))]
-        + [""]
-    )
+    return [
+        "## End to end through real NIXL against vLLM 0.33.0 (`bench/bench_e2e_vllm.py`)",
+        "",
+        "One request per length. Pull, timed on D: vLLM's own `NixlPullConnectorWorker`",
+        "(`_read_blocks_for_req`, then `get_finished` polled until the request is received) against kvgeom's",
+        "`KVRank.pull` in kvgeom mode (plan, the peer's freshness check, merged runs posted, completion, the",
+        "post-receive step, done notices). Push, timed on P: vLLM's `NixlPushConnectorWorker._xfer_blocks_for_req`",
+        "(what its writer thread runs once D registered the request), then `get_finished` until the request is",
+        "sent, against `KVRank.push`. Each side has its own NIXL agent on the same geometry and the same P bytes;",
+        "every byte of both D caches is checked (equal to P's on the request's blocks, and to each other) before",
+        "timing. *vLLM pairs*: the descriptor pairs vLLM posted; *kvgeom posted*: the runs kvgeom posted (the",
+        "fewest, `contiguous_runs`); *freshness*: kvgeom's generation check; *post to done*: kvgeom's post and",
+        "completion.",
+        "",
+        *rows,
+        "",
+    ]
 
 
 def zero_section(zero: dict) -> list[str]:

@@ -178,7 +178,6 @@ def test_vllm_compatible_card_pairs_are_planned_by_kvgeom_byte_for_byte() -> Non
     assert oracle.result.regrouped_blocks > 0
     # vLLM-compatible mode posts vLLM's descriptor ids into the prepared lists, not merged runs
     assert all(r["merged"] and not any(r["merged"]) for r in consumed["ranks"])
-    assert all(len(r["moves"]) > contiguous_runs(r["moves"][:, :7]) for r in consumed["ranks"])
 
 
 @pytest.mark.parametrize("compat", ["vllm", "kvgeom"])

@@ -604,7 +604,7 @@ Profiled with pyinstrument and cProfile (the numbers below are from the Kimi-Lin
   per kernel block and region, so "no more than vLLM" holds, and more than the minimal runs by design
   (616 pairs for 175 runs at 16 tokens, in the table above). In kvgeom mode each transfer's pairs are
   merged into the maximal runs contiguous on both sides, within one region on each side
-  (`kvgeom_nixl.kvrank.merge_runs`), and posted as per-request lists through NIXL's `initialize_xfer`:
+  (`kvgeom.layout.runs.merge_runs`, also what `kvgeom_vllm`'s kvgeom mode posts), and posted as per-request lists through NIXL's `initialize_xfer`:
   NIXL's posted count (telemetry) equals `contiguous_runs` in every request of `bench_descs.py`. Of the
   three ways measured (`TransportConfig.kvgeom_post`), none is clearly faster end to end: per request,
   NIXL's per-descriptor cost is small beside the freshness check, the completion polling and the

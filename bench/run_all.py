@@ -382,6 +382,7 @@ def run_e2e_vllm(vpy: Path, quick: bool, notes: list[str], took: dict[str, float
     rows: list[str] = []
     for op in ("pull", "push"):
         path = ROOT / "build" / f"bench_e2e_vllm_{op}.json"
+        path.parent.mkdir(exist_ok=True)
         out, took[f"bench_e2e_vllm {op}"], err = run(
             [str(vpy), "bench/bench_e2e_vllm.py", "--op", op, "--json", str(path)]
             + (["--tokens", "1024", "16384", "--reps", "2"] if quick else ["--reps", "5"]),

@@ -227,6 +227,7 @@ def main() -> None:
         notes.append(f"bench_descs.py: {err}")
     else:
         descs = json.loads(descs_json.read_text())["results"]
+    e2e = run_e2e_vllm(vpy, args.quick, notes, took)
     out, took["bench_plan"], err = run(
         [py, "bench/bench_plan.py"] + (["--tokens", "4096"] if args.quick else []), 120
     )
@@ -237,7 +238,19 @@ def main() -> None:
     if not made:
         notes.append("plots: not made (matplotlib missing: install the `plot` extra)")
     Path(args.out).write_text(
-        render(vs, zero, pull, pull_text, plan_text, made, notes, took, descs=descs, descs_text=descs_text)
+        render(
+            vs,
+            zero,
+            pull,
+            pull_text,
+            plan_text,
+            made,
+            notes,
+            took,
+            descs=descs,
+            descs_text=descs_text,
+            e2e=e2e,
+        )
     )
     print(f"wrote {args.out} ({sum(took.values()):.0f} s of benchmarks)")
 
@@ -267,6 +280,7 @@ def render(
     took: dict[str, float],
     descs: dict | None = None,
     descs_text: str = "",
+    e2e: list[str] | None = None,
 ) -> str:
     L = [
         "# Performance",
@@ -350,12 +364,57 @@ def render(
             "",
         ]
         L += [x for x in descs_text.splitlines() if x.startswith(("|", "scenario", "wall"))] + [""]
+    L += e2e or []
     L += ["## Planning cost per descriptor (`bench/bench_plan.py`)", "", "```", plan_text.strip(), "```", ""]
     L += targets(vs, zero, pull, descs)
     L += FINDINGS.splitlines() + [""]
     if notes:
         L += ["## Notes", ""] + [f"* {n}" for n in notes] + [""]
     return "\n".join(L)
+
+
+def run_e2e_vllm(vpy: Path, quick: bool, notes: list[str], took: dict[str, float]) -> list[str]:
+    """``bench_e2e_vllm.py`` in the vLLM venv, pull then push (kvgeom's KVRank against vLLM's own workers, each
+    with a real NIXL agent): docs/performance.md's end-to-end section (empty, with a note, when it did not run)."""
+    if not vpy.exists():
+        notes.append("bench_e2e_vllm.py: not run (no .venv-vllm; `make test-vllm` builds it)")
+        return []
+    rows: list[str] = []
+    for op in ("pull", "push"):
+        path = ROOT / "build" / f"bench_e2e_vllm_{op}.json"
+        path.parent.mkdir(exist_ok=True)
+        out, took[f"bench_e2e_vllm {op}"], err = run(
+            [str(vpy), "bench/bench_e2e_vllm.py", "--op", op, "--json", str(path)]
+            + (["--tokens", "1024", "16384", "--reps", "2"] if quick else ["--reps", "5"]),
+            480,
+            {"PYTHONPATH": f"{ROOT}:{ROOT / 'adapters'}"},
+        )
+        if err:
+            notes.append(f"bench_e2e_vllm.py --op {op}: {err}")
+            continue
+        table = [x for x in out.splitlines() if x.startswith("|")]
+        if not rows:  # the conditions line and the table head once
+            rows += [x for x in out.splitlines() if x.startswith("opt-125m")] + [""] + table[:2]
+        rows += table[2:]
+    if not rows:
+        return []
+    return [
+        "## End to end through real NIXL against vLLM 0.33.0 (`bench/bench_e2e_vllm.py`)",
+        "",
+        "One request per length. Pull, timed on D: vLLM's own `NixlPullConnectorWorker`",
+        "(`_read_blocks_for_req`, then `get_finished` polled until the request is received) against kvgeom's",
+        "`KVRank.pull` in kvgeom mode (plan, the peer's freshness check, merged runs posted, completion, the",
+        "post-receive step, done notices). Push, timed on P: vLLM's `NixlPushConnectorWorker._xfer_blocks_for_req`",
+        "(what its writer thread runs once D registered the request), then `get_finished` until the request is",
+        "sent, against `KVRank.push`. Each side has its own NIXL agent on the same geometry and the same P bytes;",
+        "every byte of both D caches is checked (equal to P's on the request's blocks, and to each other) before",
+        "timing. *vLLM pairs*: the descriptor pairs vLLM posted; *kvgeom posted*: the runs kvgeom posted (the",
+        "fewest, `contiguous_runs`); *freshness*: kvgeom's generation check; *post to done*: kvgeom's post and",
+        "completion.",
+        "",
+        *rows,
+        "",
+    ]
 
 
 def zero_section(zero: dict) -> list[str]:
@@ -546,7 +605,7 @@ Profiled with pyinstrument and cProfile (the numbers below are from the Kimi-Lin
   per kernel block and region, so "no more than vLLM" holds, and more than the minimal runs by design
   (616 pairs for 175 runs at 16 tokens, in the table above). In kvgeom mode each transfer's pairs are
   merged into the maximal runs contiguous on both sides, within one region on each side
-  (`kvgeom_nixl.kvrank.merge_runs`), and posted as per-request lists through NIXL's `initialize_xfer`:
+  (`kvgeom.layout.runs.merge_runs`, also what `kvgeom_vllm`'s kvgeom mode posts), and posted as per-request lists through NIXL's `initialize_xfer`:
   NIXL's posted count (telemetry) equals `contiguous_runs` in every request of `bench_descs.py`. Of the
   three ways measured (`TransportConfig.kvgeom_post`), none is clearly faster end to end: per request,
   NIXL's per-descriptor cost is small beside the freshness check, the completion polling and the

@@ -43,13 +43,12 @@ from kvgeom import (
     KvgeomError,
     Pairing,
     RequestPlan,
-    Runs,
     check_pair,
-    coalesce_moves,
     plan_request,
 )
 from kvgeom.errors import PlanError
 from kvgeom.layout.card import DEFAULT_LIMITS, CardLimits
+from kvgeom.layout.runs import addressed, merge_runs
 from kvgeom.plan.blockrows import block_rows, zero_runs
 from kvgeom.plan.pairing import push_writers
 from kvgeom.plan.receive import receive_step
@@ -261,56 +260,6 @@ def request_block_rows(card: GeometryCard, ids: Sequence[Sequence[int]]) -> np.n
     """``(region, offset, length)`` rows covering every block of a request on this rank (all regions,
     whole pages): what a failed request zeroes so that no stale or partial bytes are ever read."""
     return block_rows(card.geometry, ids)
-
-
-def merge_runs(
-    local: np.ndarray, remote: np.ndarray, local_sizes: Sequence[int], remote_sizes: Sequence[int], src: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """One transfer's descriptor pairs (``(region, offset, length)`` rows of each side, row ``i`` moving
-    with row ``i``) as the fewest pairs: a maximal run of pairs that are contiguous on both sides, within one
-    region on each side, is one pair. Pairs are ordered as :func:`kvgeom.plan.requestplan.contiguous_runs`
-    orders moves (by the ``src`` side, ``"local"`` or ``"remote"``, then the other), so the count equals it.
-    Returns the merged ``(region, offset, length)`` rows of each side. A merged row outside its region
-    (``*_sizes``) raises :class:`~kvgeom.errors.PlanError` (never posted: NIXL would refuse it, or, where two
-    registrations lie side by side, move bytes of the wrong region)."""
-    local = np.asarray(local, dtype=np.int64).reshape(-1, 3)
-    remote = np.asarray(remote, dtype=np.int64).reshape(-1, 3)
-    if local.shape != remote.shape:
-        raise PlanError("descriptor pairs", f"{len(local)} local rows for {len(remote)} remote rows")
-    if (local[:, 2] != remote[:, 2]).any():
-        i = int(np.flatnonzero(local[:, 2] != remote[:, 2])[0])
-        raise PlanError(
-            "descriptor length", f"pair {i}: local {int(local[i, 2])} B, remote {int(remote[i, 2])} B"
-        )
-    s, d = (local, remote) if src == "local" else (remote, local)
-    if len(s) > 1:  # as pseudo-addresses, so that no run crosses a region on either side
-        sm, dm = coalesce_moves(Runs.from_rows(s), Runs.from_rows(d))
-        s, d = sm.rows(), dm.rows()
-    out_l, out_r = (s, d) if src == "local" else (d, s)
-    for rows, sizes, side in ((out_l, local_sizes, "local"), (out_r, remote_sizes, "remote")):
-        size = np.asarray(sizes, dtype=np.int64)
-        reg = rows[:, 0]
-        if len(rows) and (int(reg.min()) < 0 or int(reg.max()) >= size.size):
-            raise PlanError(f"{side} region", f"a run names region {int(reg.max())}; there are {size.size}")
-        bad = (rows[:, 1] < 0) | (rows[:, 1] + rows[:, 2] > size[reg]) if len(rows) else np.zeros(0, bool)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise PlanError(
-                f"{side} run",
-                f"run {rows[i].tolist()} ends past its region ({int(size[reg[i]])} B)",
-                value=int(rows[i, 1] + rows[i, 2]),
-                expected=int(size[reg[i]]),
-            )
-    return out_l, out_r
-
-
-def _addressed(rows: np.ndarray, bases: Sequence[int], device: int) -> np.ndarray:
-    """``(region, offset, length)`` rows as NIXL's N×3 ``(addr, nbytes, device_id)``."""
-    out = np.empty((len(rows), 3), dtype=np.uint64)
-    out[:, 0] = np.asarray(bases, dtype=np.uint64)[rows[:, 0]] + rows[:, 1].astype(np.uint64)
-    out[:, 1] = rows[:, 2].astype(np.uint64)
-    out[:, 2] = np.uint64(device)
-    return out
 
 
 @dataclass
@@ -979,7 +928,7 @@ class KVRank:
             [r.nbytes for r in link.card.geometry.regions],
             "local" if push else "remote",
         )
-        return _addressed(loc, [r.addr for r in self.regions], self.regions[0].device_id), _addressed(
+        return addressed(loc, [r.addr for r in self.regions], self.regions[0].device_id), addressed(
             rem, link.bases, link.device
         )
 

@@ -10,8 +10,11 @@ and the pair is judged and planned by kvgeom alone:
   local list per kvgeom local key (the whole table, or a remote rank's share of it);
 * each request (:func:`read_blocks_for_req` in pull, :func:`xfer_blocks_for_req` in push):
   :func:`kvgeom.plan_request` gives, per remote rank, the local table, the local and remote descriptor ids
-  and the notification, the ranks that are only notified, and the post-receive step; the worker posts
-  exactly that through vLLM's NIXL wrapper;
+  and the notification, the ranks that are only notified, and the post-receive step. In kvgeom mode the
+  worker posts each transfer as one descriptor per maximal run contiguous on both sides
+  (:func:`kvgeom.layout.runs.merge_runs`, the NIXL adapter's merge), as per-request lists through NIXL's
+  ``initialize_xfer``; in vLLM-compatible mode it posts the plan's descriptor ids (vLLM's) into the
+  prepared lists with ``make_prepped_xfer``, as vLLM does;
 * after the bytes land, vLLM's completion path hands the request's :class:`Receive` (kvgeom's regroups,
   then zero rows) to ``_zero_region_blocks``, which applies it to the cache tensors.
 
@@ -29,6 +32,7 @@ import numpy as np
 from kvgeom import Pairing, plan_request
 from kvgeom.errors import IncompatiblePairError, KvgeomError
 from kvgeom.layout.engine import KVLayout
+from kvgeom.layout.runs import addressed, merge_runs
 from kvgeom.plan.requestplan import RequestPlan
 
 from .answers import region_bytes, to_vllm_mapping
@@ -36,7 +40,14 @@ from .answers._common import KVI, representative_type
 from .devicebytes import regroup_blocks, zero_rows
 from .table import REFUSED
 
-__all__ = ["Receive", "add_remote_agent", "read_blocks_for_req", "xfer_blocks_for_req", "request_tokens"]
+__all__ = [
+    "Receive",
+    "add_remote_agent",
+    "make_xfer",
+    "read_blocks_for_req",
+    "xfer_blocks_for_req",
+    "request_tokens",
+]
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,7 @@ def add_remote_agent(
         worker.dst_uses_region_group_mapping[engine_id] = len(set(worker.dst_region_group_ids[engine_id])) > 1
         worker.dst_region_mem_types[engine_id] = meta.region_mem_types or [worker.nixl_memory_type] * n
     worker.kv_caches_base_addr[engine_id][remote_tp_rank] = list(meta.kv_caches_base_addr)
+    worker.__dict__.setdefault("kvgeom_remote_devices", {})[(engine_id, remote_tp_rank)] = int(meta.device_id)
     if remote_tp_rank in pairing.transfer_ranks:
         descs = pairing.remote_table(remote_tp_rank).bind_strided(
             list(meta.kv_caches_base_addr), int(meta.device_id)
@@ -167,6 +179,43 @@ def _plan(worker: Any, pairing: Pairing, req_id: str, meta: Any) -> RequestPlan:
         remote_request_id=meta.remote.request_id,
         num_tokens=request_tokens(worker, meta),
         prefill_tokens=meta.remote.num_tokens,
+    )
+
+
+def make_xfer(worker: Any, op: str, engine_id: str, pairing: Pairing, t: Any) -> Any:
+    """The NIXL transfer handle of plan transfer ``t`` (``op`` ``"READ"`` in pull, ``"WRITE"`` in push). In
+    kvgeom mode: the transfer's descriptor pairs merged into one pair per maximal run contiguous on both
+    sides (:func:`kvgeom.layout.runs.merge_runs`; a run never crosses a region and never ends past one), as
+    per-request lists given to ``initialize_xfer`` (NIXL checks them against both registrations). In
+    vLLM-compatible mode: the plan's descriptor ids (vLLM's) into the prepared lists, as vLLM posts them."""
+    nixl = worker.nixl_wrapper
+    notif = t.notif.encode()
+    if not pairing.policy.routed:
+        return nixl.make_prepped_xfer(
+            op,
+            _local_handle(worker, engine_id, pairing, t.local_table),
+            np.asarray(t.local_ids),
+            worker.dst_xfer_side_handles[engine_id][t.remote_rank],
+            np.asarray(t.remote_ids),
+            notif_msg=notif,
+        )
+    loc, rem = merge_runs(
+        pairing.local_table(t.local_table).take(t.local_ids),
+        pairing.remote_table(t.remote_rank).take(t.remote_ids),
+        [r.nbytes for r in worker.kvgeom_card.geometry.regions],
+        [r.nbytes for r in pairing.remotes[t.remote_rank].regions],
+        "local" if op == "WRITE" else "remote",  # ordered by the source side, as contiguous_runs counts
+    )
+    local_bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
+    remote_bases = worker.kv_caches_base_addr[engine_id][t.remote_rank]
+    device = worker.__dict__.get("kvgeom_remote_devices", {}).get((engine_id, t.remote_rank), 0)
+    remote_mem = (worker.dst_region_mem_types.get(engine_id) or [worker.nixl_memory_type])[0]
+    return nixl.initialize_xfer(
+        op,
+        nixl.get_xfer_descs(addressed(loc, local_bases, int(worker.device_id)), worker.region_mem_types[0]),
+        nixl.get_xfer_descs(addressed(rem, remote_bases, device), remote_mem),
+        worker._remote_agents[engine_id][(0, t.remote_rank)],
+        notif,
     )
 
 
@@ -233,14 +282,7 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
     for t in plan.transfers:
         handle = None
         try:
-            handle = worker.nixl_wrapper.make_prepped_xfer(
-                "READ",
-                _local_handle(worker, engine_id, worker.kvgeom_pairings[engine_id], t.local_table),
-                np.asarray(t.local_ids),
-                worker.dst_xfer_side_handles[engine_id][t.remote_rank],
-                np.asarray(t.remote_ids),
-                notif_msg=t.notif.encode(),
-            )
+            handle = make_xfer(worker, "READ", engine_id, worker.kvgeom_pairings[engine_id], t)
             worker.nixl_wrapper.transfer(handle)
             worker._recving_transfers[req_id].append(handle)
         except Exception as e:  # noqa: BLE001 - vLLM's failure path: report, release, post nothing more
@@ -280,14 +322,7 @@ def xfer_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
     for t in plan.transfers:
         handle = None
         try:
-            handle = worker.nixl_wrapper.make_prepped_xfer(
-                "WRITE",
-                _local_handle(worker, engine_id, pairing, t.local_table),
-                np.asarray(t.local_ids),
-                worker.dst_xfer_side_handles[engine_id][t.remote_rank],
-                np.asarray(t.remote_ids),
-                notif_msg=t.notif.encode(),
-            )
+            handle = make_xfer(worker, "WRITE", engine_id, pairing, t)
             worker.nixl_wrapper.transfer(handle)
             handles.append(handle)
         except Exception as e:  # noqa: BLE001 - vLLM's failure path for a WRITE

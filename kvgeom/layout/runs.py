@@ -24,6 +24,11 @@ pure and vectorised (numpy, never a Python loop per element):
   :func:`coalesce_moves`, pairs of elements that are contiguous on both sides as one pair (what a transfer
   posts);
 * :meth:`Runs.expand` / :meth:`Runs.take` -- the elements (all, or by id) as ``(address, length)``.
+
+A transport posts a request's moves with :func:`merge_runs` (its ``(region, offset, length)`` rows of each side
+as the fewest pairs contiguous on both sides, checked inside their regions) and :func:`addressed` (rows as
+NIXL's ``(addr, nbytes, device_id)`` for registered base addresses); both NIXL transports use them
+(``kvgeom_nixl.KVRank`` and ``kvgeom_vllm``'s kvgeom mode).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import numpy as np
 from kvgeom.errors import PlanError
 from kvgeom.layout.view import OFFSET_MASK, REGION_SHIFT
 
-__all__ = ["Runs", "coalesce_moves"]
+__all__ = ["Runs", "addressed", "coalesce_moves", "merge_runs"]
 
 IntArray = int | Sequence[int] | np.ndarray
 
@@ -318,3 +323,54 @@ def coalesce_moves(src: Runs, dst: Runs) -> tuple[Runs, Runs]:
             ln = np.add.reduceat(s_len, first)
             return Runs.ranges(s_addr[first], ln), Runs.ranges(d_addr[first], ln)
     return Runs.ranges(s_addr, s_len), Runs.ranges(d_addr, s_len)
+
+
+def merge_runs(
+    local: np.ndarray, remote: np.ndarray, local_sizes: Sequence[int], remote_sizes: Sequence[int], src: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """One transfer's descriptor pairs (``(region, offset, length)`` rows of each side, row ``i`` moving
+    with row ``i``) as the fewest pairs (:func:`coalesce_moves` at pseudo-addresses): a maximal run of pairs
+    that are contiguous on both sides, within one region on each side, is one pair. Pairs are ordered as
+    :func:`kvgeom.plan.requestplan.contiguous_runs` orders moves (by the ``src`` side, ``"local"`` or
+    ``"remote"``, then the other), so the count equals it. Returns the merged ``(region, offset, length)`` rows
+    of each side. A merged row outside its region (``*_sizes``) raises :class:`~kvgeom.errors.PlanError`
+    (never posted: NIXL would refuse it, or, where two registrations lie side by side, move bytes of the
+    wrong region)."""
+    local = np.asarray(local, dtype=np.int64).reshape(-1, 3)
+    remote = np.asarray(remote, dtype=np.int64).reshape(-1, 3)
+    if local.shape != remote.shape:
+        raise PlanError("descriptor pairs", f"{len(local)} local rows for {len(remote)} remote rows")
+    if (local[:, 2] != remote[:, 2]).any():
+        i = int(np.flatnonzero(local[:, 2] != remote[:, 2])[0])
+        raise PlanError(
+            "descriptor length", f"pair {i}: local {int(local[i, 2])} B, remote {int(remote[i, 2])} B"
+        )
+    s, d = (local, remote) if src == "local" else (remote, local)
+    if len(s) > 1:  # as pseudo-addresses, so that no run crosses a region on either side
+        sm, dm = coalesce_moves(Runs.from_rows(s), Runs.from_rows(d))
+        s, d = sm.rows(), dm.rows()
+    out_l, out_r = (s, d) if src == "local" else (d, s)
+    for rows, sizes, side in ((out_l, local_sizes, "local"), (out_r, remote_sizes, "remote")):
+        size = np.asarray(sizes, dtype=np.int64)
+        reg = rows[:, 0]
+        if len(rows) and (int(reg.min()) < 0 or int(reg.max()) >= size.size):
+            raise PlanError(f"{side} region", f"a run names region {int(reg.max())}; there are {size.size}")
+        bad = (rows[:, 1] < 0) | (rows[:, 1] + rows[:, 2] > size[reg]) if len(rows) else np.zeros(0, bool)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise PlanError(
+                f"{side} run",
+                f"run {rows[i].tolist()} ends past its region ({int(size[reg[i]])} B)",
+                value=int(rows[i, 1] + rows[i, 2]),
+                expected=int(size[reg[i]]),
+            )
+    return out_l, out_r
+
+
+def addressed(rows: np.ndarray, bases: Sequence[int], device: int) -> np.ndarray:
+    """``(region, offset, length)`` rows as NIXL's N x 3 ``(addr, nbytes, device_id)``."""
+    out = np.empty((len(rows), 3), dtype=np.uint64)
+    out[:, 0] = np.asarray(bases, dtype=np.uint64)[rows[:, 0]] + rows[:, 1].astype(np.uint64)
+    out[:, 1] = rows[:, 2].astype(np.uint64)
+    out[:, 2] = np.uint64(device)
+    return out

@@ -1,13 +1,14 @@
 """kvgeom mode's posted descriptors: a transfer's pairs merged into maximal runs contiguous on both sides
-(``kvgeom_nixl.kvrank.merge_runs``), as many as ``contiguous_runs`` counts, never past a region's end."""
+(``kvgeom.layout.runs.merge_runs``, which both NIXL transports post: ``kvgeom_nixl`` and ``kvgeom_vllm``'s
+kvgeom mode), as many as ``contiguous_runs`` counts, never past a region's end."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvgeom_nixl.kvrank import merge_runs
 
 from kvgeom.errors import PlanError
+from kvgeom.layout.runs import addressed, merge_runs
 from kvgeom.plan.requestplan import contiguous_runs
 
 
@@ -99,3 +100,9 @@ def test_the_posting_path_is_a_checked_config_field():
     assert TransportConfig.from_env({"KVGEOM_NIXL_KVGEOM_POST": "prep"}).kvgeom_post == "prep"
     with pytest.raises(ValueError, match="kvgeom_post"):
         TransportConfig(kvgeom_post="runs")
+
+
+def test_addressed_rows_are_nixl_descriptors_at_each_regions_base() -> None:
+    rows = np.array([[1, 8, 16], [0, 0, 4]], dtype=np.int64)
+    out = addressed(rows, [1000, 5000], 3)
+    assert out.dtype == np.uint64 and out.tolist() == [[5008, 16, 3], [1000, 4, 3]]

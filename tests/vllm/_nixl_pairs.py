@@ -90,12 +90,15 @@ def kv_caches(tp: int, block_size: int, num_blocks: int, layout: str) -> tuple[A
 
 
 class RecordingWrapper:
-    """The real NIXL wrapper, with a record of the descriptor lists prepared and the transfers asked for."""
+    """The real NIXL wrapper, with a record of the descriptor lists prepared and the transfers asked for
+    (prepared ones, and per-request lists given to ``initialize_xfer``)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.dlists: dict[int, np.ndarray] = {}
         self.xfers: list[tuple[str, int, np.ndarray, int, np.ndarray, bytes]] = []
+        self._descs: dict[int, tuple[Any, np.ndarray]] = {}
+        self.per_request: set[int] = set()  # the keys of the lists initialize_xfer was given
 
     def prep_xfer_dlist(self, agent: Any, descs: Any, *args: Any, **kwargs: Any) -> int:
         handle = self.inner.prep_xfer_dlist(agent, descs, *args, **kwargs)
@@ -116,6 +119,24 @@ class RecordingWrapper:
             )
         )
         return self.inner.make_prepped_xfer(op, local, local_ids, remote, remote_ids, *args, **kwargs)
+
+    def get_xfer_descs(self, descs: Any, *args: Any, **kwargs: Any) -> Any:
+        dlist = self.inner.get_xfer_descs(descs, *args, **kwargs)
+        self._descs[id(dlist)] = (dlist, np.asarray(descs, dtype=np.int64))  # kept alive: ids stay unique
+        return dlist
+
+    def initialize_xfer(
+        self, op: str, local: Any, remote: Any, agent: str, notif_msg: bytes = b"", *args: Any
+    ) -> Any:
+        """A per-request transfer (kvgeom mode's merged runs), recorded as a transfer of every row of two
+        lists kept under fresh negative handles."""
+        loc, rem = self._descs[id(local)][1], self._descs[id(remote)][1]
+        lh, rh = -2 * len(self.xfers) - 1, -2 * len(self.xfers) - 2
+        self.dlists[lh], self.dlists[rh] = loc, rem
+        self.per_request.add(lh)
+        ids = np.arange(len(loc), dtype=np.int64)
+        self.xfers.append((op, lh, ids, rh, ids.copy(), notif_msg))
+        return self.inner.initialize_xfer(op, local, remote, agent, notif_msg, *args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -303,6 +324,9 @@ def consumer_main(side: dict, to_parent: Any, from_parent: Any) -> dict:
             {
                 "bytes": [v.numpy().copy() for v in region_views(w)],
                 "moves": _moves(w, rank, p_regions),
+                "merged": [
+                    x[1] in w.nixl_wrapper.per_request for x in w.nixl_wrapper.xfers
+                ],  # per transfer: per-request lists
                 "regroup": receive.plan.regroup,
                 "zero": receive.plan.zero,
             }

@@ -47,6 +47,19 @@ class RecordingNixl:
         handle, self._next = self._next, self._next + 1
         return handle
 
+    def get_xfer_descs(self, descs: Any, mem_type: Any = None) -> Any:
+        return np.asarray(descs, dtype=np.uint64)
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, agent: str, notif_msg: bytes = b"") -> int:
+        """A per-request transfer (kvgeom mode's merged runs): both lists kept as prepared lists, and the
+        transfer recorded as one of all their rows."""
+        lh, rh = -2 * len(self.xfers) - 1, -2 * len(self.xfers) - 2
+        self.dlists[lh], self.dlists[rh] = np.asarray(local), np.asarray(remote)
+        ids = np.arange(len(local))
+        self.xfers.append((op, lh, ids, rh, ids.copy(), notif_msg))
+        handle, self._next = self._next, self._next + 1
+        return handle
+
     def transfer(self, handle: int) -> str:
         return "PROC"
 

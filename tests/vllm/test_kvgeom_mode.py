@@ -23,6 +23,7 @@ from _vllm_workers import RecordingNixl
 from kvgeom_lab.procs import ProcGroup
 
 from kvgeom import GeometryCard
+from kvgeom.plan.requestplan import contiguous_runs
 from kvgeom.testing import POISON, ZERO, Oracle, Request
 
 pytestmark = pytest.mark.nixl
@@ -128,6 +129,16 @@ def check(oracle: Oracle, produced: dict, consumed: dict) -> None:
         assert all((w != POISON).all() for w in oracle.dst[rank])  # no destination byte left unwritten
 
 
+def posts_the_fewest_descriptors(consumed: dict) -> bool:
+    """kvgeom mode: every D rank posted per-request lists, one descriptor per maximal run contiguous on both
+    sides (the count ``contiguous_runs`` gives for the bytes it moved)."""
+    ranks = consumed["ranks"]
+    return all(
+        r["merged"] and all(r["merged"]) and len(r["moves"]) == contiguous_runs(r["moves"][:, :7])
+        for r in ranks
+    )
+
+
 # vLLM's CPU attention backend takes kernel blocks of multiples of 32 tokens
 HEAD_MAJOR_P = {"tp": 2, "block_size": 32, "num_blocks": 8, "layout": "LBHNC", "compat": "kvgeom"}
 HEAD_MAJOR_D = {"tp": 1, "block_size": 64, "num_blocks": 5, "layout": "LBHNC", "compat": "kvgeom"}
@@ -139,6 +150,7 @@ def test_p_tp_above_d_tp_with_a_block_size_ratio_is_refused_by_vllm_and_served_b
     assert re.search(r"P.TP > D.TP", why) and "block sizes" in why, why
     oracle, produced, consumed = serve(HEAD_MAJOR_P, HEAD_MAJOR_D, num_tokens=150)
     check(oracle, produced, consumed)
+    assert posts_the_fewest_descriptors(consumed)
     assert oracle.result.regrouped_blocks > 0  # D's head-major blocks arrived as two P pages each
 
 
@@ -152,6 +164,7 @@ def test_p_blocks_larger_than_ds_across_tp_sizes_are_refused_by_vllm_and_served_
     assert "not divisible" in why, why
     oracle, produced, consumed = serve(TOKEN_MAJOR_P, TOKEN_MAJOR_D, num_tokens=150, prefix_blocks=1)
     check(oracle, produced, consumed)
+    assert posts_the_fewest_descriptors(consumed)
 
 
 def test_vllm_compatible_card_pairs_are_planned_by_kvgeom_byte_for_byte() -> None:
@@ -163,6 +176,8 @@ def test_vllm_compatible_card_pairs_are_planned_by_kvgeom_byte_for_byte() -> Non
     oracle, produced, consumed = serve(p, d, num_tokens=150)
     check(oracle, produced, consumed)
     assert oracle.result.regrouped_blocks > 0
+    # vLLM-compatible mode posts vLLM's descriptor ids into the prepared lists, not merged runs
+    assert all(r["merged"] and not any(r["merged"]) for r in consumed["ranks"])
 
 
 @pytest.mark.parametrize("compat", ["vllm", "kvgeom"])
@@ -176,6 +191,7 @@ def test_head_major_p_pulled_into_a_token_major_d_that_permutes(compat: str) -> 
     oracle, produced, consumed = serve(p, d, num_tokens=150)
     check(oracle, produced, consumed)
     assert oracle.result.regrouped_blocks > 0
+    assert posts_the_fewest_descriptors(consumed) == (compat == "kvgeom")
 
 
 def test_a_request_vllm_would_move_to_the_wrong_tokens_fails_instead() -> None:
@@ -251,7 +267,11 @@ def test_push_across_tp_sizes_on_a_token_major_layout_is_refused_by_vllm_and_wri
         )  # vLLM's code, then kvgeom's
         assert [x[0] for x in p.nixl_wrapper.xfers] == ["WRITE"] and p._sending_transfers["req"]
         assert p.nixl_wrapper.xfers[0][5] == b"req-D:2"  # D counts a notification from each of P's two ranks
-        oracle.execute(_moves(p, rank, d_regions, op="WRITE"), f"P rank {rank}'s writes")
+        moves = _moves(p, rank, d_regions, op="WRITE")
+        assert p.nixl_wrapper.xfers[0][1] in p.nixl_wrapper.per_request and len(moves) == contiguous_runs(
+            moves[:, :7]
+        )  # merged runs
+        oracle.execute(moves, f"P rank {rank}'s writes")
     report = oracle.report()
     assert report.ok, report.violations[:5]
     # every token slot of D's 3 blocks of 32 (70 tokens) in every layer, each from the P rank holding its head

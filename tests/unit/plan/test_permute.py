@@ -27,7 +27,7 @@ from kvgeom.plan.planmemo import memo_of
 from kvgeom.plan.receive import permuted_heads, post_receive, receive_step
 from kvgeom.plan.request import plan_request
 from kvgeom.plan.requestplan import Regroup
-from kvgeom.tools.draw import _regroup
+from kvgeom.tools.transfermap import _regroup
 from kvgeom.tools.scenario import Scenario
 
 M4 = ModelSpec.from_layers("m4", [AttentionSpec(4, 8, "float16")])

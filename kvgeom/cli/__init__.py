@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         parser_class=_Parser,
         help="what to do (kvgeom COMMAND --help for its options)",
     )
+    _list_commands(sub)
+    _pair_commands(sub)
+    _demo_command(sub)
+    return parser
+
+
+def _list_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """``models`` and ``examples``: what ships with kvgeom."""
     p = sub.add_parser(
         "models",
         help="list the model presets (name, Hugging Face id, layers, TP sizes)",
@@ -112,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the shipped example scenarios.",
     )
     _json_arg(p)
+
+
+def _pair_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """``explain``, ``check``, ``plan`` and ``draw``: a pair, and for the last two a request."""
     texts = {
         "explain": "print both engines' rank geometry",
         "check": "check the pair at handshake, rank by rank",
@@ -129,38 +141,48 @@ def build_parser() -> argparse.ArgumentParser:
                 help="request length in tokens (default 100; at most what both pools hold)",
             )
         if name == "plan":
-            p.add_argument(
-                "--seed",
-                default=None,
-                help="draw block ids at random from the pools with this seed (default: sequential ids)",
-            )
-            p.add_argument(
-                "--moves", default="0", help="print the first N byte moves of each rank (default 0)"
-            )
-            p.add_argument(
-                "--rank",
-                default=None,
-                help="plan only this local rank (D rank in pull, P rank in push; default: every rank)",
-            )
+            _plan_args(p)
         if name == "draw":
-            lo, hi = WIDTH
-            p.add_argument(
-                "--width",
-                default="64",
-                help=f"characters per block in the text picture ({lo}..{hi}, default 64)",
-            )
-            p.add_argument(
-                "--output",
-                "-o",
-                metavar="FILE",
-                help="write a picture to FILE (.png or .svg; needs "
-                "the plot extra: pip install 'kvgeom[plot]'); default: text on stdout",
-            )
-            p.add_argument(
-                "--format",
-                choices=("text", "png", "svg"),
-                help="picture format (default: from --output's suffix, else text)",
-            )
+            _draw_args(p)
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--seed",
+        default=None,
+        help="draw block ids at random from the pools with this seed (default: sequential ids)",
+    )
+    p.add_argument("--moves", default="0", help="print the first N byte moves of each rank (default 0)")
+    p.add_argument(
+        "--rank",
+        default=None,
+        help="plan only this local rank (D rank in pull, P rank in push; default: every rank)",
+    )
+
+
+def _draw_args(p: argparse.ArgumentParser) -> None:
+    lo, hi = WIDTH
+    p.add_argument(
+        "--width",
+        default="64",
+        help=f"characters per block in the text picture ({lo}..{hi}, default 64)",
+    )
+    p.add_argument(
+        "--output",
+        "-o",
+        metavar="FILE",
+        help="write a picture to FILE (.png or .svg; needs "
+        "the plot extra: pip install 'kvgeom[plot]'); default: text on stdout",
+    )
+    p.add_argument(
+        "--format",
+        choices=("text", "png", "svg"),
+        help="picture format (default: from --output's suffix, else text)",
+    )
+
+
+def _demo_command(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """``demo``: a real NIXL transfer of a pair's requests, every byte verified."""
     p = sub.add_parser(
         "demo",
         help="run a real NIXL transfer between P and D processes and verify every byte "
@@ -180,7 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", default="300", help="bound of the whole run in seconds (1..3600, default 300)"
     )
-    return parser
 
 
 def _emit_error(exc: KvgeomError, kind: str, as_json: bool, cmd: str | None, flags: dict[str, bool]) -> int:

@@ -34,7 +34,8 @@ from kvgeom.cli._inputs import (
 from kvgeom.errors import KvgeomError
 from kvgeom.layout.card import GeometryCard
 from kvgeom.model.models import preset_ids, resolve
-from kvgeom.plan.requestplan import MOVE_COLUMNS, contiguous_runs
+from kvgeom.plan.pairing import Pairing
+from kvgeom.plan.requestplan import MOVE_COLUMNS, RequestPlan, contiguous_runs
 from kvgeom.tools.scenario import Scenario
 
 __all__ = ["COMMANDS", "Refused", "demo_hint"]
@@ -211,48 +212,9 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         ]
         ranks = []
         for rank, plan in plans.items():
-            pairing = pairings[rank]
-            moves = plan.moves(pairing)
-            runs = contiguous_runs(moves)
-            nbytes = int(moves[:, 6].sum())
-            text += [
-                f"\n{sc.local_side} rank {rank}:",
-                pairing.describe(),
-                plan.describe(pairing),
-                f"  {len(moves)} byte moves ({nbytes} B), {runs} contiguous runs after coalescing",
-            ]
-            if n_moves:
-                text.append("  " + " ".join(f"{c:>10s}" for c in MOVE_COLUMNS))
-                text += ["  " + " ".join(f"{int(x):>10d}" for x in m) for m in moves[:n_moves]]
-            zero = np.asarray(plan.zero, dtype=np.int64).reshape(-1, 3)
-            ranks.append(
-                {
-                    "side": sc.local_side,
-                    "rank": rank,
-                    "op": plan.op,
-                    "transfers": [
-                        {
-                            "remote_rank": t.remote_rank,
-                            "descriptors": len(t),
-                            "notif": t.notif,
-                            "bytes": int(pairing.local_table(t.local_table).rows[t.local_ids, 2].sum()),
-                        }
-                        for t in plan.transfers
-                    ],
-                    "notify_only": list(plan.notify_only),
-                    "expected_notifications": plan.expected_notifications,
-                    "descriptors": plan.num_descriptors,
-                    "bytes": nbytes,
-                    "contiguous_runs": runs,
-                    "zero": {
-                        "consumer_rank": plan.consumer_rank,
-                        "ranges": len(zero),
-                        "bytes": int(zero[:, 2].sum()),
-                    },
-                    "regroups": len(plan.regroup),
-                    "moves": moves[:n_moves].tolist(),
-                }
-            )
+            lines, row = _plan_rank(sc.local_side, rank, plan, pairings[rank], n_moves)
+            text += lines
+            ranks.append(row)
     return {
         "scenario": _scenario_json(sc),
         "move_columns": list(MOVE_COLUMNS),
@@ -264,6 +226,48 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         "ranks": ranks,
         "text": "\n".join(text),
     }
+
+
+def _plan_rank(
+    side: str, rank: int, plan: RequestPlan, pairing: Pairing, n_moves: int
+) -> tuple[list[str], dict[str, Any]]:
+    """One local rank's plan: its text lines (the first ``n_moves`` byte moves included) and its JSON."""
+    moves = plan.moves(pairing)
+    runs = contiguous_runs(moves)
+    nbytes = int(moves[:, 6].sum())
+    text = [
+        f"\n{side} rank {rank}:",
+        pairing.describe(),
+        plan.describe(pairing),
+        f"  {len(moves)} byte moves ({nbytes} B), {runs} contiguous runs after coalescing",
+    ]
+    if n_moves:
+        text.append("  " + " ".join(f"{c:>10s}" for c in MOVE_COLUMNS))
+        text += ["  " + " ".join(f"{int(x):>10d}" for x in m) for m in moves[:n_moves]]
+    zero = np.asarray(plan.zero, dtype=np.int64).reshape(-1, 3)
+    row = {
+        "side": side,
+        "rank": rank,
+        "op": plan.op,
+        "transfers": [
+            {
+                "remote_rank": t.remote_rank,
+                "descriptors": len(t),
+                "notif": t.notif,
+                "bytes": int(pairing.local_table(t.local_table).rows[t.local_ids, 2].sum()),
+            }
+            for t in plan.transfers
+        ],
+        "notify_only": list(plan.notify_only),
+        "expected_notifications": plan.expected_notifications,
+        "descriptors": plan.num_descriptors,
+        "bytes": nbytes,
+        "contiguous_runs": runs,
+        "zero": {"consumer_rank": plan.consumer_rank, "ranges": len(zero), "bytes": int(zero[:, 2].sum())},
+        "regroups": len(plan.regroup),
+        "moves": moves[:n_moves].tolist(),
+    }
+    return text, row
 
 
 def cmd_draw(args: argparse.Namespace) -> dict[str, Any]:

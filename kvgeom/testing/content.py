@@ -157,6 +157,33 @@ def verify_report(
     are blocks given back to the pool: zero or untouched. ``skip_ids`` are still quarantined: not
     checked (nothing hands them out). Every other byte keeps the poison."""
     geom = card.geometry
+    expected, optional, failed = _expectations(geom, space, requests)
+    skip = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
+    if any(len(g) for g in free_ids):
+        for region, m in enumerate(_page_mask(geom, free_ids)):
+            failed[region] |= m
+    if any(len(g) for g in skip_ids):
+        skip = _page_mask(geom, skip_ids)
+    out: list[Mismatch] = []
+    bad_total = checked = skipped = outside = 0
+    for region, t in enumerate(tensors):
+        got = _np(t).astype(np.int16)
+        want = expected[region]
+        bad = _bad_bytes(got, want, optional[region], failed[region]) & ~skip[region]
+        bad_total += int(bad.sum())
+        outside += int((bad & (want == -1)).sum())
+        skipped += int(skip[region].sum())
+        checked += got.size - int(skip[region].sum())
+        for off, n in _runs(bad)[: max(0, limit - len(out))]:
+            out.append(Mismatch(region, off, n, _mismatch_kind(int(want[off]), bool(failed[region][off]))))
+    return Report(out, bad_total, checked, skipped, outside)
+
+
+def _expectations(
+    geom: RankGeometry, space: CoordSpace, requests: Sequence[tuple[Any, ...]]
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per region, after ``requests``: the byte each position must hold (-1 the poison, -2 anything),
+    where zero is allowed too (optional bytes), and the blocks of failed requests."""
     expected = [np.full(r.nbytes, -1, dtype=np.int16) for r in geom.regions]  # -1: poison expected
     optional = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
     failed = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
@@ -173,40 +200,30 @@ def verify_report(
             needed = (img.role[region] == NEEDED) | (img.role[region] == OPTIONAL)
             expected[region][needed] = byte_of(img.tags[region][needed], salt)
             optional[region] |= img.role[region] == OPTIONAL
-    skip = [np.zeros(r.nbytes, dtype=bool) for r in geom.regions]
-    if any(len(g) for g in free_ids):
-        for region, m in enumerate(_page_mask(geom, free_ids)):
-            failed[region] |= m
-    if any(len(g) for g in skip_ids):
-        skip = _page_mask(geom, skip_ids)
-    out: list[Mismatch] = []
-    bad_total = checked = skipped = outside = 0
-    for region, t in enumerate(tensors):
-        got = _np(t).astype(np.int16)
-        want = expected[region]
-        bad = np.zeros(got.size, dtype=bool)
-        poison = want == -1
-        bad |= poison & ~failed[region] & (got != POISON_BYTE)
-        bad |= failed[region] & (got != 0) & (got != POISON_BYTE)
-        content = want >= 0
-        bad |= content & (got != want) & ~(optional[region] & (got == 0))
-        bad &= ~skip[region]
-        bad_total += int(bad.sum())
-        outside += int((bad & (want == -1)).sum())
-        skipped += int(skip[region].sum())
-        checked += got.size - int(skip[region].sum())
-        for off, n in _runs(bad)[: max(0, limit - len(out))]:
-            kind = (
-                "changed outside the request"
-                if want[off] == -1 and not failed[region][off]
-                else "not zero in a failed or free block"
-                if want[off] == -1
-                else "wrong or missing content"
-                if want[off] >= 0
-                else "not zeroed after failure"
-            )
-            out.append(Mismatch(region, off, n, kind))
-    return Report(out, bad_total, checked, skipped, outside)
+    return expected, optional, failed
+
+
+def _bad_bytes(got: np.ndarray, want: np.ndarray, optional: np.ndarray, failed: np.ndarray) -> np.ndarray:
+    """Where one region's bytes ``got`` break ``want``: poison changed, a failed or free block neither
+    zero nor untouched, content wrong (an optional byte may be zero)."""
+    bad = np.zeros(got.size, dtype=bool)
+    poison = want == -1
+    bad |= poison & ~failed & (got != POISON_BYTE)
+    bad |= failed & (got != 0) & (got != POISON_BYTE)
+    content = want >= 0
+    bad |= content & (got != want) & ~(optional & (got == 0))
+    return bad
+
+
+def _mismatch_kind(want: int, failed: bool) -> str:
+    """What a bad run is, from the first byte's expectation and whether its block failed or is free."""
+    if want == -1 and not failed:
+        return "changed outside the request"
+    if want == -1:
+        return "not zero in a failed or free block"
+    if want >= 0:
+        return "wrong or missing content"
+    return "not zeroed after failure"
 
 
 def check_request(

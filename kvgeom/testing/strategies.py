@@ -32,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -40,20 +39,15 @@ from hypothesis import assume, event
 from hypothesis import strategies as st
 
 from kvgeom.errors import KvgeomError
-from kvgeom.layout.allocate import rank_geometry
 from kvgeom.layout.engine import ConvLayout, EngineConfig, KVLayout
-from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.layers import (
     AttentionSpec,
-    LayerKind,
     MLASpec,
     ReplicatedStateSpec,
 )
 from kvgeom.model.spec import ModelSpec
 from kvgeom.modes import policy_of
-from kvgeom.pair.streams import packed_streams
 from kvgeom.plan.exchange import prefill_tokens
-from kvgeom.plan.pairing import Pairing
 from kvgeom.testing._modelgen import (
     TP_SIZES,
     _block_size,
@@ -68,8 +62,9 @@ from kvgeom.testing._modelgen import (
     ssm_specs,
     valid_tp_sizes,
 )
+from kvgeom.testing._pairs import PDPair, _permutable, check_geometries, plannable_class
 from kvgeom.testing._report import Report
-from kvgeom.testing.oracle import Request, engine_geometries, run
+from kvgeom.testing.oracle import Request, engine_geometries
 
 __all__ = [
     "TP_SIZES",
@@ -94,74 +89,6 @@ MODES = ("pull", "push")
 COMPATS = ("kvgeom", "vllm")
 
 
-def check_geometries(
-    p_geoms: Sequence[RankGeometry],
-    d_geoms: Sequence[RankGeometry],
-    mode: str,
-    compat: str,
-    prefix_caching: bool = False,
-) -> None:
-    """Pair every local rank (D's in pull, P's in push) with every pipeline stage of the other engine's
-    ranks (:func:`~kvgeom.testing.engine_geometries`); raise the first refusal. The two sides may run
-    different models: what a misconfigured or lying peer looks like."""
-    local, remote = (d_geoms, p_geoms) if mode == "pull" else (p_geoms, d_geoms)
-    tp = remote[0].tp_size
-    for g in local:
-        for s in range(0, len(remote), tp):
-            Pairing.create(g, list(remote[s : s + tp]), mode, compat, prefix_caching)
-
-
-@dataclass(frozen=True)
-class PDPair:
-    """A model with a P and a D engine that kvgeom pairs in ``mode`` under ``compat``."""
-
-    model: ModelSpec
-    p_engine: EngineConfig
-    d_engine: EngineConfig
-    mode: str = "pull"
-    compat: str = "kvgeom"
-    prefix_caching: bool = False
-
-    def run(self, request: Request, tell_num_tokens: bool = True) -> Report:
-        return run(
-            self.model,
-            self.p_engine,
-            self.d_engine,
-            request,
-            self.mode,
-            self.compat,
-            self.prefix_caching,
-            tell_num_tokens=tell_num_tokens,
-        )
-
-    def check(self) -> None:
-        """Raise the :class:`~kvgeom.errors.KvgeomError` of the first local rank kvgeom refuses to pair (with
-        any pipeline stage of the other engine)."""
-        check_geometries(
-            engine_geometries(self.model, self.p_engine),
-            engine_geometries(self.model, self.d_engine),
-            self.mode,
-            self.compat,
-            self.prefix_caching,
-        )
-
-    def __str__(self) -> str:
-        def eng(e: EngineConfig) -> str:
-            return (
-                f"TP{e.tp_size}{f' DCP{e.dcp_size}' if e.dcp_size > 1 else ''}"
-                f"{f' PP{e.pp_size}' if e.pp_size > 1 else ''}{' packed' if e.packed_rows else ''} "
-                f"block {e.block_size}/kernel "
-                f"{e.kernel} x{e.num_blocks}"
-                f"{' ' + e.kv_layout.value if e.kv_layout is not KVLayout.HEAD_MAJOR else ''}"
-                f"{' kv_split' if e.kv_split else ''}{' SD' if e.conv_layout is ConvLayout.SD else ''}"
-                f"{' permute' if e.permute_local_kv else ''}"
-            )
-
-        kinds = ",".join(la.kind.value for la in self.model.layers)
-        pc = " prefix-caching" if self.prefix_caching else ""
-        return f"{self.mode}/{self.compat}{pc} {kinds}: P {eng(self.p_engine)} -> D {eng(self.d_engine)}"
-
-
 @st.composite
 def pd_pairs(
     draw: st.DrawFn,
@@ -183,6 +110,33 @@ def pd_pairs(
     compat = compat or draw(st.sampled_from(COMPATS))
     tps = valid_tp_sizes(model)
     p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
+    p_block, d_block, p_kernel, d_kernel = _draw_blocks(draw, model, mode, p_tp, d_tp, equal_blocks)
+    layout, kv_split, conv = _draw_layouts(draw, model, compat, p_tp, d_tp)
+    groups = _group_count(model)
+    p_nb, d_nb = (draw(st.integers(groups + 1, 3 * groups + 6)) for _ in range(2))
+    p_dcp, d_dcp, d_block, d_kernel = _draw_dcp(
+        draw, model, (p_tp, d_tp), (p_block, p_kernel), (d_block, d_kernel)
+    )
+    p_pp, d_pp = _draw_stages(draw, model, mode, compat, pipeline and p_dcp == d_dcp == 1)
+    p_packed, d_packed = _draw_packed(draw, model, kv_split)
+    p_conv = d_conv = conv
+    if model.has_ssm and draw(st.integers(0, 7)) == 0:  # mixed conv layouts (equal or unequal TP): refused
+        p_conv, d_conv = draw(
+            st.sampled_from(((ConvLayout.DS, ConvLayout.SD), (ConvLayout.SD, ConvLayout.DS)))
+        )
+    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, p_conv, p_dcp, p_pp, p_packed)
+    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, d_conv, d_dcp, d_pp, d_packed)
+    d = _draw_separate_group(draw, model, mode, p, d, equal_blocks)
+    p, d = _draw_permute(draw, model, mode, compat, p, d)
+    prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
+    return _accepted(PDPair(model, p, d, mode, compat, prefix_caching))
+
+
+def _draw_blocks(
+    draw: st.DrawFn, model: ModelSpec, mode: str, p_tp: int, d_tp: int, equal_blocks: bool
+) -> tuple[int, int, int, int]:
+    """P's and D's logical and kernel block sizes ``(p_block, d_block, p_kernel, d_kernel)``: the local
+    kernel block a multiple of the remote one where the sizes allow; a CSA-linear model's pages alike."""
     p_block, d_block = draw(_block_size(model, p_tp)), draw(_block_size(model, d_tp))
     if equal_blocks:
         p_block = d_block = math.lcm(p_block, d_block)
@@ -199,6 +153,13 @@ def pd_pairs(
         ple = max(la.spec.state_bytes(1) for la in model.layers if isinstance(la.spec, ReplicatedStateSpec))
         ppl = draw(st.sampled_from([q for q in (1, 2, 4) if p_block % q == 0 and ple % q == 0]))
         p_kernel = d_kernel = p_block // ppl
+    return p_block, d_block, p_kernel, d_kernel
+
+
+def _draw_layouts(
+    draw: st.DrawFn, model: ModelSpec, compat: str, p_tp: int, d_tp: int
+) -> tuple[KVLayout, bool, ConvLayout]:
+    """Both engines' KV layout, ``kv_split`` and conv layout (before the mixed and permuted variants)."""
     attn = model.attention_spec
     head_split = attn is not None and attn.heads_per_rank(p_tp) != attn.heads_per_rank(d_tp)
     # vllm mode needs head-major pages when TP splits heads; kvgeom mode cuts token-major pages per token
@@ -214,8 +175,19 @@ def pd_pairs(
         if model.has_ssm and p_tp == d_tp
         else ConvLayout.DS
     )
-    groups = _group_count(model)
-    p_nb, d_nb = (draw(st.integers(groups + 1, 3 * groups + 6)) for _ in range(2))
+    return layout, kv_split, conv
+
+
+def _draw_dcp(
+    draw: st.DrawFn,
+    model: ModelSpec,
+    tps: tuple[int, int],
+    p_sizes: tuple[int, int],
+    d_sizes: tuple[int, int],
+) -> tuple[int, int, int, int]:
+    """Decode context parallelism on either side, sometimes (MLA models only): ``(p_dcp, d_dcp, d_block,
+    d_kernel)``, D's block sizes made P's for some DCP pairs."""
+    (p_tp, d_tp), (d_block, d_kernel) = tps, d_sizes
     p_dcp = d_dcp = 1
     mla_only = all(isinstance(la.spec, MLASpec) for la in model.layers if not la.kind.is_ssm)
     if model.is_mla and mla_only and draw(st.integers(0, 2)) == 0:
@@ -224,15 +196,24 @@ def pd_pairs(
         if (p_dcp % d_dcp and d_dcp % p_dcp) or (model.has_ssm and p_dcp != d_dcp):
             p_dcp = d_dcp = 1
         elif (p_dcp > 1 or d_dcp > 1) and draw(st.booleans()):
-            d_block, d_kernel = p_block, p_kernel  # equal page geometry (what vLLM pairs right most often)
-    p_pp = d_pp = 1
+            d_block, d_kernel = p_sizes  # equal page geometry (what vLLM pairs right most often)
+    return p_dcp, d_dcp, d_block, d_kernel
+
+
+def _draw_stages(draw: st.DrawFn, model: ModelSpec, mode: str, compat: str, allowed: bool) -> tuple[int, int]:
+    """Pipeline stages ``(p_pp, d_pp)``, sometimes where ``allowed`` (models without SSM state): vLLM runs
+    them on the side that moves bytes (P in push, D in pull); kvgeom on either."""
     stages = min(3, model.num_hidden_layers)
-    if pipeline and not model.has_ssm and stages > 1 and p_dcp == d_dcp == 1 and draw(st.integers(0, 3)) == 0:
-        # pipeline stages: vLLM runs them on the side that moves bytes (P in push, D in pull); kvgeom on either
-        local_pp = draw(st.integers(2, stages))
-        remote_pp = draw(st.sampled_from((1, 1, 2))) if policy_of(compat).routed else 1
-        p_pp, d_pp = (remote_pp, local_pp) if mode == "pull" else (local_pp, remote_pp)
-    p_packed = d_packed = False
+    if not (allowed and not model.has_ssm and stages > 1 and draw(st.integers(0, 3)) == 0):
+        return 1, 1
+    local_pp = draw(st.integers(2, stages))
+    remote_pp = draw(st.sampled_from((1, 1, 2))) if policy_of(compat).routed else 1
+    return (remote_pp, local_pp) if mode == "pull" else (local_pp, remote_pp)
+
+
+def _draw_packed(draw: st.DrawFn, model: ModelSpec, kv_split: bool) -> tuple[bool, bool]:
+    """Block-outermost (packed) rows on P and D, sometimes: pure MLA models, mostly on both sides; a
+    CSA-linear model with SSM state on both."""
     if (
         model.is_mla
         and not model.has_ssm
@@ -240,52 +221,60 @@ def pd_pairs(
         and not kv_split
         and draw(st.integers(0, 2)) == 0
     ):  # block-outermost rows, mostly on both sides
-        p_packed, d_packed = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
-    elif model.is_csa_linear and model.has_ssm and draw(st.integers(0, 2)) == 0:
-        p_packed = d_packed = (
-            True  # vLLM's block-outermost allocation of a CSA-linear model (kvgeom.layout.csarows)
-        )
-    p_conv = d_conv = conv
-    if model.has_ssm and draw(st.integers(0, 7)) == 0:  # mixed conv layouts (equal or unequal TP): refused
-        p_conv, d_conv = draw(
-            st.sampled_from(((ConvLayout.DS, ConvLayout.SD), (ConvLayout.SD, ConvLayout.DS)))
-        )
-    p = _engine(model, p_tp, p_block, p_kernel, p_nb, layout, kv_split, p_conv, p_dcp, p_pp, p_packed)
-    d = _engine(model, d_tp, d_block, d_kernel, d_nb, layout, kv_split, d_conv, d_dcp, d_pp, d_packed)
-    if (
+        return draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
+    if model.is_csa_linear and model.has_ssm and draw(st.integers(0, 2)) == 0:
+        return True, True  # vLLM's block-outermost allocation of a CSA-linear model (kvgeom.layout.csarows)
+    return False, False
+
+
+def _draw_separate_group(
+    draw: st.DrawFn, model: ModelSpec, mode: str, p: EngineConfig, d: EngineConfig, equal_blocks: bool
+) -> EngineConfig:
+    """``d``, sometimes (pull, one attention group) with some layers in a group of their own (a HiSparse
+    decoder): regions paired region by region (with DCP: by global page position, per remote rank)."""
+    if not (
         mode == "pull"
         and _group_count(model) == 1
         and not model.has_ssm
         and len(model.layers) > 1
-        and p_pp == d_pp == 1
-        and not (p_packed or d_packed)
+        and p.pp_size == d.pp_size == 1
+        and not (p.packed_rows or d.packed_rows)
         and draw(st.integers(0, 4)) == 0
     ):
-        # D keeps some layers in a group of their own (a HiSparse decoder): regions paired region by region (with
-        # DCP: by global page position, per remote rank)
-        names = [la.name for la in model.layers]
-        own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
-        block = (
-            p.block_size if equal_blocks else p.kernel * d.ppl
-        )  # equal kernel blocks (and, asked, equal blocks)
-        d = replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=block)
+        return d
+    names = [la.name for la in model.layers]
+    own = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names) - 1, unique=True))
+    block = (
+        p.block_size if equal_blocks else p.kernel * d.ppl
+    )  # equal kernel blocks (and, asked, equal blocks)
+    return replace(d, separate_group=tuple(own), kernel_block_size=p.kernel, block_size=block)
+
+
+def _draw_permute(
+    draw: st.DrawFn, model: ModelSpec, mode: str, compat: str, p: EngineConfig, d: EngineConfig
+) -> tuple[EngineConfig, EngineConfig]:
+    """``(p, d)``, sometimes a head-major P moved into a token-major D that permutes on receive (vLLM's
+    enable_permute_local_kv; vLLM pulls it only, kvgeom mode pushes it too)."""
     if (
         (mode == "pull" or not policy_of(compat).engine_refusals)
         and _permutable(model)
-        and p_dcp == d_dcp == 1
+        and p.dcp_size == d.dcp_size == 1
         and not d.separate_group
         and draw(st.integers(0, 4)) == 0
-    ):  # a head-major P moved into a token-major D that permutes on receive (vLLM's enable_permute_local_kv;
-        # vLLM pulls it only, kvgeom mode pushes it too)
-        p = replace(p, kv_layout=KVLayout.HEAD_MAJOR)
-        d = replace(d, kv_layout=KVLayout.TOKEN_MAJOR, permute_local_kv=True)
-    prefix_caching = False if model.has_ssm and p.ppl != d.ppl else draw(st.booleans())
-    pair = PDPair(model, p, d, mode, compat, prefix_caching)
+    ):
+        return replace(p, kv_layout=KVLayout.HEAD_MAJOR), replace(
+            d, kv_layout=KVLayout.TOKEN_MAJOR, permute_local_kv=True
+        )
+    return p, d
+
+
+def _accepted(pair: PDPair) -> PDPair:
+    """``pair`` if kvgeom pairs it; a refused pair of a plannable class fails, any other is discarded."""
     cls = plannable_class(pair)
     event(f"pair class: {cls or 'other'}")
     try:
         pair.check()
-        if p.conv_layout is not d.conv_layout:  # a DS page copied into an SD page: the wrong bytes
+        if pair.p_engine.conv_layout is not pair.d_engine.conv_layout:  # a DS page copied into an SD page
             raise AssertionError(f"mixed conv layouts accepted: {pair}")
     except KvgeomError as exc:
         if cls is not None:  # a verdict, not a discard: this class is always plannable
@@ -293,118 +282,6 @@ def pd_pairs(
         event(f"pair refused: {type(exc).__name__} {exc.field}")
         assume(False)
     return pair
-
-
-def _permutable(model: ModelSpec) -> bool:
-    """A model whose pages vLLM's LBHNC-into-LBNHC permute may cover: head-sharded full attention only (no
-    MLA, no SSM state, no sliding window: no hybrid memory allocator)."""
-    return bool(model.layers) and all(
-        isinstance(la.spec, AttentionSpec) and not la.spec.sliding_window for la in model.layers
-    )
-
-
-def _packed_alike(model: ModelSpec, p: EngineConfig, d: EngineConfig) -> bool:
-    """Both sides' packed CSA-linear rows can be built and register regions viewed by the same groups, of the
-    same kinds."""
-    try:
-        streams = [
-            [(s.region, s.group, s.kind) for s in packed_streams(rank_geometry(model, e))] for e in (p, d)
-        ]
-    except KvgeomError:
-        return False
-    return streams[0] == streams[1]
-
-
-def _permuted(pair: PDPair) -> bool:
-    """Head-major P pages moved into a token-major D with ``permute_local_kv``: pulled, or pushed in kvgeom
-    mode."""
-    p, d = pair.p_engine, pair.d_engine
-    return (
-        (pair.mode == "pull" or not policy_of(pair.compat).engine_refusals)
-        and d.permute_local_kv
-        and p.kv_layout is KVLayout.HEAD_MAJOR
-        and d.kv_layout is KVLayout.TOKEN_MAJOR
-    )
-
-
-def plannable_class(pair: PDPair) -> str | None:
-    """The class of pairs kvgeom must always accept that ``pair`` belongs to, or ``None``: one attention
-    spec (no sliding window, no KV head replicated at either TP) or MLA only, or an SSM hybrid at equal TP
-    with one conv layout; head-major pages, equal logical and kernel blocks, no DCP, pipeline stages,
-    packed rows or separate groups; vllm mode pushes only at equal TP; or dense attention moved from head-major
-    P pages into a token-major D that permutes them on receive (pulled; pushed in kvgeom mode). The property tests treat a refusal
-    of such a pair as a failure, not a discard."""
-    model, p, d = pair.model, pair.p_engine, pair.d_engine
-    if _permuted(pair):  # one layout each side, D permutes on receive: dense attention, as below
-        plain = p.dcp_size == d.dcp_size == 1 and p.pp_size == d.pp_size == 1 and not d.separate_group
-        heads = model.attention_spec.num_kv_heads if model.attention_spec is not None else 0
-        same = p.block_size == d.block_size and p.kernel == d.kernel and p.kv_split == d.kv_split
-        dense = _permutable(model) and len({la.spec for la in model.layers}) == 1
-        ok = plain and same and dense and heads % max(p.tp_size, d.tp_size) == 0
-        return "dense attention, permuted" if ok else None
-    engines_plain = all(
-        e.kv_layout is KVLayout.HEAD_MAJOR
-        and not e.kv_split
-        and e.dcp_size == 1
-        and e.pp_size == 1
-        and not e.packed_rows
-        and not e.separate_group
-        for e in (p, d)
-    )
-    same_blocks = p.block_size == d.block_size and p.kernel == d.kernel
-    if model.is_csa_linear:  # MLA pages: any KV layout (a main KV: below); equal blocks and conv layouts
-        ssm = model.ssm_spec
-        replicated = ssm is not None and any(  # replicated SSM units across TP sizes: vllm mode refuses them,
-            any(ssm.replicated_pieces(t)) or ssm.temporal.replicated(t) for t in (p.tp_size, d.tp_size)
-        )  # kvgeom mode gathers them in equal chunks where they divide
-        packed = p.packed_rows and d.packed_rows
-        plain = (
-            same_blocks
-            and p.conv_layout is d.conv_layout
-            and (packed or not (p.packed_rows or d.packed_rows))
-        )
-        if (
-            packed
-        ):  # rows kvgeom builds (one kernel block per block), their regions viewed alike on both sides;
-            # across TP sizes vLLM's copies through every region land on other layers' pages: vllm mode refuses
-            plain = (
-                plain
-                and _packed_alike(model, p, d)
-                and (p.tp_size == d.tp_size or not policy_of(pair.compat).engine_refusals)
-            )
-        k = model.num_kv_heads  # vLLM's rule: both TP sizes on one side of the KV-head count
-        one_side = (p.tp_size < k) == (d.tp_size < k)
-        # a head-sharded main KV across TP sizes: vllm mode cuts head slices, which needs head-major pages
-        main_kv = any(la.kind is LayerKind.ATTENTION for la in model.layers)
-        sliced = (
-            policy_of(pair.compat).engine_refusals
-            and main_kv
-            and p.tp_size != d.tp_size
-            and any(e.kv_layout is not KVLayout.HEAD_MAJOR for e in (p, d))
-        )
-        ok = plain and one_side and not sliced and not (p.tp_size != d.tp_size and replicated)
-        return "csa-linear" if ok else None
-    if not engines_plain or not same_blocks:
-        return None
-    if policy_of(pair.compat).engine_refusals and pair.mode == "push" and p.tp_size != d.tp_size:
-        return None
-    attn = [la.spec for la in model.layers if not la.kind.is_ssm]
-    if model.has_ssm:
-        if p.tp_size != d.tp_size or p.conv_layout is not d.conv_layout or not attn or len(set(attn)) != 1:
-            return None
-        if not isinstance(attn[0], AttentionSpec) or attn[0].sliding_window or pair.prefix_caching:
-            return None
-        return "ssm hybrid, equal TP"
-    if attn and all(isinstance(a, MLASpec) and not a.sliding_window for a in attn):
-        return "MLA"
-    if (
-        len(set(attn)) == 1
-        and isinstance(attn[0], AttentionSpec)
-        and not attn[0].sliding_window
-        and attn[0].num_kv_heads % max(p.tp_size, d.tp_size) == 0
-    ):
-        return "dense attention"
-    return None
 
 
 # -- requests ---------------------------------------------------------------------------------------

@@ -112,49 +112,9 @@ def _object(value: Any, field: str) -> Mapping[str, Any]:
 
 def _engine(data: Any, ref: ModelRef, side: str) -> EngineConfig:
     d = {**ENGINE_KEYS, **{k: v for k, v in _object(data, side).items() if not str(k).startswith("_")}}
-    model = ref.spec
-    tp = _int(d, "tp_size", side, 1, MAX_TP)
-    problem = ref.tp_problem(tp)
-    if problem:
-        accepted = ", ".join(map(str, ref.accepted_tp(min(MAX_TP, 256)))) or "none"
-        raise ConfigError(f"{side}.tp_size", f"{problem} (accepted: {accepted})", value=tp)
-    align = _int(d, "kernel_alignment", side, 1, MAX_BLOCK_SIZE)
-    if d["block_size"] == "auto":
-        block = align_hybrid_block_size(
-            model,
-            tp,
-            _int(d, "min_block_size", side, 1, MAX_BLOCK_SIZE),
-            align,
-            kernel_block_sizes=(align,),
-            mla_alignment=128,
-        )
-    else:
-        if isinstance(d["block_size"], str):
-            raise ConfigError(
-                f"{side}.block_size",
-                f"unknown value {d['block_size']!r} (accepted: 'auto' or 1..{MAX_BLOCK_SIZE})",
-                value=d["block_size"],
-            )
-        block = _int(d, "block_size", side, 1, MAX_BLOCK_SIZE)
-    kernel = d["kernel_block_size"]
-    if kernel in ("auto", None):
-        kernel = None
-    else:
-        if isinstance(kernel, str):
-            raise ConfigError(
-                f"{side}.kernel_block_size",
-                f"unknown value {kernel!r} (accepted: 'auto' or a divisor of block_size {block})",
-                value=kernel,
-            )
-        kernel = _int(d, "kernel_block_size", side, 1, block)
-        if block % kernel:
-            divisors = [k for k in range(1, min(block, 4096) + 1) if block % k == 0]
-            raise ConfigError(
-                f"{side}.kernel_block_size",
-                f"{kernel} does not divide block_size {block} (accepted: 'auto' or one of {divisors[-12:]})",
-                value=kernel,
-                expected=block,
-            )
+    tp = _engine_tp(d, ref, side)
+    block = _engine_block(d, ref.spec, tp, side)
+    kernel = _engine_kernel(d, block, side)
     for flag in ("kv_split", "permute_local_kv"):
         if not isinstance(d[flag], bool):
             raise ConfigError(
@@ -174,6 +134,61 @@ def _engine(data: Any, ref: ModelRef, side: str) -> EngineConfig:
         ),
         permute_local_kv=d["permute_local_kv"],
     )
+
+
+def _engine_tp(d: Mapping[str, Any], ref: ModelRef, side: str) -> int:
+    """``tp_size``: an integer the model's heads split by."""
+    tp = _int(d, "tp_size", side, 1, MAX_TP)
+    problem = ref.tp_problem(tp)
+    if problem:
+        accepted = ", ".join(map(str, ref.accepted_tp(min(MAX_TP, 256)))) or "none"
+        raise ConfigError(f"{side}.tp_size", f"{problem} (accepted: {accepted})", value=tp)
+    return tp
+
+
+def _engine_block(d: Mapping[str, Any], model: ModelSpec, tp: int, side: str) -> int:
+    """``block_size``: given, or ``"auto"`` (vLLM's hybrid alignment from ``min_block_size`` and
+    ``kernel_alignment``, which is checked either way)."""
+    align = _int(d, "kernel_alignment", side, 1, MAX_BLOCK_SIZE)
+    if d["block_size"] == "auto":
+        return align_hybrid_block_size(
+            model,
+            tp,
+            _int(d, "min_block_size", side, 1, MAX_BLOCK_SIZE),
+            align,
+            kernel_block_sizes=(align,),
+            mla_alignment=128,
+        )
+    if isinstance(d["block_size"], str):
+        raise ConfigError(
+            f"{side}.block_size",
+            f"unknown value {d['block_size']!r} (accepted: 'auto' or 1..{MAX_BLOCK_SIZE})",
+            value=d["block_size"],
+        )
+    return _int(d, "block_size", side, 1, MAX_BLOCK_SIZE)
+
+
+def _engine_kernel(d: Mapping[str, Any], block: int, side: str) -> int | None:
+    """``kernel_block_size``: ``None`` for ``"auto"``, else a divisor of ``block``."""
+    kernel = d["kernel_block_size"]
+    if kernel in ("auto", None):
+        return None
+    if isinstance(kernel, str):
+        raise ConfigError(
+            f"{side}.kernel_block_size",
+            f"unknown value {kernel!r} (accepted: 'auto' or a divisor of block_size {block})",
+            value=kernel,
+        )
+    size = _int(d, "kernel_block_size", side, 1, block)
+    if block % size:
+        divisors = [k for k in range(1, min(block, 4096) + 1) if block % k == 0]
+        raise ConfigError(
+            f"{side}.kernel_block_size",
+            f"{size} does not divide block_size {block} (accepted: 'auto' or one of {divisors[-12:]})",
+            value=size,
+            expected=block,
+        )
+    return size
 
 
 @dataclass(frozen=True, eq=False)

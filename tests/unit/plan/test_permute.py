@@ -27,8 +27,8 @@ from kvgeom.plan.planmemo import memo_of
 from kvgeom.plan.receive import permuted_heads, post_receive, receive_step
 from kvgeom.plan.request import plan_request
 from kvgeom.plan.requestplan import Regroup
-from kvgeom.tools.draw import _regroup
 from kvgeom.tools.scenario import Scenario
+from kvgeom.tools.transfermap import _regroup
 
 M4 = ModelSpec.from_layers("m4", [AttentionSpec(4, 8, "float16")])
 HEAD_MAJOR, TOKEN_MAJOR = KVLayout.HEAD_MAJOR, KVLayout.TOKEN_MAJOR

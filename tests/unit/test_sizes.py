@@ -21,25 +21,24 @@ LONG_FUNCTIONS: dict[str, str] = {
 }
 
 
+def _long_in(node: ast.AST, module: str, prefix: str, limit: int, found: dict[str, int]) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            name = f"{prefix}{child.name}"
+            lines = (child.end_lineno or child.lineno) - child.lineno + 1
+            if lines > limit:
+                found[f"{module}:{name}"] = lines
+            _long_in(child, module, f"{name}.", limit, found)
+        elif isinstance(child, ast.ClassDef):
+            _long_in(child, module, f"{prefix}{child.name}.", limit, found)
+
+
 def long_functions(root: Path, package: str, limit: int = FUNCTION_LINES) -> dict[str, int]:
     """``module:qualified name`` -> lines, for every function of ``package`` under ``root`` over ``limit``."""
     found: dict[str, int] = {}
     for path in sorted((root / package).rglob("*.py")):
         module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-        tree = ast.parse(path.read_text(), str(path))
-
-        def visit(node: ast.AST, prefix: str) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    name = f"{prefix}{child.name}"
-                    lines = (child.end_lineno or child.lineno) - child.lineno + 1
-                    if lines > limit:
-                        found[f"{module}:{name}"] = lines
-                    visit(child, f"{name}.")
-                elif isinstance(child, ast.ClassDef):
-                    visit(child, f"{prefix}{child.name}.")
-
-        visit(tree, "")
+        _long_in(ast.parse(path.read_text(), str(path)), module, "", limit, found)
     return found
 
 

@@ -6,32 +6,31 @@ the packed block-outermost CSA-linear rows.
 
 from __future__ import annotations
 
-from kvgeom.dtypes import dtype_size
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from kvgeom.errors import ConfigError, SpecError
-from kvgeom.layout.csarows import packed_groups, packed_registration
 from kvgeom.layout.engine import EngineConfig
 from kvgeom.layout.geometry import (
     Group,
     RankGeometry,
     Region,
-    ReplicatedLayout,
     SSMLayout,
     align_hybrid_block_size,
     page_bytes_of,
+    region_parts,
 )
+from kvgeom.layout.overlay import overlay_geometry, packed_overlay_geometry
 from kvgeom.model.layers import (
     AttentionSpec,
-    CircularBufferSpec,
-    LayerKind,
     LayerSpec,
     MambaSpec,
     MLASpec,
-    ReplicatedStateSpec,
 )
 from kvgeom.model.spec import ModelSpec
 from kvgeom.model.stages import stage_layers
 
-__all__ = ["rank_geometry"]
+__all__ = ["ALLOCATION_FAMILIES", "AllocationFamily", "rank_geometry"]
 
 
 def _spec_key(spec: LayerSpec) -> tuple[object, ...]:
@@ -145,11 +144,23 @@ def _project(groups: tuple[Group, ...], held: set[str]) -> tuple[Group, ...]:
     return tuple(Group(g.index, g.spec, tuple(name for name in g.layers if name in held)) for g in groups)
 
 
+@dataclass(frozen=True)
+class AllocationFamily:
+    """One way an engine allocates a rank's cache, as data: ``applies`` says whether the model and engine use
+    it, ``build`` lays the rank out (``held``: the cache layers of the engine's pipeline stage).
+    :func:`rank_geometry` takes the first family of :data:`ALLOCATION_FAMILIES` that applies; a new
+    allocation is a new row, not a branch inside another family."""
+
+    name: str
+    applies: Callable[[ModelSpec, EngineConfig], bool]
+    build: Callable[[ModelSpec, EngineConfig, frozenset[str]], RankGeometry]
+
+
 def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
-    """Derive the geometry of ``engine``'s rank for ``model`` (see the module docstring)."""
-    tp = engine.tp_size
-    _check_tp(model, tp)
-    held = {la.name for la in stage_layers(model, engine.pp_rank, engine.pp_size)}
+    """Derive the geometry of ``engine``'s rank for ``model``: the checks every family shares (TP divides
+    the heads, the stage holds a cache layer), then the first of :data:`ALLOCATION_FAMILIES` that applies."""
+    _check_tp(model, engine.tp_size)
+    held = frozenset(la.name for la in stage_layers(model, engine.pp_rank, engine.pp_size))
     if not held:
         raise ConfigError(
             "pp_rank",
@@ -157,15 +168,20 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
             value=engine.pp_rank,
             expected=engine.pp_size,
         )
-    if model.overlays:
-        return _overlay_geometry(model, engine)
+    family = next(f for f in ALLOCATION_FAMILIES if f.applies(model, engine))
+    return family.build(model, engine, held)
+
+
+def _stage_groups(model: ModelSpec, engine: EngineConfig, held: frozenset[str]) -> tuple[Group, ...]:
+    """The groups of a model without tensor sharing, as the stage holds them: the engine's own grouping
+    (or vLLM's), the separate group split off, projected onto ``held``."""
     own = _engine_groups(model, engine.kv_cache_groups) if engine.kv_cache_groups else _make_groups(model)
-    groups = _project(_split(own, engine.separate_group, model), held)
-    ppl = engine.ppl
-    nb_kernel = engine.num_blocks * ppl
-    ssm_spec = model.ssm_spec
+    return _project(_split(own, engine.separate_group, model), set(held))
+
+
+def _check_packed_rows(model: ModelSpec, engine: EngineConfig) -> None:
     if engine.packed_rows and (
-        ssm_spec is not None or not all(isinstance(la.spec, MLASpec) for la in model.layers)
+        model.ssm_spec is not None or not all(isinstance(la.spec, MLASpec) for la in model.layers)
     ):
         raise ConfigError(
             "packed_rows",
@@ -174,18 +190,39 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
             "heads)",
             value=True,
         )
-    if (len(groups) == 1 or engine.separate_group) and not ssm_spec:
-        regions = _uniform_regions(groups, engine, nb_kernel, model)
-        first = regions[0].members[0][1]
-        page = sum(r.block_stride for r in regions if r.members[0][1] == first) * ppl
-        if engine.packed_rows:
-            regions = _packed(regions)
-        return RankGeometry(model, engine, groups, regions, page, None)
 
+
+def _is_uniform(model: ModelSpec, engine: EngineConfig) -> bool:
+    """One group (or a separate group split off it) and no SSM state: a region per layer. The group count
+    is the engine's own grouping's, or vLLM's (projection onto a stage keeps every group)."""
+    if model.overlays or model.ssm_spec is not None:
+        return False
+    if engine.separate_group:
+        return True
+    return (len(engine.kv_cache_groups) if engine.kv_cache_groups else len(_make_groups(model))) == 1
+
+
+def _uniform_geometry(model: ModelSpec, engine: EngineConfig, held: frozenset[str]) -> RankGeometry:
+    """One region per layer in model order (two if K and V are split); the page is one layer's blocks of
+    every region of the first layer, the rows packed block-outermost if the engine packs them."""
+    groups = _stage_groups(model, engine, held)
+    _check_packed_rows(model, engine)
+    regions = _uniform_regions(groups, engine, engine.num_blocks * engine.ppl, model)
+    first = regions[0].members[0][1]
+    page = sum(r.block_stride for r in regions if r.members[0][1] == first) * engine.ppl
+    if engine.packed_rows:
+        regions = _packed(regions)
+    return RankGeometry(model, engine, groups, regions, page, None)
+
+
+def _hybrid_page(model: ModelSpec, engine: EngineConfig, groups: tuple[Group, ...]) -> int:
+    """vLLM's unified page of a hybrid model: the largest group's page, which every attention page must
+    equal (an SSM state fits one) and which divides into the kernel blocks."""
     if engine.kv_split:
         raise ConfigError(
             "kv_split", "split K/V regions are not supported for hybrid (multi-group) models", value=True
         )
+    tp, ppl = engine.tp_size, engine.ppl
     pages = {g.index: page_bytes_of(g.spec, engine.block_size, tp) for g in groups}
     page = max(pages.values())
     attn_pages = {pages[g.index] for g in groups if not g.is_ssm}
@@ -206,6 +243,16 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
             value=engine.kernel,
             expected=engine.block_size,
         )
+    return page
+
+
+def _hybrid_geometry(model: ModelSpec, engine: EngineConfig, held: frozenset[str]) -> RankGeometry:
+    """vLLM's hybrid allocation: region ``i`` is the ``i``-th layer of every group, overlaid in one page per
+    block (attention KV or SSM state), the SSM state's pieces from the page's start."""
+    groups = _stage_groups(model, engine, held)
+    _check_packed_rows(model, engine)
+    page = _hybrid_page(model, engine, groups)
+    ppl, nb_kernel = engine.ppl, engine.num_blocks * engine.ppl
     count = max(len(g.layers) for g in groups)
     hybrid: list[Region] = []
     for i in range(count):
@@ -215,16 +262,10 @@ def rank_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
         hybrid.append(Region(i, members[0][1], page // ppl, page // ppl, nb_kernel, is_mla, members, part))
     if engine.packed_rows:
         return RankGeometry(model, engine, groups, _packed(tuple(hybrid)), page, None)
-    ssm = None
-    if ssm_spec is not None:
-        offs, pos = [], 0
-        for size in ssm_spec.piece_bytes(tp):
-            offs.append((pos, size))
-            pos += size
-        ssm_regions = tuple(
-            r.index for r in hybrid if any(isinstance(groups[g].spec, MambaSpec) for g, _ in r.members)
-        )
-        ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), ssm_regions)
+    ssm_regions = tuple(
+        r.index for r in hybrid if any(isinstance(groups[g].spec, MambaSpec) for g, _ in r.members)
+    )
+    ssm = SSMLayout.of(model.ssm_spec, engine.tp_size, ssm_regions)
     return RankGeometry(model, engine, groups, tuple(hybrid), page, ssm)
 
 
@@ -245,21 +286,6 @@ def _packed(regions: tuple[Region, ...]) -> tuple[Region, ...]:
     )
 
 
-def _parts(spec: LayerSpec, engine: EngineConfig) -> list[tuple[str, int]]:
-    """The regions one layer registers: ``(part, kernel block bytes)``."""
-    tp, kernel = engine.tp_size, engine.kernel
-    if isinstance(spec, MLASpec):
-        return [("kv", kernel * spec.token_bytes(tp))]
-    if isinstance(spec, AttentionSpec):
-        e = dtype_size(spec.dtype)
-        h = spec.heads_per_rank(tp)
-        if engine.kv_split:
-            return [("k", kernel * h * spec.head_size * e), ("v", kernel * h * spec.v_size * e)]
-        return [("kv", kernel * spec.token_bytes(tp))]
-    # pragma: no cover - SSM-only single groups go through the hybrid path
-    raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
-
-
 def _uniform_regions(
     groups: tuple[Group, ...], engine: EngineConfig, nb_kernel: int, model: ModelSpec
 ) -> tuple[Region, ...]:
@@ -270,7 +296,7 @@ def _uniform_regions(
     regions: list[Region] = []
     for name in (la.name for la in model.layers if la.name in group_of):
         spec, group = specs[name], group_of[name]
-        for part, length in _parts(spec, engine):
+        for part, length in region_parts(spec, engine):
             idx = len(regions)
             regions.append(
                 Region(
@@ -287,179 +313,14 @@ def _uniform_regions(
     return tuple(regions)
 
 
-def _overlay_groups(model: ModelSpec) -> tuple[Group, ...]:
-    """Groups of a model with explicit tensor sharing: one per distinct spec, in first-appearance order within
-    each kind: token caches, then rings, then SSM states, then the replicated state page (the order of the
-    descriptor streams: attention, SSM, the replicated page last)."""
-    order: dict[LayerSpec, list[str]] = {}
-    for la in model.layers:
-        order.setdefault(la.spec, []).append(la.name)
-
-    def rank(spec: LayerSpec) -> int:
-        kind = spec.kind
-        return (
-            3
-            if kind is LayerKind.REPLICATED_STATE
-            else 2
-            if kind.is_ssm
-            else 1
-            if kind is LayerKind.CIRCULAR_BUFFER
-            else 0
-        )
-
-    specs = sorted(order, key=rank)  # stable
-    return tuple(Group(i, spec, tuple(order[spec])) for i, spec in enumerate(specs))
-
-
-def _packed_overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
-    """A CSA-linear model in vLLM's block-outermost allocation (``packed_rows``; :mod:`kvgeom.layout.csarows`):
-    vLLM's packed groups, one row per block, and one region per distinct page start, ``block_stride`` the
-    row; a state or ring page starts at its region's block and may run past its length (not past the row).
-    Modelled with SSM state (each token cache its own region); without it vLLM registers whole MLA rows."""
-    if model.ssm_spec is None:
-        raise ConfigError(
-            "packed_rows",
-            "packed rows of a CSA-linear model are modelled with SSM state (without it vLLM registers whole MLA "
-            "rows)",
-            value=True,
-        )
-    for cls in (MLASpec, AttentionSpec):
-        token_specs = sorted({repr(la.spec) for la in model.layers if isinstance(la.spec, cls)})
-        if len(token_specs) > 1:
-            raise ConfigError(
-                "layers",
-                "packed rows of a CSA-linear model are modelled with one MLA spec and one head-sharded main-KV "
-                "spec (vLLM packs all token caches of one slot type into one group; several page sizes of one "
-                "kind are not modelled)",
-                value=token_specs,
-            )
-    if engine.ppl != 1:
-        raise ConfigError(
-            "kernel_block_size",
-            "packed rows of a CSA-linear model are modelled with one kernel block per block (a ring or state "
-            "page is contiguous in its row, a kernel block view of the row is not)",
-            value=engine.kernel,
-            expected=engine.block_size,
-        )
-    tp, ppl = engine.tp_size, engine.ppl
-    specs = {la.name: la.spec for la in model.layers}
-    names = packed_groups(model, engine.block_size, tp)
-    groups = tuple(Group(i, specs[g[0]], g) for i, g in enumerate(names))
-    group_of = {name: g.index for g in groups for name in g.layers}
-    reg = packed_registration(model, names, block_size=engine.block_size, tp_size=tp)
-    regions = tuple(
-        Region(
-            i,
-            r.members[0],
-            block_len,
-            stride,
-            engine.num_blocks * ppl,
-            r.is_mla,
-            tuple((group_of[n], n) for n in r.members),
-            "state" if all(specs[n].kind.is_ssm for n in r.members) else "kv",
-            row_offset=r.offset,
-        )
-        for i, (r, (block_len, stride)) in enumerate(zip(reg.regions, reg.kernel_lens(ppl)))
-    )
-    ssm_spec = model.ssm_spec
-    offs, pos = [], 0
-    for size in ssm_spec.piece_bytes(tp):
-        offs.append((pos, size))
-        pos += size
-    ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), reg.ssm)
-    ple = None
-    if reg.ple is not None:
-        region, length = reg.ple
-        for g, n in regions[region].members:
-            page_spec = specs[n]
-            if isinstance(page_spec, ReplicatedStateSpec):
-                ple = ReplicatedLayout(page_spec, g, region, length)
-    return RankGeometry(model, engine, groups, regions, reg.row_bytes, ssm, reg.scratch, ple)
-
-
-def _overlay_geometry(model: ModelSpec, engine: EngineConfig) -> RankGeometry:
-    """Explicit tensor sharing (``Layer.shares``): one region per owning layer (model order), viewed by its
-    owner and every layer that overlays it; a block of a region is one owner page (``block_len`` bytes per
-    kernel block), and a state or ring page starts at its slot and must fit the logical page
-    (``block_len * ppl``). Two layers of one group never share a tensor (their pages of one pool id would
-    collide)."""
-    if engine.pp_size > 1 or engine.separate_group or engine.kv_split:
-        raise ConfigError(
-            "engine",
-            "explicit tensor sharing (CSA-linear) is modelled without pipeline stages, separate groups or split "
-            "K/V regions",
-            value=engine.to_json(),
-        )
-    if engine.packed_rows:
-        return _packed_overlay_geometry(model, engine)
-    tp, ppl = engine.tp_size, engine.ppl
-    groups = _overlay_groups(model)
-    group_of = {name: g.index for g in groups for name in g.layers}
-    owners = [la for la in model.layers if la.shares is None]
-    sharers: dict[str, list[str]] = {}
-    for la in model.layers:
-        if la.shares is not None:
-            sharers.setdefault(la.shares, []).append(la.name)
-    specs = {la.name: la.spec for la in model.layers}
-    regions: list[Region] = []
-    for owner in owners:
-        if not isinstance(owner.spec, (AttentionSpec, MLASpec)):
-            raise ConfigError(
-                f"{owner.name}.shares",
-                "a tensor is owned by a token cache (attention or MLA); states and rings overlay one",
-                value=owner.kind.value,
-            )
-        block_len = _parts(owner.spec, engine)[0][1]
-        page = block_len * ppl
-        names = [owner.name, *sharers.get(owner.name, [])]
-        members = tuple((group_of[n], n) for n in names)
-        if len({g for g, _ in members}) != len(members):
-            raise ConfigError(
-                "layers",
-                f"layers {names} of one group overlay the same tensor: their pages of one block would collide",
-                value=names,
-            )
-        for n in names[1:]:
-            need = page_bytes_of(specs[n], engine.block_size, tp)
-            if need > page:
-                raise ConfigError(
-                    "block_size",
-                    f"{n}'s {need}-byte page does not fit the {page}-byte page of {owner.name} it overlays "
-                    f"at block size {engine.block_size}",
-                    value=engine.block_size,
-                    expected=need,
-                )
-        is_mla = any(isinstance(specs[n], MLASpec) for n in names)
-        regions.append(
-            Region(len(regions), owner.name, block_len, block_len, engine.num_blocks * ppl, is_mla, members)
-        )
-    page = regions[0].block_len * ppl
-    ssm_spec = model.ssm_spec
-    ssm = None
-    if ssm_spec is not None:
-        offs, pos = [], 0
-        for size in ssm_spec.piece_bytes(tp):
-            offs.append((pos, size))
-            pos += size
-        ssm_regions = tuple(
-            r.index for r in regions if any(isinstance(specs[n], MambaSpec) for _, n in r.members)
-        )
-        ssm = SSMLayout(ssm_spec, tuple(offs), ssm_spec.conv_bytes(tp), ssm_spec.ssm_bytes(tp), ssm_regions)
-    scratch = tuple(
-        r.index for r in regions if any(isinstance(specs[n], CircularBufferSpec) for _, n in r.members)
-    )
-    ple = None
-    for r in regions:
-        for g, n in r.members:
-            spec = specs[n]
-            if isinstance(spec, ReplicatedStateSpec):
-                if spec.state_bytes(tp) % ppl:
-                    raise ConfigError(
-                        "kernel_block_size",
-                        f"the {spec.state_bytes(tp)}-byte replicated state page is not divisible into {ppl} "
-                        "kernel blocks",
-                        value=engine.kernel,
-                        expected=engine.block_size,
-                    )
-                ple = ReplicatedLayout(spec, g, r.index, spec.state_bytes(tp))
-    return RankGeometry(model, engine, groups, tuple(regions), page, ssm, scratch, ple)
+ALLOCATION_FAMILIES: tuple[AllocationFamily, ...] = (
+    AllocationFamily(
+        "packed CSA-linear rows",
+        lambda model, engine: bool(model.overlays) and engine.packed_rows,
+        packed_overlay_geometry,
+    ),
+    AllocationFamily("explicit tensor sharing", lambda model, engine: bool(model.overlays), overlay_geometry),
+    AllocationFamily("a region per layer", _is_uniform, _uniform_geometry),
+    AllocationFamily("hybrid pages", lambda model, engine: True, _hybrid_geometry),
+)
+"""The allocation families :func:`rank_geometry` chooses from, in order (the first that applies)."""

@@ -8,7 +8,7 @@ The conv state is in the DS layout ``(conv_dim_local, conv_rows)`` (dim-first), 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvgeom.blocks import check_positive_int
@@ -38,6 +38,56 @@ def _shape(shape: Sequence[int], field: str, ndim: int) -> tuple[int, ...]:
     if len(dims) < ndim or any(x <= 0 for x in dims):
         raise SpecError(field, f"must have >= {ndim} positive dims, got {list(shape)}", value=list(shape))
     return dims
+
+
+def _mamba1_dims(c: int, temporal: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    if temporal[0] != c:
+        raise SpecError(
+            "temporal_shape",
+            f"Mamba1 temporal state dim ({temporal[0]}) doesn't match conv dim ({c}); both should be "
+            "intermediate_size/TP",
+            value=temporal[0],
+            expected=c,
+        )
+    return (c,)
+
+
+def _mamba2_dims(c: int, temporal: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    inter = temporal[0] * tp * temporal[1]
+    rem = c * tp - inter
+    if rem <= 0 or rem % 2:
+        raise SpecError(
+            "conv_shape",
+            f"Mamba2 conv dim ({c}*tp={tp}) doesn't decompose into intermediate_size={inter} + "
+            f"2*groups*state: remainder={rem} must be positive and even",
+            value=c,
+            expected=inter,
+        )
+    return (inter // tp, rem // 2 // tp, rem // 2 // tp)
+
+
+def _gdn_dims(c: int, temporal: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    v = temporal[0] * temporal[1]
+    rem = c - v
+    if rem <= 0 or rem % 2:
+        raise SpecError(
+            "conv_shape",
+            f"GDN/KDA conv dim ({c}) doesn't decompose into 2*key_dim_local + value_dim_local={v}: "
+            f"remainder={rem} must be positive and even",
+            value=c,
+            expected=v,
+        )
+    return (rem // 2, rem // 2, v)
+
+
+_CONV_DIMS: dict[str, Callable[[int, tuple[int, ...], int], tuple[int, ...]]] = {
+    "mamba1": _mamba1_dims,
+    "mamba2": _mamba2_dims,
+    "gdn": _gdn_dims,
+    "kda": _gdn_dims,
+}
+"""Each Mamba type's conv pieces per rank from the local conv dim ``C``, the temporal shape and TP (one row
+per type of :data:`MAMBA_TYPES`; see :func:`derive_conv_split`)."""
 
 
 def derive_conv_split(
@@ -71,41 +121,7 @@ def derive_conv_split(
     e_conv = dtype_size(conv_dtype, "conv_dtype")
     e_ssm = dtype_size(ssm_dtype, "ssm_dtype")
     c, rows = conv[0], conv[1]
-    dims: tuple[int, ...]
-    if mamba_type == "mamba1":
-        if temporal[0] != c:
-            raise SpecError(
-                "temporal_shape",
-                f"Mamba1 temporal state dim ({temporal[0]}) doesn't match conv dim ({c}); both should be "
-                "intermediate_size/TP",
-                value=temporal[0],
-                expected=c,
-            )
-        dims = (c,)
-    elif mamba_type == "mamba2":
-        inter = temporal[0] * tp * temporal[1]
-        rem = c * tp - inter
-        if rem <= 0 or rem % 2:
-            raise SpecError(
-                "conv_shape",
-                f"Mamba2 conv dim ({c}*tp={tp}) doesn't decompose into intermediate_size={inter} + "
-                f"2*groups*state: remainder={rem} must be positive and even",
-                value=c,
-                expected=inter,
-            )
-        dims = (inter // tp, rem // 2 // tp, rem // 2 // tp)
-    else:
-        v = temporal[0] * temporal[1]
-        rem = c - v
-        if rem <= 0 or rem % 2:
-            raise SpecError(
-                "conv_shape",
-                f"GDN/KDA conv dim ({c}) doesn't decompose into 2*key_dim_local + value_dim_local={v}: "
-                f"remainder={rem} must be positive and even",
-                value=c,
-                expected=v,
-            )
-        dims = (rem // 2, rem // 2, v)
+    dims = _CONV_DIMS[mamba_type](c, temporal, tp)
     row_bytes = rows * e_conv
     sizes = tuple(d * row_bytes for d in dims)
     starts = (0, *tuple(sum(sizes[: i + 1]) for i in range(len(sizes) - 1)))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvgeom.errors import ConfigError, SpecError
+from kvgeom.layout.geometry import page_bytes_of
 from kvgeom.layout.view import SHARED_GROUP
 from kvgeom.model.layers import (
     AttentionSpec,
@@ -134,7 +135,7 @@ def packed_groups(model: ModelSpec, block_size: int, tp_size: int = 1) -> tuple[
     for la in model.layers:
         buckets.setdefault(_bucket(la.spec), []).append(la.name)
     specs = {la.name: la.spec for la in model.layers}
-    page = {name: _page(spec, block_size, tp_size) for name, spec in specs.items()}
+    page = {name: page_bytes_of(spec, block_size, tp_size) for name, spec in specs.items()}
     anchor = max(
         page[names[0]] if _is_state(specs[names[0]]) else sum(page[x] for x in names)
         for names in buckets.values()
@@ -169,31 +170,9 @@ def _is_state(spec: LayerSpec) -> bool:
     return isinstance(spec, MLASpec) and spec.sliding_window is not None
 
 
-def _page(spec: LayerSpec, block_size: int, tp: int) -> int:
-    if isinstance(spec, (MambaSpec, ReplicatedStateSpec)):
-        return spec.state_bytes(tp)
-    if isinstance(spec, CircularBufferSpec):
-        return spec.page_bytes(tp)
-    return block_size * spec.token_bytes(tp)
-
-
-def packed_registration(
-    model: ModelSpec,
-    groups: Sequence[Sequence[str]],
-    *,
-    block_size: int,
-    tp_size: int = 1,
-    alignment: int = 1,
-    order: Sequence[str] | None = None,
-) -> PackedRegistration:
-    """vLLM's block-outermost allocation of ``model``'s layers in KV-cache ``groups`` (layer names per group,
-    in vLLM's group order) at ``block_size`` and ``tp_size``, and the regions its worker registers visiting
-    the layers in ``order`` (default: the model's layer order)."""
-    if not model.is_csa_linear:
-        raise SpecError(
-            "model", "packed CSA-linear registration needs a circular-buffer layer", value=model.name
-        )
-    specs = {la.name: la.spec for la in model.layers}
+def _check_groups(model: ModelSpec, groups: Sequence[Sequence[str]], specs: dict[str, LayerSpec]) -> None:
+    """Every layer of ``model`` in exactly one group, each group's layers of one kind (attention and MLA
+    together allowed)."""
     seen: dict[str, int] = {}
     for g, names in enumerate(groups):
         for name in names:
@@ -215,12 +194,32 @@ def packed_registration(
                 "a KV-cache group holds layers of one kind",
                 value=sorted(k.__name__ for k in kinds),
             )
+
+
+def packed_registration(
+    model: ModelSpec,
+    groups: Sequence[Sequence[str]],
+    *,
+    block_size: int,
+    tp_size: int = 1,
+    alignment: int = 1,
+    order: Sequence[str] | None = None,
+) -> PackedRegistration:
+    """vLLM's block-outermost allocation of ``model``'s layers in KV-cache ``groups`` (layer names per group,
+    in vLLM's group order) at ``block_size`` and ``tp_size``, and the regions its worker registers visiting
+    the layers in ``order`` (default: the model's layer order)."""
+    if not model.is_csa_linear:
+        raise SpecError(
+            "model", "packed CSA-linear registration needs a circular-buffer layer", value=model.name
+        )
+    specs = {la.name: la.spec for la in model.layers}
+    _check_groups(model, groups, specs)
     visit = list(order) if order is not None else list(specs)
     if sorted(visit) != sorted(specs):
         raise SpecError("order", "the registration order must name every layer once", value=visit)
     # within a group each spec's pages lie together, specs in first-appearance order (vLLM's planner)
     placed = [_by_spec(names, specs) for names in groups]
-    pages = [[_page(specs[n], block_size, tp_size) for n in names] for names in placed]
+    pages = [[page_bytes_of(specs[n], block_size, tp_size) for n in names] for names in placed]
     row, offsets = packed_row_offsets(pages, alignment)
     where = {
         n: (g, off, page)
@@ -230,8 +229,15 @@ def packed_registration(
     views = tuple(RowView(n, *where[n]) for n in visit)
     # Without SSM state an MLA view registers the whole row (vLLM: one shared storage, MLA, no Mamba); a
     # head-sharded main-KV view always registers its own page.
-    whole_rows = model.ssm_spec is None
+    return _row_regions(views, specs, row, whole_rows=model.ssm_spec is None)
 
+
+def _row_regions(
+    views: tuple[RowView, ...], specs: dict[str, LayerSpec], row: int, *, whole_rows: bool
+) -> PackedRegistration:
+    """The regions registered visiting ``views`` in order: one per distinct start in the row (an MLA view
+    of a model without SSM state starts at 0 and spans the ``row``), each with its members, and which
+    regions hold SSM states, rings and the replicated state page."""
     starts: list[int] = []
     lens: list[int] = []
     gids: list[int] = []

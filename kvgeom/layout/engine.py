@@ -61,6 +61,20 @@ def _parse_enum(cls: type[Enum], value: Any, name: str) -> Any:
         ) from None
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise ConfigError(name, f"must be a positive integer, got {value!r}", value=value)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(name, f"must be a boolean, got {value!r}", value=value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine rank's cache configuration.
@@ -105,14 +119,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "num_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}", value=value)
-        if (
-            not isinstance(self.tp_rank, int)
-            or isinstance(self.tp_rank, bool)
-            or not 0 <= self.tp_rank < self.tp_size
-        ):
+            _check_positive(name, getattr(self, name))
+        if not _is_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(
                 "tp_rank",
                 f"{self.tp_rank} is outside [0, tp_size={self.tp_size})",
@@ -120,7 +128,7 @@ class EngineConfig:
                 expected=self.tp_size,
             )
         kernel = self.kernel_block_size if self.kernel_block_size is not None else self.block_size
-        if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel <= 0 or self.block_size % kernel:
+        if not _is_int(kernel) or kernel <= 0 or self.block_size % kernel:
             raise ConfigError(
                 "kernel_block_size",
                 f"{kernel!r} must be a positive divisor of block_size {self.block_size}",
@@ -134,31 +142,23 @@ class EngineConfig:
                 value=self.dcp_size,
                 expected=self.tp_size,
             )
-        if not isinstance(self.pp_size, int) or isinstance(self.pp_size, bool) or self.pp_size < 1:
-            raise ConfigError(
-                "pp_size", f"must be a positive integer, got {self.pp_size!r}", value=self.pp_size
-            )
-        if (
-            not isinstance(self.pp_rank, int)
-            or isinstance(self.pp_rank, bool)
-            or not 0 <= self.pp_rank < self.pp_size
-        ):
+        _check_positive("pp_size", self.pp_size)
+        if not _is_int(self.pp_rank) or not 0 <= self.pp_rank < self.pp_size:
             raise ConfigError(
                 "pp_rank",
                 f"{self.pp_rank!r} is outside [0, pp_size={self.pp_size})",
                 value=self.pp_rank,
                 expected=self.pp_size,
             )
-        if not isinstance(self.packed_rows, bool):
-            raise ConfigError(
-                "packed_rows", f"must be a boolean, got {self.packed_rows!r}", value=self.packed_rows
-            )
-        if not isinstance(self.permute_local_kv, bool):
-            raise ConfigError(
-                "permute_local_kv",
-                f"must be a boolean, got {self.permute_local_kv!r}",
-                value=self.permute_local_kv,
-            )
+        _check_bool("packed_rows", self.packed_rows)
+        _check_bool("permute_local_kv", self.permute_local_kv)
+        self._normalise_groups()
+        object.__setattr__(self, "kernel_block_size", kernel)
+        object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
+        object.__setattr__(self, "conv_layout", _parse_enum(ConvLayout, self.conv_layout, "conv_layout"))
+
+    def _normalise_groups(self) -> None:
+        """``separate_group`` and ``kv_cache_groups`` checked as layer names and stored as tuples."""
         if isinstance(self.separate_group, str) or not all(isinstance(x, str) for x in self.separate_group):
             raise ConfigError(
                 "separate_group",
@@ -176,9 +176,6 @@ class EngineConfig:
                 value=groups,
             )
         object.__setattr__(self, "kv_cache_groups", tuple(tuple(g) for g in groups))
-        object.__setattr__(self, "kernel_block_size", kernel)
-        object.__setattr__(self, "kv_layout", _parse_enum(KVLayout, self.kv_layout, "kv_layout"))
-        object.__setattr__(self, "conv_layout", _parse_enum(ConvLayout, self.conv_layout, "conv_layout"))
 
     @property
     def kernel(self) -> int:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvgeom.dtypes import dtype_size
 from kvgeom.errors import SpecError
 from kvgeom.layout.engine import EngineConfig
 from kvgeom.model.layers import (
@@ -31,6 +32,7 @@ from kvgeom.model.layers import (
     LayerKind,
     LayerSpec,
     MambaSpec,
+    MLASpec,
     ReplicatedStateSpec,
 )
 from kvgeom.model.spec import ModelSpec
@@ -44,6 +46,7 @@ __all__ = [
     "RankGeometry",
     "packed_csa_rows",
     "page_bytes_of",
+    "region_parts",
 ]
 
 
@@ -141,6 +144,18 @@ class SSMLayout:
     ssm_bytes: int
     region_indices: tuple[int, ...]
 
+    @classmethod
+    def of(cls, spec: MambaSpec | None, tp: int, regions: tuple[int, ...]) -> SSMLayout | None:
+        """The layout of ``spec``'s state on a rank of TP ``tp``: its pieces (conv parts, then the temporal
+        state) back to back from the page's start, held by ``regions``; ``None`` without SSM state."""
+        if spec is None:
+            return None
+        offs, pos = [], 0
+        for size in spec.piece_bytes(tp):
+            offs.append((pos, size))
+            pos += size
+        return cls(spec, tuple(offs), spec.conv_bytes(tp), spec.ssm_bytes(tp), regions)
+
     @property
     def sizes(self) -> tuple[int, int]:
         return (self.conv_bytes, self.ssm_bytes)
@@ -169,6 +184,21 @@ def page_bytes_of(spec: LayerSpec, block_size: int, tp: int) -> int:
     if isinstance(spec, CircularBufferSpec):
         return spec.page_bytes(tp)
     return block_size * spec.token_bytes(tp)
+
+
+def region_parts(spec: LayerSpec, engine: EngineConfig) -> list[tuple[str, int]]:
+    """The regions one layer registers: ``(part, kernel block bytes)``."""
+    tp, kernel = engine.tp_size, engine.kernel
+    if isinstance(spec, MLASpec):
+        return [("kv", kernel * spec.token_bytes(tp))]
+    if isinstance(spec, AttentionSpec):
+        e = dtype_size(spec.dtype)
+        h = spec.heads_per_rank(tp)
+        if engine.kv_split:
+            return [("k", kernel * h * spec.head_size * e), ("v", kernel * h * spec.v_size * e)]
+        return [("kv", kernel * spec.token_bytes(tp))]
+    # pragma: no cover - SSM-only single groups go through the hybrid path
+    raise SpecError("layers", f"unexpected spec {spec!r}", value=spec)
 
 
 def align_hybrid_block_size(

@@ -41,6 +41,7 @@ __all__ = [
     "fine_of",
     "vllm_pairs",
     "check_same_tokens",
+    "lowered_vllm_pairs",
     "is_sliding",
     "align_groups",
     "exact_pairs",
@@ -212,6 +213,37 @@ def check_same_tokens(
                 local=a.tolist()[:8],
                 remote=b.tolist()[:8],
             )
+
+
+def lowered_vllm_pairs(
+    counted: tuple[list[np.ndarray], list[np.ndarray]],
+    el: list[np.ndarray],
+    er: list[np.ndarray],
+    kinds: Sequence[bool],
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The one plan's pairs (``el``, ``er``: by token position, state slots by vLLM's slot rule) lowered
+    into vLLM mode: vLLM's count-based pairs (``counted``) are the boundary check. Where vLLM pairs a group's
+    attention blocks otherwise, :func:`check_same_tokens` refuses the request; a group vLLM leaves without
+    local blocks keeps vLLM's (empty) pairs; a state group's slots must agree, as both take them by vLLM's
+    slot rule (a :class:`~kvgeom.errors.PlanError` if not: a planner bug, never a silent difference)."""
+    lg, rg = counted
+    check_same_tokens(lg, rg, el, er, kinds)
+    out_l, out_r = [], []
+    for g, ssm in enumerate(kinds):
+        if not lg[g].size:
+            out_l.append(lg[g])
+            out_r.append(rg[g])
+            continue
+        if ssm and not (_same(lg[g], el[g]) and _same(rg[g], er[g])):
+            raise PlanError(
+                f"block_ids[{g}]",
+                "the plan's state slots differ from vLLM's slot rule",
+                local=lg[g].tolist()[:8],
+                remote=el[g].tolist()[:8],
+            )
+        out_l.append(el[g])
+        out_r.append(er[g])
+    return out_l, out_r
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

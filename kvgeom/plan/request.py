@@ -28,11 +28,11 @@ from kvgeom.errors import PlanError
 from kvgeom.plan.bind import (
     RankTables,
     check_ids,
-    check_same_tokens,
     exact_pairs,
     filled_pages_of,
     fine_of,
     intake,
+    lowered_vllm_pairs,
     rank_tables,
     require_num_tokens,
     select_groups,
@@ -229,27 +229,29 @@ class _Binding:
             vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
 
     def counted(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """vLLM's count-based pairing of every group sent, once (it works group by group), cross-checked
-        against the pairs by token position."""
+        """vLLM mode's pairs of every group sent, once: the one plan's pairs by token position (state slots
+        by vLLM's slot rule), lowered where vLLM's count-based pairing pairs the same blocks. vLLM's rule is
+        the boundary check (:func:`~kvgeom.plan.bind.lowered_vllm_pairs`): a group it pairs otherwise is
+        refused, a group it leaves empty moves nothing, as in vLLM."""
         if self._counted is None:
-            pairing, kinds = self.pairing, self.pairing.local.group_is_ssm
+            pairing = self.pairing
             keep = sent_groups(pairing)
             every = all(keep)
-            self._counted = vllm_pairs(
+            counted = vllm_pairs(
                 pairing,
                 select_groups(self.lk, keep, every),
                 select_groups(self.rk, keep, every),
                 self.rview,
                 select_groups(self.lfine, keep, every),
             )
-            if self.exact is not None and self._counted[0]:
-                check_same_tokens(
-                    self._counted[0],
-                    self._counted[1],
+            if self.exact is not None and counted[0]:
+                counted = lowered_vllm_pairs(
+                    counted,
                     select_groups(self.exact[0], keep, every),
                     select_groups(self.exact[1], keep, every),
-                    kinds,
+                    pairing.local.group_is_ssm,
                 )
+            self._counted = counted
         return self._counted
 
     def blocks_for(self, rank: int, rt: RankTables) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -125,32 +125,69 @@ def check_advertised_pair(local: Advertised, remote: Advertised, facts: LocalFac
     bsr = block_size_ratio(local.block_size, remote.block_size)
     k = facts.total_kv_heads
     remote_replicated = Shard(k, 1).replicated(remote.tp_size)
-    if not facts.is_mla and not facts.has_ssm and ratio < 0 and remote_replicated:
-        raise _err(
+    _check_replicated_remote(local, remote, facts, ratio, remote_replicated)
+    drafts = _draft_heads(local, remote, facts, ratio)
+    _check_kernel_blocks(local, remote, facts, bsr)
+    permute = _permutes(local, remote, facts)
+    hetero_attn = _repacks_attention(local, remote, facts)
+    _check_head_split_layout(local, remote, facts, abs(ratio) != 1 and not remote_replicated and not permute)
+    _check_draft_layout(local, remote, facts, drafts)
+    heads = (_heads(k, local.tp_size), _heads(k, remote.tp_size))
+    if not facts.is_mla and facts.nvfp4 and heads[0] != heads[1]:
+        raise _unsupported(
             "tp_size",
-            f"the remote replicates its KV ({remote.tp_size} ranks > {k} KV heads): fewer ranks "
-            "cannot read replicated heads",
+            "NVFP4 pages keep every head's data before every head's scales: they cannot be "
+            "re-sharded by heads; use equal TP sizes",
             local.tp_size,
             remote.tp_size,
         )
-    draft_local = draft_remote = 1
-    if facts.draft_regions:
-        heads = facts.draft_kv_heads or 1
-        draft_local, draft_remote = _heads(heads, local.tp_size), _heads(heads, remote.tp_size)
-        if ratio < 0 or local.dcp_size > 1 or remote.dcp_size > 1:
-            raise _unsupported(
-                "tp_size",
-                "a head-sharded draft under an MLA target needs local TP >= remote TP and no DCP",
-                (local.tp_size, local.dcp_size),
-                (remote.tp_size, remote.dcp_size),
-            )
-        if facts.mode == "push" and local.tp_size != remote.tp_size:
-            raise _unsupported(
-                "tp_size",
-                "push cannot write a head-sharded draft under an MLA target across TP sizes; use pull",
-                local.tp_size,
-                remote.tp_size,
-            )
+    _check_lens(local, remote, facts, ratio, bsr, remote_replicated, heads, drafts)
+    _check_tables(remote, facts)
+    _check_row_offsets(local, remote)
+    return AdvertisedPair(ratio, bsr, permute, hetero_attn)
+
+
+def _check_replicated_remote(
+    local: Advertised, remote: Advertised, facts: LocalFacts, ratio: int, remote_replicated: bool
+) -> None:
+    """A remote that replicates its KV heads cannot be read by fewer ranks (attention-only, non-MLA)."""
+    if not facts.is_mla and not facts.has_ssm and ratio < 0 and remote_replicated:
+        raise _err(
+            "tp_size",
+            f"the remote replicates its KV ({remote.tp_size} ranks > {facts.total_kv_heads} KV heads): fewer "
+            "ranks cannot read replicated heads",
+            local.tp_size,
+            remote.tp_size,
+        )
+
+
+def _draft_heads(local: Advertised, remote: Advertised, facts: LocalFacts, ratio: int) -> tuple[int, int]:
+    """The draft's KV heads per rank on each side (1 and 1 without a head-sharded draft), checked: local TP
+    >= remote TP and no DCP, and equal TP in push."""
+    if not facts.draft_regions:
+        return (1, 1)
+    heads = facts.draft_kv_heads or 1
+    drafts = (_heads(heads, local.tp_size), _heads(heads, remote.tp_size))
+    if ratio < 0 or local.dcp_size > 1 or remote.dcp_size > 1:
+        raise _unsupported(
+            "tp_size",
+            "a head-sharded draft under an MLA target needs local TP >= remote TP and no DCP",
+            (local.tp_size, local.dcp_size),
+            (remote.tp_size, remote.dcp_size),
+        )
+    if facts.mode == "push" and local.tp_size != remote.tp_size:
+        raise _unsupported(
+            "tp_size",
+            "push cannot write a head-sharded draft under an MLA target across TP sizes; use pull",
+            local.tp_size,
+            remote.tp_size,
+        )
+    return drafts
+
+
+def _check_kernel_blocks(local: Advertised, remote: Advertised, facts: LocalFacts, bsr: int) -> None:
+    """Kernel blocks and block sizes: DCP across cache-group layouts needs one kernel block per block, a
+    Mamba hybrid with different kernel blocks per block no prefix caching, a host buffer equal blocks."""
     if (
         (local.dcp_size > 1 or remote.dcp_size > 1)
         and facts.region_group_ids
@@ -179,50 +216,62 @@ def check_advertised_pair(local: Advertised, remote: Advertised, facts: LocalFac
             local.block_size,
             remote.block_size,
         )
-    permute = False
-    if not facts.is_mla and remote.kv_layout != local.kv_layout:
-        if facts.permute_allowed and remote.kv_layout == "LBHNC" and local.kv_layout == "LBNHC":
-            if facts.hma:
-                raise _unsupported(
-                    "kv_layout",
-                    "permuting a received LBHNC cache into LBNHC is not available with hybrid cache groups",
-                    local.kv_layout,
-                    remote.kv_layout,
-                )
-            permute = True
-        else:
-            raise _err(
+
+
+def _permutes(local: Advertised, remote: Advertised, facts: LocalFacts) -> bool:
+    """Whether D permutes a received cache into its own layout: equal layouts (or MLA) need none; the one
+    permute vLLM offers is LBHNC into LBNHC, without hybrid cache groups."""
+    if facts.is_mla or remote.kv_layout == local.kv_layout:
+        return False
+    if facts.permute_allowed and remote.kv_layout == "LBHNC" and local.kv_layout == "LBNHC":
+        if facts.hma:
+            raise _unsupported(
                 "kv_layout",
-                "both sides need the same KV cache layout (or enable_permute_local_kv for LBHNC into LBNHC)",
+                "permuting a received LBHNC cache into LBNHC is not available with hybrid cache groups",
                 local.kv_layout,
                 remote.kv_layout,
             )
-    hetero_attn = False
-    if remote.attn_backend != local.attn_backend and local.attn_backend == "CPU_ATTN":
-        if facts.hma:
-            raise _unsupported(
-                "attn_backend",
-                "repacking for a different attention backend is not available with hybrid cache groups",
-                local.attn_backend,
-                remote.attn_backend,
-            )
-        hetero_attn = True
-    if (
-        abs(ratio) != 1
-        and not facts.is_mla
-        and not remote_replicated
-        and not facts.block_contiguous
-        and not permute
-    ):
+        return True
+    raise _err(
+        "kv_layout",
+        "both sides need the same KV cache layout (or enable_permute_local_kv for LBHNC into LBNHC)",
+        local.kv_layout,
+        remote.kv_layout,
+    )
+
+
+def _repacks_attention(local: Advertised, remote: Advertised, facts: LocalFacts) -> bool:
+    """Whether a CPU-attention D repacks a received page of another backend (not with hybrid groups)."""
+    if remote.attn_backend == local.attn_backend or local.attn_backend != "CPU_ATTN":
+        return False
+    if facts.hma:
+        raise _unsupported(
+            "attn_backend",
+            "repacking for a different attention backend is not available with hybrid cache groups",
+            local.attn_backend,
+            remote.attn_backend,
+        )
+    return True
+
+
+def _check_head_split_layout(local: Advertised, remote: Advertised, facts: LocalFacts, splits: bool) -> None:
+    """Heads split across TP sizes (``splits``: not replicated, not permuted) need a block-contiguous layout."""
+    if splits and not facts.is_mla and not facts.block_contiguous:
         raise _err(
             "kv_layout",
             "splitting heads across TP sizes needs a block-contiguous layout (e.g. LBHNC)",
             local.kv_layout,
             remote.kv_layout,
         )
+
+
+def _check_draft_layout(
+    local: Advertised, remote: Advertised, facts: LocalFacts, drafts: tuple[int, int]
+) -> None:
+    """A draft's heads split across TP sizes need the same block-contiguous layout on both sides."""
     if (
         facts.draft_regions
-        and draft_local != draft_remote
+        and drafts[0] != drafts[1]
         and (remote.kv_layout != local.kv_layout or not facts.block_contiguous)
     ):
         raise _err(
@@ -231,28 +280,6 @@ def check_advertised_pair(local: Advertised, remote: Advertised, facts: LocalFac
             local.kv_layout,
             remote.kv_layout,
         )
-    local_heads, remote_heads = _heads(k, local.tp_size), _heads(k, remote.tp_size)
-    if not facts.is_mla and facts.nvfp4 and local_heads != remote_heads:
-        raise _unsupported(
-            "tp_size",
-            "NVFP4 pages keep every head's data before every head's scales: they cannot be "
-            "re-sharded by heads; use equal TP sizes",
-            local.tp_size,
-            remote.tp_size,
-        )
-    _check_lens(
-        local,
-        remote,
-        facts,
-        ratio,
-        bsr,
-        remote_replicated,
-        (local_heads, remote_heads),
-        (draft_local, draft_remote),
-    )
-    _check_tables(remote, facts)
-    _check_row_offsets(local, remote)
-    return AdvertisedPair(ratio, bsr, permute, hetero_attn)
 
 
 def _check_lens(

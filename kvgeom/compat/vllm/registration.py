@@ -183,6 +183,78 @@ def _specs(
     return [(t.address + i * segment, stride if count > 1 else page, stride) for i in range(count)], blocks
 
 
+@dataclass
+class _Regions:
+    """The regions found so far, one entry per region in every list (a builder local to
+    :func:`discover_regions`)."""
+
+    bases: list[int] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+    strides: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    mla: list[bool] = field(default_factory=list)
+    mems: list[str] = field(default_factory=list)
+    members: list[list[str]] = field(default_factory=list)
+    ssm: list[int] = field(default_factory=list)
+    scratch: list[int] = field(default_factory=list)
+    ple: int | None = None
+    ple_len: int | None = None
+
+    def add(
+        self, t: CacheTensor, base: int, block_len: int, block_stride: int, blocks: int, merge: bool
+    ) -> int:
+        """Region ``base`` of tensor ``t``: a new region, or (``merge``) the one already at ``base``, which
+        the tensor then also views; its index."""
+        is_mla = t.kind == "mla"
+        if merge and base in self.bases:
+            r = self.bases.index(base)
+            if self.mems[r] != t.mem_type:
+                raise SpecError(
+                    "mem_type",
+                    f"layer {t.name!r}: region at {base:#x} is {self.mems[r]} and {t.mem_type}",
+                    local=self.mems[r],
+                    remote=t.mem_type,
+                )
+            self.mla[r] |= is_mla
+            if is_mla:
+                self.lens[r], self.strides[r], self.counts[r] = block_len, block_stride, blocks
+            if self.groups[r] != t.group:
+                self.groups[r] = SHARED_GROUP
+            return r
+        self.bases.append(base)
+        self.lens.append(block_len)
+        self.strides.append(block_stride)
+        self.counts.append(blocks)
+        self.groups.append(t.group)
+        self.names.append(t.name)
+        self.mla.append(is_mla)
+        self.mems.append(t.mem_type)
+        return len(self.bases) - 1
+
+    def view(self, t: CacheTensor, r: int, block_len: int, layout: RegistrationLayout) -> None:
+        """Tensor ``t`` views region ``r``: a member of it, and its state, ring or replicated page."""
+        if layout.track_members:
+            if r == len(self.members):
+                self.members.append([t.name])
+            else:
+                self.members[r].append(t.name)
+        if t.kind == "replicated_state":
+            if not layout.csa_linear or self.ple not in (None, r):
+                raise SpecError(
+                    "kind",
+                    f"layer {t.name!r}: one TP-replicated state page, of a CSA-linear model",
+                    value=r,
+                    expected=self.ple,
+                )
+            self.ple, self.ple_len = r, block_len
+        elif t.kind == "state" and r not in self.ssm:
+            self.ssm.append(r)
+        elif t.kind == "scratch" and r not in self.scratch:
+            self.scratch.append(r)
+
+
 def discover_regions(tensors: Sequence[CacheTensor], layout: RegistrationLayout) -> Registration:
     """The regions a rank registers for ``tensors`` (in registration order), see the module doc."""
     route_packed = layout.block_outermost and layout.route_by_layer
@@ -192,72 +264,19 @@ def discover_regions(tensors: Sequence[CacheTensor], layout: RegistrationLayout)
         raise UnsupportedError(
             "kind", "PP push with packed KV caches requires MLA", value=sorted({t.kind for t in live})
         )
-    bases: list[int] = []
-    lens: list[int] = []
-    strides: list[int] = []
-    counts: list[int] = []
-    groups: list[int] = []
-    names: list[str] = []
-    mla: list[bool] = []
-    mems: list[str] = []
-    members: list[list[str]] = []
-    ssm: list[int] = []
-    scratch: list[int] = []
-    ple: int | None = None
-    ple_len: int | None = None
+    found = _Regions()
     packed: dict[str, tuple[int, int]] = {}
     ranges: dict[tuple[int, str], tuple[int, int, int, str]] = {}
     device: int | None = None
     for t in live:
-        is_mla = t.kind == "mla"
         start, length = (t.address, t.nbytes) if t.host_resident else (t.storage_address, t.storage_bytes)
         ranges.setdefault((start, t.mem_type), (start, length, t.device or 0, t.mem_type))
         if t.device is not None:
             device = t.device
         specs, blocks = _specs(t, layout, packed_storage, packed)
         for base, block_len, block_stride in specs:
-            if base in bases and not route_packed:
-                r = bases.index(base)
-                if mems[r] != t.mem_type:
-                    raise SpecError(
-                        "mem_type",
-                        f"layer {t.name!r}: region at {base:#x} is {mems[r]} and {t.mem_type}",
-                        local=mems[r],
-                        remote=t.mem_type,
-                    )
-                mla[r] |= is_mla
-                if is_mla:
-                    lens[r], strides[r], counts[r] = block_len, block_stride, blocks
-                if groups[r] != t.group:
-                    groups[r] = SHARED_GROUP
-            else:
-                r = len(bases)
-                bases.append(base)
-                lens.append(block_len)
-                strides.append(block_stride)
-                counts.append(blocks)
-                groups.append(t.group)
-                names.append(t.name)
-                mla.append(is_mla)
-                mems.append(t.mem_type)
-            if layout.track_members:
-                if r == len(members):
-                    members.append([t.name])
-                else:
-                    members[r].append(t.name)
-            if t.kind == "replicated_state":
-                if not layout.csa_linear or ple not in (None, r):
-                    raise SpecError(
-                        "kind",
-                        f"layer {t.name!r}: one TP-replicated state page, of a CSA-linear model",
-                        value=r,
-                        expected=ple,
-                    )
-                ple, ple_len = r, block_len
-            elif t.kind == "state" and r not in ssm:
-                ssm.append(r)
-            elif t.kind == "scratch" and r not in scratch:
-                scratch.append(r)
+            r = found.add(t, base, block_len, block_stride, blocks, merge=not route_packed)
+            found.view(t, r, block_len, layout)
         if layout.ppl == 1 and t.rows < blocks:
             raise SpecError(
                 "rows",
@@ -265,22 +284,23 @@ def discover_regions(tensors: Sequence[CacheTensor], layout: RegistrationLayout)
                 value=t.rows,
                 expected=blocks,
             )
+    counts = found.counts
     if layout.has_ssm:  # state and attention views of one page: every region counts kernel blocks
         counts = [layout.kernel_blocks] * len(counts)
     return Registration(
-        tuple(bases),
-        tuple(lens),
-        tuple(strides),
+        tuple(found.bases),
+        tuple(found.lens),
+        tuple(found.strides),
         tuple(counts),
-        tuple(groups),
-        tuple(names),
-        tuple(mla),
-        tuple(mems),
-        tuple(ssm),
-        tuple(sorted(scratch)),
-        ple,
-        ple_len,
-        tuple(tuple(m) for m in members),
+        tuple(found.groups),
+        tuple(found.names),
+        tuple(found.mla),
+        tuple(found.mems),
+        tuple(found.ssm),
+        tuple(sorted(found.scratch)),
+        found.ple,
+        found.ple_len,
+        tuple(tuple(m) for m in found.members),
         packed,
         tuple(ranges.values()),
         device,

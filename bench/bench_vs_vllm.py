@@ -460,7 +460,7 @@ def handshake_row(blocks: int, budget: float, remotes: int = 2) -> dict[str, Any
     def kvgeom() -> float:
         objs = [json.loads(t) for t in texts]
         t0 = time.perf_counter()
-        cards = [GeometryCard.from_json(o) for o in objs]
+        cards = GeometryCard.from_json_many(objs)
         t1 = time.perf_counter()
         pairing = Pairing.create(d, cards, "pull", "vllm")
         t2 = time.perf_counter()

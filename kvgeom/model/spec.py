@@ -81,6 +81,16 @@ def _spec_from_json(d: dict[str, Any], where: str) -> LayerSpec:
         raise SpecError(where, f"malformed {kind.value} spec: {exc}", value=d) from None
 
 
+def _spec_once(d: Any, where: str, parsed: dict[str, LayerSpec]) -> LayerSpec:
+    """:func:`_spec_from_json` of ``d``, or the spec already parsed (in this one model) from a value of the
+    same ``repr``: the same JSON value, types included (``8`` and ``8.0`` differ), so the same spec."""
+    key = repr(d)
+    spec = parsed.get(key)
+    if spec is None:
+        spec = parsed[key] = _spec_from_json(d, where)
+    return spec
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model's cache-holding layers, in decoder order (a layer index may hold two sub-layers,
@@ -173,6 +183,7 @@ class ModelSpec:
         if not isinstance(d, dict) or "layers" not in d:
             raise SpecError("model", "a model spec must be an object with 'layers'", value=type(d).__name__)
         layers = []
+        parsed: dict[str, LayerSpec] = {}  # a model's layers mostly repeat a few specs: each parsed once
         for i, la in enumerate(d["layers"]):
             try:
                 shares = la.get("shares")
@@ -180,7 +191,7 @@ class ModelSpec:
                     Layer(
                         str(la["name"]),
                         int(la["index"]),
-                        _spec_from_json(la["spec"], f"layers[{i}]"),
+                        _spec_once(la["spec"], f"layers[{i}]", parsed),
                         None if shares is None else str(shares),
                     )
                 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import marshal
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -120,17 +121,31 @@ def _derived(geom: RankGeometry) -> dict[str, Any]:
 
 class _Parsed(NamedTuple):
     """One card parsed by :meth:`GeometryCard.from_json_many`, with what a later rank of the same engine reuses:
-    the ``repr`` of its raw model and of its raw engine without ``tp_rank``, and its derived numbers."""
+    the keys (:func:`_value_key`) of its raw model and of its raw engine without ``tp_rank``, and its derived
+    numbers."""
 
     card: GeometryCard
-    model_key: str
-    engine_key: str
+    model_key: bytes | None
+    engine_key: bytes | None
     derived: dict[str, Any]
 
 
-def _engine_key(engine: Any) -> str:
-    """The ``repr`` of a raw engine object without ``tp_rank`` (``""`` for a non-object: never shared)."""
-    return repr({k: v for k, v in engine.items() if k != "tp_rank"}) if isinstance(engine, dict) else ""
+def _value_key(value: Any) -> bytes | None:
+    """A key equal for two JSON values only when they are the same value, types included (``8``, ``8.0``
+    and ``True`` differ, as the checks of a spec tell them apart): their ``marshal`` bytes. ``None`` (equal
+    to no key) for a value ``marshal`` cannot write. Equal values may still get different keys (``marshal``
+    records which objects they share); a miss only costs the work a key saves."""
+    try:
+        return marshal.dumps(value)
+    except ValueError:
+        return None
+
+
+def _engine_key(engine: Any) -> bytes | None:
+    """The key of a raw engine object without ``tp_rank``."""
+    if not isinstance(engine, dict):
+        return None
+    return _value_key({k: v for k, v in engine.items() if k != "tp_rank"})
 
 
 def _decoded(data: Any) -> dict[str, Any]:
@@ -218,17 +233,20 @@ class GeometryCard:
     ) -> list[GeometryCard]:
         """Parse and check several cards (the ranks of an engine, as a handshake receives them): the cards
         and the errors :meth:`from_json` gives for each in turn, with the work ranks share done once. A
-        card whose raw model has the ``repr`` of an earlier card's (the same JSON value, types included)
+        card whose raw model has the key (:func:`_value_key`) of an earlier card's (the same JSON value,
+        types included)
         takes that card's parsed model; one whose raw engine also differs from that card's only in
         ``tp_rank`` takes its geometry with its own engine (a geometry's numbers do not depend on the TP
         rank) and is checked against the same derived numbers."""
         done: list[_Parsed] = []
         for item in items:
             data = _decoded(item)
-            model_key = repr(data.get("model"))
+            model_key = _value_key(data.get("model"))
             engine_key = _engine_key(data.get("engine"))
-            same = next((p for p in done if p.model_key == model_key), None)
-            card, derived = cls._parse(data, limits, same, same is not None and same.engine_key == engine_key)
+            same = next((p for p in done if model_key is not None and p.model_key == model_key), None)
+            card, derived = cls._parse(
+                data, limits, same, same is not None and engine_key is not None and same.engine_key == engine_key
+            )
             done.append(_Parsed(card, model_key, engine_key, derived))
         return [p.card for p in done]
 

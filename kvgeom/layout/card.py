@@ -245,7 +245,10 @@ class GeometryCard:
             engine_key = _engine_key(data.get("engine"))
             same = next((p for p in done if model_key is not None and p.model_key == model_key), None)
             card, derived = cls._parse(
-                data, limits, same, same is not None and engine_key is not None and same.engine_key == engine_key
+                data,
+                limits,
+                same,
+                same is not None and engine_key is not None and same.engine_key == engine_key,
             )
             done.append(_Parsed(card, model_key, engine_key, derived))
         return [p.card for p in done]

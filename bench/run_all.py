@@ -106,25 +106,7 @@ def plots(vs: dict | None, zero: dict | None, pull: dict | None, img: Path) -> l
         fig.tight_layout()
         fig.savefig(img / "perf-request.png", dpi=110)
         made.append("perf-request.png")
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for n in sorted({h["remotes"] for h in vs["handshakes"]}):
-            hs = [h for h in vs["handshakes"] if h["remotes"] == n]
-            b = [h["blocks"] for h in hs]
-            (line,) = ax.loglog(b, [h["vllm_ms"] for h in hs], "o-", label=f"vLLM add_remote_agent, {n} P")
-            ax.loglog(
-                b,
-                [h["kvgeom_ms"] for h in hs],
-                "s--",
-                color=line.get_color(),
-                label=f"kvgeom parse + pair, {n} P",
-            )
-        ax.set_xlabel("kernel blocks per D rank")
-        ax.set_ylabel("milliseconds per handshake")
-        ax.set_title("Handshake cost")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(img / "perf-handshake.png", dpi=110)
+        handshake_plot(vs["handshakes"], img)
         made.append("perf-handshake.png")
     bars = []
     if zero:
@@ -144,6 +126,35 @@ def plots(vs: dict | None, zero: dict | None, pull: dict | None, img: Path) -> l
         fig.savefig(img / "perf-throughput.png", dpi=110)
         made.append("perf-throughput.png")
     return made
+
+
+def handshake_plot(hs: list[dict[str, Any]], img: Path) -> None:
+    """``img/perf-handshake.png``: the handshake grid, one vLLM and one kvgeom line per P rank count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for n in sorted({h["remotes"] for h in hs}):
+        cells = [h for h in hs if h["remotes"] == n]
+        b = [h["blocks"] for h in cells]
+        (line,) = ax.loglog(b, [h["vllm_ms"] for h in cells], "o-", label=f"vLLM add_remote_agent, {n} P")
+        ax.loglog(
+            b,
+            [h["kvgeom_ms"] for h in cells],
+            "s--",
+            color=line.get_color(),
+            label=f"kvgeom parse + pair, {n} P",
+        )
+    ax.set_xlabel("kernel blocks per D rank")
+    ax.set_ylabel("milliseconds per handshake")
+    ax.set_title("Handshake cost")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(img / "perf-handshake.png", dpi=110)
+    plt.close(fig)
 
 
 def stream_section(vs: dict) -> list[str]:

@@ -442,7 +442,9 @@ class Pairing:
                     attn_reads,
                     self.mapping.rank_offset_factor,
                     self._vllm_ssm_pieces(rview),
-                    None if draft is None else (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor),
+                    None
+                    if draft is None
+                    else (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor),
                 )
             remote[rank] = built[key]
         return local, remote

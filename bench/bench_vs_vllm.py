@@ -14,9 +14,12 @@ registration state vLLM's ``register_kv_caches`` would record for the same geome
   twice: for a request shape never seen (the general planner) and for a repeated one (its recipe,
   :mod:`kvgeom.plan.recipe`). Before timing, kvgeom's descriptor ids are checked equal to vLLM's for every
   source rank, and the recipe's plan equal to the general planner's.
-* handshake: vLLM's ``add_remote_agent`` for both P ranks (split local handles, remote tables, checks)
-  against kvgeom's ``Pairing.create`` with every table it builds and bounds-checks. Before timing, the
-  bound tables are checked to stand for the same descriptors as vLLM's prepared lists.
+* handshake, over a grid of D pools (``--blocks``, kernel blocks per D rank) and P TP sizes (``--remotes``:
+  1, 2, 4, 8 P ranks against the one D rank; the pair is otherwise the same): vLLM's ``add_remote_agent``
+  for every P rank on a fresh worker (split local handles, remote tables, checks) against kvgeom's
+  ``GeometryCard.from_json`` of every P rank's card (the decoded JSON object, as vLLM's metadata arrives
+  decoded) and ``Pairing.create`` with every table it builds and bounds-checks. Before timing, the bound
+  tables are checked to stand for the same descriptors as vLLM's prepared lists.
 
 Prints one JSON object (``--json``) or a table; ``bench/run_all.py`` writes it into docs/performance.md.
 """
@@ -50,21 +53,22 @@ from kvgeom.plan.splits import expand_strided  # noqa: E402
 from kvgeom.tools.scenario import Scenario  # noqa: E402
 
 TOKENS = (16, 449, 4096, 32768, 131072, 1048576)
-BLOCKS = (100, 1000, 10000, 100000)
+BLOCKS = (64, 1000, 10000, 100000)
+REMOTES = (1, 2, 4, 8)
 
 
 DECADES = ((16, 100), (100, 1000), (1000, 10000), (10000, 100000), (100000, 1048577))
 
 
-def scenario(d_blocks: int, compat: str = "vllm") -> Scenario:
-    """The pair, with ``d_blocks`` logical blocks (of 60 kernel blocks) per D rank; P holds twice as many
-    logical blocks (of 64 kernel blocks)."""
+def scenario(d_blocks: int, compat: str = "vllm", p_tp: int = 2) -> Scenario:
+    """The pair, with ``d_blocks`` logical blocks (of 60 kernel blocks) per D rank; P (TP ``p_tp``) holds
+    twice as many logical blocks (of 64 kernel blocks)."""
     return Scenario.from_json(
         {
             "model": "kimi-linear-48b-a3b",
             "mode": "pull",
             "compat": compat,
-            "prefill": {"tp_size": 2, "kernel_block_size": 16, "num_blocks": 2 * d_blocks},
+            "prefill": {"tp_size": p_tp, "kernel_block_size": 16, "num_blocks": 2 * d_blocks},
             "decode": {"tp_size": 1, "kernel_block_size": 32, "num_blocks": d_blocks},
         }
     )
@@ -85,7 +89,7 @@ def timed(fn: Any, budget_s: float, least: int = 5) -> float:
 
 
 class VllmSide:
-    """A vLLM 0.33.0 pull worker for D rank 0 of ``sc``, with both P ranks added."""
+    """A vLLM 0.33.0 pull worker for D rank 0 of ``sc``, with every P rank it reads added."""
 
     def __init__(self, sc: Scenario) -> None:
         self.d = sc.cards("decode")[0].geometry
@@ -150,8 +154,10 @@ class VllmSide:
     def prepared(self) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
         """vLLM's prepared lists, expanded and resolved to (region, offset, length): split local handles
         per source index, remote tables per rank."""
-        nixl = self.w.nixl_wrapper
-        split = self.w.src_xfer_handles_by_tp_ratio[(-len(self.p), self.metas[0].block_size)]
+        nixl, w, bs = self.w.nixl_wrapper, self.w, self.metas[0].block_size
+        split = w.src_xfer_handles_by_tp_ratio.get((-len(self.p), bs))
+        if split is None:  # P TP1: one local handle, at P's block size when it is smaller
+            split = [w.src_xfer_handles_by_block_size[bs]]
         local = {i: _resolved(nixl.dlists[h]) for i, h in enumerate(split)}
         remote = {r: _resolved(nixl.dlists[h]) for r, h in self.w.dst_xfer_side_handles["P"].items()}
         return local, remote
@@ -163,9 +169,10 @@ def _resolved(descs: np.ndarray) -> np.ndarray:
     return np.column_stack([where[:, 2], where[:, 3], np.asarray(rows[:, 1], dtype=np.int64)])
 
 
-def check_tables(sc: Scenario, side: VllmSide) -> None:
-    """kvgeom's tables stand for exactly the descriptors vLLM prepared (checked before timing)."""
-    pairing = sc.pairings[0]
+def check_tables(sc: Scenario, side: VllmSide, pairing: Any = None) -> None:
+    """kvgeom's tables (``pairing``'s, by default the scenario's) stand for exactly the descriptors vLLM
+    prepared."""
+    pairing = sc.pairings[0] if pairing is None else pairing
     local, remote = side.prepared()
     for i, rank in enumerate(pairing.transfer_ranks):
         mine_l = pairing.local_table(pairing.local_key(rank)).rows
@@ -418,53 +425,66 @@ def _runs(plan: Any, pairing: Any) -> int:
     return contiguous_runs(plan.moves(pairing))
 
 
-def handshake_row(blocks: int, budget: float) -> dict[str, Any]:
-    """Handshake of a D rank of about ``blocks`` kernel blocks (rounded to whole logical blocks)."""
-    sc = scenario(max(2, blocks // 60))
-    side = VllmSide(sc)
-    check_tables(sc, side)
-    d, p = sc.cards("decode")[0], sc.cards("prefill")
+def _least(fn: Any, budget: float, most: int) -> float:
+    """Least seconds of ``fn()`` (which returns its own timed seconds) over at least 3 and at most ``most``
+    calls, stopping once they sum past ``budget``."""
+    samples: list[float] = []
+    while len(samples) < 3 or (len(samples) < most and sum(samples) < budget):
+        samples.append(fn())
+    return min(samples)
+
+
+def handshake_row(blocks: int, budget: float, remotes: int = 2) -> dict[str, Any]:
+    """Handshake of a D rank of about ``blocks`` kernel blocks (rounded to whole logical blocks of 60) with
+    ``remotes`` P ranks (P TP ``remotes``). Least of repeated handshakes, each side on its own fresh state."""
     from kvgeom.layout.card import GeometryCard
     from kvgeom.plan.pairing import Pairing
 
-    def vllm() -> None:
-        w = side.fresh()  # not timed separately: a fresh worker per handshake (registration is in `fresh`)
+    sc = scenario(max(1, round(blocks / 60)), p_tp=remotes)
+    side = VllmSide(sc)
+    check_tables(sc, side)
+    d, p = sc.cards("decode")[0], sc.cards("prefill")
+    d.geometry  # noqa: B018 - the local card as a connector keeps it (its geometry built once)
+
+    def vllm() -> float:
+        w = side.fresh()  # not timed: a fresh worker per handshake (registration is in `fresh`)
         t0 = time.perf_counter()
         side.handshake(w)
-        vllm.last = time.perf_counter() - t0  # type: ignore[attr-defined]
+        return time.perf_counter() - t0
 
-    samples = []
-    for _ in range(max(3, int(budget / 0.05))):
-        vllm()
-        samples.append(vllm.last)  # type: ignore[attr-defined]
-        if sum(samples) > budget:
-            break
-    t_v = statistics.median(samples)
-    # kvgeom: the local card as a connector keeps it; the remote cards fresh for every handshake (parsed,
-    # their geometry built, not timed: vLLM's metadata arrives decoded too), so nothing derived from them
-    # is reused between handshakes
-    fresh = [[GeometryCard(c.engine_id, c.model, c.engine, c.mode) for c in p] for _ in range(64)]
-    for cards in fresh:
-        for c in cards:
-            c.geometry  # noqa: B018 - built before timing
-    ks = []
-    for cards in fresh:
+    # kvgeom: every P card arrives as its decoded JSON object (vLLM's metadata arrives decoded too), fresh for
+    # every handshake, so nothing derived from it is reused between handshakes
+    texts = [c.dumps() for c in p]
+    parse_s: list[float] = []
+
+    def kvgeom() -> float:
+        objs = [json.loads(t) for t in texts]
         t0 = time.perf_counter()
-        Pairing.create(d, cards, "pull", "vllm")
-        ks.append(time.perf_counter() - t0)
-        if sum(ks) > budget:
-            break
-    t_k = statistics.median(ks)
-    pairing = Pairing.create(d, p, "pull", "vllm")
+        cards = GeometryCard.from_json_many(objs)
+        t1 = time.perf_counter()
+        pairing = Pairing.create(d, cards, "pull", "vllm")
+        t2 = time.perf_counter()
+        parse_s.append(t1 - t0)
+        kvgeom.last = pairing  # type: ignore[attr-defined]
+        return t2 - t0
+
+    most = max(5, int(budget / 0.0005))
+    t_v = _least(vllm, budget, most)
+    t_k = _least(kvgeom, budget, most)
+    pairing = kvgeom.last  # type: ignore[attr-defined]
+    check_tables(sc, side, pairing)  # the timed pairing, from the parsed cards, too
     tables = [pairing.local_table(pairing.local_key(r)) for r in pairing.transfer_ranks] + [
         pairing.remote_table(r) for r in pairing.transfer_ranks
     ]
     runs = sum(len(t.runs) for t in tables)
     descs = sum(len(t) for t in tables)
     return {
-        "blocks": sc.cards("decode")[0].geometry.num_blocks,
+        "blocks": d.geometry.num_blocks,
+        "logical_blocks": d.geometry.logical_num_blocks,
+        "remotes": remotes,
         "vllm_ms": t_v * 1e3,
         "kvgeom_ms": t_k * 1e3,
+        "parse_ms": min(parse_s) * 1e3,
         "ratio": t_k / t_v,
         "table_runs": runs,
         "table_descriptors": descs,
@@ -475,7 +495,8 @@ def handshake_row(blocks: int, budget: float) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    ap.add_argument("--blocks", type=int, nargs="*", default=list(BLOCKS))
+    ap.add_argument("--blocks", type=int, nargs="*", default=list(BLOCKS), help="kernel blocks per D rank")
+    ap.add_argument("--remotes", type=int, nargs="*", default=list(REMOTES), help="P ranks (P TP sizes)")
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per measurement and side")
     ap.add_argument(
         "--stream", type=int, default=200, help="requests in the realistic new-length stream (0: none)"
@@ -496,7 +517,7 @@ def main() -> None:
             {"vllm": (sc, side), "kvgeom": (ksc, side)}, args.stream, args.per_decade, args.reps
         )
     requests = [request_row(sc, side, t, args.budget) for t in args.tokens]
-    handshakes = [handshake_row(b, args.budget) for b in args.blocks]
+    handshakes = [handshake_row(b, args.budget, n) for n in args.remotes for b in args.blocks]
     out = {"pair": sc.describe(), "stream": stream, "requests": requests, "handshakes": handshakes}
     if args.json:
         print(json.dumps(out))
@@ -520,11 +541,14 @@ def main() -> None:
             f"{r['tokens']:9d} {r['pairs']:8d} {r['runs']:8d} {r['vllm_us']:10.1f} {r['kvgeom_new_us']:10.1f} "
             f"{r['ratio_new']:6.2f} {r['kvgeom_us']:10.1f} {r['ratio']:6.2f}"
         )
-    print(f"{'blocks':>9} {'vLLM ms':>10} {'kvgeom ms':>10} {'ratio':>6} {'runs':>6} {'descs':>10}")
+    print(
+        f"{'P ranks':>7} {'blocks':>9} {'vLLM ms':>10} {'kvgeom ms':>10} {'parse ms':>9} {'ratio':>6} {'runs':>6} "
+        f"{'descs':>10}"
+    )
     for h in handshakes:
         print(
-            f"{h['blocks']:9d} {h['vllm_ms']:10.2f} {h['kvgeom_ms']:10.2f} {h['ratio']:6.2f} {h['table_runs']:6d} "
-            f"{h['table_descriptors']:10d}"
+            f"{h['remotes']:7d} {h['blocks']:9d} {h['vllm_ms']:10.2f} {h['kvgeom_ms']:10.2f} {h['parse_ms']:9.2f} "
+            f"{h['ratio']:6.2f} {h['table_runs']:6d} {h['table_descriptors']:10d}"
         )
 
 

@@ -87,4 +87,6 @@ def policy_of(compat: CompatLike) -> Policy:
     A misspelt mode is refused with an :class:`~kvgeom.errors.IncompatiblePairError` on field ``compat``."""
     if isinstance(compat, Policy):
         return compat
+    if compat is Compat.VLLM or compat is Compat.KVGEOM:  # a member: no spelling to look up
+        return _POLICIES[compat]
     return _POLICIES[Compat.of(compat)]

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import marshal
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvgeom.errors import CardError, KvgeomError
 from kvgeom.layout.allocate import rank_geometry
@@ -117,6 +119,47 @@ def _derived(geom: RankGeometry) -> dict[str, Any]:
     }
 
 
+class _Parsed(NamedTuple):
+    """One card parsed by :meth:`GeometryCard.from_json_many`, with what a later rank of the same engine reuses:
+    the keys (:func:`_value_key`) of its raw model and of its raw engine without ``tp_rank``, and its derived
+    numbers."""
+
+    card: GeometryCard
+    model_key: bytes | None
+    engine_key: bytes | None
+    derived: dict[str, Any]
+
+
+def _value_key(value: Any) -> bytes | None:
+    """A key equal for two JSON values only when they are the same value, types included (``8``, ``8.0``
+    and ``True`` differ, as the checks of a spec tell them apart): their ``marshal`` bytes. ``None`` (equal
+    to no key) for a value ``marshal`` cannot write. Equal values may still get different keys (``marshal``
+    records which objects they share); a miss only costs the work a key saves."""
+    try:
+        return marshal.dumps(value)
+    except ValueError:
+        return None
+
+
+def _engine_key(engine: Any) -> bytes | None:
+    """The key of a raw engine object without ``tp_rank``."""
+    if not isinstance(engine, dict):
+        return None
+    return _value_key({k: v for k, v in engine.items() if k != "tp_rank"})
+
+
+def _decoded(data: Any) -> dict[str, Any]:
+    """A card's JSON object (``data`` itself, or its text decoded); a typed error for anything else."""
+    if isinstance(data, (str, bytes)):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise CardError("card", f"not valid JSON: {exc}", value=str(data)[:80]) from None
+    if not isinstance(data, dict):
+        raise CardError("card", f"must be a JSON object, got {type(data).__name__}", value=data)
+    return data
+
+
 def _diff(path: str, card: Any, derived: Any) -> None:
     if isinstance(derived, dict):
         if not isinstance(card, dict):
@@ -182,13 +225,40 @@ class GeometryCard:
     def from_json(cls, data: dict[str, Any] | str, limits: CardLimits = DEFAULT_LIMITS) -> GeometryCard:
         """Parse and check a card: ``limits`` first (on the raw JSON), then the spec, then its derived
         numbers against the spec's own."""
-        if isinstance(data, (str, bytes)):
-            try:
-                data = json.loads(data)
-            except json.JSONDecodeError as exc:
-                raise CardError("card", f"not valid JSON: {exc}", value=str(data)[:80]) from None
-        if not isinstance(data, dict):
-            raise CardError("card", f"must be a JSON object, got {type(data).__name__}", value=data)
+        return cls._parse(_decoded(data), limits, None, False)[0]
+
+    @classmethod
+    def from_json_many(
+        cls, items: Sequence[dict[str, Any] | str], limits: CardLimits = DEFAULT_LIMITS
+    ) -> list[GeometryCard]:
+        """Parse and check several cards (the ranks of an engine, as a handshake receives them): the cards
+        and the errors :meth:`from_json` gives for each in turn, with the work ranks share done once. A
+        card whose raw model has the key (:func:`_value_key`) of an earlier card's (the same JSON value,
+        types included)
+        takes that card's parsed model; one whose raw engine also differs from that card's only in
+        ``tp_rank`` takes its geometry with its own engine (a geometry's numbers do not depend on the TP
+        rank) and is checked against the same derived numbers."""
+        done: list[_Parsed] = []
+        for item in items:
+            data = _decoded(item)
+            model_key = _value_key(data.get("model"))
+            engine_key = _engine_key(data.get("engine"))
+            same = next((p for p in done if model_key is not None and p.model_key == model_key), None)
+            card, derived = cls._parse(
+                data,
+                limits,
+                same,
+                same is not None and engine_key is not None and same.engine_key == engine_key,
+            )
+            done.append(_Parsed(card, model_key, engine_key, derived))
+        return [p.card for p in done]
+
+    @classmethod
+    def _parse(
+        cls, data: dict[str, Any], limits: CardLimits, same: _Parsed | None, same_engine: bool
+    ) -> tuple[GeometryCard, dict[str, Any]]:
+        """The checked card of ``data`` and its derived numbers; ``same``: an earlier card of the same raw
+        model (its engine the same but for ``tp_rank`` where ``same_engine``)."""
         version = data.get("kvgeom_card")
         if version != CARD_VERSION:
             raise CardError(
@@ -204,17 +274,23 @@ class GeometryCard:
         try:
             card = cls(
                 str(data["engine_id"]),
-                ModelSpec.from_json(data["model"]),
+                same.card.model if same is not None else ModelSpec.from_json(data["model"]),
                 EngineConfig.from_json(data["engine"]),
                 str(data.get("mode", "pull")),
             )
-            derived = _derived(card.geometry)
+            if same is not None and same_engine:
+                # what `geometry` would compute: the earlier rank's geometry, this rank's engine
+                card.__dict__["geometry"] = replace(same.card.geometry, engine=card.engine)
+                derived = same.derived
+            else:
+                derived = _derived(card.geometry)
         except CardError:
             raise
         except KvgeomError as exc:
             raise CardError(f"card.{exc.field}", str(exc), **exc.values) from None
-        _diff("derived", data["derived"], derived)
-        return card
+        if data["derived"] != derived:  # equal values pass _diff; otherwise it names the first difference
+            _diff("derived", data["derived"], derived)
+        return card, derived
 
     @classmethod
     def loads(cls, text: str) -> GeometryCard:

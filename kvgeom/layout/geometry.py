@@ -242,6 +242,12 @@ class RankGeometry:
     scratch_region_indices: tuple[int, ...] = ()
     ple: ReplicatedLayout | None = None
 
+    def __hash__(self) -> int:
+        """The hash of the engine and the regions (equal geometries have equal ones): hashing the model,
+        every layer's spec, costs several times more and tells apart no geometries these do not (a
+        geometry is looked up by value: ``streams.registration``)."""
+        return hash((self.engine, self.regions, self.page_bytes))
+
     # -- engine numbers -----------------------------------------------------------------------------
     @property
     def tp_size(self) -> int:

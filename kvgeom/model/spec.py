@@ -25,6 +25,7 @@ replication, Mamba2 ``n_groups < TP``). This one rule covers KV heads, SSM heads
 from __future__ import annotations
 
 import json
+import marshal
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -79,6 +80,20 @@ def _spec_from_json(d: dict[str, Any], where: str) -> LayerSpec:
         return MambaSpec(kind=kind, **rest)
     except TypeError as exc:
         raise SpecError(where, f"malformed {kind.value} spec: {exc}", value=d) from None
+
+
+def _spec_once(d: Any, where: str, parsed: dict[bytes, LayerSpec]) -> LayerSpec:
+    """:func:`_spec_from_json` of ``d``, or the spec already parsed (in this one model) from a value of the
+    same ``marshal`` bytes: the same JSON value, types included (``8`` and ``8.0`` differ), so the same
+    spec."""
+    try:
+        key = marshal.dumps(d)
+    except ValueError:  # not a JSON value: parsed (and refused) alone
+        return _spec_from_json(d, where)
+    spec = parsed.get(key)
+    if spec is None:
+        spec = parsed[key] = _spec_from_json(d, where)
+    return spec
 
 
 @dataclass(frozen=True)
@@ -138,14 +153,14 @@ class ModelSpec:
         """Some layer shares another layer's tensor explicitly (``Layer.shares``)."""
         return any(la.shares is not None for la in self.layers)
 
-    @property
+    @cached_property
     def ssm_spec(self) -> MambaSpec | None:
         for layer in self.layers:
             if isinstance(layer.spec, MambaSpec):
                 return layer.spec
         return None
 
-    @property
+    @cached_property
     def attention_spec(self) -> AttentionSpec | None:
         for layer in self.layers:
             if isinstance(layer.spec, AttentionSpec):
@@ -173,6 +188,7 @@ class ModelSpec:
         if not isinstance(d, dict) or "layers" not in d:
             raise SpecError("model", "a model spec must be an object with 'layers'", value=type(d).__name__)
         layers = []
+        parsed: dict[bytes, LayerSpec] = {}  # a model's layers mostly repeat a few specs: each parsed once
         for i, la in enumerate(d["layers"]):
             try:
                 shares = la.get("shares")
@@ -180,7 +196,7 @@ class ModelSpec:
                     Layer(
                         str(la["name"]),
                         int(la["index"]),
-                        _spec_from_json(la["spec"], f"layers[{i}]"),
+                        _spec_once(la["spec"], f"layers[{i}]", parsed),
                         None if shares is None else str(shares),
                     )
                 )

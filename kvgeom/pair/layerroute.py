@@ -39,10 +39,13 @@ __all__ = [
 ]
 
 
+_DIGITS = re.compile(r"(\d+)")
+
+
 def region_sort_key(layer_name: str) -> tuple[tuple[int, int | str], ...]:
     """Natural layer order: digit runs compare as integers and sort before text (``layers.2`` before
     ``layers.10``), the order vLLM registers regions in (except CSA-linear models: registration order)."""
-    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", layer_name))
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in _DIGITS.split(layer_name))
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,8 @@ def _advertised(geom: RankGeometry, routing: bool) -> tuple[list[_Row], dict[str
         )
 
     for region in geom.regions:
-        order = sorted(range(len(region.members)), key=lambda k: region_sort_key(region.members[k][1]))
+        n = len(region.members)  # one member is in order already
+        order = range(n) if n < 2 else sorted(range(n), key=lambda k: region_sort_key(region.members[k][1]))
         who = [region.members[k] for k in order]
         if not region.slots:
             add(region, 0, region.block_len, who, region.name if region.part != "kv" else who[0][1])

@@ -187,11 +187,13 @@ class Pairing:
                     remote=self.remote_tp,
                 )
         local_bytes = [r.nbytes for r in self.local.regions]
+        checked: set[tuple[int, tuple[int, ...]]] = set()  # (table, region sizes) checked in this call
         for rank in self.transfer_ranks:  # invariant I6: every row lies inside its registered region
             self.local_table(self.local_key(rank)).check_bounds(local_bytes, "local")
-            self.remote_table(rank).check_bounds(
-                [r.nbytes for r in self.remotes[rank].regions], f"remote rank {rank}"
-            )
+            table, sizes = self.remote_table(rank), tuple(r.nbytes for r in self.remotes[rank].regions)
+            if (id(table), sizes) not in checked:  # one table shared by ranks of equal views: checked once
+                table.check_bounds(list(sizes), f"remote rank {rank}")
+                checked.add((id(table), sizes))
 
     @property
     def policy(self) -> Policy:
@@ -427,18 +429,24 @@ class Pairing:
                 local[(bsr, src)] = Dlist.from_pseudo(rows, whole.num_fa)
         attn_reads = len(self._first_sources(ssm=False)) or 1
         draft = self.draft_mapping
-        remote = {
-            rank: remote_dlist(
-                view,
-                self.remote_view(rank),
-                bsr,
-                attn_reads,
-                self.mapping.rank_offset_factor,
-                self._vllm_ssm_pieces(self.remote_view(rank)),
-                None if draft is None else (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor),
-            )
-            for rank in self.targets
-        }
+        remote: dict[int, Dlist] = {}
+        built: dict[EngineView, Dlist] = {}  # by the remote view without its TP rank, which no row depends on
+        for rank in self.targets:
+            rview = self.remote_view(rank)
+            key = replace(rview, tp_rank=0)
+            if key not in built:
+                built[key] = remote_dlist(
+                    view,
+                    rview,
+                    bsr,
+                    attn_reads,
+                    self.mapping.rank_offset_factor,
+                    self._vllm_ssm_pieces(rview),
+                    None
+                    if draft is None
+                    else (len(draft.source_ranks_per_group[0]), draft.rank_offset_factor),
+                )
+            remote[rank] = built[key]
         return local, remote
 
     def _vllm_ssm_pieces(self, view: EngineView) -> tuple[tuple[int, int], ...] | None:

@@ -18,8 +18,10 @@ def test_requests_and_handshakes_match_vllm() -> None:
     for tokens in (16, 3000):
         row = bench.request_row(sc, side, tokens, 0.001)
         assert row["pairs"] > 0 and row["runs"] <= row["pairs"]
-    row = bench.handshake_row(100, 0.001)
-    assert row["table_descriptors"] > row["table_runs"] > 0
+    for remotes in (1, 8):
+        row = bench.handshake_row(64, 0.001, remotes)
+        assert row["remotes"] == remotes and row["blocks"] == 60
+        assert row["table_descriptors"] > row["table_runs"] > 0
 
 
 def test_new_length_streams_match_vllm_in_both_modes() -> None:

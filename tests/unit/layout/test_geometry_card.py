@@ -453,3 +453,41 @@ def test_remote_ranks_of_another_model_are_refused() -> None:
     with pytest.raises(KvgeomError) as err:
         Pairing.create(d, [_card(rank=0), p1], mode="pull")
     assert err.value.field == "remotes[1].model"
+
+
+def _ranks(model: ModelSpec, tp: int) -> list[dict[str, Any]]:
+    eng = EngineConfig(tp_size=tp, block_size=8, kernel_block_size=4, num_blocks=10)
+    return [copy.deepcopy(card_of("p", model, eng.with_rank(r)).to_json()) for r in range(tp)]
+
+
+@pytest.mark.parametrize("model", [DENSE, MAMBA1])
+def test_many_cards_parse_to_the_cards_and_geometries_of_each_alone(model: ModelSpec) -> None:
+    raw = _ranks(model, 2) + [data()]  # two ranks of one engine, then another engine
+    many = GeometryCard.from_json_many([json.dumps(d) for d in raw])
+    alone = [GeometryCard.from_json(d) for d in raw]
+    assert many == alone
+    assert [c.engine.tp_rank for c in many] == [0, 1, 0]
+    assert [c.geometry for c in many] == [rank_geometry(c.model, c.engine) for c in alone]
+    assert [c.to_json() for c in many] == raw
+
+
+def test_many_cards_refuse_a_later_rank_whose_model_differs_only_in_a_number_type() -> None:
+    raw = _ranks(DENSE, 2)
+    raw[1]["model"]["layers"][0]["spec"]["num_kv_heads"] = 4.0  # equal to 4, but not an integer
+    err = refused("card.num_kv_heads", lambda: GeometryCard.from_json_many(raw), value=4.0)
+    assert type(err) is CardError
+    refused("card.num_kv_heads", lambda: GeometryCard.from_json(raw[1]), value=4.0)
+
+
+def test_many_cards_refuse_a_later_rank_whose_derived_numbers_lie() -> None:
+    raw = _ranks(DENSE, 2)
+    raw[1]["derived"]["num_blocks"] = 21
+    refused("derived.num_blocks", lambda: GeometryCard.from_json_many(raw), card=21, derived=20)
+
+
+def test_a_model_with_repeated_layer_specs_parses_to_the_layers_it_lists() -> None:
+    spec = DENSE.to_json()
+    spec["layers"][1]["spec"]["head_size"] = 4  # the second layer's spec differs from the first's
+    parsed = ModelSpec.from_json(spec)
+    assert [la.spec.head_size for la in parsed.layers] == [2, 4]
+    assert ModelSpec.from_json(DENSE.to_json()) == DENSE

@@ -6,6 +6,7 @@ consumer learns that a writer is gone, and the error each reports (:data:`FAILUR
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from typing import Any
 
@@ -62,8 +63,11 @@ class TransportPair:
         self.p, self.d = self.pair.p, self.pair.d
         self.blocks = Blocks(self.sc, seed)
         self._salt = 0
+        self._timers: list[threading.Timer] = []
 
     def end(self) -> None:
+        for t in self._timers:
+            t.cancel()
         self.pair.end()
 
     def served_at(self, side: str = "prefill") -> set[str]:
@@ -148,7 +152,8 @@ class TransportPair:
             },
         )
 
-    def push_from(self, p: int, r: dict, **kw: Any) -> dict:
+    def push_from(self, p: int, r: dict, wait: bool = True, **kw: Any) -> dict | None:
+        """P rank ``p`` writes ``r``; its result (``wait=False``: sent only, see :meth:`pushed`)."""
         self.p[p].send(
             "push",
             {
@@ -160,24 +165,38 @@ class TransportPair:
                 **kw,
             },
         )
-        return self._outcome(self.p[p])
+        return self.pushed(p) if wait else None
+
+    def pushed(self, p: int, timeout: float = STEP_S) -> dict:
+        """P rank ``p``'s answer to its last push (raises :class:`Failed`)."""
+        return self._outcome(self.p[p], timeout)
 
     def push(self, r: dict) -> tuple[list[dict], dict]:
         """Push: D waits, every P rank writes; (P ranks' results, D's)."""
         self.start_wait(r)
         pushed = [self.push_from(p, r) for p in range(len(self.p))]
-        return pushed, self.outcome()
+        return pushed, self.outcome()  # type: ignore[return-value]
 
     # -- faults ----------------------------------------------------------------------------------------
     def stall(self, p: int, seconds: float = 120.0) -> None:
-        """P rank ``p`` moves no byte any more (for ``seconds``, or until killed): Mooncake's is stopped
-        (SIGSTOP: its engine's threads too); NIXL's stops driving NIXL (over UCX's TCP a READ then waits)
-        while its side channel still answers (a stopped process's would not: D's freshness check, before
-        any READ is posted, would fail instead)."""
+        """P rank ``p`` moves no byte and takes no command for ``seconds`` (or until killed): Mooncake's is
+        stopped (SIGSTOP: its engine's threads too; SIGCONT after ``seconds``); NIXL's stops driving NIXL
+        (over UCX's TCP a READ then waits) while its side channel still answers (a stopped process's
+        would not: D's freshness check, before any READ is posted, would fail instead)."""
         if self.transport == "mooncake":
             self.p[p].signal(signal.SIGSTOP)
+            timer = threading.Timer(seconds, self._resume, (p,))
+            timer.daemon = True
+            timer.start()
+            self._timers.append(timer)
         else:
             self.p[p].send("busy", seconds)
+
+    def _resume(self, p: int) -> None:
+        try:
+            self.p[p].signal(signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # killed meanwhile
 
     def kill(self, p: int) -> None:
         self.p[p].signal(signal.SIGKILL)

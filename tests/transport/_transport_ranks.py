@@ -232,6 +232,9 @@ def _child(
             continue
         last = time.monotonic()
         try:
+            if cmd == "busy":  # no answer: the rank's next answer is to the next command
+                drv.busy(kw)
+                continue
             if cmd == "stop":
                 drv.close()
                 outbox.put(("ok", None))
@@ -254,9 +257,6 @@ def _child(
                 kw = dict(kw)
                 kw["producer"] = GeometryCard(kw.pop("producer_engine"), sc.model, sc.prefill, sc.mode)
                 out = drv.wait_received(**kw)
-            elif cmd == "busy":
-                drv.busy(kw)
-                out = None
             elif cmd == "writer_gone":
                 out = drv.writer_gone(kw["request_id"], kw["attempt"])
             elif cmd == "settle":

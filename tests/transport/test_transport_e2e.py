@@ -119,6 +119,33 @@ def test_push_with_a_writer_that_never_writes(make_pair, transport: str) -> None
     pair.verify([good, dict(doomed, ok=False)])
 
 
+def test_push_writer_late_past_the_deadline_its_late_notice_gives_the_blocks_back(
+    make_pair, transport: str
+) -> None:
+    """Push: P rank 1 is stalled past D's deadline, then writes after all. D's wait ends at its deadline
+    (NotifTimeout), the blocks are zeroed and held; the late WRITE lands in them (held: no harm) and its
+    notice, which comes after its bytes, is positive evidence that nothing more of that attempt can
+    come: settle() gives the blocks back, zeroed again, without the deployment's release."""
+    pair = make_pair(scenario("push", p_kernel=16), MAX_TOKENS)
+    good, late = pair.requests([640, 1000])
+    pair.fill([good, late])
+    pair.connect()
+    assert pair.push(good)[1]["ok"]
+    pair.stall(1, seconds=8.0)
+    pair.start_wait(late, timeout_s=3.0)
+    assert pair.push_from(0, late)["ok"]
+    pair.push_from(1, late, wait=False)  # taken once rank 1 runs again
+    with pytest.raises(Failed) as e:
+        pair.outcome(timeout=60)
+    assert e.value.kind(transport) == "notif", e.value
+    token = [late["id"], 1]
+    assert pair.quarantined() == [token] and pair.settle() == []  # rank 1 may still write
+    assert pair.pushed(1, timeout=60)["ok"]  # delivered, late: D had given up on the attempt
+    assert pair.settle_until(token, bound_s=20) == [token]
+    assert pair.quarantined() == []
+    pair.verify([good, dict(late, ok=False)])
+
+
 def test_pull_across_network_namespaces_over_tcp(make_pair) -> None:
     """Each rank on a host of its own (a network namespace with its own address, joined by a virtual
     switch): the transport's TCP between addresses, not loopback; every byte of D checked."""

@@ -131,8 +131,8 @@ def test_push_writer_late_past_the_deadline_its_late_notice_gives_the_blocks_bac
     pair.fill([good, late])
     pair.connect()
     assert pair.push(good)[1]["ok"]
-    pair.stall(1, seconds=8.0)
-    pair.start_wait(late, timeout_s=3.0)
+    pair.stall(1, seconds=5.0)  # past D's deadline (2 s) by 3 s: D gives up, then rank 1 writes
+    pair.start_wait(late, timeout_s=2.0)
     assert pair.push_from(0, late)["ok"]
     pair.push_from(1, late, wait=False)  # taken once rank 1 runs again
     with pytest.raises(Failed) as e:

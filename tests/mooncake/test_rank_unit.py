@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import kvgeom_mooncake.rank as rank_mod
 import numpy as np
 import pytest
+from _transport_ranks import scenario
 from kvgeom_mooncake import (
     MooncakeConfig,
     MooncakeRank,
@@ -18,7 +19,6 @@ from kvgeom_mooncake import (
     TransferTimeout,
     block_spans,
 )
-from _transport_ranks import scenario
 
 from kvgeom import KvgeomError
 from kvgeom.tools.scenario import Scenario

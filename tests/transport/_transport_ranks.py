@@ -72,9 +72,9 @@ def _row(res: Any) -> dict:
     ``transfers`` (one per remote rank it moved bytes with), bytes moved and zeroed."""
     d = asdict(res)
     if "batches" in d:  # MoonResult
-        return {k: d[k] for k in ("ok", "attempt", "descriptors", "posted", "bytes_moved", "bytes_zeroed")} | {
-            "transfers": d["batches"]
-        }
+        return {
+            k: d[k] for k in ("ok", "attempt", "descriptors", "posted", "bytes_moved", "bytes_zeroed")
+        } | {"transfers": d["batches"]}
     return {
         "ok": d["ok"],
         "attempt": d["attempt"],
@@ -313,7 +313,9 @@ class Rank:
     def ready(self, transport: str) -> None:
         got = self.answer()
         assert got[0] == "ready", got
-        assert got[2] == sorted(_sources(transport)), f"the rank imports {got[2]}, the test {_sources(transport)}"
+        assert got[2] == sorted(_sources(transport)), (
+            f"the rank imports {got[2]}, the test {_sources(transport)}"
+        )
         self.payload = got[1]
 
     def send(self, cmd: str, kw: Any = None) -> None:

@@ -34,7 +34,10 @@ def _loads(transport: str) -> str | None:
 
 
 @pytest.fixture(
-    params=[pytest.param("nixl", marks=pytest.mark.nixl), pytest.param("mooncake", marks=pytest.mark.mooncake)]
+    params=[
+        pytest.param("nixl", marks=pytest.mark.nixl),
+        pytest.param("mooncake", marks=pytest.mark.mooncake),
+    ]
 )
 def transport(request: pytest.FixtureRequest) -> str:
     why = _loads(request.param)

@@ -8,7 +8,7 @@ CPU process without a cluster lacks is patched, as vLLM's own Mooncake tests pat
 Driven by the parent through queues: ``("send", {...})`` on P (the request is ready: vLLM's two
 ``reqs_to_send`` steps, from ``update_state_after_alloc`` then ``request_finished``), ``("recv", {...})`` on
 D (``reqs_to_recv``, as the scheduler's metadata carries it), then ``("finished", request_id)`` until the
-worker's ``get_finished`` reports it, and ``("blocks", ids)``: the bytes of those blocks of every layer."""
+worker's ``get_finished`` reports it, and ``("blocks", ids)``: the bytes of those blocks of every layer (``ids``: per group kind)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from typing import Any
 from unittest.mock import MagicMock, patch
 
 LAYERS = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(12)]  # facebook/opt-125m
+GDN_LAYER = "model.decoder.layers.12.linear_attn"  # the hybrid's recurrent layer (vLLM's GDN is a MambaSpec)
+GDN_PAD = 64  # bytes after each GDN page in its block (vLLM's own hybrid tests pad the same way)
 HEADS, HEAD_SIZE = 12, 64
 POISON = 0xA5
 
@@ -55,12 +57,29 @@ def _config(role: str, block_size: int, bootstrap_port: int) -> Any:
     )
 
 
-def _caches(block_size: int, num_blocks: int, fill: str) -> tuple[Any, dict[str, Any]]:
+def _caches(block_size: int, num_blocks: int, fill: str, hybrid: bool) -> tuple[Any, dict[str, Any]]:
     """vLLM's cache config for opt-125m's 12 attention layers and one tensor per layer (blocks first, then
     heads, tokens, K and V of a head: the shape tests/vllm/_vllm_workers.py gives vLLM's NIXL worker).
-    ``fill``: ``"known"`` (each byte from a seeded generator, different per layer) or ``"poison"``."""
+    ``fill``: ``"known"`` (each byte from a seeded generator, different per layer) or ``"poison"``. ``hybrid``:
+    also one GDN layer in a second group (one state page per block, padded in its block stride)."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
+
+    def filled(t: Any, seed: int) -> Any:
+        raw = t.view(torch.uint8).view(-1)
+        if fill == "known":
+            g = torch.Generator().manual_seed(seed)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+        else:
+            raw.fill_(POISON)
+        return t
 
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16
@@ -68,18 +87,27 @@ def _caches(block_size: int, num_blocks: int, fill: str) -> tuple[Any, dict[str,
     caches = {}
     for i, name in enumerate(LAYERS):
         t = torch.empty((num_blocks, HEADS, block_size, 2 * HEAD_SIZE), dtype=torch.float16)
-        raw = t.view(torch.uint8).view(-1)
-        if fill == "known":
-            g = torch.Generator().manual_seed(1000 + i)
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-        else:
-            raw.fill_(POISON)
-        caches[name] = t
+        caches[name] = filled(t, 1000 + i)
     page = block_size * HEADS * HEAD_SIZE * 2 * 2
     tensors = [
         KVCacheTensor(size=caches[n].nbytes, layers=[n], layer_stride=page, block_stride=page) for n in LAYERS
     ]
-    return KVCacheConfig(num_blocks, tensors, [KVCacheGroupSpec(list(LAYERS), spec)]), caches
+    groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+    if hybrid:
+        gdn = MambaSpec(
+            block_size=block_size,
+            shapes=((6, 3), (1, 2, 2)),
+            dtypes=(torch.float16, torch.float16),
+            mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        )
+        stride = gdn.page_size_bytes + GDN_PAD
+        raw = filled(torch.empty((num_blocks, stride), dtype=torch.int8), 2000)
+        caches[GDN_LAYER] = raw[:, : gdn.page_size_bytes]
+        tensors.append(
+            KVCacheTensor(size=raw.nbytes, layers=[GDN_LAYER], layer_stride=stride, block_stride=stride)
+        )
+        groups.append(KVCacheGroupSpec([GDN_LAYER], gdn))
+    return KVCacheConfig(num_blocks, tensors, groups), caches
 
 
 def _cpu_runtime() -> ExitStack:
@@ -95,7 +123,7 @@ def _cpu_runtime() -> ExitStack:
 
 
 def rank_main(
-    role: str, block_size: int, num_blocks: int, bootstrap_port: int, inbox: Any, outbox: Any
+    role: str, block_size: int, num_blocks: int, bootstrap_port: int, hybrid: bool, inbox: Any, outbox: Any
 ) -> None:
     os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap_port)
     os.environ.setdefault("GLOG_minloglevel", "2")
@@ -108,7 +136,7 @@ def rank_main(
         )
 
         config = _config(role, block_size, bootstrap_port)
-        kvc, caches = _caches(block_size, num_blocks, "known" if role == "kv_producer" else "poison")
+        kvc, caches = _caches(block_size, num_blocks, "known" if role == "kv_producer" else "poison", hybrid)
         with set_current_vllm_config(config), _cpu_runtime():
             worker = KvgeomMooncakeConnectorWorker(config, config.kv_transfer_config.engine_id, kvc)
             worker.register_kv_caches(caches)
@@ -162,25 +190,31 @@ def _serve(worker: Any, caches: dict[str, Any], metadata_cls: Any, inbox: Any, o
                 "done": kw["request_id"] in finished,
                 "failed": sorted(worker.get_block_ids_with_load_errors()),
             }
-        elif cmd == "blocks":  # the bytes of these blocks of every layer, in order
-            out = {
-                name: bytes(t[kw].contiguous().view(-1).view(dtype=_u8()).numpy())
-                for name, t in caches.items()
-            }
-        elif cmd == "untouched":  # whether every block outside these is still poison
-            keep = set(kw)
+        elif (
+            cmd == "blocks"
+        ):  # per layer the bytes of its group's blocks, in order (kw: {"attn": ids, "gdn": ids})
+            out = {name: _bytes(t[_ids(name, kw)]) for name, t in caches.items()}
+        elif cmd == "untouched":  # whether every block of every layer outside these is still poison
             out = all(
-                bool((t[b].contiguous().view(-1).view(dtype=_u8()) == POISON).all())
-                for t in caches.values()
+                bool((_flat(t[b]) == POISON).all())
+                for name, t in caches.items()
                 for b in range(t.shape[0])
-                if b not in keep
+                if b not in set(_ids(name, kw))
             )
         else:
             raise ValueError(f"unknown command {cmd!r}")
         outbox.put(("ok", out))
 
 
-def _u8() -> Any:
+def _ids(name: str, ids: dict[str, list[int]]) -> list[int]:
+    return ids["gdn"] if name == GDN_LAYER else ids["attn"]
+
+
+def _flat(t: Any) -> Any:
     import torch
 
-    return torch.uint8
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _bytes(t: Any) -> bytes:
+    return bytes(_flat(t).numpy())

@@ -166,13 +166,17 @@ class MoonResult:
 
 @dataclass
 class Held:
-    """A failed attempt's blocks, zeroed and kept out of use while a batch of it may still move bytes."""
+    """A failed attempt's blocks, zeroed and kept out of use while a batch of it may still move bytes:
+    one of ours still running (``pending``), or, push on D, a writer whose ``W`` notice had not come
+    (``writers``: ``(engine, rank)``; its late notice, delivered after its batch's bytes, clears it)."""
 
     token: tuple[str, int]
     ids: list[list[int]]
     pending: list[Future[int]]  # batches still running
     reason: str
     since: float = field(default_factory=time.monotonic)
+    writers: set[tuple[str, int]] = field(default_factory=set)
+    cleared_by: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -422,8 +426,15 @@ class MooncakeRank:
         return time.monotonic() - t0
 
     def _fail(
-        self, exc: BaseException, token: tuple[str, int], ids: Sequence[Sequence[int]], zero: bool
+        self,
+        exc: BaseException,
+        token: tuple[str, int],
+        ids: Sequence[Sequence[int]],
+        zero: bool,
+        writers: set[tuple[str, int]] | None = None,
     ) -> None:
+        """A failed attempt: zero its blocks (``zero``) and hold them while a batch of ours is running or
+        (``writers``, push on D) a writer may still write."""
         pending = [f for f in self._inflight if not f.done()]
         self._inflight = []
         try:
@@ -431,9 +442,15 @@ class MooncakeRank:
                 zero_rows(self.arrays, block_spans(self.card.geometry, ids))
         except KvgeomError:
             return  # ids that are not this rank's blocks: nothing was posted towards them
-        if pending or isinstance(exc, NotifTimeout):
+        if pending or writers:
             self._held.append(
-                Held(token, [list(map(int, g)) for g in ids], pending, f"{type(exc).__name__}: {exc}")
+                Held(
+                    token,
+                    [list(map(int, g)) for g in ids],
+                    pending,
+                    f"{type(exc).__name__}: {exc}",
+                    writers=set(writers or ()),
+                )
             )
 
     def pull(
@@ -533,8 +550,12 @@ class MooncakeRank:
                 self.stats["rejected_notices"] += 1
                 continue
             key = (rid, int(attempt))
-            if any(h.token == key for h in self._held):
+            held = next((h for h in self._held if h.token == key), None)
+            if held is not None:  # after its bytes: this writer writes nothing more of that attempt
                 self.stats["late_notices"] += 1
+                if who in held.writers:
+                    held.writers.discard(who)
+                    held.cleared_by.append(f"{who[0]}:{who[1]} late W")
                 continue
             self._arrived.setdefault(key, set()).add(who)
 
@@ -572,8 +593,9 @@ class MooncakeRank:
     ) -> MoonResult:
         """D in push: wait for the ``W`` notice of exactly this attempt from every producer rank that
         writes here (:func:`kvgeom.push_writers`), then :func:`kvgeom.receive_step`. The deadline zeroes
-        the request's blocks and quarantines them (a writer may still write): :meth:`release` them once
-        the producer is known to have stopped."""
+        the request's blocks and quarantines them while a writer that had not notified may still write:
+        :meth:`settle` gives them back once each such writer's late notice came (after its bytes), or
+        :meth:`release` once the producer is known to have stopped."""
         self._check_free("local_ids", local_ids)
         attempt = self._attempt(request_id, attempt)
         t0 = time.monotonic()
@@ -581,6 +603,7 @@ class MooncakeRank:
         writers = {(producer.engine_id, p) for p in push_writers(producer, self.card, compat)}
         end = t0 + (timeout_s if timeout_s is not None else self.config.notif_timeout_s)
         self._inflight = []
+        got: set[tuple[str, int]] = set()
         try:
             while True:
                 self.drain()
@@ -606,7 +629,7 @@ class MooncakeRank:
             )
             zeroed = apply_receive(self.arrays, self.card.geometry, regroups, zero)
         except BaseException as exc:
-            self._fail(exc, token, local_ids, zero=True)
+            self._fail(exc, token, local_ids, zero=True, writers=writers - got)
             raise
         finally:
             self._arrived.pop(token, None)
@@ -614,15 +637,15 @@ class MooncakeRank:
 
     # -- quarantine ----------------------------------------------------------------------------------
     def settle(self) -> list[Held]:
-        """Attempts none of whose batches is pending any more: their blocks zeroed again (late bytes may
-        have landed) and given back; a push consumer's entries (no batch of ours) stay until
-        :meth:`release`."""
+        """Attempts that nothing can write any more: none of their batches pending and, push on D, every
+        writer that had not notified has sent its late ``W`` notice (:meth:`drain`); their blocks zeroed
+        again (late bytes may have landed) and given back. A push consumer's entry whose writer stays
+        silent stays until :meth:`release`."""
+        self.drain()
         out = []
         for held in list(self._held):
-            if not held.pending and held.reason.startswith("NotifTimeout"):
-                continue
             held.pending = [f for f in held.pending if not f.done()]
-            if not held.pending:
+            if not held.pending and not held.writers:
                 zero_rows(self.arrays, block_spans(self.card.geometry, held.ids))
                 self._held.remove(held)
                 out.append(held)

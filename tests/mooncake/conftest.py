@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 _ROOT = Path(__file__).resolve().parents[2]
-for _p in (str(Path(__file__).resolve().parent), str(_ROOT / "adapters"), str(_ROOT)):
+# tests/transport: the rank harness both transports share (_transport_ranks.py, _transport_pair.py)
+for _p in (str(_ROOT / "tests" / "transport"), str(_ROOT / "adapters"), str(_ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import kvgeom_mooncake.rank as rank_mod
 import numpy as np
 import pytest
+from _transport_ranks import scenario
 from kvgeom_mooncake import (
     MooncakeConfig,
     MooncakeRank,
@@ -18,7 +19,6 @@ from kvgeom_mooncake import (
     TransferTimeout,
     block_spans,
 )
-from test_mooncake_e2e import scenario
 
 from kvgeom import KvgeomError
 from kvgeom.tools.scenario import Scenario
@@ -76,7 +76,7 @@ def ranks(monkeypatch):
 
 
 def _ids(sc: Scenario, tokens: int = 300):
-    from _mooncake_ranks import Blocks
+    from _transport_ranks import Blocks
 
     b = Blocks(sc, seed=11)
     return b.take("decode", tokens), b.take("prefill", tokens)
@@ -225,3 +225,34 @@ def test_hostile_notices_and_payloads_are_refused_not_raised(monkeypatch) -> Non
     with pytest.raises(rank_mod.NotifTimeout):  # none of them counted as a writer's notice
         d.wait_received(sc.cards("prefill")[0], d_ids, p_ids, "r6", num_tokens=300)
     assert d.stats["rejected_notices"] == 4
+
+
+def test_a_late_notice_of_a_held_attempt_clears_its_writer(monkeypatch) -> None:
+    """Push, D: rank 1's W notice comes after D's deadline. Before: counted and dropped, the blocks held
+    until the deployment's release(); now the notice (delivered after the batch's bytes) clears rank 1,
+    and settle() gives the blocks back zeroed. A notice of the attempt from the rank that had already
+    notified clears nothing; a writer that stays silent keeps the blocks held."""
+    sc, d, ps = _push_pair(monkeypatch)
+    d.watch("prefill", {p.rank: p.payload() for p in ps})
+    d_ids, p_ids = _ids(sc)
+    note = {p.rank: (p.session, p._notice("W", "r7", 1, 1, d.session)) for p in ps}
+    inbox = [note[0]]  # rank 0 notifies in time, rank 1 does not
+    monkeypatch.setattr(d.engine, "notifications", lambda: [inbox.pop(0)] if inbox else [])
+    producer = sc.cards("prefill")[0]
+    with pytest.raises(rank_mod.NotifTimeout):
+        d.wait_received(producer, d_ids, p_ids, "r7", num_tokens=300)
+    (held,) = d.quarantined()
+    assert held.token == ("r7", 1) and held.writers == {("prefill", 1)}
+    for a in d.arrays:
+        a[:] = 7  # the late WRITE's bytes land in the held blocks
+    inbox[:] = [note[0]]  # rank 0 again: not an awaited writer
+    assert d.settle() == [] and d.stats["late_notices"] == 1
+    inbox[:] = [note[1]]
+    (back,) = d.settle()
+    assert back.token == ("r7", 1) and back.cleared_by == ["prefill:1 late W"]
+    assert d.quarantined() == [] and d.stats["late_notices"] == 2
+    rows = block_spans(sc.cards("decode")[0].geometry, d_ids)
+    assert len(rows) and all(not d.arrays[r][o : o + n].any() for r, o, n in rows.tolist())  # zeroed again
+    with pytest.raises(rank_mod.NotifTimeout):  # attempt 2: rank 1 silent, nothing clears it
+        d.wait_received(producer, d_ids, p_ids, "r7", num_tokens=300, attempt=2, timeout_s=0.05)
+    assert d.settle() == [] and [h.token for h in d.quarantined()] == [("r7", 2)]

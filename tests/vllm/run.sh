@@ -16,7 +16,8 @@
 # it). .venv-vllm is about 2.5 GB, and the set-up needs about 0.3 GB more while it runs.
 #   3. .vllm-src/hf: an offline Hugging Face cache holding facebook/opt-125m's config.json (tests/data).
 #   4. the tests: vLLM's three NIXL geometry test files with -p kvgeom_vllm.pytest_plugin, vLLM's three Mooncake
-#      connector test files with -p kvgeom_vllm.mooncake.pytest_plugin, then tests/vllm.
+#      connector test files with -p kvgeom_vllm.mooncake.pytest_plugin, then tests/vllm (its
+#      test_mooncake_engine.py: the connector's worker over Mooncake's real transfer engine, the wheel from stage 1).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -39,6 +40,9 @@ LIGHT_DEPS=(
   hypothesis nixl
   # vLLM's Mooncake connector tests (run through kvgeom_vllm.mooncake): its bootstrap server and client, async tests
   httpx uvicorn pytest-asyncio
+  # Mooncake's transfer engine (pyproject's mooncake extra): tests/vllm/test_mooncake_engine.py runs the connector's
+  # worker over the real engine (TCP); on Debian it loads once libibverbs1 and librdmacm1 are there (make host-deps)
+  "mooncake-transfer-engine-non-cuda>=0.3.13"
   # xgrammar's own requirements but triton (installed --no-deps below):
   "apache-tvm-ffi>=0.1.11" typing-extensions
 )
@@ -108,7 +112,8 @@ VLLM_TESTS=(
   tests/v1/kv_connector/unit/test_nixl_connector_hma.py
 )
 
-# vLLM's Mooncake connector tests (its transfer engine mocked by the tests; no Mooncake wheel needed). The two
+# vLLM's Mooncake connector tests (its transfer engine mocked by the tests; the wheel is installed for
+# tests/vllm/test_mooncake_engine.py, which runs the real one). The two
 # deselected ones fail the same way on unmodified vLLM here: they patch the `httpx` module they import, while
 # the connector posts through `huggingface_hub.utils.httpx`, so the real client runs and the fake host does not
 # resolve. hypothesis' pytest plugin is off for this run: its terminal-summary import of hypothesis trips a

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from test_mooncake_e2e import scenario
+from _transport_ranks import scenario
 
 from kvgeom import Pairing, plan_request
 from kvgeom.plan.requestplan import contiguous_runs
@@ -38,7 +38,7 @@ def _merged(moves: np.ndarray) -> np.ndarray:
 
 def _request(sc: Scenario, sequential: bool) -> tuple[list[list[int]], list[list[int]]]:
     """Block ids drawn from shuffled pools, or handed out in order (neighbouring blocks: runs to merge)."""
-    from _mooncake_ranks import Blocks
+    from _transport_ranks import Blocks
 
     b = Blocks(sc, seed=3)
     if sequential:

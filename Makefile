@@ -38,7 +38,7 @@ test-stress: $(STAMP) host-deps
 	@for i in $$(seq 1 $(STRESS_RUNS)); do \
 	  echo "== stressed run $$i of $(STRESS_RUNS)"; \
 	  stress-ng --cpu 2 --timeout 1800s --quiet & sp=$$!; \
-	  PYTHONFAULTHANDLER=1 $(PY) -m pytest tests/adapter; rc=$$?; \
+	  PYTHONFAULTHANDLER=1 $(PY) -m pytest tests/adapter tests/transport tests/mooncake; rc=$$?; \
 	  kill $$sp 2>/dev/null; wait $$sp 2>/dev/null; \
 	  [ $$rc = 0 ] || exit $$rc; \
 	done

@@ -22,13 +22,29 @@ demo: $(STAMP)
 	$(PY) -m kvgeom demo
 
 ## The whole test suite (what CI runs): style and types, kvgeom's own tests, vLLM's connector tests through
-## kvgeom, then the mutation-testing sample (3 mutants of each of the 8 most important modules).
-test: lint test-core test-vllm mutate-ci
+## kvgeom, real vLLM engines serving P/D pairs (the configurations in SERVING_MODES), then the
+## mutation-testing sample (3 mutants of each of the 8 most important modules). The two vLLM venvs' set-ups
+## (downloads and disk: a fresh serving venv took 8.9 min of wall time and 2.5 min of CPU) run beside
+## test-core; their output goes to .setup-*.log and is printed after test-core's.
+SERVING_MODES ?= kvgeom
+test: lint $(STAMP) host-deps
+	@PYTHON=$(PYTHON) bash tests/vllm/run.sh setup >.setup-vllm.log 2>&1 & v=$$!; \
+	PYTHON=$(PYTHON) bash tests/serving/run.sh setup_venv >.setup-serving.log 2>&1 & s=$$!; \
+	$(MAKE) --no-print-directory test-core; rc=$$?; \
+	wait $$v; vr=$$?; wait $$s; sr=$$?; \
+	echo "== set-ups run beside test-core: vLLM venv exit $$vr, serving venv exit $$sr"; \
+	cat .setup-vllm.log .setup-serving.log; \
+	[ $$rc = 0 ] && [ $$vr = 0 ] && [ $$sr = 0 ]
+	$(MAKE) --no-print-directory test-vllm
+	KVGEOM_SERVING_MODES=$(SERVING_MODES) $(MAKE) --no-print-directory test-serving
+	$(MAKE) --no-print-directory mutate-ci
 
-## PYTHONFAULTHANDLER stays on through interpreter shutdown (pytest's own faulthandler stops at its
-## unconfigure), so a crash after the last test names the thread and frame it happened in.
+## Two pytest processes side by side (tests/run_core.sh): the real-process tests (tests/adapter, transport,
+## mooncake: mostly waiting) beside the CPU-bound rest. PYTHONFAULTHANDLER stays on through interpreter
+## shutdown (pytest's own faulthandler stops at its unconfigure), so a crash after the last test names the
+## thread and frame it happened in.
 test-core: $(STAMP) host-deps
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest
+	PY=$(PY) bash tests/run_core.sh
 
 ## The adapter and cross-host tests with both cores kept busy (stress-ng --cpu 2), STRESS_RUNS times;
 ## stops at the first red run. A contributor's laptop and CI are busy machines too (docs/testing.md).

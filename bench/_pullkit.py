@@ -30,7 +30,8 @@ from kvgeom_lab.procs import ProcGroup  # noqa: E402
 
 from kvgeom.layout.allocate import rank_geometry  # noqa: E402
 
-STEP_S = 60.0  # bound of one coordination step (a rank starting, a port map arriving)
+STEP_S = 60.0  # bound of one coordination step (a port map arriving, a rank's report)
+START_S = 300.0  # bound of the ranks' start (torch and the transport imported; over 60 s on a loaded machine)
 
 
 # ----------------------------------------------------------------------------------------- sizing
@@ -76,7 +77,7 @@ def run_ranks(
         group.spawn(consumer, (spec, events, d_inbox), "decode")
         ranks: dict[int, tuple[int, int]] = {}
         while len(ranks) < num_p:
-            kind, rank, port, pid = _next_event(events, min(deadline, time.monotonic() + STEP_S), group)
+            kind, rank, port, pid = _next_event(events, min(deadline, time.monotonic() + START_S), group)
             if kind == "ready":
                 ranks[rank] = (port, pid)
         d_inbox.put(("ranks", ranks))
@@ -108,7 +109,7 @@ def _next_event(events: Any, deadline: float, group: ProcGroup) -> tuple:
 
 def wait_ranks(inbox: Any) -> dict[int, tuple[int, int]]:
     """D side: the P ranks' ``{rank: (side-channel port, pid)}``."""
-    cmd, data = inbox.get(timeout=STEP_S)
+    cmd, data = inbox.get(timeout=START_S)
     if cmd != "ranks":
         raise RuntimeError(f"expected the rank map, got {cmd!r}")
     return {int(r): (int(v[0]), int(v[1])) for r, v in data.items()}

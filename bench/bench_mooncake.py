@@ -40,7 +40,7 @@ import numpy as np
 from _pullkit import gbps, run_ranks, serve, sized
 
 from kvgeom import GeometryCard
-from kvgeom.tools.scenario import Scenario
+from kvgeom.tools.scenario import Scenario, example
 
 SECRET = "kvgeom-bench-mooncake-secret-0123456789"
 DEMO = {
@@ -60,23 +60,8 @@ PAIRS = {
 
 
 def demo_scenario(pair: str = "tp2-tp1") -> dict:
-    from kvgeom import AttentionSpec, MambaSpec, ModelSpec
-
-    layers = [
-        AttentionSpec(num_kv_heads=4, head_size=32, dtype="bfloat16")
-        if i % 4 == 3
-        else MambaSpec.mamba2(
-            num_heads=8,
-            head_dim=16,
-            n_groups=2,
-            state_size=16,
-            conv_kernel=4,
-            conv_dtype="bfloat16",
-            ssm_dtype="float32",
-        )
-        for i in range(12)
-    ]
-    return {"model": ModelSpec.from_layers("demo-mamba2-hybrid", layers).to_json(), **PAIRS[pair]}
+    """The demo's Mamba2 hybrid (the shipped example ``demo-mamba2-hybrid_p2_d1_pull``) with ``pair``'s engines."""
+    return {"model": example("demo-mamba2-hybrid_p2_d1_pull")["model"], **PAIRS[pair]}
 
 
 def _ids(sc: Scenario, tokens: int, order: str = "shuffled") -> tuple[list[list[int]], list[list[int]]]:

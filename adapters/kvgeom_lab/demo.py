@@ -15,37 +15,16 @@ import os
 import secrets
 import sys
 import time
-from typing import Any
 
-from kvgeom import AttentionSpec, MambaSpec, ModelSpec
+from kvgeom import ModelSpec
+from kvgeom.tools.scenario import example
 
 from .cluster import run_cluster
 
-_LAYERS: list[Any] = []
-for i in range(12):
-    if i % 4 == 3:
-        _LAYERS.append(AttentionSpec(num_kv_heads=4, head_size=32, dtype="bfloat16"))
-    else:
-        _LAYERS.append(
-            MambaSpec.mamba2(
-                num_heads=8,
-                head_dim=16,
-                n_groups=2,
-                state_size=16,
-                conv_kernel=4,
-                conv_dtype="bfloat16",
-                ssm_dtype="float32",
-            )
-        )
-DEMO_MODEL = ModelSpec.from_layers("demo-mamba2-hybrid", _LAYERS)
-
-DEFAULT_SCENARIO = {
-    "model": DEMO_MODEL.to_json(),
-    "mode": "pull",
-    "compat": "kvgeom",
-    "prefill": {"tp_size": 2, "block_size": 32, "kernel_block_size": 16, "num_blocks": 512},
-    "decode": {"tp_size": 1, "block_size": 64, "kernel_block_size": 16, "num_blocks": 256},
-}
+#: the demo's pair, the shipped example ``demo-mamba2-hybrid_p2_d1_pull`` (kvgeom/examples; the one definition the
+#: transport tests and bench_mooncake share)
+DEFAULT_SCENARIO = example("demo-mamba2-hybrid_p2_d1_pull")
+DEMO_MODEL = ModelSpec.from_json(DEFAULT_SCENARIO["model"])
 DEFAULT_TOKENS = [97, 1000, 2500, 31, 4096, 640, 1777, 64]
 
 

@@ -10,13 +10,12 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kvgeom.errors import KvgeomError
 from kvgeom.layout.allocate import rank_geometry
-from kvgeom.tools.scenario import ENGINE_KEYS, MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks
+from kvgeom.tools.scenario import ENGINE_KEYS, MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks, examples
 
 __all__ = [
     "UsageError",
@@ -128,16 +127,6 @@ def field_for_cli(field: str, flags: Mapping[str, bool]) -> str:
     if side in ("prefill", "decode") and flags.get(side) and key:
         return f"--{side} {_SHORT.get(key, key)}"
     return field
-
-
-def _examples_dir() -> Path:
-    return Path(str(resources.files("kvgeom") / "examples"))
-
-
-def examples() -> dict[str, Path]:
-    """The shipped example scenarios by name (installed with the package)."""
-    d = _examples_dir()
-    return {p.stem: p for p in sorted(d.glob("*.json"))} if d.is_dir() else {}
 
 
 def load_scenario(

@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,16 @@ from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.request import plan_request
 from kvgeom.plan.requestplan import RequestPlan
 
-__all__ = ["Scenario", "RequestIds", "SCENARIO_KEYS", "ENGINE_KEYS", "MAX_TP", "MAX_BLOCK_SIZE"]
+__all__ = [
+    "Scenario",
+    "RequestIds",
+    "examples",
+    "example",
+    "SCENARIO_KEYS",
+    "ENGINE_KEYS",
+    "MAX_TP",
+    "MAX_BLOCK_SIZE",
+]
 
 #: keys of a scenario object (keys starting with ``_`` are comments)
 SCENARIO_KEYS = ("model", "prefill", "decode", "mode", "compat", "kv_cache_dtype", "mamba_ssm_cache_dtype")
@@ -56,6 +66,26 @@ ENGINE_KEYS: dict[str, Any] = {
 MAX_TP = 1024
 MAX_BLOCK_SIZE = 1 << 20
 _MAX_NUM_BLOCKS = 1 << 40
+
+
+def examples() -> dict[str, Path]:
+    """The shipped example scenarios by name (``kvgeom/examples/*.json``, installed with the package)."""
+    d = Path(str(resources.files("kvgeom") / "examples"))
+    return {p.stem: p for p in sorted(d.glob("*.json"))} if d.is_dir() else {}
+
+
+def example(name: str) -> dict[str, Any]:
+    """A shipped example scenario's JSON object, its comment keys (``_...``) left out: the one definition of
+    a pair that the demo, the transport tests and the benchmarks share. An unknown name is a
+    :class:`~kvgeom.errors.ConfigError` (field ``example``) naming the shipped ones."""
+    shipped = examples()
+    if name not in shipped:
+        raise ConfigError(
+            "example", f"no shipped example {name!r} (shipped: {', '.join(shipped)})", value=name,
+            expected=tuple(shipped),
+        )  # fmt: skip
+    data = json.loads(shipped[name].read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
 @dataclass(frozen=True)

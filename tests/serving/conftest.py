@@ -66,7 +66,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     }
     for name, s in starts.items():
         if s:
-            tr.write_line(f"engines (P32, D32, D64; P64 in kvgeom mode) of {name}: started in {s:.0f} s")
+            tr.write_line(f"engines (A32, B32, C64) of {name}: started in {s:.0f} s")
     out = os.environ.get("KVGEOM_SERVING_RESULTS")
     if out:
         Path(out).write_text(json.dumps(RESULTS, indent=1))

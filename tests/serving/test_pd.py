@@ -1,21 +1,26 @@
 """Real vLLM engines serve tokens as a P/D pair, in vLLM's toy-proxy flow (docs/serving.md).
 
 Each connector configuration (stock NixlConnector; kvgeom_vllm's KvgeomNixlConnector in vLLM-compatible
-and in kvgeom mode; a dense and a Mamba2-hybrid model) starts P (block 32) and two D engines (block 32 and
-block 64) as OpenAI API server processes (``tests/serving/_servers.py``), once for all its cases. Per prompt: P completes it with ``max_tokens=1`` and ``kv_transfer_params: {"do_remote_decode":
-true}``; D completes it with the ``kv_transfer_params`` P returned, pulling P's KV cache (and SSM state)
-over NIXL instead of computing the prompt. D's greedy fp32 token ids must equal those of one engine
-computing the prompt alone (D itself, before any transfer, without ``kv_transfer_params``; the first pair
-of a model fixes the reference and every later D must agree with it), D's ``/metrics`` must show bytes moved
-and no failed transfer -- except where a case documents otherwise (P 32 -> D 64 on stock vLLM, which
-corrupts; on vLLM-compatible kvgeom_vllm, which refuses; kvgeom mode serves it).
+and in kvgeom mode; a dense and a Mamba2-hybrid model) starts three engines as OpenAI API server processes
+(``tests/serving/_servers.py``), once for all its cases: A (block 32), B (block 32) and C (block 64), every
+one ``kv_both``. P 32 -> D 32 is A -> B, P 32 -> D 64 is A -> C, and (kvgeom mode) P 64 -> D 32 is C -> B.
+``KVGEOM_SERVING_MODES`` (a comma list of ``stock``, ``vllm``, ``kvgeom``; all by default) picks the
+configurations. Per prompt: P completes it with ``max_tokens=1`` and ``kv_transfer_params:
+{"do_remote_decode": true}``; D completes it with the ``kv_transfer_params`` P returned, pulling P's KV
+cache (and SSM state) over NIXL instead of computing the prompt. D's greedy fp32 token ids must equal those
+of one engine computing the prompt alone (D itself, before any transfer to it, without
+``kv_transfer_params``; the first D of a model fixes the reference and every later D must agree with it),
+D's ``/metrics`` must show bytes moved and no failed transfer -- except where a case documents otherwise
+(P 32 -> D 64 on stock vLLM, which corrupts; on vLLM-compatible kvgeom_vllm, which refuses; kvgeom mode
+serves it).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +35,8 @@ FAILED = "vllm:nixl_num_failed_transfers_total"
 
 @dataclass(frozen=True)
 class Config:
-    """One connector configuration of a model: P (block 32) and two D engines (block 32 and block 64)
-    serve every case of it, so each engine starts once."""
+    """One connector configuration of a model: three engines (A and B of block 32, C of block 64) serve
+    every case of it, so each engine starts once."""
 
     model: str
     connector: str  # "NixlConnector" or "KvgeomNixlConnector"
@@ -54,23 +59,42 @@ class Config:
 
 
 KVGEOM = "KvgeomNixlConnector"
+MODES = ("stock", "vllm", "kvgeom")
+
+
+def selected_modes(value: str | None) -> tuple[str, ...]:
+    """The configurations ``KVGEOM_SERVING_MODES`` asks for (all when unset); an unknown name is an error,
+    so a typo cannot select nothing and pass."""
+    if not value:
+        return MODES
+    names = tuple(m.strip() for m in value.split(",") if m.strip())
+    unknown = [m for m in names if m not in MODES]
+    if unknown or not names:
+        raise ValueError(f"KVGEOM_SERVING_MODES={value!r}: unknown {unknown}; choose from {list(MODES)}")
+    return names
+
+
+_CONNECTOR = {"stock": "NixlConnector", "vllm": KVGEOM, "kvgeom": KVGEOM}
 CONFIGS = [
-    Config(model, connector, mode)
-    for connector, mode in (("NixlConnector", "stock"), (KVGEOM, "vllm"), (KVGEOM, "kvgeom"))
+    Config(model, _CONNECTOR[mode], mode)
+    for mode in selected_modes(os.environ.get("KVGEOM_SERVING_MODES"))
     for model in ("dense", "nemotron_h")
 ]
 
 
 @dataclass
 class Engines:
+    """A (block 32: P of the block-32 cases), ``d[32]`` = B and ``d[64]`` = C (the D engines; C is also
+    the P of block 64 for P 64 -> D 32)."""
+
     config: Config
     p: Server
-    d: dict[int, Server]  # D block size -> D
+    d: dict[int, Server]  # block size -> D
     start_s: float
-    p64: Server | None = None  # kvgeom mode: a P of block 64 too (P 64 -> D 32)
+    own: dict[int, dict[str, list[int]]] = field(default_factory=dict)  # D block -> its own completions
 
     def stop(self) -> None:
-        for s in (self.p, *self.d.values(), *([self.p64] if self.p64 else [])):
+        for s in (self.p, *self.d.values()):
             s.stop()
 
 
@@ -81,25 +105,13 @@ def engines(request: pytest.FixtureRequest, model_dirs: dict[str, Path], logs_di
     cfg = config.kv_transfer_config()
     model = model_dirs[config.model]
     t0 = time.monotonic()
-    p = Server(f"P[{config.name}]", model, logs_dir / f"{tag}.P32.log", core=0, block_size=32,
-               kv_transfer_config=cfg)  # fmt: skip
-    d = {
-        b: Server(
-            f"D{b}[{config.name}]",
-            model,
-            logs_dir / f"{tag}.D{b}.log",
-            core=1 if b == 32 else 0,
-            block_size=b,
-            kv_transfer_config=cfg,
-        )  # fmt: skip
-        for b in (32, 64)
-    }
-    p64 = None
-    if config.mode == "kvgeom":  # the ratio the other way; stock vLLM asserts on it, vllm mode refuses it
-        p64 = Server(f"P64[{config.name}]", model, logs_dir / f"{tag}.P64.log", core=1, block_size=64,
-                     kv_transfer_config=cfg)  # fmt: skip
-    running = Engines(config, p, d, 0.0, p64)
-    servers = (p, *d.values(), *([p64] if p64 else []))
+
+    def server(role: str, core: int, block: int) -> Server:
+        return Server(f"{role}{block}[{config.name}]", model, logs_dir / f"{tag}.{role}{block}.log", core=core,
+                      block_size=block, kv_transfer_config=cfg)  # fmt: skip
+
+    running = Engines(config, server("A", 0, 32), {32: server("B", 1, 32), 64: server("C", 0, 64)}, 0.0)
+    servers = (running.p, *running.d.values())
     try:
         for s in servers:
             s.start()
@@ -127,15 +139,17 @@ def serve(
     case: str,
     p: Server | None = None,
 ) -> Served:
-    """Every prompt through the toy-proxy flow, P (default: block 32) -> D(d_block); D's greedy tokens
+    """Every prompt through the toy-proxy flow, P (default: A, block 32) -> D(d_block); D's greedy tokens
     against the reference."""
     t0 = time.monotonic()
     p, d = p or engines.p, engines.d[d_block]
-    # one engine computing each prompt alone: D before any transfer
-    own = {prompt: d.complete(prompt, MAX_TOKENS)["token_ids"] for prompt in PROMPTS}
-    assert all(len(t) == MAX_TOKENS for t in own.values()), own
-    ref = references.setdefault(engines.config.model, own)
-    assert own == ref, f"{case}: D's own completions differ from the model's reference"
+    # one engine computing each prompt alone: D before any transfer to it (once per D engine)
+    if d_block not in engines.own:
+        own = {prompt: d.complete(prompt, MAX_TOKENS)["token_ids"] for prompt in PROMPTS}
+        assert all(len(t) == MAX_TOKENS for t in own.values()), own
+        engines.own[d_block] = own
+    ref = references.setdefault(engines.config.model, engines.own[d_block])
+    assert engines.own[d_block] == ref, f"{case}: D's own completions differ from the model's reference"
     before = d.metrics()
     out = Served(0, [], 0.0, 0.0, [])
     for prompt in PROMPTS:
@@ -211,9 +225,8 @@ def test_p64_to_d32_on_the_cpu_page_in_kvgeom_mode(
     """P block 64 -> D block 32 (stock vLLM asserts; vLLM-compatible kvgeom_vllm refuses): kvgeom mode
     reads each 32-token half of P's CPU pages by its token runs and D serves the single engine's tokens."""
     c = engines.config
-    assert engines.p64 is not None, f"{c.name}: no P of block 64 started"
     case = f"{c.model} 64->32"
-    out = serve(engines, 32, references, case, engines.p64)
+    out = serve(engines, 32, references, case, engines.d[64])
     assert not out.errors, out.errors
     assert out.moved > 0, f"{case}: D's /metrics shows no bytes transferred"
     assert out.failed == 0, f"{case}: {out.failed} failed transfers"

@@ -24,30 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from kvgeom import AttentionSpec, GeometryCard, KvgeomError, MambaSpec, ModelSpec, rank_geometry
+from kvgeom import GeometryCard, KvgeomError, ModelSpec, rank_geometry
 from kvgeom.testing import CoordSpace
 from kvgeom.testing.content import POISON_BYTE, fill_source, verify_report
-from kvgeom.tools.scenario import Scenario
+from kvgeom.tools.scenario import Scenario, example
 
 SECRET = "kvgeom-transport-test-secret-0123456789"
 STEP_S = 60.0  # bound of one command's answer (a busy 2-core machine)
 TRANSPORTS = ("nixl", "mooncake")
 
-_LAYERS = [
-    AttentionSpec(num_kv_heads=4, head_size=32, dtype="bfloat16")
-    if i % 4 == 3
-    else MambaSpec.mamba2(
-        num_heads=8,
-        head_dim=16,
-        n_groups=2,
-        state_size=16,
-        conv_kernel=4,
-        conv_dtype="bfloat16",
-        ssm_dtype="float32",
-    )
-    for i in range(12)
-]
-MODEL = ModelSpec.from_layers("transport-e2e-mamba2-hybrid", _LAYERS)
+# the demo's 12-layer Mamba2 hybrid (3 attention + 9 Mamba2 layers), the shipped example's model
+MODEL = ModelSpec.from_json(example("demo-mamba2-hybrid_p2_d1_pull")["model"])
 
 
 def scenario(mode: str, p_kernel: int = 8) -> dict:

@@ -163,6 +163,12 @@ run_kvgeom_tests() {  # kvgeom's own tests that need vLLM (tests/vllm), in the v
   return "$rc"
 }
 
+setup() {  # the venv, vLLM's tests and the offline model files (make test runs this beside test-core)
+  setup_venv
+  fetch_tests
+  setup_hf
+}
+
 all() {
   local t0=$SECONDS
   echo "test-vllm: $(df -Ph . | awk 'NR==2 {print $4}') free on the disk of $ROOT"

@@ -16,7 +16,7 @@ from kvgeom.layout.engine import ConvLayout, KVLayout
 from kvgeom.model.layers import AttentionSpec, MambaSpec, MLASpec
 from kvgeom.model.spec import ModelSpec
 from kvgeom.plan.request import plan_request
-from kvgeom.tools.scenario import MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks
+from kvgeom.tools.scenario import MAX_BLOCK_SIZE, MAX_TP, Scenario, check_ranks, example, examples
 
 # attention: 2 KV heads of 8, bf16 -> 2 * (8 + 8) * 2 = 64 B per token at TP1
 ATTN = AttentionSpec(2, 8)
@@ -420,3 +420,21 @@ def test_a_missing_scenario_file_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         Scenario.load(path)
     assert err.value.field == "scenario" and err.value.values == {"value": str(path)}
+
+
+def test_every_shipped_example_loads_as_a_scenario_without_its_comments() -> None:
+    shipped = examples()
+    assert "demo-mamba2-hybrid_p2_d1_pull" in shipped
+    for name, path in shipped.items():
+        data = example(name)
+        raw = json.loads(path.read_text())
+        assert data == {k: v for k, v in raw.items() if not k.startswith("_")}
+        assert Scenario.from_json(data).engine("prefill").tp_size == raw["prefill"]["tp_size"]
+
+
+def test_an_unknown_example_names_the_shipped_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        example("no-such-pair")
+    assert err.value.field == "example"
+    assert err.value.values["value"] == "no-such-pair"
+    assert set(err.value.values["expected"]) == set(examples())

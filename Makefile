@@ -25,16 +25,16 @@ demo: $(STAMP)
 ## kvgeom, real vLLM engines serving P/D pairs (the configurations in SERVING_MODES), then the
 ## mutation-testing sample (3 mutants of each of the 8 most important modules). The two vLLM venvs' set-ups
 ## (downloads and disk: a fresh serving venv took 8.9 min of wall time and 2.5 min of CPU) run beside
-## test-core; their output goes to .setup-*.log and is printed after test-core's.
+## test-core, one after the other; their output goes to .setup-venvs.log, printed after test-core's.
 SERVING_MODES ?= kvgeom
 test: lint $(STAMP) host-deps
-	@PYTHON=$(PYTHON) bash tests/vllm/run.sh setup >.setup-vllm.log 2>&1 & v=$$!; \
-	PYTHON=$(PYTHON) bash tests/serving/run.sh setup_venv >.setup-serving.log 2>&1 & s=$$!; \
+	@( PYTHON=$(PYTHON) bash tests/vllm/run.sh setup && PYTHON=$(PYTHON) bash tests/serving/run.sh setup_venv ) \
+	  >.setup-venvs.log 2>&1 & s=$$!; \
 	$(MAKE) --no-print-directory test-core; rc=$$?; \
-	wait $$v; vr=$$?; wait $$s; sr=$$?; \
-	echo "== set-ups run beside test-core: vLLM venv exit $$vr, serving venv exit $$sr"; \
-	cat .setup-vllm.log .setup-serving.log; \
-	[ $$rc = 0 ] && [ $$vr = 0 ] && [ $$sr = 0 ]
+	wait $$s; sr=$$?; \
+	echo "== the vLLM venvs' set-up (.venv-vllm, then .venv-serving), run beside test-core: exit $$sr"; \
+	cat .setup-venvs.log; \
+	[ $$rc = 0 ] && [ $$sr = 0 ]
 	$(MAKE) --no-print-directory test-vllm
 	KVGEOM_SERVING_MODES=$(SERVING_MODES) $(MAKE) --no-print-directory test-serving
 	$(MAKE) --no-print-directory mutate-ci

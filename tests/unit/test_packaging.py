@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import email
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -18,11 +19,29 @@ import kvgeom
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git",
+    ".venv*",
+    ".vllm-src",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
+    "mutants",
+)
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel and sdist built from a copy of this tree's sources: a build writes ``*.egg-info`` into the
+    tree it builds, and ``make test`` installs the tree (editable) into the vLLM venvs meanwhile."""
     out = tmp_path_factory.mktemp("dist")
+    src = tmp_path_factory.mktemp("src") / "kvgeom"
+    shutil.copytree(ROOT, src, ignore=_NOT_SOURCE, symlinks=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
         capture_output=True,
         text=True,
         timeout=300,

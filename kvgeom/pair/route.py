@@ -67,24 +67,31 @@ def _unit_slice(
     return c_off, p_off, chunk
 
 
-def _ssm_slices(
-    spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int
-) -> list[tuple[int, int, int]]:
-    """Per conv piece then the temporal state: (consumer, producer) offsets in the page, and length."""
+_Piece = tuple[str, Shard, int, int, int]  # (name, shard, unit bytes, consumer page offset, producer page offset)
+
+
+def _ssm_pieces(spec: MambaSpec, c_tp: int, p_tp: int) -> tuple[_Piece, ...]:
+    """A state page's sharded pieces, the conv pieces then the temporal state, with where each starts in
+    the consumer's and the producer's page (what every route between these TP sizes shares)."""
     row = spec.conv_rows * dtype_size(spec.conv_dtype)
     out, c_base, p_base = [], 0, 0
     for name, piece in zip(spec.piece_names, spec.conv_pieces):
-        c, p, ln = _unit_slice(
-            piece, piece.unit_elems * row, c_rank, c_tp, p_rank, p_tp, j, n, f"conv piece {name}"
-        )
-        out.append((c_base + c, p_base + p, ln))
+        out.append((f"conv piece {name}", piece, piece.unit_elems * row, c_base, p_base))
         c_base += piece.elems_per_rank(c_tp) * row
         p_base += piece.elems_per_rank(p_tp) * row
     t = spec.temporal
-    c, p, ln = _unit_slice(
-        t, t.unit_elems * dtype_size(spec.ssm_dtype), c_rank, c_tp, p_rank, p_tp, j, n, "temporal state"
-    )
-    out.append((c_base + c, p_base + p, ln))
+    out.append(("temporal state", t, t.unit_elems * dtype_size(spec.ssm_dtype), c_base, p_base))
+    return tuple(out)
+
+
+def _ssm_slices(
+    pieces: tuple[_Piece, ...], c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int
+) -> list[tuple[int, int, int]]:
+    """Per piece of :func:`_ssm_pieces`: (consumer, producer) offsets in the page, and length."""
+    out = []
+    for name, shard, unit_bytes, c_base, p_base in pieces:
+        c, p, ln = _unit_slice(shard, unit_bytes, c_rank, c_tp, p_rank, p_tp, j, n, name)
+        out.append((c_base + c, p_base + p, ln))
     return out
 
 
@@ -142,6 +149,7 @@ def routes(
     spread = dcp_pages_differ(c_geom, p_geom, mode)
     lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)
     mla = local_is_mla if local_is_mla is not None else local.region_is_mla
+    pieces = _ssm_pieces(local.ssm.spec, c_tp, p_tp) if local.ssm is not None else ()
     cmaps: dict[int, TPMapping] = {}
     out: dict[int, Route] = {}
     for remote_rank, remote_row_lens in row_lens.items():
@@ -171,9 +179,7 @@ def routes(
         if local.ssm is not None:
             ssm_src = next((s for s, is_ssm in zip(cmap.source_ranks_per_group, kinds) if is_ssm), ())
             if p_rank in ssm_src:
-                slices = _ssm_slices(
-                    local.ssm.spec, c_rank, c_tp, p_rank, p_tp, ssm_src.index(p_rank), len(ssm_src)
-                )
+                slices = _ssm_slices(pieces, c_rank, c_tp, p_rank, p_tp, ssm_src.index(p_rank), len(ssm_src))
                 ssm = tuple((c, p, ln) if pull else (p, c, ln) for c, p, ln in slices)
         out[remote_rank] = Route(remote_rank, groups, fa, ssm)
     return out

@@ -67,7 +67,8 @@ def _unit_slice(
     return c_off, p_off, chunk
 
 
-_Piece = tuple[str, Shard, int, int, int]  # (name, shard, unit bytes, consumer page offset, producer page offset)
+#: (name, shard, unit bytes, consumer page offset, producer page offset) of one piece of a state page
+_Piece = tuple[str, Shard, int, int, int]
 
 
 def _ssm_pieces(spec: MambaSpec, c_tp: int, p_tp: int) -> tuple[_Piece, ...]:

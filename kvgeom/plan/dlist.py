@@ -167,11 +167,14 @@ def check_bounds_all(tables: Sequence[tuple[Dlist, Sequence[int], str]]) -> None
         return
     lays = [t.layout for t, _, _ in tables]
     which = np.repeat(np.arange(len(tables)), [lay.base.size for lay in lays])
-    col = {f: np.concatenate([getattr(lay, f) for lay in lays]) for f in ("base", "length", "stride", "count")}
+    col = {
+        f: np.concatenate([getattr(lay, f) for lay in lays]) for f in ("base", "length", "stride", "count")
+    }
     keep = col["count"] > 0
     r, which = col["base"][keep] >> REGION_SHIFT, which[keep]
     width = max(1, max(len(sizes) for _, sizes, _ in tables))
-    grid = np.full((len(tables), width + 1), -1, dtype=np.int64)  # each table's sizes; column -1 (none) stays -1
+    # each table's region sizes, one row each; the last column (no such region) stays -1
+    grid = np.full((len(tables), width + 1), -1, dtype=np.int64)
     for i, (_, sizes, _) in enumerate(tables):
         grid[i, : len(sizes)] = sizes
     n = np.asarray([len(sizes) for _, sizes, _ in tables], dtype=np.int64)[which]

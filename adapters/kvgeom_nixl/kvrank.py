@@ -564,20 +564,22 @@ class KVRank:
                     max_bytes=self.config.max_message_bytes,
                 )
             via = "sidechannel"
-        cards = {}
         for r, p in payloads.items():
-            where = f"{engine_id} rank {r} ({addrs[r][0]}:{addrs[r][1]})"
             if p["engine_id"] != engine_id or p["rank"] != r:
+                where = f"{engine_id} rank {r} ({addrs[r][0]}:{addrs[r][1]})"
                 raise ProtocolError(
                     f"{where} answered as engine {p['engine_id']!r} rank {p['rank']}",
                     stage="handshake",
                     peer=where,
                 )
-            try:
-                card = GeometryCard.from_json(p["card"], self.card_limits)
-            except KvgeomError as exc:
-                self.rejected[engine_id] = str(exc)
-                raise
+        try:  # the engine's cards at once: what its ranks share is parsed and checked once
+            parsed = GeometryCard.from_json_many([p["card"] for p in payloads.values()], self.card_limits)
+        except KvgeomError as exc:
+            self.rejected[engine_id] = str(exc)
+            raise
+        cards = {}
+        for (r, p), card in zip(payloads.items(), parsed):
+            where = f"{engine_id} rank {r} ({addrs[r][0]}:{addrs[r][1]})"
             if card.engine_id != engine_id or card.engine.tp_rank != r:
                 raise ProtocolError(
                     f"{where} sent the card of engine {card.engine_id!r} rank {card.engine.tp_rank}",

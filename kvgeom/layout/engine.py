@@ -211,6 +211,15 @@ class EngineConfig:
         stage = self.pp_rank if pp_rank is None else pp_rank
         return EngineConfig(**{**self._fields(), "tp_rank": rank, "pp_rank": stage})
 
+    def same_but_rank(self, other: EngineConfig) -> bool:
+        """Whether ``other`` is this engine seen from another rank: ``other.with_rank(self.tp_rank,
+        self.pp_rank) == self``, compared field by field without building that engine."""
+        return all(
+            getattr(self, k) == getattr(other, k)
+            for k in self.__dataclass_fields__
+            if k not in ("tp_rank", "pp_rank")
+        )
+
     def _fields(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 

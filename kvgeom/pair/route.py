@@ -15,6 +15,7 @@ remote offset, length)`` of each attention region's (sub-)block and of each SSM 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvgeom.dtypes import dtype_size
@@ -23,7 +24,7 @@ from kvgeom.layout.geometry import RankGeometry
 from kvgeom.model.layers import MambaSpec, Shard
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping
 
-__all__ = ["Slice", "Route", "route", "dcp_pages_differ"]
+__all__ = ["Slice", "Route", "route", "routes", "dcp_pages_differ"]
 
 Slice = tuple[int, int, int]  # (local offset, remote offset, length) within a (sub-)block or state page
 
@@ -66,24 +67,32 @@ def _unit_slice(
     return c_off, p_off, chunk
 
 
-def _ssm_slices(
-    spec: MambaSpec, c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int
-) -> list[tuple[int, int, int]]:
-    """Per conv piece then the temporal state: (consumer, producer) offsets in the page, and length."""
+#: (name, shard, unit bytes, consumer page offset, producer page offset) of one piece of a state page
+_Piece = tuple[str, Shard, int, int, int]
+
+
+def _ssm_pieces(spec: MambaSpec, c_tp: int, p_tp: int) -> tuple[_Piece, ...]:
+    """A state page's sharded pieces, the conv pieces then the temporal state, with where each starts in
+    the consumer's and the producer's page (what every route between these TP sizes shares)."""
     row = spec.conv_rows * dtype_size(spec.conv_dtype)
     out, c_base, p_base = [], 0, 0
     for name, piece in zip(spec.piece_names, spec.conv_pieces):
-        c, p, ln = _unit_slice(
-            piece, piece.unit_elems * row, c_rank, c_tp, p_rank, p_tp, j, n, f"conv piece {name}"
-        )
-        out.append((c_base + c, p_base + p, ln))
+        out.append((f"conv piece {name}", piece, piece.unit_elems * row, c_base, p_base))
         c_base += piece.elems_per_rank(c_tp) * row
         p_base += piece.elems_per_rank(p_tp) * row
     t = spec.temporal
-    c, p, ln = _unit_slice(
-        t, t.unit_elems * dtype_size(spec.ssm_dtype), c_rank, c_tp, p_rank, p_tp, j, n, "temporal state"
-    )
-    out.append((c_base + c, p_base + p, ln))
+    out.append(("temporal state", t, t.unit_elems * dtype_size(spec.ssm_dtype), c_base, p_base))
+    return tuple(out)
+
+
+def _ssm_slices(
+    pieces: tuple[_Piece, ...], c_rank: int, c_tp: int, p_rank: int, p_tp: int, j: int, n: int
+) -> list[tuple[int, int, int]]:
+    """Per piece of :func:`_ssm_pieces`: (consumer, producer) offsets in the page, and length."""
+    out = []
+    for name, shard, unit_bytes, c_base, p_base in pieces:
+        c, p, ln = _unit_slice(shard, unit_bytes, c_rank, c_tp, p_rank, p_tp, j, n, name)
+        out.append((c_base + c, p_base + p, ln))
     return out
 
 
@@ -113,45 +122,68 @@ def route(
     stream; ``local_lens`` / ``local_is_mla``: the local streams' page lengths and kinds (default: one
     stream per local region, :mod:`kvgeom.pair.streams`); ``unread``: streams no token group's ids go through (an
     SSM state's stream of packed rows: its rows are cut whole, to the shorter side, and never referenced)."""
+    return routes(
+        local, remote, {remote_rank: remote_row_lens}, mode, local_rows, local_lens, local_is_mla, unread
+    )[remote_rank]
+
+
+def routes(
+    local: RankGeometry,
+    remote: RankGeometry,
+    row_lens: Mapping[int, tuple[int, ...]],
+    mode: str,
+    local_rows: int,
+    local_lens: tuple[int, ...] | None = None,
+    local_is_mla: tuple[bool, ...] | None = None,
+    unread: frozenset[int] = frozenset(),
+) -> dict[int, Route]:
+    """:func:`route` to every remote rank of ``row_lens`` (each rank's ``remote_row_lens``), the consumer's
+    TP mapping computed once per consumer rank (once in a pull: the local rank consumes from every rank)."""
     pull = mode == "pull"
     c_geom, p_geom = (local, remote) if pull else (remote, local)
-    c_rank = local.tp_rank if pull else remote_rank
-    p_rank = remote_rank if pull else local.tp_rank
     c_tp, p_tp = c_geom.tp_size, p_geom.tp_size
     kinds = local.group_is_ssm
     spec = local.model.attention_spec
     draft = (
         spec.num_kv_heads if local.is_mla and spec is not None else None
     )  # head-sharded layers next to MLA
-    cmap = compute_tp_mapping(
-        c_rank,
-        c_tp,
-        p_tp,
-        local.num_kv_heads,
-        local.is_mla,
-        kinds,
-        c_geom.dcp_size,
-        p_geom.dcp_size,
-        head_sharded_kv_heads=draft,
-    )
-    groups = _route_groups(local, cmap, dcp_pages_differ(c_geom, p_geom, mode), p_rank)
-    attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
+    spread = dcp_pages_differ(c_geom, p_geom, mode)
     lens = local_lens if local_lens is not None else tuple(r.block_len for r in local.regions)
     mla = local_is_mla if local_is_mla is not None else local.region_is_mla
-    side = _Sides(pull, c_rank, c_tp, p_rank, p_tp, attn_src, draft)
-    fa = tuple(
-        _region_slice(local, side, r, length // local_rows, rlen, is_mla, r in unread)
-        for r, (length, is_mla, rlen) in enumerate(zip(lens, mla, remote_row_lens))
-    )
-    ssm = None
-    if local.ssm is not None:
-        ssm_src = next((s for s, is_ssm in zip(cmap.source_ranks_per_group, kinds) if is_ssm), ())
-        if p_rank in ssm_src:
-            slices = _ssm_slices(
-                local.ssm.spec, c_rank, c_tp, p_rank, p_tp, ssm_src.index(p_rank), len(ssm_src)
+    pieces = _ssm_pieces(local.ssm.spec, c_tp, p_tp) if local.ssm is not None else ()
+    cmaps: dict[int, TPMapping] = {}
+    out: dict[int, Route] = {}
+    for remote_rank, remote_row_lens in row_lens.items():
+        c_rank = local.tp_rank if pull else remote_rank
+        p_rank = remote_rank if pull else local.tp_rank
+        if c_rank not in cmaps:
+            cmaps[c_rank] = compute_tp_mapping(
+                c_rank,
+                c_tp,
+                p_tp,
+                local.num_kv_heads,
+                local.is_mla,
+                kinds,
+                c_geom.dcp_size,
+                p_geom.dcp_size,
+                head_sharded_kv_heads=draft,
             )
-            ssm = tuple((c, p, ln) if pull else (p, c, ln) for c, p, ln in slices)
-    return Route(remote_rank, groups, fa, ssm)
+        cmap = cmaps[c_rank]
+        groups = _route_groups(local, cmap, spread, p_rank)
+        attn_src = next((s for s, ssm in zip(cmap.source_ranks_per_group, kinds) if not ssm), ())
+        side = _Sides(pull, c_rank, c_tp, p_rank, p_tp, attn_src, draft)
+        fa = tuple(
+            _region_slice(local, side, r, length // local_rows, rlen, is_mla, r in unread)
+            for r, (length, is_mla, rlen) in enumerate(zip(lens, mla, remote_row_lens))
+        )
+        ssm = None
+        if local.ssm is not None:
+            ssm_src = next((s for s, is_ssm in zip(cmap.source_ranks_per_group, kinds) if is_ssm), ())
+            if p_rank in ssm_src:
+                slices = _ssm_slices(pieces, c_rank, c_tp, p_rank, p_tp, ssm_src.index(p_rank), len(ssm_src))
+                ssm = tuple((c, p, ln) if pull else (p, c, ln) for c, p, ln in slices)
+        out[remote_rank] = Route(remote_rank, groups, fa, ssm)
+    return out
 
 
 def _route_groups(local: RankGeometry, cmap: TPMapping, spread: bool, p_rank: int) -> tuple[bool, ...]:

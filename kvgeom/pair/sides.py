@@ -68,7 +68,7 @@ def check_one_engine(rg: Mapping[int, RankGeometry]) -> None:
                 local=first.model.dumps()[:200],
                 remote=g.model.dumps()[:200],
             )
-        if g.engine.with_rank(first.tp_rank, pp_rank=first.engine.pp_rank) != first.engine:
+        if not first.engine.same_but_rank(g.engine):
             raise IncompatiblePairError(
                 f"remotes[{rank}].engine",
                 "all ranks of one remote engine must share its configuration (apart from the rank)",

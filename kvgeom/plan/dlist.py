@@ -25,7 +25,7 @@ from kvgeom.layout.runs import Runs
 from kvgeom.layout.view import OFFSET_MASK, REGION_SHIFT, EngineView, pseudo_bases
 from kvgeom.plan.strided import block_strided_rows, fa_local_rows, fa_remote_rows, mamba_local_rows
 
-__all__ = ["Dlist", "local_dlist", "remote_dlist", "routed_tables", "cut_fa_rows"]
+__all__ = ["Dlist", "check_bounds_all", "local_dlist", "remote_dlist", "routed_tables", "cut_fa_rows"]
 
 
 class Dlist:
@@ -129,10 +129,7 @@ class Dlist:
         base, ln, stride, count = lay.base[keep], lay.length[keep], lay.stride[keep], lay.count[keep]
         sizes = np.asarray(region_bytes, dtype=np.int64)
         r, off = base >> REGION_SHIFT, base & OFFSET_MASK
-        last = off + (count - 1) * stride
-        lo, hi = np.minimum(off, last), np.maximum(off, last)
-        bad = (r < 0) | (r >= sizes.size) | (lo < 0) | (ln < 0)
-        bad |= ~bad & (hi + ln > sizes[np.clip(r, 0, sizes.size - 1)])
+        bad = _out_of_bounds(off, ln, stride, count, _limits(r, sizes))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             first = int(np.cumsum(count)[i] - count[i])
@@ -143,6 +140,50 @@ class Dlist:
                 f"{int(sizes[np.clip(r[i], 0, sizes.size - 1)])} bytes",
                 value=(int(r[i]), int(off[i]), int(ln[i]), int(stride[i]), int(count[i])),
             )
+
+
+def _out_of_bounds(
+    off: np.ndarray, ln: np.ndarray, stride: np.ndarray, count: np.ndarray, limit: np.ndarray
+) -> np.ndarray:
+    """Per run of at least one descriptor (offset, length, stride, count): whether its first or last
+    descriptor leaves its region of ``limit`` bytes (``-1``: the run names no region)."""
+    last = off + (count - 1) * stride
+    lo, hi = np.minimum(off, last), np.maximum(off, last)
+    out: np.ndarray = (limit < 0) | (lo < 0) | (ln < 0) | (hi + ln > limit)
+    return out
+
+
+def _limits(r: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The bytes of region ``r`` of ``sizes`` for every run, ``-1`` where ``r`` names no region."""
+    ok = (r >= 0) & (r < sizes.size)
+    return np.where(ok, sizes[np.clip(r, 0, max(sizes.size - 1, 0))] if sizes.size else -1, -1)
+
+
+def check_bounds_all(tables: Sequence[tuple[Dlist, Sequence[int], str]]) -> None:
+    """:meth:`Dlist.check_bounds` of every ``(table, region bytes, side)`` in one vectorised check over all
+    their runs (a handshake's tables, one per remote rank); where a run is out of bounds, the first such
+    table raises its own error, as checked alone."""
+    if not tables:
+        return
+    lays = [t.layout for t, _, _ in tables]
+    which = np.repeat(np.arange(len(tables)), [lay.base.size for lay in lays])
+    col = {
+        f: np.concatenate([getattr(lay, f) for lay in lays]) for f in ("base", "length", "stride", "count")
+    }
+    keep = col["count"] > 0
+    r, which = col["base"][keep] >> REGION_SHIFT, which[keep]
+    width = max(1, max(len(sizes) for _, sizes, _ in tables))
+    # each table's region sizes, one row each; the last column (no such region) stays -1
+    grid = np.full((len(tables), width + 1), -1, dtype=np.int64)
+    for i, (_, sizes, _) in enumerate(tables):
+        grid[i, : len(sizes)] = sizes
+    n = np.asarray([len(sizes) for _, sizes, _ in tables], dtype=np.int64)[which]
+    limit = grid[which, np.where((r >= 0) & (r < n), r, width)]
+    off = col["base"][keep] & OFFSET_MASK
+    bad = _out_of_bounds(off, col["length"][keep], col["stride"][keep], col["count"][keep], limit)
+    if bad.any():
+        table, region_bytes, side = tables[int(which[np.flatnonzero(bad)[0]])]
+        table.check_bounds(region_bytes, side)
 
 
 def _as_runs(rows: np.ndarray) -> Runs:

@@ -24,12 +24,12 @@ from kvgeom.layout.runs import Runs
 from kvgeom.layout.view import EngineView
 from kvgeom.modes import Compat, CompatLike, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
-from kvgeom.pair.route import Route, dcp_pages_differ, route
+from kvgeom.pair.route import Route, dcp_pages_differ, routes
 from kvgeom.pair.sides import as_geometry, checked_sides
 from kvgeom.pair.streams import region_mapped
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, dcp_handshake_targets, needs_split_local_handles
 from kvgeom.plan.align import Page, group_pages, streamed_pages
-from kvgeom.plan.dlist import Dlist, local_dlist, remote_dlist, routed_tables
+from kvgeom.plan.dlist import Dlist, check_bounds_all, local_dlist, remote_dlist, routed_tables
 from kvgeom.plan.pagecut import PageCut, cut_rows, page_cut
 from kvgeom.plan.pairplan import PairPlan, pair_plan
 from kvgeom.plan.splits import build_local_splits
@@ -159,7 +159,7 @@ class Pairing:
 
     def _prepare(self) -> PairTables:
         """Every value the pairing prepares once (from its fields and ``views``)."""
-        routes = {rank: self._route(rank) for rank in self.targets}
+        routes = self._routes()
         masks = {rank: self._group_mask(rank, routes[rank]) for rank in self.targets}
         local, remote = self._routed(routes) if self.policy.routed else self._vllm_tables()
         pages = tuple(group_pages(self.local, g) for g in range(len(self.local.groups)))
@@ -186,14 +186,17 @@ class Pairing:
                     local=self.local.tp_size,
                     remote=self.remote_tp,
                 )
+        # invariant I6: every row lies inside its registered region, all tables in one vectorised check
+        # (in order: each rank's local table, then its remote table; one table shared by ranks of equal
+        # views, against the same region sizes, is checked once)
         local_bytes = [r.nbytes for r in self.local.regions]
-        checked: set[tuple[int, tuple[int, ...]]] = set()  # (table, region sizes) checked in this call
-        for rank in self.transfer_ranks:  # invariant I6: every row lies inside its registered region
-            self.local_table(self.local_key(rank)).check_bounds(local_bytes, "local")
+        todo: dict[tuple[int, tuple[int, ...]], tuple[Dlist, Sequence[int], str]] = {}
+        for rank in self.transfer_ranks:
+            table = self.local_table(self.local_key(rank))
+            todo.setdefault((id(table), tuple(local_bytes)), (table, local_bytes, "local"))
             table, sizes = self.remote_table(rank), tuple(r.nbytes for r in self.remotes[rank].regions)
-            if (id(table), sizes) not in checked:  # one table shared by ranks of equal views: checked once
-                table.check_bounds(list(sizes), f"remote rank {rank}")
-                checked.add((id(table), sizes))
+            todo.setdefault((id(table), sizes), (table, sizes, f"remote rank {rank}"))
+        check_bounds_all(list(todo.values()))
 
     @property
     def policy(self) -> Policy:
@@ -312,16 +315,16 @@ class Pairing:
         """kvgeom mode: what this rank exchanges with remote rank ``rank`` (:mod:`kvgeom.pair.route`)."""
         return self.tables.routes[rank]
 
-    def _route(self, rank: int) -> Route:
+    def _routes(self) -> dict[int, Route]:
+        """The route to every target (:func:`kvgeom.pair.route.routes`: what the targets share derived once)."""
         rows = self.token_rows
         lview = self.local_view
-        return route(
+        return routes(
             self.local,
-            self.remotes[rank],
-            rank,
+            self.remotes[self.targets[0]],
+            {rank: tuple(x // rows for x in self.remote_view(rank).block_lens) for rank in self.targets},
             self.mode,
             self.local_rows,
-            tuple(x // rows for x in self.remote_view(rank).block_lens),
             lview.block_lens,
             lview.region_is_mla,
             frozenset(

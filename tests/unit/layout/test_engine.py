@@ -116,6 +116,18 @@ def test_with_rank() -> None:
     assert e.with_rank(0, pp_rank=1).pp_rank == 1
 
 
+def test_same_but_rank_is_with_rank_equality() -> None:
+    e = EngineConfig(4, 16, 8, tp_rank=1, kernel_block_size=8, pp_size=2, pp_rank=1, kv_split=True)
+    others = [
+        e.with_rank(2),
+        e.with_rank(3, 0),
+        EngineConfig(4, 16, 8, tp_rank=1, kernel_block_size=8, pp_size=2, pp_rank=1),  # kv_split differs
+        EngineConfig(4, 16, 9, tp_rank=1, kernel_block_size=8, pp_size=2, pp_rank=1, kv_split=True),
+    ]
+    assert [e.same_but_rank(o) for o in others] == [True, True, False, False]
+    assert [e.same_but_rank(o) for o in others] == [o.with_rank(e.tp_rank, e.pp_rank) == e for o in others]
+
+
 def test_json_form() -> None:
     e = EngineConfig(2, 16, 8)
     assert e.to_json() == {

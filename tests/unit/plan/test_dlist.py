@@ -10,7 +10,7 @@ import pytest
 
 from kvgeom.errors import PlanError
 from kvgeom.layout.view import EngineView
-from kvgeom.plan.dlist import Dlist, local_dlist, remote_dlist, routed_tables
+from kvgeom.plan.dlist import Dlist, check_bounds_all, local_dlist, remote_dlist, routed_tables
 
 R = 1 << 44  # region 1's pseudo-address base
 
@@ -150,6 +150,26 @@ def test_dlist_check_bounds():
     assert err.field == "runs.length" and err.values == {"value": -1}
     err = _raises(PlanError, Dlist([[-1, 0, 4]], 1).check_bounds, [100], "local")
     assert err.field == "local dlist[0]" and err.values["value"][0] == -1
+
+
+def test_check_bounds_all_raises_the_first_out_of_bounds_tables_own_error():
+    a = Dlist([[10, 10, 0, 30, 3]], 3)  # ends at 80 in region 0
+    b = Dlist([[0, 10, 0, 10, 2], [5 * R, 1, 0, 1, 0], [R + 40, 20, 0, 20, 1]], 3)  # ends at 20 / 60
+    c = Dlist([[R, 1, 0, 1, 1]], 1)  # region 1
+    check_bounds_all([])
+    check_bounds_all([(a, [80], "local"), (b, [20, 60], "remote rank 0"), (c, [0, 1], "remote rank 1")])
+    # each table against its own sizes: b's region 1 one byte short, c's region past a's only region
+    for tables, field, value in (
+        ([(a, [80], "local"), (b, [20, 59], "remote rank 0")], "remote rank 0 dlist[2]", (1, 40, 20, 20, 1)),
+        ([(a, [80], "local"), (c, [80], "remote rank 1")], "remote rank 1 dlist[0]", (1, 0, 1, 1, 1)),
+        ([(a, [79], "local"), (b, [20, 59], "remote rank 0")], "local dlist[0]", (0, 10, 10, 30, 3)),
+    ):
+        err = _raises(PlanError, check_bounds_all, tables)
+        assert err.field == field and err.values == {"value": value}
+    # a negative stride and a negative region, as checked alone
+    check_bounds_all([(Dlist([[90, 10, 0, -30, 3]], 3), [100], "local")])
+    err = _raises(PlanError, check_bounds_all, [(a, [80], "local"), (Dlist([[-1, 0, 4]], 1), [100], "x")])
+    assert err.field == "x dlist[0]" and err.values["value"][0] == -1
 
 
 # ---------------------------------------------------------------- EngineView

@@ -324,6 +324,34 @@ class _Bounded(OrderedDict):
         return self[key]
 
 
+def _all_arrived(
+    got: Mapping[tuple[str, int], tuple[str, float]],
+    writers: set[tuple[str, int]],
+    end: float,
+    request_id: str,
+    attempt: int,
+) -> bool:
+    """Whether every writer's ``W`` notice of the attempt arrived; an ``A`` from one of them
+    (``TransferError``, ``ABORTED``) or the deadline passed (:class:`NotifTimeout`) raise."""
+    aborted = sorted(w for w, (kind, _) in got.items() if kind == "A" and w in writers)
+    if aborted:
+        raise TransferError(
+            f"producer rank(s) {aborted} abandoned attempt {attempt} of {request_id!r}",
+            stage="notif",
+            status="ABORTED",
+        )
+    if all(w in got for w in writers):
+        return True
+    if time.monotonic() >= end:
+        raise NotifTimeout(
+            f"{sum(w in got for w in writers)} of {len(writers)} producer rank(s) "
+            f"completed attempt {attempt} of {request_id!r} before the deadline",
+            stage="notif",
+            status="TIMEOUT",
+        )
+    return False
+
+
 class KVRank:
     """One engine rank with its KV cache registered on a NIXL agent (see the module docstring)."""
 
@@ -356,23 +384,31 @@ class KVRank:
             self.regions = self.ep.register_tensors(self.tensors)
             self.mem_type = self.regions[0].mem_type
             self.server = self._new_server(host)
-            cfg = self.config
-            if cfg.discovery == "etcd":
-                self.directory = Directory(
-                    EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
-                    cfg.etcd_prefix,
-                    self.auth,
-                    cfg.max_message_bytes,
-                )
-                self.registration = Registration(
-                    EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
-                    engine_key(cfg.etcd_prefix, card.engine_id, self.rank),
-                    cfg.etcd_lease_ttl_s,
-                )
-                self._publish(wait_s=cfg.etcd_timeout_s)  # etcd down: the registration thread retries
+            if self.config.discovery == "etcd":
+                self._join_etcd()
         except BaseException:
             self._close_parts()
             raise
+        self._init_state()
+
+    def _join_etcd(self) -> None:
+        """The etcd directory (peers' records) and this rank's own registration, published."""
+        cfg = self.config
+        self.directory = Directory(
+            EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
+            cfg.etcd_prefix,
+            self.auth,
+            cfg.max_message_bytes,
+        )
+        self.registration = Registration(
+            EtcdClient(cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.max_message_bytes),
+            engine_key(cfg.etcd_prefix, self.card.engine_id, self.rank),
+            cfg.etcd_lease_ttl_s,
+        )
+        self._publish(wait_s=cfg.etcd_timeout_s)  # etcd down: the registration thread retries
+
+    def _init_state(self) -> None:
+        """The links, the fence, the counters and the bounded notice stores of a rank that started."""
         self.pairings: dict[str, Pairing] = {}
         self.links: dict[str, dict[int, PeerLink]] = {}
         self._local: dict[tuple[str, tuple[int, int]], Prepped] = {}
@@ -540,6 +576,31 @@ class KVRank:
         deadline: float,
         timeout: float,
     ) -> Pairing:
+        payloads, addrs, via = self._fetch_payloads(engine_id, ports, deadline, timeout)
+        cards = {}
+        for r, p in payloads.items():
+            cards[r] = self._peer_card(engine_id, r, p, addrs[r])
+            self._left(deadline, timeout, "checking cards", engine_id)
+        try:
+            pairing = Pairing.create(self.card, cards, mode=mode, compat=compat)
+        except KvgeomError as exc:
+            self.rejected[engine_id] = str(exc)
+            raise
+        self._drop_engine(engine_id)
+        links = self._link_ranks(engine_id, pairing, payloads, addrs, cards, via, (deadline, timeout))
+        for r, link in links.items():
+            self._agents[(engine_id, r)] = link.agent
+            self._watch[(engine_id, r)] = (link.host, link.port)
+            self._know_incarnation((engine_id, r), payloads[r])
+        self.pairings[engine_id], self.links[engine_id] = pairing, links
+        self.rejected.pop(engine_id, None)
+        return pairing
+
+    def _fetch_payloads(
+        self, engine_id: str, ports: dict[int, Any] | None, deadline: float, timeout: float
+    ) -> tuple[dict[int, dict[str, Any]], dict[int, tuple[str, int]], str]:
+        """Every rank's payload, its side channel's address, and where they came from (etcd without
+        ``ports``, else each rank's side channel), within the deadline."""
         payloads: dict[int, dict[str, Any]] = {}
         if ports is None:
             if self.directory is None:
@@ -550,59 +611,66 @@ class KVRank:
             self._left(deadline, timeout, "reading etcd", engine_id)
             payloads = self.directory.engine(engine_id, deadline)
             addrs = {r: (p["sidechannel"][0], p["sidechannel"][1]) for r, p in payloads.items()}
-            via = "etcd"
-        else:
-            addrs = {int(r): self._addr(v) for r, v in ports.items()}
-            for r, (host, port) in addrs.items():
-                left = self._left(deadline, timeout, f"fetching rank {r}", engine_id)
-                payloads[r] = fetch(
-                    host,
-                    port,
-                    self.payload(),
-                    timeout_s=left,
-                    auth=self.auth,
-                    max_bytes=self.config.max_message_bytes,
-                )
-            via = "sidechannel"
-        cards = {}
-        for r, p in payloads.items():
-            where = f"{engine_id} rank {r} ({addrs[r][0]}:{addrs[r][1]})"
-            if p["engine_id"] != engine_id or p["rank"] != r:
-                raise ProtocolError(
-                    f"{where} answered as engine {p['engine_id']!r} rank {p['rank']}",
-                    stage="handshake",
-                    peer=where,
-                )
-            try:
-                card = GeometryCard.from_json(p["card"], self.card_limits)
-            except KvgeomError as exc:
-                self.rejected[engine_id] = str(exc)
-                raise
-            if card.engine_id != engine_id or card.engine.tp_rank != r:
-                raise ProtocolError(
-                    f"{where} sent the card of engine {card.engine_id!r} rank {card.engine.tp_rank}",
-                    stage="handshake",
-                    peer=where,
-                )
-            self._check_regions(card, p["regions"], where)
-            owner = next(
-                (k for k, a in self._agents.items() if a == p["agent_name"] and k != (engine_id, r)), None
+            return payloads, addrs, "etcd"
+        addrs = {int(r): self._addr(v) for r, v in ports.items()}
+        for r, (host, port) in addrs.items():
+            left = self._left(deadline, timeout, f"fetching rank {r}", engine_id)
+            payloads[r] = fetch(
+                host,
+                port,
+                self.payload(),
+                timeout_s=left,
+                auth=self.auth,
+                max_bytes=self.config.max_message_bytes,
             )
-            if owner is not None:
-                raise ProtocolError(
-                    f"{where} uses agent name {p['agent_name']!r}, which belongs to engine "
-                    f"{owner[0]!r} rank {owner[1]}",
-                    stage="handshake",
-                    peer=where,
-                )
-            cards[r] = card
-            self._left(deadline, timeout, "checking cards", engine_id)
+        return payloads, addrs, "sidechannel"
+
+    def _peer_card(self, engine_id: str, r: int, p: Mapping[str, Any], addr: tuple[str, int]) -> GeometryCard:
+        """Rank ``r``'s card from its payload, checked: the identity it answers as, the card (limits and
+        consistency), the card's identity and regions, and an agent name no other rank of ours uses."""
+        where = f"{engine_id} rank {r} ({addr[0]}:{addr[1]})"
+        if p["engine_id"] != engine_id or p["rank"] != r:
+            raise ProtocolError(
+                f"{where} answered as engine {p['engine_id']!r} rank {p['rank']}",
+                stage="handshake",
+                peer=where,
+            )
         try:
-            pairing = Pairing.create(self.card, cards, mode=mode, compat=compat)
+            card = GeometryCard.from_json(p["card"], self.card_limits)
         except KvgeomError as exc:
             self.rejected[engine_id] = str(exc)
             raise
-        self._drop_engine(engine_id)
+        if card.engine_id != engine_id or card.engine.tp_rank != r:
+            raise ProtocolError(
+                f"{where} sent the card of engine {card.engine_id!r} rank {card.engine.tp_rank}",
+                stage="handshake",
+                peer=where,
+            )
+        self._check_regions(card, p["regions"], where)
+        owner = next(
+            (k for k, a in self._agents.items() if a == p["agent_name"] and k != (engine_id, r)), None
+        )
+        if owner is not None:
+            raise ProtocolError(
+                f"{where} uses agent name {p['agent_name']!r}, which belongs to engine "
+                f"{owner[0]!r} rank {owner[1]}",
+                stage="handshake",
+                peer=where,
+            )
+        return card
+
+    def _link_ranks(
+        self,
+        engine_id: str,
+        pairing: Pairing,
+        payloads: Mapping[int, Mapping[str, Any]],
+        addrs: Mapping[int, tuple[str, int]],
+        cards: Mapping[int, GeometryCard],
+        via: str,
+        bound: tuple[float, float],
+    ) -> dict[int, PeerLink]:
+        """A link (its agent added, its regions checked against its NIXL metadata, its table prepared) to
+        every rank the pairing reads or writes; on any failure, everything added here is released."""
         links: dict[int, PeerLink] = {}
         added: list[str] = []
         try:
@@ -628,7 +696,7 @@ class KVRank:
                     agent, pairing.remote_table(r).bind_strided(link.bases, link.device), self.mem_type
                 )
                 links[r] = link
-                self._left(deadline, timeout, "preparing tables", engine_id)
+                self._left(*bound, "preparing tables", engine_id)
         except BaseException:
             for link in links.values():
                 if link.prepped is not None:
@@ -639,13 +707,7 @@ class KVRank:
                 except AdapterError:
                     pass
             raise
-        for r, link in links.items():
-            self._agents[(engine_id, r)] = link.agent
-            self._watch[(engine_id, r)] = (link.host, link.port)
-            self._know_incarnation((engine_id, r), payloads[r])
-        self.pairings[engine_id], self.links[engine_id] = pairing, links
-        self.rejected.pop(engine_id, None)
-        return pairing
+        return links
 
     def _check_regions(self, card: GeometryCard, regions: list[list[int]], where: str) -> None:
         """The card's regions (count, sizes) are the advertised ones, and no two overlap."""
@@ -869,8 +931,36 @@ class KVRank:
         for t in plan.transfers:
             self._check_fresh(engine_id, links[t.remote_rank], deadline)
         t_post = time.monotonic()  # CMA transfers complete inside post(): time from the first post
-        push = plan.mode == "push"
         path = self.config.kvgeom_post if pairing.policy.routed else "ids"
+        runs, moved = self._post_all(engine_id, plan, path, attempt, posted, rid)
+        tels = [x.wait(deadline) for x in posted]
+        t_done = time.monotonic()
+        if path == "ids":  # the run count is a diagnostic here (the merged paths counted what they posted)
+            moves = plan.moves(pairing)
+            moved, runs = (int(moves[:, 6].sum()) if len(moves) else 0), contiguous_runs(moves)
+        return RequestResult(
+            plan.request_id,
+            True,
+            plan.num_descriptors,
+            moved,
+            0,
+            sum(t.desc_count or 0 for t in tels),
+            runs,
+            time.monotonic() - t0,
+            t_done - t_post,
+            None,
+            tels,
+            attempt,
+        )
+
+    def _post_all(
+        self, engine_id: str, plan: RequestPlan, path: str, attempt: int, posted: list[Transfer], rid: str
+    ) -> tuple[int, int]:
+        """Post one transfer per source rank (appended to ``posted`` as each is posted) along ``path``;
+        in push, the ranks nothing is written to get their ``W`` notice. Returns the runs and bytes the
+        merged paths posted (``0, 0`` on the ids path)."""
+        pairing, links = self.pairings[engine_id], self.links[engine_id]
+        push = plan.mode == "push"
         runs = moved = 0
         for t in plan.transfers:  # a push WRITE carries its W notice (sent by NIXL once every byte landed)
             link = links[t.remote_rank]
@@ -896,25 +986,7 @@ class KVRank:
                     links[r].agent,
                     self._notice("W", rid, attempt, plan.expected_notifications, links[r].agent),
                 )
-        tels = [x.wait(deadline) for x in posted]
-        t_done = time.monotonic()
-        if path == "ids":  # the run count is a diagnostic here (the merged paths counted what they posted)
-            moves = plan.moves(pairing)
-            moved, runs = (int(moves[:, 6].sum()) if len(moves) else 0), contiguous_runs(moves)
-        return RequestResult(
-            plan.request_id,
-            True,
-            plan.num_descriptors,
-            moved,
-            0,
-            sum(t.desc_count or 0 for t in tels),
-            runs,
-            time.monotonic() - t0,
-            t_done - t_post,
-            None,
-            tels,
-            attempt,
-        )
+        return runs, moved
 
     def _runs(self, pairing: Pairing, t: Any, link: PeerLink, push: bool) -> tuple[np.ndarray, np.ndarray]:
         """One transfer's pairs merged into maximal runs contiguous on both sides (:func:`merge_runs`), as
@@ -1101,23 +1173,8 @@ class KVRank:
             while True:
                 self.drain()
                 got = self._arrived.get(token, {})
-                aborted = sorted(w for w, (kind, _) in got.items() if kind == "A" and w in writers)
-                if aborted:
-                    raise TransferError(
-                        f"producer rank(s) {aborted} abandoned attempt {attempt} of {request_id!r}",
-                        stage="notif",
-                        status="ABORTED",
-                    )
-                if all(w in got for w in writers):
+                if _all_arrived(got, writers, end, request_id, attempt):
                     break
-                now = time.monotonic()
-                if now >= end:
-                    raise NotifTimeout(
-                        f"{sum(w in got for w in writers)} of {len(writers)} producer rank(s) "
-                        f"completed attempt {attempt} of {request_id!r} before the deadline",
-                        stage="notif",
-                        status="TIMEOUT",
-                    )
                 time.sleep(self.config.poll_interval_s)
             regroups, zero = receive_step(
                 self.card.geometry, producer.geometry, local_ids, producer_ids, num_tokens

@@ -537,6 +537,28 @@ class Endpoint:
         """Make and post one request: descriptor ``local_ids[i]`` of ``local`` moves to/from
         ``remote_ids[i]`` of ``remote``. ``READ`` pulls from the peer, ``WRITE`` pushes to it. ``notif``
         reaches the peer once *all* descriptors are done (and means nothing more)."""
+        peer = self._check_prepped(op, local, remote)
+        lids = _as_ids(local_ids, local.count, "local_ids")
+        rids = _as_ids(remote_ids, remote.count, "remote_ids")
+        if lids.size != rids.size or lids.size == 0:
+            raise TransferError(
+                f"need equal, non-zero id counts, got local {lids.size} remote {rids.size}",
+                stage="make",
+                peer=peer,
+                status="NIXL_ERR_INVALID_PARAM",
+            )
+        notif = notif.encode() if isinstance(notif, str) else bytes(notif)
+        try:
+            h = self._agent.make_prepped_xfer(op, local._handle, lids, remote._handle, rids, notif)
+        except Exception as e:
+            raise _wrap(
+                e, f"make_prepped_xfer({op}, {lids.size} descriptors)", stage="make", peer=peer
+            ) from e
+        return self._launch(h, op, peer, int(lids.size))
+
+    def _check_prepped(self, op: str, local: Prepped, remote: Prepped) -> str:
+        """``post``'s checks of its two prepared lists (ours from prep_local, the peer's from prep_remote,
+        neither released, the remote one against the peer's current metadata); returns the peer."""
         self._check_open()
         if op not in OPS:
             raise ValueError(f"op: expected one of {OPS}, got {op!r}")
@@ -558,34 +580,27 @@ class Endpoint:
                 expected=remote.generation,
                 seen=self._peer_gen.get(peer),
             )
-        lids = _as_ids(local_ids, local.count, "local_ids")
-        rids = _as_ids(remote_ids, remote.count, "remote_ids")
-        if lids.size != rids.size or lids.size == 0:
-            raise TransferError(
-                f"need equal, non-zero id counts, got local {lids.size} remote {rids.size}",
-                stage="make",
-                peer=peer,
-                status="NIXL_ERR_INVALID_PARAM",
-            )
-        notif = notif.encode() if isinstance(notif, str) else bytes(notif)
-        try:
-            h = self._agent.make_prepped_xfer(op, local._handle, lids, remote._handle, rids, notif)
-        except Exception as e:
-            raise _wrap(
-                e, f"make_prepped_xfer({op}, {lids.size} descriptors)", stage="make", peer=peer
-            ) from e
+        return peer
+
+    def _launch(self, h: Any, op: str, peer: str, n: int, owned: Sequence[Any] = ()) -> Transfer:
+        """Post a made request ``h`` of ``n`` descriptors; on a failed post, ``h`` and the per-request
+        lists it ``owned`` are released and the error raised."""
         t0 = time.monotonic()
         try:
             state = self._agent.transfer(h)
         except Exception as e:
             _release_quietly(h, self._leaked)
-            raise _wrap(e, f"posting {op} of {lids.size} descriptors", stage="post", peer=peer) from e
+            for d in owned:
+                _release_quietly(d, self._leaked)
+            raise _wrap(e, f"posting {op} of {n} descriptors", stage="post", peer=peer) from e
         if state == "ERR":
             _release_quietly(h, self._leaked)
+            for d in owned:
+                _release_quietly(d, self._leaked)
             raise TransferError(
-                f"posting {op} of {lids.size} descriptors returned ERR", stage="post", peer=peer, status="ERR"
+                f"posting {op} of {n} descriptors returned ERR", stage="post", peer=peer, status="ERR"
             )
-        xfer = Transfer(self, h, op, peer, int(lids.size), t0, state)
+        xfer = Transfer(self, h, op, peer, n, t0, state, owned)
         self._transfers.add(xfer)
         return xfer
 
@@ -628,6 +643,13 @@ class Endpoint:
                 status="NIXL_ERR_INVALID_PARAM",
             )
         notif = notif.encode() if isinstance(notif, str) else bytes(notif)
+        h, owned = self._make_descs(op, loc, peer, rem, notif, mem_type, path)
+        return self._launch(h, op, peer, int(loc.shape[0]), owned)
+
+    def _make_descs(
+        self, op: str, loc: np.ndarray, peer: str, rem: np.ndarray, notif: bytes, mem_type: str, path: str
+    ) -> tuple[Any, list[Any]]:
+        """The request of ``post_descs`` along ``path``, and the per-request lists it owns ("prep")."""
         n = int(loc.shape[0])
         owned: list[Any] = []
         try:
@@ -648,24 +670,7 @@ class Endpoint:
             for d in owned:
                 _release_quietly(d, self._leaked)
             raise _wrap(e, f"{path} of a {op} of {n} descriptors", stage="make", peer=peer) from e
-        t0 = time.monotonic()
-        try:
-            state = self._agent.transfer(h)
-        except Exception as e:
-            _release_quietly(h, self._leaked)
-            for d in owned:
-                _release_quietly(d, self._leaked)
-            raise _wrap(e, f"posting {op} of {n} descriptors", stage="post", peer=peer) from e
-        if state == "ERR":
-            _release_quietly(h, self._leaked)
-            for d in owned:
-                _release_quietly(d, self._leaked)
-            raise TransferError(
-                f"posting {op} of {n} descriptors returned ERR", stage="post", peer=peer, status="ERR"
-            )
-        xfer = Transfer(self, h, op, peer, n, t0, state, owned)
-        self._transfers.add(xfer)
-        return xfer
+        return h, owned
 
     # ------------------------------------------------------------------------------ notifications
     def _pull_notifs(self) -> None:

@@ -113,6 +113,39 @@ class _Status(DiscoveryError):
 
 
 # ------------------------------------------------------------------------------------------- client
+def _answer(ep: str, path: str, raw: bytes) -> dict[str, Any]:
+    """A member's answer to ``path``: a JSON object (:class:`DiscoveryError` otherwise)."""
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        raise DiscoveryError(
+            f"etcd at {ep} answered {path} with invalid JSON", stage="discovery", peer=ep
+        ) from None
+    if not isinstance(out, dict):
+        raise DiscoveryError(
+            f"etcd at {ep} answered {path} with a {type(out).__name__}",
+            stage="discovery",
+            peer=ep,
+        )
+    return out
+
+
+def _refusal(ep: str, path: str, e: urllib.error.HTTPError) -> _Status:
+    """An error status from a member: its gRPC code and message, when its body has them."""
+    try:
+        detail = json.loads(e.read(1 << 16))
+    except Exception:
+        detail = {}
+    code = detail.get("code") if isinstance(detail, dict) else None
+    msg = detail.get("message") or detail.get("error") if isinstance(detail, dict) else None
+    return _Status(
+        f"etcd at {ep} refused {path}: HTTP {e.code} {msg or e.reason}",
+        code,
+        stage="discovery",
+        peer=ep,
+    )
+
+
 class EtcdClient:
     """A small, bounded etcd v3 client over the JSON gateway (see the module docstring).
 
@@ -171,32 +204,9 @@ class EtcdClient:
                     raw = self._read(resp, deadline)
                 with self._lock:
                     self._first = (first + attempt - 1) % n
-                try:
-                    out = json.loads(raw)
-                except ValueError:
-                    raise DiscoveryError(
-                        f"etcd at {ep} answered {path} with invalid JSON", stage="discovery", peer=ep
-                    ) from None
-                if not isinstance(out, dict):
-                    raise DiscoveryError(
-                        f"etcd at {ep} answered {path} with a {type(out).__name__}",
-                        stage="discovery",
-                        peer=ep,
-                    )
-                return out
+                return _answer(ep, path, raw)
             except urllib.error.HTTPError as e:  # etcd answered: an error status, not unavailability
-                try:
-                    detail = json.loads(e.read(1 << 16))
-                except Exception:
-                    detail = {}
-                code = detail.get("code") if isinstance(detail, dict) else None
-                msg = detail.get("message") or detail.get("error") if isinstance(detail, dict) else None
-                raise _Status(
-                    f"etcd at {ep} refused {path}: HTTP {e.code} {msg or e.reason}",
-                    code,
-                    stage="discovery",
-                    peer=ep,
-                ) from None
+                raise _refusal(ep, path, e) from None
             except (urllib.error.URLError, OSError, TimeoutError, ConnectionError) as e:
                 reason = getattr(e, "reason", e)
                 errors.append(f"{ep}: {type(reason).__name__}: {reason}")

@@ -50,7 +50,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +276,92 @@ def _is_int(v: Any, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
 
 
+def _is_name(v: Any) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= MAX_NAME
+
+
+def _is_region(r: Any) -> bool:
+    return (
+        isinstance(r, list)
+        and len(r) == 3
+        and _is_int(r[0], 1, 1 << 64)
+        and _is_int(r[1], 1, 1 << 48)
+        and _is_int(r[2], 0, 1 << 16)
+        and r[0] + r[1] <= 1 << 64
+    )
+
+
+def _is_sidechannel(sc: Any) -> bool:
+    return sc is None or (
+        isinstance(sc, list) and len(sc) == 2 and _is_name(sc[0]) and _is_int(sc[1], 0, 1 << 16)
+    )
+
+
+def _is_started(v: Any) -> bool:
+    return isinstance(v, float) and v >= 0 and v == v and v != float("inf")
+
+
+def _type_name(v: Any) -> str:
+    return type(v).__name__
+
+
+def _metadata_shown(md: Any) -> str:
+    return type(md).__name__ if not isinstance(md, bytes) else f"{len(md)} bytes"
+
+
+def _same(v: Any) -> Any:
+    return v
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    regions: int
+    metadata_bytes: int
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One payload field's check: ``ok(value, bounds)``, else a :class:`ProtocolError` naming the field,
+    ``shown(value)`` and ``what`` (formatted with ``max_regions`` and ``MAX_NAME``)."""
+
+    field: str
+    ok: Callable[[Any, _Bounds], bool]
+    what: str
+    shown: Callable[[Any], Any] = _same
+    missing: Any = None  # the value of an absent field
+
+
+#: every field of a payload, checked in this order; each region of ``regions`` right after it
+_PAYLOAD_CHECKS = (
+    _Check("engine_id", lambda v, b: _is_name(v), "expected a string of 1..{MAX_NAME} chars"),
+    _Check("agent_name", lambda v, b: _is_name(v), "expected a string of 1..{MAX_NAME} chars"),
+    _Check("rank", lambda v, b: _is_int(v, 0, 1 << 16), "expected an int in [0, 65536)"),
+    _Check(
+        "agent_metadata",
+        lambda v, b: isinstance(v, bytes) and 0 < len(v) <= b.metadata_bytes,
+        "expected non-empty bytes",
+        _metadata_shown,
+    ),
+    _Check("card", lambda v, b: isinstance(v, dict), "expected an object", _type_name),
+    _Check(
+        "regions",
+        lambda v, b: isinstance(v, list) and 0 < len(v) <= b.regions,
+        "expected a list of 1..{max_regions} regions",
+        lambda v: len(v) if isinstance(v, list) else v,
+    ),
+    _Check("device_id", lambda v, b: _is_int(v, 0, 1 << 16), "expected an int in [0, 65536)"),
+    _Check("generation", lambda v, b: _is_int(v, 0, 1 << 63), "expected an int >= 0"),
+    _Check(
+        "sidechannel", lambda v, b: _is_sidechannel(v), "expected null or [host, port]", missing="missing"
+    ),
+    _Check(
+        "incarnation", lambda v, b: isinstance(v, str) and len(v) <= 64, "expected a string of 0..64 chars"
+    ),
+    _Check("started", lambda v, b: _is_started(v), "expected a finite number >= 0"),
+)
+_REGION_WHAT = "expected [addr, nbytes, device_id] with 0 < addr, 0 < nbytes < 2**48, addr + nbytes <= 2**64"
+
+
 def validate_payload(
     payload: Any,
     where: str | None = None,
@@ -283,102 +369,17 @@ def validate_payload(
     max_regions: int = MAX_REGIONS,
     max_metadata_bytes: int = MAX_MESSAGE_BYTES,
 ) -> dict[str, Any]:
-    """Check every field's type and range before anything uses it; :class:`ProtocolError` names the
-    field and the value. Returns the payload."""
+    """Check every field's type and range before anything uses it (:data:`_PAYLOAD_CHECKS`, in order);
+    :class:`ProtocolError` names the field and the value. Returns the payload."""
     _need(isinstance(payload, dict), "payload", type(payload).__name__, "expected an object", where)
-    for key in ("engine_id", "agent_name"):
-        v = payload.get(key)
-        _need(
-            isinstance(v, str) and 0 < len(v) <= MAX_NAME,
-            key,
-            v,
-            f"expected a string of 1..{MAX_NAME} chars",
-            where,
-        )
-    _need(
-        _is_int(payload.get("rank"), 0, 1 << 16),
-        "rank",
-        payload.get("rank"),
-        "expected an int in [0, 65536)",
-        where,
-    )
-    md = payload.get("agent_metadata")
-    _need(
-        isinstance(md, bytes) and 0 < len(md) <= max_metadata_bytes,
-        "agent_metadata",
-        type(md).__name__ if not isinstance(md, bytes) else f"{len(md)} bytes",
-        "expected non-empty bytes",
-        where,
-    )
-    _need(
-        isinstance(payload.get("card"), dict),
-        "card",
-        type(payload.get("card")).__name__,
-        "expected an object",
-        where,
-    )
-    regions = payload.get("regions")
-    _need(
-        isinstance(regions, list) and 0 < len(regions) <= max_regions,
-        "regions",
-        len(regions) if isinstance(regions, list) else regions,
-        f"expected a list of 1..{max_regions} regions",
-        where,
-    )
-    for i, r in enumerate(regions):
-        _need(
-            isinstance(r, list)
-            and len(r) == 3
-            and _is_int(r[0], 1, 1 << 64)
-            and _is_int(r[1], 1, 1 << 48)
-            and _is_int(r[2], 0, 1 << 16)
-            and r[0] + r[1] <= 1 << 64,
-            f"regions[{i}]",
-            r,
-            "expected [addr, nbytes, device_id] with 0 < addr, 0 < nbytes < 2**48, addr + nbytes <= 2**64",
-            where,
-        )
-    _need(
-        _is_int(payload.get("device_id"), 0, 1 << 16),
-        "device_id",
-        payload.get("device_id"),
-        "expected an int in [0, 65536)",
-        where,
-    )
-    _need(
-        _is_int(payload.get("generation"), 0, 1 << 63),
-        "generation",
-        payload.get("generation"),
-        "expected an int >= 0",
-        where,
-    )
-    sc = payload.get("sidechannel", "missing")
-    _need(
-        sc is None
-        or (
-            isinstance(sc, list)
-            and len(sc) == 2
-            and isinstance(sc[0], str)
-            and 0 < len(sc[0]) <= MAX_NAME
-            and _is_int(sc[1], 0, 1 << 16)
-        ),
-        "sidechannel",
-        sc,
-        "expected null or [host, port]",
-        where,
-    )
-    inc = payload.get("incarnation")
-    _need(
-        isinstance(inc, str) and len(inc) <= 64, "incarnation", inc, "expected a string of 0..64 chars", where
-    )
-    started = payload.get("started")
-    _need(
-        isinstance(started, float) and started >= 0 and started == started and started != float("inf"),
-        "started",
-        started,
-        "expected a finite number >= 0",
-        where,
-    )
+    bounds = _Bounds(max_regions, max_metadata_bytes)
+    for check in _PAYLOAD_CHECKS:
+        v = payload.get(check.field, check.missing)
+        what = check.what.format(max_regions=max_regions, MAX_NAME=MAX_NAME)
+        _need(check.ok(v, bounds), check.field, check.shown(v), what, where)
+        if check.field == "regions":
+            for i, r in enumerate(v):
+                _need(_is_region(r), f"regions[{i}]", r, _REGION_WHAT, where)
     return payload
 
 
@@ -464,14 +465,20 @@ class SideChannelServer:
         self._max_pending = int(max_pending)
         self._max_handlers = int(max_connections)
         self._slots = threading.BoundedSemaphore(self._max_handlers)
-        self._handlers = 0
-        self._buffered = 0  # bytes in the pending connections' buffers
-        self.incarnation = os.urandom(16) if incarnation is None else bytes(incarnation)
-        self.started = time.time()
-        self._pending: OrderedDict[int, _Pending] = OrderedDict()
-        self._sessions: OrderedDict[int, _Session] = OrderedDict()  # least recently used first
         self._max_sessions = int(max_sessions)
         self._session_idle_s = float(session_idle_s)
+        self.incarnation = os.urandom(16) if incarnation is None else bytes(incarnation)
+        self.started = time.time()
+        self._init_state()
+        self._set_payload(dict(payload or {}))
+        self._bind(host, port)
+
+    def _init_state(self) -> None:
+        """The server's bookkeeping, empty: connections, sessions, peers, nonces, counters, threads."""
+        self._handlers = 0
+        self._buffered = 0  # bytes in the pending connections' buffers
+        self._pending: OrderedDict[int, _Pending] = OrderedDict()
+        self._sessions: OrderedDict[int, _Session] = OrderedDict()  # least recently used first
         self._peers: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         self._nonces: OrderedDict[str, float] = OrderedDict()
         self.stats = dict.fromkeys(_STATS, 0)
@@ -484,7 +491,9 @@ class SideChannelServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._set_payload(dict(payload or {}))
+
+    def _bind(self, host: str, port: int) -> None:
+        """Bind and listen (non-blocking); on failure nothing stays open."""
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

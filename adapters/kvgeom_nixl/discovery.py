@@ -53,7 +53,7 @@ from .errors import (
     ProtocolError,
     StaleMetadata,
 )
-from .sidechannel import (
+from .sidechannel_format import (
     MAX_MESSAGE_BYTES,
     _dumps,
     decode,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
 from kvgeom.errors import ConfigError
@@ -21,6 +21,21 @@ _PARSED_INTS = _INTS + ("max_pending",)  # read as integers from the environment
 MIN_SECRET_BYTES = 16
 MAX_PENDING_LIMIT = 1 << 16  # unauthenticated connections held at most (one file descriptor each)
 PREAMBLE_TIMEOUT_LIMIT_S = 60.0
+#: the float fields, checked in this order: (fields, the rule each value must meet, the rule in words)
+_FLOATS: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
+    (("etcd_lease_ttl_s",), lambda v: v >= 1, "must be >= 1"),
+    (
+        ("handshake_timeout_s", "transfer_timeout_s", "notif_timeout_s", "etcd_timeout_s"),
+        lambda v: v > 0,
+        "must be > 0",
+    ),
+    (("poll_interval_s", "close_drain_s"), lambda v: v >= 0, "must be >= 0"),
+    (
+        ("peer_payload_ttl_s", "replay_window_s", "notif_ttl_s", "quarantine_bound_s", "gone_refused_s"),
+        lambda v: v > 0,
+        "must be > 0",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -157,6 +172,32 @@ class TransportConfig:
     neighbours in the list)."""
 
     def __post_init__(self) -> None:
+        self._normalize_backends()
+        if self.kvgeom_post not in KVGEOM_POST:
+            raise ValueError(f"kvgeom_post: expected one of {KVGEOM_POST}, got {self.kvgeom_post!r}")
+        if self.discovery not in DISCOVERY:
+            raise ValueError(f"discovery: expected one of {DISCOVERY}, got {self.discovery!r}")
+        self._normalize_etcd()
+        if not isinstance(self.net_devices, str) or not self.net_devices.strip():
+            raise ValueError(
+                f"net_devices: expected 'auto', 'all' or a UCX device list, got {self.net_devices!r}"
+            )
+        object.__setattr__(self, "net_devices", self.net_devices.strip())
+        for names, ok, what in _FLOATS:
+            for f in names:
+                v = float(getattr(self, f))
+                if not ok(v):
+                    raise ValueError(f"{f}: {what}, got {v!r}")
+                object.__setattr__(self, f, v)
+        for f in _INTS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f}: must be an integer >= 1, got {v!r}")
+        self._check_side_channel_bounds()
+        self._normalize_secret()
+        object.__setattr__(self, "insecure", bool(self.insecure))
+
+    def _normalize_backends(self) -> None:
         backends = self.backends
         if isinstance(backends, str):
             backends = (backends,)
@@ -164,10 +205,9 @@ class TransportConfig:
         if not backends or any(not b for b in backends):
             raise ValueError(f"backends: need at least one non-empty backend name, got {self.backends!r}")
         object.__setattr__(self, "backends", backends)
-        if self.kvgeom_post not in KVGEOM_POST:
-            raise ValueError(f"kvgeom_post: expected one of {KVGEOM_POST}, got {self.kvgeom_post!r}")
-        if self.discovery not in DISCOVERY:
-            raise ValueError(f"discovery: expected one of {DISCOVERY}, got {self.discovery!r}")
+
+    def _normalize_etcd(self) -> None:
+        """``etcd_endpoints`` (a comma-separated string too) and ``etcd_prefix``."""
         eps = self.etcd_endpoints
         if isinstance(eps, str):
             eps = tuple(e.strip() for e in eps.split(",") if e.strip())
@@ -183,41 +223,8 @@ class TransportConfig:
             raise ValueError(
                 f"etcd_prefix: expected a key prefix starting with '/', got {self.etcd_prefix!r}"
             )
-        if not isinstance(self.net_devices, str) or not self.net_devices.strip():
-            raise ValueError(
-                f"net_devices: expected 'auto', 'all' or a UCX device list, got {self.net_devices!r}"
-            )
-        object.__setattr__(self, "net_devices", self.net_devices.strip())
-        ttl = float(self.etcd_lease_ttl_s)
-        if not ttl >= 1:
-            raise ValueError(f"etcd_lease_ttl_s: must be >= 1, got {ttl!r}")
-        object.__setattr__(self, "etcd_lease_ttl_s", ttl)
-        for f in ("handshake_timeout_s", "transfer_timeout_s", "notif_timeout_s", "etcd_timeout_s"):
-            v = float(getattr(self, f))
-            if not v > 0:
-                raise ValueError(f"{f}: must be > 0, got {v!r}")
-            object.__setattr__(self, f, v)
-        for f in ("poll_interval_s", "close_drain_s"):
-            v = float(getattr(self, f))
-            if not v >= 0:
-                raise ValueError(f"{f}: must be >= 0, got {v!r}")
-            object.__setattr__(self, f, v)
-        for f in (
-            "peer_payload_ttl_s",
-            "replay_window_s",
-            "notif_ttl_s",
-            "quarantine_bound_s",
-            "gone_refused_s",
-        ):
-            v = float(getattr(self, f))
-            if not v > 0:
-                raise ValueError(f"{f}: must be > 0, got {v!r}")
-            object.__setattr__(self, f, v)
-        for f in _INTS:
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f}: must be an integer >= 1, got {v!r}")
-        self._check_side_channel_bounds()
+
+    def _normalize_secret(self) -> None:
         secret = self.secret
         if isinstance(secret, str):
             secret = secret.encode()
@@ -228,7 +235,6 @@ class TransportConfig:
                 raise ValueError(f"secret: must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
             secret = bytes(secret)
         object.__setattr__(self, "secret", secret)
-        object.__setattr__(self, "insecure", bool(self.insecure))
 
     def _check_side_channel_bounds(self) -> None:
         """``max_pending`` and ``preamble_timeout_s``: a :class:`~kvgeom.errors.ConfigError` naming the

@@ -307,71 +307,20 @@ def _cpu_attention_page(worker: Any, layers: list[Layer]) -> bool:
 def card_of_worker(worker: Any) -> GeometryCard:
     """This rank's geometry card, from the worker's vLLM configuration (:class:`KvgeomError` naming the
     layer and the numbers when kvgeom cannot describe it)."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
     if any(getattr(g, "host_resident", False) for g in worker.kv_cache_config.transfer_groups):
         raise SpecError(
             "kv_cache_groups", "host-resident (HiSparse) cache groups have no kvgeom geometry", value=True
         )
     states = _hf_states(worker) if any(hasattr(s, "mamba_type") for s in worker._layer_specs.values()) else {}
-    layers = []
-    for pos, (name, spec) in enumerate(worker._layer_specs.items()):
-        m = _LAYER_INDEX.search(name)
-        try:
-            kv_spec = _layer_spec(name, spec, worker, states)
-        except KvgeomError:
-            raise
-        except (
-            ArithmeticError,
-            AttributeError,
-            IndexError,
-            TypeError,
-            ValueError,
-        ) as exc:  # vLLM's spec is input
-            raise SpecError(
-                "kv_cache_spec",
-                f"layer {name!r}: vLLM's {type(spec).__name__} does not describe a "
-                f"layer kvgeom knows ({type(exc).__name__}: {exc})",
-                value=type(spec).__name__,
-            ) from None
-        layers.append(Layer(name, int(m.group(1)) if m else pos, kv_spec))
+    layers = [
+        _layer_of(worker, pos, name, spec, states)
+        for pos, (name, spec) in enumerate(worker._layer_specs.items())
+    ]
     csa_linear = any(la.kind is LayerKind.CIRCULAR_BUFFER for la in layers)
     if csa_linear:
-        if not getattr(worker, "_has_packed_cache", False):
-            raise ConfigError(
-                "kv_cache_layout",
-                "a CSA-linear rank is described in vLLM's block-outermost rows only",
-                value=str(worker.kv_cache_layout),
-            )
-        # vLLM registers (and kvgeom's rows place) the pages in the order the caches were handed over
-        order = {name: i for i, name in enumerate(getattr(worker, "device_kv_caches", {}) or {})}
-        if set(order) == {la.name for la in layers}:
-            layers.sort(key=lambda la: order[la.name])
-        layers = _csa_overlays(layers)
+        layers = _csa_layers(worker, layers)
     model = ModelSpec(str(getattr(worker.model_config, "model", "")), tuple(layers))
-    layout = _LAYOUTS.get(str(worker.kv_cache_layout))
-    if layout == "head_major" and _cpu_attention_page(worker, layers):
-        layout = "head_kv_major"
-    if layout is None and model.attention_spec is not None:
-        raise ConfigError(
-            "kv_cache_layout",
-            f"kvgeom has no geometry for the {worker.kv_cache_layout} layout",
-            value=str(worker.kv_cache_layout),
-        )
-    ppl = int(worker._physical_blocks_per_logical_kv_block)
-    engine = EngineConfig(
-        tp_size=int(worker.world_size),
-        tp_rank=int(worker.tp_rank),
-        block_size=int(worker.block_size) * ppl,
-        kernel_block_size=int(worker.block_size),
-        num_blocks=int(worker._logical_num_blocks),
-        kv_layout=layout or "head_major",
-        conv_layout="DS" if is_conv_state_dim_first() else "SD",
-        packed_rows=csa_linear,
-        permute_local_kv=bool(
-            getattr(getattr(worker, "kv_transfer_config", None), "enable_permute_local_kv", False)
-        ),
-    )
+    engine = _engine_config(worker, model, layers, csa_linear)
     card = GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
     # The KV-cache groups in the engine's order: vLLM orders them by each spec's first layer (a Mamba-first
     # hybrid such as NemotronH has its state groups first), kvgeom's own grouping puts attention first. A
@@ -390,6 +339,73 @@ def card_of_worker(worker: Any) -> GeometryCard:
         engine = replace(engine, kv_cache_groups=engine_groups)
         card = GeometryCard(str(worker.engine_id), model, engine, str(worker._TRANSFER_MODE))
     return card
+
+
+def _layer_of(worker: Any, pos: int, name: str, spec: Any, states: Any) -> Layer:
+    """One layer of the card: its index from its name (else its position) and kvgeom's spec of vLLM's."""
+    m = _LAYER_INDEX.search(name)
+    try:
+        kv_spec = _layer_spec(name, spec, worker, states)
+    except KvgeomError:
+        raise
+    except (
+        ArithmeticError,
+        AttributeError,
+        IndexError,
+        TypeError,
+        ValueError,
+    ) as exc:  # vLLM's spec is input
+        raise SpecError(
+            "kv_cache_spec",
+            f"layer {name!r}: vLLM's {type(spec).__name__} does not describe a "
+            f"layer kvgeom knows ({type(exc).__name__}: {exc})",
+            value=type(spec).__name__,
+        ) from None
+    return Layer(name, int(m.group(1)) if m else pos, kv_spec)
+
+
+def _csa_layers(worker: Any, layers: list[Layer]) -> list[Layer]:
+    """A CSA-linear rank's layers: in the order the caches were handed over, with their overlays."""
+    if not getattr(worker, "_has_packed_cache", False):
+        raise ConfigError(
+            "kv_cache_layout",
+            "a CSA-linear rank is described in vLLM's block-outermost rows only",
+            value=str(worker.kv_cache_layout),
+        )
+    # vLLM registers (and kvgeom's rows place) the pages in the order the caches were handed over
+    order = {name: i for i, name in enumerate(getattr(worker, "device_kv_caches", {}) or {})}
+    if set(order) == {la.name for la in layers}:
+        layers.sort(key=lambda la: order[la.name])
+    return _csa_overlays(layers)
+
+
+def _engine_config(worker: Any, model: ModelSpec, layers: list[Layer], csa_linear: bool) -> EngineConfig:
+    """The card's engine: the worker's parallelism, blocks and layouts."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    layout = _LAYOUTS.get(str(worker.kv_cache_layout))
+    if layout == "head_major" and _cpu_attention_page(worker, layers):
+        layout = "head_kv_major"
+    if layout is None and model.attention_spec is not None:
+        raise ConfigError(
+            "kv_cache_layout",
+            f"kvgeom has no geometry for the {worker.kv_cache_layout} layout",
+            value=str(worker.kv_cache_layout),
+        )
+    ppl = int(worker._physical_blocks_per_logical_kv_block)
+    return EngineConfig(
+        tp_size=int(worker.world_size),
+        tp_rank=int(worker.tp_rank),
+        block_size=int(worker.block_size) * ppl,
+        kernel_block_size=int(worker.block_size),
+        num_blocks=int(worker._logical_num_blocks),
+        kv_layout=layout or "head_major",
+        conv_layout="DS" if is_conv_state_dim_first() else "SD",
+        packed_rows=csa_linear,
+        permute_local_kv=bool(
+            getattr(getattr(worker, "kv_transfer_config", None), "enable_permute_local_kv", False)
+        ),
+    )
 
 
 def check_registration(card: GeometryCard, worker: Any) -> None:

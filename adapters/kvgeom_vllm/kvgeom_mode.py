@@ -243,23 +243,7 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
     kvgeom refuses to plan (in vLLM-compatible mode: one vLLM would move to the wrong tokens) fails like a
     failed transfer (vLLM recomputes it), never with wrong bytes."""
     engine_id = meta.remote.engine_id
-    if engine_id in worker._invalid_remote_engines:
-        worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=False)
-        return
-    # P's re-registrations (vLLM 0.33.0; 0.32.0 has no registration generations)
-    generation = getattr(meta.remote, "registration_generation", 0)
-    seen = getattr(worker, "_remote_registration_generations", None)
-    if seen is not None and seen.get(engine_id, 0) < generation:
-        if engine_id in worker._remote_agents:
-            worker._cleanup_remote_engine(engine_id, log_eviction=False)
-        seen[engine_id] = generation
-    if engine_id not in worker._remote_agents:
-        worker._background_nixl_handshake(req_id, engine_id, meta)
-        return
-    worker._engine_last_active[engine_id] = time.perf_counter()
-    if worker._bidirectional_kv_xfer_enabled and worker._is_turn2_read_expired(meta):
-        worker.xfer_stats.record_kv_expired_req()
-        worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=False)
+    if not _admitted(worker, req_id, engine_id, meta):
         return
     try:
         plan = _plan(worker, _pairing(worker, engine_id), req_id, meta)
@@ -279,6 +263,40 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
     if any(len(g) for g in meta.local_block_ids) or (meta.awaiting_kvs and not plan.transfers):
         worker._recving_transfers.setdefault(req_id, [])
     meta.region_blocks_to_zero = Receive(plan)
+    if not _post_reads(worker, req_id, engine_id, plan):
+        return
+    notif = f"{meta.remote.request_id}:{plan.expected_notifications}".encode()
+    for rank in plan.notify_only:
+        _notify(worker, engine_id, rank, notif, req_id)
+
+
+def _admitted(worker: Any, req_id: str, engine_id: str, meta: Any) -> bool:
+    """vLLM's admission checks of a pull (invalid or re-registered engine, pending handshake, expired
+    readback): whether the request goes on to be planned (if not, it was failed or deferred here)."""
+    if engine_id in worker._invalid_remote_engines:
+        worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=False)
+        return False
+    # P's re-registrations (vLLM 0.33.0; 0.32.0 has no registration generations)
+    generation = getattr(meta.remote, "registration_generation", 0)
+    seen = getattr(worker, "_remote_registration_generations", None)
+    if seen is not None and seen.get(engine_id, 0) < generation:
+        if engine_id in worker._remote_agents:
+            worker._cleanup_remote_engine(engine_id, log_eviction=False)
+        seen[engine_id] = generation
+    if engine_id not in worker._remote_agents:
+        worker._background_nixl_handshake(req_id, engine_id, meta)
+        return False
+    worker._engine_last_active[engine_id] = time.perf_counter()
+    if worker._bidirectional_kv_xfer_enabled and worker._is_turn2_read_expired(meta):
+        worker.xfer_stats.record_kv_expired_req()
+        worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=False)
+        return False
+    return True
+
+
+def _post_reads(worker: Any, req_id: str, engine_id: str, plan: Any) -> bool:
+    """Post the plan's READs; on a failed post, vLLM's failure path (report, release, post nothing more)
+    and ``False``."""
     for t in plan.transfers:
         handle = None
         try:
@@ -296,10 +314,8 @@ def read_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:
             )
             if not worker._handle_failed_transfer(req_id, handle, worker._recv_failures):
                 worker._recving_transfers[req_id].append(handle)
-            return
-    notif = f"{meta.remote.request_id}:{plan.expected_notifications}".encode()
-    for rank in plan.notify_only:
-        _notify(worker, engine_id, rank, notif, req_id)
+            return False
+    return True
 
 
 def xfer_blocks_for_req(worker: Any, req_id: str, meta: Any) -> None:

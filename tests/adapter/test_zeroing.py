@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvgeom_nixl import kvrank
+from kvgeom_nixl import zeroing
 from kvgeom_nixl.kvrank import _zero_rows, block_rows, zero_runs
 
 from kvgeom.errors import PlanError
@@ -131,12 +131,12 @@ def test_zero_rows_every_path_matches_the_reference(
     # random range sets against one slice per row; bytes outside the rows keep their value
     if _PATHS[path] is not None:
         few, loop_min, vec_min, chunks, host = _PATHS[path]
-        monkeypatch.setattr(kvrank, "_FEW_ROWS", few)
-        monkeypatch.setattr(kvrank, "_LOOP_MIN_BYTES", loop_min)
-        monkeypatch.setattr(kvrank, "_VEC_MIN_RUNS", vec_min)
-        monkeypatch.setattr(kvrank, "_MAX_CHUNKS_PER_RUN", chunks)
+        monkeypatch.setattr(zeroing, "_FEW_ROWS", few)
+        monkeypatch.setattr(zeroing, "_LOOP_MIN_BYTES", loop_min)
+        monkeypatch.setattr(zeroing, "_VEC_MIN_RUNS", vec_min)
+        monkeypatch.setattr(zeroing, "_MAX_CHUNKS_PER_RUN", chunks)
         if not host:
-            monkeypatch.setattr(kvrank, "_host", lambda t: False)
+            monkeypatch.setattr(zeroing, "_host", lambda t: False)
     rng = np.random.default_rng(seed)
     sizes = [int(rng.integers(1, 40)) * 1024 + int(rng.integers(0, 9)) for _ in range(3)]
     rows = _random_rows(rng, sizes, int(rng.choice([1, 5, 70, 300])))

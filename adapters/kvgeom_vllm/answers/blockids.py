@@ -137,27 +137,8 @@ def compute_desc_ids(
     bsr = None if block_size_ratio is None else int(block_size_ratio)
     routing = tuple(self._transfer_layer_group_ids or ())
     if self._has_mamba and not routing:
-        types = tuple(self._group_spec_types)
-        kinds = group_is_ssm(types, len(block_ids))
-        if self._conv_decomp is None:
-            raise SpecError("conv_decomp", "a Mamba hybrid worker without its conv split", value=None)
-        ssm_regions = list(self._ssm_region_indices or range(len(self.block_len_per_layer)))
-        scratch = [g for g, t in enumerate(types) if t is KVI.CircularBufferSpec]
-        scratch_regions = list(self._scratch_region_indices) if scratch else []
-        return _kv_compute_desc_ids(
-            block_ids,
-            dst_num_blocks,
-            int(self.num_regions),
-            bsr,
-            physical_blocks_per_logical,
-            kinds,
-            ssm_regions,
-            len(self._conv_decomp.local_conv_offsets),
-            region_num_blocks or None,
-            None,
-            scratch_groups=scratch,
-            scratch_region_indices=scratch_regions,
-            ple_group=self._ple_group_index,
+        return _ssm_desc_ids(
+            self, block_ids, dst_num_blocks, bsr, physical_blocks_per_logical, region_num_blocks
         )
     kinds = tuple(False for _ in block_ids)  # without SSM state every list is addressed like attention
     num_regions = len(routing) if routing else (self.num_regions or len(self.block_len_per_layer))
@@ -194,4 +175,38 @@ def compute_desc_ids(
         region_num_blocks or None,
         list(region_group_ids),
         uses_region_group_mapping=uses_region_group_mapping,
+    )
+
+
+def _ssm_desc_ids(
+    self: Any,
+    block_ids: Any,
+    dst_num_blocks: int,
+    bsr: int | None,
+    physical_blocks_per_logical: int,
+    region_num_blocks: list[int] | None,
+) -> np.ndarray:
+    """A Mamba hybrid's descriptor ids (no layer-name routing): each group's lists as SSM state or
+    attention, with its scratch regions and PLE stream."""
+    types = tuple(self._group_spec_types)
+    kinds = group_is_ssm(types, len(block_ids))
+    if self._conv_decomp is None:
+        raise SpecError("conv_decomp", "a Mamba hybrid worker without its conv split", value=None)
+    ssm_regions = list(self._ssm_region_indices or range(len(self.block_len_per_layer)))
+    scratch = [g for g, t in enumerate(types) if t is KVI.CircularBufferSpec]
+    scratch_regions = list(self._scratch_region_indices) if scratch else []
+    return _kv_compute_desc_ids(
+        block_ids,
+        dst_num_blocks,
+        int(self.num_regions),
+        bsr,
+        physical_blocks_per_logical,
+        kinds,
+        ssm_regions,
+        len(self._conv_decomp.local_conv_offsets),
+        region_num_blocks or None,
+        None,
+        scratch_groups=scratch,
+        scratch_region_indices=scratch_regions,
+        ple_group=self._ple_group_index,
     )

@@ -82,7 +82,29 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
     routing = self._requires_layer_name_routing()
-    self.transfer_topo = self.kvgeom_topology(  # kvgeom_vllm.worker.KvgeomTransferTopology
+    _set_topology(self, kv_caches)
+    _set_compat_hash(self, bw)
+    buffers = _transfer_buffers(self, kv_caches)
+    names = (
+        list(buffers)
+        if self._is_csa_linear
+        else sorted(buffers, key=lambda n: counted_call("_region_sort_key", region_sort_key, n))
+    )
+    reg = discover_regions([cache_tensor(self, n, buffers[n]) for n in names], _layout(self, routing))
+    _adopt_regions(self, reg, routing)
+    regions = self._transfer_layer_region_indices or range(self.num_regions)
+    transfer_counts = [self.region_num_blocks[i] for i in regions]
+    self.num_descs = sum(transfer_counts)
+    self._skip_dram_xfer = self._leaves_dram_xfer_to_rank0()
+    _register_memory(self, reg)
+    _record_engine(self, kv_caches, transfer_counts)
+    _attach_card(self)
+    _set_handshake_metadata(self, bw)
+
+
+def _set_topology(self: Any, kv_caches: dict[str, Any]) -> None:
+    """The transfer topology (kvgeom_vllm.worker.KvgeomTransferTopology), as vLLM builds its own."""
+    self.transfer_topo = self.kvgeom_topology(
         tp_rank=self.transfer_tp_rank,
         tp_size=self.transfer_tp_size,
         block_size=self.block_size,
@@ -94,6 +116,10 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
         tensor_shape=next(iter(kv_caches.values())).shape if not self._has_mamba else None,
         is_mamba=self._has_mamba,
     )
+
+
+def _set_compat_hash(self: Any, bw: Any) -> None:
+    """vLLM's compatibility hash over the backend names (sorted for a packed model under PP)."""
     backend_name = self.backend_name
     if (
         self._supports_pp_hma and self._has_packed_cache
@@ -102,21 +128,23 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
     self.compat_hash = bw.compute_nixl_compatibility_hash(
         self.vllm_config, backend_name, transfer_mode=self._TRANSFER_MODE
     )
+
+
+def _transfer_buffers(self: Any, kv_caches: dict[str, Any]) -> dict[str, Any]:
+    """The tensors the transport moves: the caches, or the host staging buffers vLLM allocates."""
     if self._is_csa_linear and self.use_host_buffer:
         raise UnsupportedError(
             "use_host_buffer", "NIXL host staging does not preserve CSA-linear shared tensors", value=True
         )
     if self.use_host_buffer:
         self.initialize_host_xfer_buffer(kv_caches=kv_caches)
-        buffers = self.host_xfer_buffers
-    else:
-        buffers = kv_caches
-    names = (
-        list(buffers)
-        if self._is_csa_linear
-        else sorted(buffers, key=lambda n: counted_call("_region_sort_key", region_sort_key, n))
-    )
-    layout = RegistrationLayout(
+        buffers: dict[str, Any] = self.host_xfer_buffers
+        return buffers
+    return kv_caches
+
+
+def _layout(self: Any, routing: bool) -> RegistrationLayout:
+    return RegistrationLayout(
         ppl=int(self._physical_blocks_per_logical_kv_block),
         has_ssm=bool(self._has_mamba),
         mla=bool(self.use_mla),
@@ -127,7 +155,10 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
         track_members=bool(self._tracks_region_layers()),
         kernel_blocks=int(self.num_blocks),
     )
-    reg = discover_regions([cache_tensor(self, n, buffers[n]) for n in names], layout)
+
+
+def _adopt_regions(self: Any, reg: Any, routing: bool) -> None:
+    """kvgeom's regions become the worker's per-region state."""
     if reg.device is not None:
         self.device_id = reg.device
     self.block_len_per_layer = list(reg.block_lens)
@@ -153,10 +184,10 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
     if self.pp_size > 1 and not routing:
         start, end = self.model_config.get_layers_start_end_indices(self.vllm_config.parallel_config)
         self._remote_region_offset = pp_region_offset(self.num_regions, start, end)
-    regions = self._transfer_layer_region_indices or range(self.num_regions)
-    transfer_counts = [self.region_num_blocks[i] for i in regions]
-    self.num_descs = sum(transfer_counts)
-    self._skip_dram_xfer = self._leaves_dram_xfer_to_rank0()
+
+
+def _register_memory(self: Any, reg: Any) -> None:
+    """The transport registration of every distinct storage, one call per memory type."""
     if self._mixed_mem_types and (not self.use_mla or self._has_mamba):
         raise UnsupportedError(
             "region_mem_types",
@@ -170,6 +201,10 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
         descs = self.nixl_wrapper.get_reg_descs(ranges, mem_type)
         self.nixl_wrapper.register_memory(descs, backends=self.nixl_backends)
         self._registered_descs.append(descs)
+
+
+def _record_engine(self: Any, kv_caches: dict[str, Any], transfer_counts: list[int]) -> None:
+    """The per-engine bookkeeping and the local descriptor list."""
     self.device_kv_caches = kv_caches
     self.dst_num_blocks[self.engine_id] = self.num_blocks
     self.dst_region_num_blocks[self.engine_id] = transfer_counts
@@ -180,6 +215,9 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
         self.register_local_xfer_handler(self.block_size)
     )
 
+
+def _attach_card(self: Any) -> None:
+    """The rank's geometry card, or the reason kvgeom cannot describe it (fatal in kvgeom mode)."""
     self.kvgeom_card = self.kvgeom_card_error = None
     try:
         card = card_of_worker(self)
@@ -198,6 +236,10 @@ def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> None:
         logger.info(
             "kvgeom_vllm: no geometry card for this rank (%s); it pairs on the numbers it advertises", exc
         )
+
+
+def _set_handshake_metadata(self: Any, bw: Any) -> None:
+    """The handshake payload: vLLM's metadata fields, plus the card."""
     meta = KvgeomAgentMetadata(
         engine_id=self.engine_id,
         agent_metadata=self.nixl_wrapper.get_agent_metadata(),

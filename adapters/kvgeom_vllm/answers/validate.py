@@ -55,19 +55,36 @@ def validate_remote_agent_handshake(
             remote=(remote_tp_size, remote_dcp_size),
         )
     layout = self.kv_cache_layout if not self.use_host_buffer else self.host_buffer_kv_cache_layout
-    local = Advertised(
+    local = _local_advertised(self, str(layout))
+    remote = _remote_advertised(self, meta, remote_tp_size, remote_dcp_size)
+    facts = _local_facts(self, meta, str(layout))
+    pair = check_advertised_pair(local, remote, facts)
+    if pair.permute_local_kv:
+        self.enable_permute_local_kv = True
+    if pair.heterogeneous_attn:
+        self.enable_heterogeneous_attn_post_process = True
+
+
+def _local_advertised(self: Any, layout: str) -> Advertised:
+    """This rank's advertised numbers, as the peer sees them."""
+    topo = self.transfer_topo
+    return Advertised(
         tp_size=int(topo.tp_size),
         block_size=int(topo.block_size),
         num_blocks=int(self.num_blocks),
         block_lens=tuple(self.block_len_per_layer),
         block_strides=tuple(self.block_stride_per_layer),
-        kv_layout=str(layout),
+        kv_layout=layout,
         dcp_size=int(self.dcp_size),
         ppl=int(self._physical_blocks_per_logical_kv_block),
         attn_backend=str(getattr(self, "backend_name", "")),
         row_offsets=_row_offsets(self, self.kv_caches_base_addr[self.engine_id][self.tp_rank]),
     )
-    remote = Advertised(
+
+
+def _remote_advertised(self: Any, meta: Any, remote_tp_size: int, remote_dcp_size: int) -> Advertised:
+    """The peer's advertised numbers, from its handshake metadata."""
+    return Advertised(
         tp_size=int(remote_tp_size),
         block_size=int(meta.block_size),
         num_blocks=int(meta.num_blocks),
@@ -84,9 +101,14 @@ def validate_remote_agent_handshake(
         attn_backend=str(meta.attn_backend_name),
         row_offsets=_row_offsets(self, meta.kv_caches_base_addr),
     )
+
+
+def _local_facts(self: Any, meta: Any, layout: str) -> LocalFacts:
+    """What the rules need to know of this rank beyond its advertised numbers."""
+    topo = self.transfer_topo
     routed_names = tuple(self._transfer_layer_names or ())
     ktc = getattr(self, "kv_transfer_config", None)
-    facts = LocalFacts(
+    return LocalFacts(
         is_mla=bool(self.use_mla),
         has_ssm=bool(self._has_mamba),
         total_kv_heads=int(topo.total_num_kv_heads),
@@ -96,7 +118,7 @@ def validate_remote_agent_handshake(
         expected_region_names=routed_names or tuple(self.region_names),
         draft_regions=frozenset(self._head_sharded_draft_regions),
         draft_kv_heads=self._head_sharded_draft_kv_heads,
-        block_contiguous=_block_contiguous(str(layout)),
+        block_contiguous=_block_contiguous(layout),
         host_buffer=bool(self.use_host_buffer),
         permute_allowed=bool(getattr(ktc, "enable_permute_local_kv", False)),
         hma=bool(getattr(self, "_is_hma_required", False)),
@@ -108,11 +130,6 @@ def validate_remote_agent_handshake(
         paired_remote_group_ids=tuple(self.dst_region_group_ids.get(meta.engine_id, ())),
         mode=str(self._TRANSFER_MODE),
     )
-    pair = check_advertised_pair(local, remote, facts)
-    if pair.permute_local_kv:
-        self.enable_permute_local_kv = True
-    if pair.heterogeneous_attn:
-        self.enable_heterogeneous_attn_post_process = True
 
 
 def validate_remote_parallel_config(self: Any, agent_metadata: Any) -> None:

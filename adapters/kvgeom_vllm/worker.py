@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvgeom.errors import ConfigError
+
 from . import answers, handshake, kvgeom_mode, metadata, plugin
 from .calls import as_vllm_error, counted_call
 from .table import TABLE, Entry, entry
@@ -41,6 +43,8 @@ __all__ = [
     "install_dispatchers",
     "as_vllm_error",
     "kvgeom_active",
+    "progress_delay",
+    "progress_delay_of",
 ]
 
 
@@ -147,6 +151,65 @@ def _check_conv_layout(kv_cache_config: Any) -> None:
     plugin.check_conv_state_layout(has_mamba, is_conv_state_dim_first())
 
 
+# -- the NIXL agent's progress thread ------------------------------------------------------------------------
+PROGRESS_DELAY_KEY = "nixl_progress_delay_us"
+_AGENT_LOCK = threading.Lock()
+
+
+def progress_delay_of(vllm_config: Any) -> int | None:
+    """``kv_connector_extra_config.nixl_progress_delay_us``: the longest the worker's NIXL progress threads
+    wait for an event between two progress calls, in microseconds (``None`` when unset: NIXL's Python API
+    gives 0, so they poll without ever sleeping, a core each per engine even when idle). With a delay they
+    sleep in ``poll`` on the UCX worker's event descriptor and wake at once for traffic, so a peer's
+    connection and reads are still progressed (docs/vllm.md has what was measured)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    value = ktc.get_from_extra_config(PROGRESS_DELAY_KEY, None) if ktc is not None else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+        raise ConfigError(
+            f"kv_connector_extra_config.{PROGRESS_DELAY_KEY}",
+            f"must be an integer of microseconds in [0, 1000000], got {value!r}",
+            value=value,
+            expected="0..1000000",
+        )
+    return value
+
+
+@contextmanager
+def progress_delay(delay_us: int | None, nixl_module: Any = None) -> Iterator[None]:
+    """While an agent is built (vLLM's worker ``__init__``): NIXL agents get ``delay_us`` as their progress
+    threads' delay. NIXL's ``nixl_agent`` sets the delay to 0 on the C++ agent config it builds and has no
+    option for it; the config reaches NIXL's bindings' ``nixlAgent(name, config)``, which this wraps (in
+    ``nixl_module``: the module of vLLM's ``NixlWrapper`` by default) and restores afterwards."""
+    if delay_us is None:
+        yield
+        return
+    if nixl_module is None:
+        import sys
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+        wrapper = getattr(base_worker, "NixlWrapper", None)
+        nixl_module = sys.modules.get(getattr(wrapper, "__module__", ""), None)
+    bindings = getattr(nixl_module, "nixlBind", None)
+    if bindings is None or not hasattr(bindings, "nixlAgent"):  # no NIXL here (vLLM then builds no agent)
+        yield
+        return
+    original = bindings.nixlAgent
+
+    def with_delay(name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return original(name, config)
+
+    with _AGENT_LOCK:
+        bindings.nixlAgent = with_delay
+        try:
+            yield
+        finally:
+            bindings.nixlAgent = original
+
+
 class KvgeomWorkerMixin:
     """The geometry methods of vLLM's NIXL worker, answered by kvgeom (installed from the table), plus
     what makes vLLM's own methods reach kvgeom: the dispatch mark on the methods that call vLLM's module
@@ -157,7 +220,8 @@ class KvgeomWorkerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _check_conv_layout(args[2] if len(args) > 2 else kwargs.get("kv_cache_config"))
-        with _active():
+        vllm_config = args[0] if args else kwargs.get("vllm_config")
+        with _active(), progress_delay(progress_delay_of(vllm_config)):
             super().__init__(*args, **kwargs)
 
     def _kvgeom_plans(self, engine_id: str) -> bool:

@@ -54,7 +54,12 @@ class Config:
         }
         if self.connector != "NixlConnector":
             cfg["kv_connector_module_path"] = "kvgeom_vllm"
-            cfg["kv_connector_extra_config"] = {"compat": self.mode}
+            # NIXL's progress threads wait for events (1 ms at most) instead of spinning, and one UCX worker:
+            # three engines share two cores here; with vLLM's agent (4 threads, no delay) a P 32 -> D 64 read
+            # took 35-110 s, with these 0.1-0.6 s (docs/vllm.md, docs/serving.md)
+            cfg["kv_connector_extra_config"] = {
+                "compat": self.mode, "num_threads": 0, "nixl_progress_delay_us": 1000,
+            }  # fmt: skip
         return cfg
 
 

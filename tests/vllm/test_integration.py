@@ -75,6 +75,43 @@ def test_bad_compat_mode_is_refused_naming_the_field() -> None:
     )
 
 
+def test_nixl_progress_delay_reaches_the_agent_config_nixl_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from kvgeom_vllm.worker import progress_delay
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    module = sys.modules[nixl_agent.__module__]
+    real, seen = module.nixlBind.nixlAgent, []
+
+    def recording(name: str, config: object) -> object:
+        seen.append((name, config.pthrDelay, config.useProgThread))  # type: ignore[attr-defined]
+        return real(name, config)
+
+    monkeypatch.setattr(module.nixlBind, "nixlAgent", recording)
+    with progress_delay(250, module):
+        nixl_agent("delayed", nixl_agent_config(backends=[]))
+    assert module.nixlBind.nixlAgent is recording  # restored on exit
+    nixl_agent("plain", nixl_agent_config(backends=[]))
+    with progress_delay(None, module):
+        nixl_agent("unset", nixl_agent_config(backends=[]))
+    assert seen == [("delayed", 250, True), ("plain", 0, True), ("unset", 0, True)]
+
+
+@pytest.mark.parametrize("value", ["1000", -1, True, 1_000_001, 2.5])
+def test_bad_nixl_progress_delay_is_refused_naming_the_field(value: object) -> None:
+    from kvgeom_vllm.worker import KvgeomPullConnectorWorker, progress_delay_of
+
+    with pytest.raises(ConfigError) as err:
+        progress_delay_of(vllm_config(extra={"nixl_progress_delay_us": value}))
+    assert err.value.field == "kv_connector_extra_config.nixl_progress_delay_us"
+    assert err.value.values["value"] == value
+    with pytest.raises(ConfigError):  # at the worker's start, before vLLM builds anything
+        make_worker(KvgeomPullConnectorWorker, "D", extra={"nixl_progress_delay_us": value})
+    assert progress_delay_of(vllm_config()) is None
+    assert progress_delay_of(vllm_config(extra={"nixl_progress_delay_us": 1000})) == 1000
+
+
 def test_every_table_row_names_a_vllm_0_33_function_and_an_adapter() -> None:
     import inspect
 

@@ -39,12 +39,21 @@ class Config:
     every case of it, so each engine starts once."""
 
     model: str
-    connector: str  # "NixlConnector" or "KvgeomNixlConnector"
-    mode: str  # "stock" for vLLM's connector, else kvgeom_vllm's compat mode
+    connector: str  # "NixlConnector", "KvgeomNixlConnector" or "KvgeomNixlPushConnector"
+    mode: str  # "stock" for vLLM's connector, else kvgeom_vllm's compat mode ("-push": the push connector)
+
+    @property
+    def compat(self) -> str:
+        return self.mode.removesuffix("-push")
+
+    @property
+    def push(self) -> bool:
+        """P writes D's blocks (vLLM's push connector): P posts the transfers, so P's metrics count them."""
+        return self.mode.endswith("-push")
 
     @property
     def name(self) -> str:
-        return f"{self.model} {self.connector if self.mode == 'stock' else 'kvgeom_vllm ' + self.mode}"
+        return f"{self.model} {self.connector if self.compat == 'stock' else 'kvgeom_vllm ' + self.mode}"
 
     def kv_transfer_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
@@ -52,19 +61,19 @@ class Config:
             "kv_role": "kv_both",
             "kv_buffer_device": "cpu",
         }
-        if self.connector != "NixlConnector":
+        if self.compat != "stock":
             cfg["kv_connector_module_path"] = "kvgeom_vllm"
             # NIXL's progress threads wait for events (1 ms at most) instead of spinning, and one UCX worker:
             # three engines share two cores here; with vLLM's agent (4 threads, no delay) a P 32 -> D 64 read
             # took 35-110 s, with these 0.1-0.6 s (docs/vllm.md, docs/serving.md)
             cfg["kv_connector_extra_config"] = {
-                "compat": self.mode, "num_threads": 0, "nixl_progress_delay_us": 1000,
+                "compat": self.compat, "num_threads": 0, "nixl_progress_delay_us": 1000,
             }  # fmt: skip
         return cfg
 
 
 KVGEOM = "KvgeomNixlConnector"
-MODES = ("stock", "vllm", "kvgeom")
+MODES = ("stock", "vllm", "kvgeom", "stock-push", "kvgeom-push")
 
 
 def selected_modes(value: str | None) -> tuple[str, ...]:
@@ -79,7 +88,13 @@ def selected_modes(value: str | None) -> tuple[str, ...]:
     return names
 
 
-_CONNECTOR = {"stock": "NixlConnector", "vllm": KVGEOM, "kvgeom": KVGEOM}
+_CONNECTOR = {
+    "stock": "NixlConnector",
+    "vllm": KVGEOM,
+    "kvgeom": KVGEOM,
+    "stock-push": "NixlPushConnector",
+    "kvgeom-push": "KvgeomNixlPushConnector",
+}
 CONFIGS = [
     Config(model, _CONNECTOR[mode], mode)
     for mode in selected_modes(os.environ.get("KVGEOM_SERVING_MODES"))
@@ -155,7 +170,8 @@ def serve(
         engines.own[d_block] = own
     ref = references.setdefault(engines.config.model, engines.own[d_block])
     assert engines.own[d_block] == ref, f"{case}: D's own completions differ from the model's reference"
-    before = d.metrics()
+    mover = p if engines.config.push else d  # the engine that posts the transfers counts them
+    before = mover.metrics()
     out = Served(0, [], 0.0, 0.0, [])
     for prompt in PROMPTS:
         first = p.complete(prompt, 1, {"do_remote_decode": True})
@@ -171,8 +187,8 @@ def serve(
         else:
             out.mismatches.append((prompt[:30], got, ref[prompt]))
     b0, f0 = before.get(BYTES, 0.0), before.get(FAILED, 0.0)
-    out.moved = wait_metric(d, BYTES, lambda v: v > b0, timeout=20.0) - b0
-    out.failed = d.metrics().get(FAILED, 0.0) - f0
+    out.moved = wait_metric(mover, BYTES, lambda v: v > b0, timeout=20.0) - b0
+    out.failed = mover.metrics().get(FAILED, 0.0) - f0
     c = engines.config
     RESULTS.append(
         {
@@ -206,11 +222,11 @@ def test_p32_to_d64_on_the_cpu_page(engines: Engines, references: dict[str, dict
     c = engines.config
     case = f"{c.model} 32->64"
     out = serve(engines, 64, references, case)
-    if c.mode == "stock":  # vLLM 0.32.0 (and 0.33.0: the same post-process) corrupts silently
+    if c.compat == "stock":  # vLLM 0.32.0 (and 0.33.0: the same post-process) corrupts silently
         assert not out.errors, out.errors
         assert out.moved > 0 and out.failed == 0, (out.moved, out.failed)
         assert out.equal < len(PROMPTS), f"{case}: stock vLLM served the CPU page right (fixed upstream?)"
-    elif c.mode == "vllm":  # refused, never wrong tokens
+    elif c.compat == "vllm":  # refused, never wrong tokens
         assert out.moved == 0, f"{case}: {out.moved} bytes moved into a pair kvgeom refuses"
         assert not out.mismatches, f"{case}: wrong tokens served: {out.mismatches}"
     else:  # kvgeom mode: the right bytes
@@ -220,7 +236,7 @@ def test_p32_to_d64_on_the_cpu_page(engines: Engines, references: dict[str, dict
         assert out.equal == len(PROMPTS), f"{case}: {out.equal} of {len(PROMPTS)} equal; {out.mismatches}"
 
 
-KVGEOM_MODE = [c for c in CONFIGS if c.mode == "kvgeom"]
+KVGEOM_MODE = [c for c in CONFIGS if c.compat == "kvgeom"]
 
 
 @pytest.mark.parametrize("engines", KVGEOM_MODE, ids=[c.name for c in KVGEOM_MODE], indirect=True)

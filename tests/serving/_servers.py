@@ -158,15 +158,23 @@ class Server:
             raise self._fail(f"POST {path} failed: {exc}") from None
 
     def complete(
-        self, prompt: str, max_tokens: int, kv_transfer_params: dict[str, Any] | None = None
+        self,
+        prompt: str | list[int],
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
-        """A greedy completion; the answer's first choice plus its ``kv_transfer_params``."""
+        """A greedy completion of a text or of token ids; the answer's first choice plus its
+        ``kv_transfer_params``. ``cache_salt`` keeps the request's prefix-cache blocks apart from every other
+        salt's (an engine with prefix caching only hits blocks of the same salt)."""
         body: dict[str, Any] = {
             "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True,
         }  # fmt: skip
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         out = self.post("/v1/completions", body)
         choice = out["choices"][0]
         return {

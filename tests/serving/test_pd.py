@@ -126,11 +126,12 @@ def engines(request: pytest.FixtureRequest, model_dirs: dict[str, Path], logs_di
     model = model_dirs[config.model]
     t0 = time.monotonic()
 
-    def server(role: str, core: int, block: int) -> Server:
+    def server(role: str, core: int, block: int, prefix_caching: bool = False) -> Server:
         return Server(f"{role}{block}[{config.name}]", model, logs_dir / f"{tag}.{role}{block}.log", core=core,
-                      block_size=block, kv_transfer_config=cfg)  # fmt: skip
+                      block_size=block, kv_transfer_config=cfg, prefix_caching=prefix_caching)  # fmt: skip
 
-    running = Engines(config, server("A", 0, 32), {32: server("B", 1, 32), 64: server("C", 0, 64)}, 0.0)
+    b = server("B", 1, 32, prefix_caching=config.model in PREFIX_MODELS)
+    running = Engines(config, server("A", 0, 32), {32: b, 64: server("C", 0, 64)}, 0.0)
     servers = (running.p, *running.d.values())
     try:
         for s in servers:
@@ -152,6 +153,29 @@ class Served:
     errors: list[str]
 
 
+# B32 serves with prefix caching for these models (a D's prefix-cache hit, test_prefix_hit_on_d_...); every D
+# request carries a salt, so other cases never hit each other's blocks
+PREFIX_MODELS = ("dense",)
+HITS = "vllm:prefix_cache_hits_total"
+
+
+def reference(
+    engines: Engines, d_block: int, references: dict[str, dict[str, list[int]]], case: str
+) -> dict[str, list[int]]:
+    """One engine computing each prompt alone: D before any transfer to it (once per D engine, salted apart
+    from the cases), checked against the model's reference (the first D's)."""
+    d = engines.d[d_block]
+    if d_block not in engines.own:
+        own = {
+            prompt: d.complete(prompt, MAX_TOKENS, cache_salt="reference")["token_ids"] for prompt in PROMPTS
+        }
+        assert all(len(t) == MAX_TOKENS for t in own.values()), own
+        engines.own[d_block] = own
+    ref = references.setdefault(engines.config.model, engines.own[d_block])
+    assert engines.own[d_block] == ref, f"{case}: D's own completions differ from the model's reference"
+    return ref
+
+
 def serve(
     engines: Engines,
     d_block: int,
@@ -163,13 +187,7 @@ def serve(
     against the reference."""
     t0 = time.monotonic()
     p, d = p or engines.p, engines.d[d_block]
-    # one engine computing each prompt alone: D before any transfer to it (once per D engine)
-    if d_block not in engines.own:
-        own = {prompt: d.complete(prompt, MAX_TOKENS)["token_ids"] for prompt in PROMPTS}
-        assert all(len(t) == MAX_TOKENS for t in own.values()), own
-        engines.own[d_block] = own
-    ref = references.setdefault(engines.config.model, engines.own[d_block])
-    assert engines.own[d_block] == ref, f"{case}: D's own completions differ from the model's reference"
+    ref = reference(engines, d_block, references, case)
     mover = p if engines.config.push else d  # the engine that posts the transfers counts them
     before = mover.metrics()
     out = Served(0, [], 0.0, 0.0, [])
@@ -177,8 +195,8 @@ def serve(
         first = p.complete(prompt, 1, {"do_remote_decode": True})
         params = first["kv_transfer_params"]
         assert params and params.get("remote_engine_id"), f"P returned no kv_transfer_params: {first}"
-        try:
-            got = d.complete(prompt, MAX_TOKENS, params)["token_ids"]
+        try:  # a salt of the case's own: D's prefix cache (B32) never serves one case's blocks to another
+            got = d.complete(prompt, MAX_TOKENS, params, cache_salt=case)["token_ids"]
         except ServerError as exc:
             out.errors.append(str(exc).splitlines()[0])
             continue
@@ -252,3 +270,47 @@ def test_p64_to_d32_on_the_cpu_page_in_kvgeom_mode(
     assert out.moved > 0, f"{case}: D's /metrics shows no bytes transferred"
     assert out.failed == 0, f"{case}: {out.failed} failed transfers"
     assert out.equal == len(PROMPTS), f"{case}: {out.equal} of {len(PROMPTS)} equal; {out.mismatches}"
+
+
+PREFIX_CASES = [c for c in CONFIGS if c.model in PREFIX_MODELS and not c.push]
+
+
+@pytest.mark.parametrize("engines", PREFIX_CASES, ids=[c.name for c in PREFIX_CASES], indirect=True)
+def test_prefix_hit_on_d_pulls_only_the_blocks_after_it(
+    engines: Engines, references: dict[str, dict[str, list[int]]]
+) -> None:
+    """P block 32 -> D block 32 where D (prefix caching on) already holds the prompt's first two blocks,
+    having computed them alone: D pulls only the blocks after them (fewer bytes than the same prompt with
+    nothing cached, under another salt) and serves the single engine's tokens."""
+    c = engines.config
+    case = f"{c.model} 32->32 prefix hit"
+    p, d = engines.p, engines.d[32]
+    prompt = PROMPTS[3]  # 5 blocks of 32
+    ref = reference(engines, 32, references, case)[prompt]
+    t0 = time.monotonic()
+    ids = d.complete(prompt, 1, cache_salt="tokens")["prompt_token_ids"]
+    assert len(ids) > 96, ids
+    d.complete(ids[:64], 1, cache_salt=case)  # D computes the first two blocks alone: now in its cache
+
+    def pull(salt: str) -> tuple[list[int], float, float]:
+        before = d.metrics()
+        params = p.complete(prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
+        got = d.complete(prompt, MAX_TOKENS, params, cache_salt=salt)["token_ids"]
+        b0 = before.get(BYTES, 0.0)
+        moved = wait_metric(d, BYTES, lambda v: v > b0, timeout=20.0) - b0
+        after = d.metrics()
+        assert after.get(FAILED, 0.0) == before.get(FAILED, 0.0), f"{case}: a failed transfer"
+        return got, moved, after.get(HITS, 0.0) - before.get(HITS, 0.0)
+
+    cold, cold_moved, cold_hits = pull(case + " cold")  # nothing of this salt cached on D
+    hit, hit_moved, hit_hits = pull(case)
+    RESULTS.append(
+        {
+            "case": case, "connector": c.connector, "mode": c.mode, "prompts": 2,
+            "equal": int(cold == ref) + int(hit == ref), "bytes": int(cold_moved + hit_moved), "failed": 0,
+            "errors": 0, "time_s": time.monotonic() - t0, "engines_start_s": engines.start_s,
+        }
+    )  # fmt: skip
+    assert cold == ref and hit == ref, (cold, hit, ref)
+    assert cold_hits == 0 and hit_hits >= 64, (cold_hits, hit_hits)  # the two blocks D computed, hit
+    assert 0 < hit_moved < cold_moved, (hit_moved, cold_moved)  # only the blocks after them were pulled

@@ -26,7 +26,10 @@ from kvgeom_nixl.wire import GREETING_BYTES, PREAMBLE_BYTES, make_request, parse
 
 pytestmark = pytest.mark.nixl
 
-EVENT_S = 30.0  # one coordination event, process start-up included
+EVENT_S = 30.0  # one coordination event
+# a rank's start (torch and NIXL imported, agent and side channel up) before its first event: 30 s was too
+# short once at load 12-20 (three vLLM engines starting beside test-core, 3 December 2026)
+READY_S = 180.0
 MAX_PENDING = 512  # SideChannelServer's default
 DRIPS = 200
 FLOOD_S = 4.0
@@ -51,7 +54,7 @@ def _event(g: ProcGroup, events, name: str, timeout_s: float = EVENT_S) -> dict:
 def _rank(g: ProcGroup, name: str, **spec) -> tuple[dict, object]:
     events, inbox = g.queue(), g.queue()
     g.spawn(exposed_rank, (dict(spec, host=spec.get("host", HOST)), events, inbox), name)
-    return _event(g, events, "ready"), (events, inbox)
+    return _event(g, events, "ready", READY_S), (events, inbox)
 
 
 def _external() -> list[str]:

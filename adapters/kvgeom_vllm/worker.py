@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -154,6 +155,7 @@ def _check_conv_layout(kv_cache_config: Any) -> None:
 # -- the NIXL agent's progress thread ------------------------------------------------------------------------
 PROGRESS_DELAY_KEY = "nixl_progress_delay_us"
 _AGENT_LOCK = threading.Lock()
+_LOG = logging.getLogger(__name__)
 
 
 def progress_delay_of(vllm_config: Any) -> int | None:
@@ -193,7 +195,12 @@ def progress_delay(delay_us: int | None, nixl_module: Any = None) -> Iterator[No
         wrapper = getattr(base_worker, "NixlWrapper", None)
         nixl_module = sys.modules.get(getattr(wrapper, "__module__", ""), None)
     bindings = getattr(nixl_module, "nixlBind", None)
-    if bindings is None or not hasattr(bindings, "nixlAgent"):  # no NIXL here (vLLM then builds no agent)
+    if bindings is None or not hasattr(bindings, "nixlAgent"):
+        if nixl_module is not None:  # a NIXL whose Python API builds its agent some other way
+            _LOG.warning(
+                "kv_connector_extra_config.%s=%d not applied: %s has no nixlBind.nixlAgent",
+                PROGRESS_DELAY_KEY, delay_us, getattr(nixl_module, "__name__", nixl_module),
+            )  # fmt: skip
         yield
         return
     original = bindings.nixlAgent

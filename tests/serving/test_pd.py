@@ -207,15 +207,20 @@ def serve(
     b0, f0 = before.get(BYTES, 0.0), before.get(FAILED, 0.0)
     out.moved = wait_metric(mover, BYTES, lambda v: v > b0, timeout=20.0) - b0
     out.failed = mover.metrics().get(FAILED, 0.0) - f0
+    record(engines, case, len(PROMPTS), out, t0)
+    return out
+
+
+def record(engines: Engines, case: str, prompts: int, out: Served, t0: float) -> None:
+    """One row of the results table (tests/serving/conftest.py prints it)."""
     c = engines.config
     RESULTS.append(
         {
-            "case": case, "connector": c.connector, "mode": c.mode, "prompts": len(PROMPTS),
+            "case": case, "connector": c.connector, "mode": c.mode, "prompts": prompts,
             "equal": out.equal, "bytes": int(out.moved), "failed": int(out.failed),
             "errors": len(out.errors), "time_s": time.monotonic() - t0, "engines_start_s": engines.start_s,
         }
     )  # fmt: skip
-    return out
 
 
 def test_equal_blocks_serve_the_single_engine_tokens(
@@ -304,13 +309,9 @@ def test_prefix_hit_on_d_pulls_only_the_blocks_after_it(
 
     cold, cold_moved, cold_hits = pull(case + " cold")  # nothing of this salt cached on D
     hit, hit_moved, hit_hits = pull(case)
-    RESULTS.append(
-        {
-            "case": case, "connector": c.connector, "mode": c.mode, "prompts": 2,
-            "equal": int(cold == ref) + int(hit == ref), "bytes": int(cold_moved + hit_moved), "failed": 0,
-            "errors": 0, "time_s": time.monotonic() - t0, "engines_start_s": engines.start_s,
-        }
-    )  # fmt: skip
+    record(
+        engines, case, 2, Served(int(cold == ref) + int(hit == ref), [], cold_moved + hit_moved, 0.0, []), t0
+    )
     assert cold == ref and hit == ref, (cold, hit, ref)
     assert cold_hits == 0 and hit_hits >= 64, (cold_hits, hit_hits)  # the two blocks D computed, hit
     assert 0 < hit_moved < cold_moved, (hit_moved, cold_moved)  # only the blocks after them were pulled

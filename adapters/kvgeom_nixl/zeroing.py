@@ -108,8 +108,15 @@ def _zero_rows(tensors: Sequence[Any], rows: np.ndarray) -> int:
     region, start, end, total = zero_runs(rows, sizes)
     if not region.size:
         return 0
-    if (start < 0).any() or (end > np.asarray(sizes, dtype=np.int64)[region]).any():  # libc writes unchecked
-        raise AssertionError("zero runs left their regions")
+    outside = (start < 0) | (end > np.asarray(sizes, dtype=np.int64)[region])
+    # libc writes unchecked: a run zero_runs let through would be a kvgeom bug, refused before any write
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        raise PlanError(
+            "zero",
+            f"run [{int(start[i])}, {int(end[i])}) of region {int(region[i])} lies outside it "
+            f"({sizes[int(region[i])]} B)",
+        )
     short = end - start < _LOOP_MIN_BYTES
     many = np.flatnonzero(np.bincount(region[short], minlength=len(tensors)) >= _VEC_MIN_RUNS)
     together = short & np.isin(region, many) if many.size else np.zeros(region.size, dtype=bool)

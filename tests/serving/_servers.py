@@ -145,9 +145,17 @@ class Server:
             time.sleep(1.0)
         raise self._fail(f"not ready after {timeout:.0f} s")
 
-    def post(self, path: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    def post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        timeout: float = REQUEST_TIMEOUT_S,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         req = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -163,10 +171,14 @@ class Server:
         max_tokens: int,
         kv_transfer_params: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        request_id: str | None = None,
     ) -> dict[str, Any]:
         """A greedy completion of a text or of token ids; the answer's first choice plus its
         ``kv_transfer_params``. ``cache_salt`` keeps the request's prefix-cache blocks apart from every other
-        salt's (an engine with prefix caching only hits blocks of the same salt)."""
+        salt's (an engine with prefix caching only hits blocks of the same salt). ``request_id`` goes as the
+        ``X-Request-Id`` header, which vLLM's server makes the request's id (plus a random suffix): a P/D
+        router gives P and D the same one, and vLLM's push connector matches D's registration to P's
+        finished blocks by it."""
         body: dict[str, Any] = {
             "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True,
@@ -175,7 +187,8 @@ class Server:
             body["kv_transfer_params"] = kv_transfer_params
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        out = self.post("/v1/completions", body)
+        headers = {"X-Request-Id": request_id} if request_id is not None else None
+        out = self.post("/v1/completions", body, headers=headers)
         choice = out["choices"][0]
         return {
             "text": choice["text"],
@@ -199,6 +212,27 @@ class Server:
             except ValueError:
                 continue
         return out
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash or an OOM kill ends an engine (no shutdown
+        step: its NIXL agent, side channel and EngineCore die mid-state); waits until the group is gone."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+            time.sleep(0.2)
+        if _group_alive(self.proc.pid):
+            raise self._fail(
+                f"process group {self.proc.pid} still alive {STOP_TIMEOUT_S:.0f} s after SIGKILL"
+            )
 
     def stop(self) -> None:
         """End the process group: SIGTERM (vLLM shuts its engine down), then SIGKILL what is left."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,9 @@ class Config:
             "kv_connector": self.connector,
             "kv_role": "kv_both",
             "kv_buffer_device": "cpu",
+            # a read that fails (a dead P) makes D compute the prompt itself instead of failing the request
+            # (vLLM's default is "fail"); failed reads still count in D's metrics, which every case checks
+            "kv_load_failure_policy": "recompute",
         }
         if self.compat != "stock":
             cfg["kv_connector_module_path"] = "kvgeom_vllm"
@@ -192,11 +196,12 @@ def serve(
     before = mover.metrics()
     out = Served(0, [], 0.0, 0.0, [])
     for prompt in PROMPTS:
-        first = p.complete(prompt, 1, {"do_remote_decode": True})
+        rid = request_id()  # one id for P and D, as a P/D router gives them
+        first = p.complete(prompt, 1, {"do_remote_decode": True}, request_id=rid)
         params = first["kv_transfer_params"]
         assert params and params.get("remote_engine_id"), f"P returned no kv_transfer_params: {first}"
         try:  # a salt of the case's own: D's prefix cache (B32) never serves one case's blocks to another
-            got = d.complete(prompt, MAX_TOKENS, params, cache_salt=case)["token_ids"]
+            got = d.complete(prompt, MAX_TOKENS, params, cache_salt=case, request_id=rid)["token_ids"]
         except ServerError as exc:
             out.errors.append(str(exc).splitlines()[0])
             continue
@@ -209,6 +214,13 @@ def serve(
     out.failed = mover.metrics().get(FAILED, 0.0) - f0
     record(engines, case, len(PROMPTS), out, t0)
     return out
+
+
+def request_id() -> str:
+    """A fresh request id for one prompt's P and D requests (vLLM's toy proxy gives both the same uuid: the
+    push connector pairs D's registration with P's finished blocks by it; pull reads by P's id in
+    ``kv_transfer_params`` and does not need it)."""
+    return f"kvgeom-{uuid.uuid4().hex}"
 
 
 def record(engines: Engines, case: str, prompts: int, out: Served, t0: float) -> None:
@@ -299,8 +311,9 @@ def test_prefix_hit_on_d_pulls_only_the_blocks_after_it(
 
     def pull(salt: str) -> tuple[list[int], float, float]:
         before = d.metrics()
-        params = p.complete(prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
-        got = d.complete(prompt, MAX_TOKENS, params, cache_salt=salt)["token_ids"]
+        rid = request_id()
+        params = p.complete(prompt, 1, {"do_remote_decode": True}, request_id=rid)["kv_transfer_params"]
+        got = d.complete(prompt, MAX_TOKENS, params, cache_salt=salt, request_id=rid)["token_ids"]
         b0 = before.get(BYTES, 0.0)
         moved = wait_metric(d, BYTES, lambda v: v > b0, timeout=20.0) - b0
         after = d.metrics()
@@ -315,3 +328,42 @@ def test_prefix_hit_on_d_pulls_only_the_blocks_after_it(
     assert cold == ref and hit == ref, (cold, hit, ref)
     assert cold_hits == 0 and hit_hits >= 64, (cold_hits, hit_hits)  # the two blocks D computed, hit
     assert 0 < hit_moved < cold_moved, (hit_moved, cold_moved)  # only the blocks after them were pulled
+
+
+PULL_CASES = [c for c in CONFIGS if not c.push]
+
+
+@pytest.mark.parametrize("engines", PULL_CASES, ids=[c.name for c in PULL_CASES], indirect=True)
+def test_p_killed_after_its_prefill_d_recomputes_the_single_engine_tokens(
+    engines: Engines, references: dict[str, dict[str, list[int]]], model_dirs: dict[str, Path], logs_dir: Path
+) -> None:
+    """A P of its own computes the prompt, hands D its ``kv_transfer_params`` and is SIGKILLed (its whole
+    process group, as a crash ends it) before D reads: D's read of the dead P fails, no byte reaches D, and D
+    computes the prompt itself (``kv_load_failure_policy`` "recompute") and serves the single engine's
+    tokens, within the request's bounded wait."""
+    c = engines.config
+    case = f"{c.model} 32->32 P killed"
+    d = engines.d[32]
+    prompt = PROMPTS[3]
+    ref = reference(engines, 32, references, case)[prompt]
+    tag = c.name.replace(" ", "_")
+    doomed = Server(f"K32[{c.name}]", model_dirs[c.model], logs_dir / f"{tag}.K32.log", core=0, block_size=32,
+                    kv_transfer_config=c.kv_transfer_config())  # fmt: skip
+    try:
+        doomed.start()
+        doomed.wait_ready()
+        rid = request_id()
+        params = doomed.complete(prompt, 1, {"do_remote_decode": True}, request_id=rid)["kv_transfer_params"]
+        assert params and params.get("remote_engine_id"), params
+        doomed.kill()
+        t0 = time.monotonic()
+        before = d.metrics()
+        got = d.complete(prompt, MAX_TOKENS, params, cache_salt=case, request_id=rid)["token_ids"]
+        after = d.metrics()
+    finally:
+        doomed.stop()
+    moved = after.get(BYTES, 0.0) - before.get(BYTES, 0.0)
+    failed = after.get(FAILED, 0.0) - before.get(FAILED, 0.0)
+    record(engines, case, 1, Served(int(got == ref), [], moved, failed, []), t0)
+    assert got == ref, f"{case}: D served {got}, the single engine {ref}"
+    assert moved == 0, f"{case}: {moved} bytes counted as read from a dead P"

@@ -218,47 +218,40 @@ class Server:
         step: its NIXL agent, side channel and EngineCore die mid-state); waits until the group is gone."""
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline and _group_alive(self.proc.pid):
-            time.sleep(0.2)
-        if _group_alive(self.proc.pid):
-            raise self._fail(
-                f"process group {self.proc.pid} still alive {STOP_TIMEOUT_S:.0f} s after SIGKILL"
-            )
+        pgid = self.proc.pid
+        _signal_group(self.proc, signal.SIGKILL)
+        if not _wait_group_gone(pgid):
+            raise self._fail(f"process group {pgid} still alive {STOP_TIMEOUT_S:.0f} s after SIGKILL")
 
     def stop(self) -> None:
         """End the process group: SIGTERM (vLLM shuts its engine down), then SIGKILL what is left."""
         if self.proc is None:
             return
         pgid = self.proc.pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline and _group_alive(pgid):
-            time.sleep(0.2)
+        _signal_group(self.proc, signal.SIGTERM)
+        _signal_group(self.proc, signal.SIGKILL)
+        _wait_group_gone(pgid)
         self.proc = None
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Send ``sig`` to ``proc``'s process group, then wait (bounded) for ``proc`` itself to exit."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _wait_group_gone(pgid: int) -> bool:
+    """Poll until no process of group ``pgid`` is left (bounded); whether it is gone."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.2)
+    return not _group_alive(pgid)
 
 
 def _group_alive(pgid: int) -> bool:

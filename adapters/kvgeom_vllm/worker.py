@@ -44,8 +44,9 @@ __all__ = [
     "install_dispatchers",
     "as_vllm_error",
     "kvgeom_active",
-    "progress_delay",
+    "agent_settings",
     "progress_delay_of",
+    "sync_mode_of",
 ]
 
 
@@ -152,10 +153,22 @@ def _check_conv_layout(kv_cache_config: Any) -> None:
     plugin.check_conv_state_layout(has_mamba, is_conv_state_dim_first())
 
 
-# -- the NIXL agent's progress thread ------------------------------------------------------------------------
+# -- the NIXL agent's progress thread and thread synchronisation ---------------------------------------------
 PROGRESS_DELAY_KEY = "nixl_progress_delay_us"
+SYNC_MODE_KEY = "nixl_sync_mode"
+#: ``kv_connector_extra_config.nixl_sync_mode`` values and the NIXL ``nixl_thread_sync_t`` member each selects
+SYNC_MODES = {
+    "none": "NIXL_THREAD_SYNC_NONE",
+    "strict": "NIXL_THREAD_SYNC_STRICT",
+    "rw": "NIXL_THREAD_SYNC_RW",
+}
 _AGENT_LOCK = threading.Lock()
 _LOG = logging.getLogger(__name__)
+
+
+def _extra(vllm_config: Any, key: str) -> Any:
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    return ktc.get_from_extra_config(key, None) if ktc is not None else None
 
 
 def progress_delay_of(vllm_config: Any) -> int | None:
@@ -164,8 +177,7 @@ def progress_delay_of(vllm_config: Any) -> int | None:
     gives 0, so they poll without ever sleeping, a core each per engine even when idle). With a delay they
     sleep in ``poll`` on the UCX worker's event descriptor and wake at once for traffic, so a peer's
     connection and reads are still progressed (docs/vllm.md has what was measured)."""
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    value = ktc.get_from_extra_config(PROGRESS_DELAY_KEY, None) if ktc is not None else None
+    value = _extra(vllm_config, PROGRESS_DELAY_KEY)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
@@ -178,13 +190,38 @@ def progress_delay_of(vllm_config: Any) -> int | None:
     return value
 
 
+def sync_mode_of(vllm_config: Any) -> str | None:
+    """``kv_connector_extra_config.nixl_sync_mode``: how the worker's NIXL agent serialises the calls of
+    several threads (``None`` when unset: NIXL's Python API gives ``"none"`` to an agent without a listener
+    thread, so its calls take no lock). vLLM's workers call one agent from more than one thread: the
+    handshake executor adds remote agents and prepares their lists while the engine's thread posts and
+    checks transfers, and a push worker's writer thread reads notifications and posts WRITEs besides.
+    ``"rw"``: NIXL's reader-writer mode (metadata calls exclusive, transfers shared); ``"strict"``: every
+    call under one lock; ``"none"``: no lock, as NIXL sets it."""
+    value = _extra(vllm_config, SYNC_MODE_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in SYNC_MODES:
+        raise ConfigError(
+            f"kv_connector_extra_config.{SYNC_MODE_KEY}",
+            f"must be one of {sorted(SYNC_MODES)}, got {value!r}",
+            value=value,
+            expected=sorted(SYNC_MODES),
+        )
+    return value
+
+
 @contextmanager
-def progress_delay(delay_us: int | None, nixl_module: Any = None) -> Iterator[None]:
+def agent_settings(
+    delay_us: int | None, sync_mode: str | None = None, nixl_module: Any = None
+) -> Iterator[None]:
     """While an agent is built (vLLM's worker ``__init__``): NIXL agents get ``delay_us`` as their progress
-    threads' delay. NIXL's ``nixl_agent`` sets the delay to 0 on the C++ agent config it builds and has no
-    option for it; the config reaches NIXL's bindings' ``nixlAgent(name, config)``, which this wraps (in
-    ``nixl_module``: the module of vLLM's ``NixlWrapper`` by default) and restores afterwards."""
-    if delay_us is None:
+    threads' delay and ``sync_mode`` (a key of :data:`SYNC_MODES`) as their thread synchronisation; ``None``
+    keeps what NIXL's Python API sets. ``nixl_agent`` builds the C++ agent config itself and has no option
+    for the delay (and NIXL 1.5's ``sync_mode`` option is not reachable through vLLM's wrapper); the config
+    reaches NIXL's bindings' ``nixlAgent(name, config)``, which this wraps (in ``nixl_module``: the module
+    of vLLM's ``NixlWrapper`` by default) and restores afterwards."""
+    if delay_us is None and sync_mode is None:
         yield
         return
     if nixl_module is None:
@@ -198,19 +235,32 @@ def progress_delay(delay_us: int | None, nixl_module: Any = None) -> Iterator[No
     if bindings is None or not hasattr(bindings, "nixlAgent"):
         if nixl_module is not None:  # a NIXL whose Python API builds its agent some other way
             _LOG.warning(
-                "kv_connector_extra_config.%s=%d not applied: %s has no nixlBind.nixlAgent",
-                PROGRESS_DELAY_KEY, delay_us, getattr(nixl_module, "__name__", nixl_module),
+                "kv_connector_extra_config %s=%s, %s=%s not applied: %s has no nixlBind.nixlAgent",
+                PROGRESS_DELAY_KEY, delay_us, SYNC_MODE_KEY, sync_mode, getattr(nixl_module, "__name__", nixl_module),
             )  # fmt: skip
         yield
         return
+    sync = None
+    if sync_mode is not None:
+        sync = getattr(bindings, SYNC_MODES[sync_mode], None)
+        if sync is None:
+            raise ConfigError(
+                f"kv_connector_extra_config.{SYNC_MODE_KEY}",
+                f"this NIXL has no {SYNC_MODES[sync_mode]}",
+                value=sync_mode,
+                expected=sorted(m for m, name in SYNC_MODES.items() if hasattr(bindings, name)),
+            )
     original = bindings.nixlAgent
 
-    def with_delay(name: str, config: Any) -> Any:
-        config.pthrDelay = delay_us
+    def configured(name: str, config: Any) -> Any:
+        if delay_us is not None:
+            config.pthrDelay = delay_us
+        if sync is not None:
+            config.syncMode = sync
         return original(name, config)
 
     with _AGENT_LOCK:
-        bindings.nixlAgent = with_delay
+        bindings.nixlAgent = configured
         try:
             yield
         finally:
@@ -228,7 +278,8 @@ class KvgeomWorkerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _check_conv_layout(args[2] if len(args) > 2 else kwargs.get("kv_cache_config"))
         vllm_config = args[0] if args else kwargs.get("vllm_config")
-        with _active(), progress_delay(progress_delay_of(vllm_config)):
+        settings = agent_settings(progress_delay_of(vllm_config), sync_mode_of(vllm_config))
+        with _active(), settings:
             super().__init__(*args, **kwargs)
 
     def _kvgeom_plans(self, engine_id: str) -> bool:

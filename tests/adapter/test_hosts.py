@@ -158,6 +158,7 @@ def test_hosts_are_removed_on_failure_and_interrupt_and_found_after_a_kill(how, 
     p.wait(20)
     if how == "sigkill":
         assert sorted(n for n in leftovers() if n in names) == sorted(names)
-        assert sorted(remove_leftovers()) == sorted(names)
+        # ours among what it removes (a run killed beside this one may leave its own, also removed)
+        assert sorted(n for n in remove_leftovers() if n in names) == sorted(names)
     assert _gone(names, pids), (names, pids)
     assert not [n for n in leftovers() if n in names]

@@ -18,6 +18,10 @@ from kvgeom_lab.hostrun import etcd_restart, impaired, link_cut, readdress, summ
 pytestmark = pytest.mark.nixl
 
 T = 2.5  # transfer / notification timeout of every attempt
+# the link cut's: the cut request fails at it whatever it is, while ``backup`` serves two first contacts
+# (handshake, UCX wire-up over TCP, 1.4 MB) within it; 2.5 s was too short for those with both cores
+# kept busy and the suite's cpu half beside it (one of them failed there, 7 December 2026)
+T_CUT = 4.0
 
 
 def _check_bytes(s: dict) -> None:
@@ -37,10 +41,13 @@ def test_a_link_cut_mid_transfer_fails_in_time_and_its_late_bytes_land_only_in_q
     notices do not come); ``backup`` serves r2 and r1's retry meanwhile, never with r1's blocks; when the
     link is back the late transfer completes into the quarantined blocks, which are then settled and
     reused (r3, on ``prefill`` again, gets them) with every byte correct."""
-    s = summarize(lab.run(link_cut(lab, mode, T)))
+    s = summarize(lab.run(link_cut(lab, mode, T_CUT)))
     _check_bytes(s)
     a = _attempts(s)
-    assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r2", 1), ("r1", 2), ("r3", 1)], s["attempts"]
+    failed = {
+        k: (v["error"], (v.get("message") or "")[:200], v["seconds"]) for k, v in a.items() if not v["ok"]
+    }
+    assert [k for k, v in a.items() if v["ok"]] == [("r0", 1), ("r2", 1), ("r1", 2), ("r3", 1)], failed
     r1 = a[("r1", 1)]
     if mode == "pull":
         assert (
@@ -49,7 +56,7 @@ def test_a_link_cut_mid_transfer_fails_in_time_and_its_late_bytes_land_only_in_q
         assert s["handles"]["transfers"] == 0, s["handles"]  # the late READ ended: nothing left posted
     else:
         assert r1["error"] == "NotifTimeout", r1
-    assert T - 0.1 < r1["seconds"] < T + SLACK_S, r1
+    assert T_CUT - 0.1 < r1["seconds"] < T_CUT + SLACK_S, r1
     assert not set(r1["ids"]) & set(a[("r2", 1)]["ids"]) and not set(r1["ids"]) & set(a[("r1", 2)]["ids"])
     held = s["settled"][("r1", 1)]
     assert held["held_s"] > 1.0, held  # released only after the link came back and the transfer ended

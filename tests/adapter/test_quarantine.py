@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
 from _inproc import AUTH, CONFIG, HOST, card  # noqa: E402
-from _slack import SLACK_S  # noqa: E402
+from _slack import SLACK_S, until  # noqa: E402
 from kvgeom_nixl import (  # noqa: E402
     HandshakeTimeout,
     PeerGone,
@@ -229,7 +229,8 @@ def test_another_incarnation_on_the_writers_port_is_evidence_and_the_same_one_is
     finally:
         second.close()
     assert [(s.request_id, s.attempt, s.cleared_by) for s in out] == [("r1", 1, ("prefill:0 gone",))]
-    assert kv.stats["probes_new_incarnation"] == 1 and second.stats["served"] >= 1
+    # the server counts a reply after sending it: wait (bounded) for the probe's to be counted
+    assert kv.stats["probes_new_incarnation"] == 1 and until(lambda: second.stats["served"] >= 1)
     assert kv.quarantined() == []
 
 

@@ -17,6 +17,7 @@ serves it).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -70,8 +71,11 @@ class Config:
             # NIXL's progress threads wait for events (1 ms at most) instead of spinning, and one UCX worker:
             # three engines share two cores here; with vLLM's agent (4 threads, no delay) a P 32 -> D 64 read
             # took 35-110 s, with these 0.1-0.6 s (docs/vllm.md, docs/serving.md)
+            # vLLM's workers call their agent from several threads (the handshake executor, the engine's
+            # thread, push's writer): NIXL's reader-writer lock serialises the metadata calls (docs/vllm.md)
             cfg["kv_connector_extra_config"] = {
-                "compat": self.compat, "num_threads": 0, "nixl_progress_delay_us": 1000,
+                "compat": self.compat, "num_threads": 0, "nixl_progress_delay_us": 1000, "nixl_sync_mode": "rw",
+                **json.loads(os.environ.get("KVGEOM_SERVING_EXTRA") or "{}"),
             }  # fmt: skip
         return cfg
 

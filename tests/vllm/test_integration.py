@@ -75,27 +75,58 @@ def test_bad_compat_mode_is_refused_naming_the_field() -> None:
     )
 
 
-def test_nixl_progress_delay_reaches_the_agent_config_nixl_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nixl_agent_settings_reach_the_agent_config_nixl_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from kvgeom_vllm.worker import progress_delay
+    from kvgeom_vllm.worker import agent_settings
     from nixl._api import nixl_agent, nixl_agent_config
 
     module = sys.modules[nixl_agent.__module__]
-    real, seen = module.nixlBind.nixlAgent, []
+    bind, seen = module.nixlBind, []
+    real = bind.nixlAgent
 
     def recording(name: str, config: object) -> object:
-        seen.append((name, config.pthrDelay, config.useProgThread))  # type: ignore[attr-defined]
+        seen.append((name, config.pthrDelay, config.syncMode, config.useProgThread))  # type: ignore[attr-defined]
         return real(name, config)
 
-    monkeypatch.setattr(module.nixlBind, "nixlAgent", recording)
-    with progress_delay(250, module):
+    monkeypatch.setattr(bind, "nixlAgent", recording)
+    with agent_settings(250, None, module):
         nixl_agent("delayed", nixl_agent_config(backends=[]))
+    with agent_settings(None, "rw", module):
+        nixl_agent("rw", nixl_agent_config(backends=[]))
+    with agent_settings(1000, "strict", module):
+        nixl_agent("both", nixl_agent_config(backends=[]))
     assert module.nixlBind.nixlAgent is recording  # restored on exit
     nixl_agent("plain", nixl_agent_config(backends=[]))
-    with progress_delay(None, module):
+    with agent_settings(None, None, module):
         nixl_agent("unset", nixl_agent_config(backends=[]))
-    assert seen == [("delayed", 250, True), ("plain", 0, True), ("unset", 0, True)]
+    none, rw, strict = bind.NIXL_THREAD_SYNC_NONE, bind.NIXL_THREAD_SYNC_RW, bind.NIXL_THREAD_SYNC_STRICT
+    assert seen == [
+        ("delayed", 250, none, True),
+        ("rw", 0, rw, True),
+        ("both", 1000, strict, True),
+        ("plain", 0, none, True),
+        ("unset", 0, none, True),
+    ]
+
+
+def test_a_sync_mode_this_nixl_lacks_is_refused_naming_the_field() -> None:
+    import types
+
+    from kvgeom_vllm.worker import agent_settings
+
+    class Bindings:  # a NIXL built before NIXL_THREAD_SYNC_RW
+        NIXL_THREAD_SYNC_NONE, NIXL_THREAD_SYNC_STRICT = 0, 1
+
+        @staticmethod
+        def nixlAgent(name: str, config: object) -> object:  # noqa: N802 - NIXL's name
+            pytest.fail("no agent is built after a refusal")
+
+    with pytest.raises(ConfigError) as err:
+        with agent_settings(None, "rw", types.SimpleNamespace(nixlBind=Bindings)):
+            pass
+    assert err.value.field == "kv_connector_extra_config.nixl_sync_mode"
+    assert err.value.values["value"] == "rw" and err.value.values["expected"] == ["none", "strict"]
 
 
 @pytest.mark.parametrize("value", ["1000", -1, True, 1_000_001, 2.5])
@@ -110,6 +141,24 @@ def test_bad_nixl_progress_delay_is_refused_naming_the_field(value: object) -> N
         make_worker(KvgeomPullConnectorWorker, "D", extra={"nixl_progress_delay_us": value})
     assert progress_delay_of(vllm_config()) is None
     assert progress_delay_of(vllm_config(extra={"nixl_progress_delay_us": 1000})) == 1000
+
+
+@pytest.mark.parametrize("value", ["RW", "locked", 1, True, ""])
+def test_bad_nixl_sync_mode_is_refused_naming_the_field(value: object) -> None:
+    from kvgeom_vllm.worker import KvgeomPushConnectorWorker, sync_mode_of
+
+    with pytest.raises(ConfigError) as err:
+        sync_mode_of(vllm_config(extra={"nixl_sync_mode": value}))
+    assert err.value.field == "kv_connector_extra_config.nixl_sync_mode"
+    assert err.value.values["value"] == value
+    with pytest.raises(ConfigError):  # at the worker's start, before vLLM builds anything
+        make_worker(KvgeomPushConnectorWorker, "P", extra={"nixl_sync_mode": value})
+    assert sync_mode_of(vllm_config()) is None
+    assert [sync_mode_of(vllm_config(extra={"nixl_sync_mode": m})) for m in ("none", "rw", "strict")] == [
+        "none",
+        "rw",
+        "strict",
+    ]
 
 
 def test_every_table_row_names_a_vllm_0_33_function_and_an_adapter() -> None:

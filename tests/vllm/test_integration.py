@@ -4,6 +4,7 @@ geometry card in vLLM's handshake (run by ``make test-vllm`` in the vLLM venv)."
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import kvgeom_vllm
 import msgspec
@@ -129,17 +130,25 @@ def test_a_sync_mode_this_nixl_lacks_is_refused_naming_the_field() -> None:
     assert err.value.values["value"] == "rw" and err.value.values["expected"] == ["none", "strict"]
 
 
+def _refused_naming_the_field(of: Any, worker_cls: type, role: str, key: str, value: object) -> None:
+    """``of`` refuses ``kv_connector_extra_config[key] = value`` with a ``ConfigError`` naming the field and
+    the value, and so does a worker at its start, before vLLM builds anything; unset is ``None``."""
+    with pytest.raises(ConfigError) as err:
+        of(vllm_config(extra={key: value}))
+    assert err.value.field == f"kv_connector_extra_config.{key}"
+    assert err.value.values["value"] == value
+    with pytest.raises(ConfigError):
+        make_worker(worker_cls, role, extra={key: value})
+    assert of(vllm_config()) is None
+
+
 @pytest.mark.parametrize("value", ["1000", -1, True, 1_000_001, 2.5])
 def test_bad_nixl_progress_delay_is_refused_naming_the_field(value: object) -> None:
     from kvgeom_vllm.worker import KvgeomPullConnectorWorker, progress_delay_of
 
-    with pytest.raises(ConfigError) as err:
-        progress_delay_of(vllm_config(extra={"nixl_progress_delay_us": value}))
-    assert err.value.field == "kv_connector_extra_config.nixl_progress_delay_us"
-    assert err.value.values["value"] == value
-    with pytest.raises(ConfigError):  # at the worker's start, before vLLM builds anything
-        make_worker(KvgeomPullConnectorWorker, "D", extra={"nixl_progress_delay_us": value})
-    assert progress_delay_of(vllm_config()) is None
+    _refused_naming_the_field(
+        progress_delay_of, KvgeomPullConnectorWorker, "D", "nixl_progress_delay_us", value
+    )
     assert progress_delay_of(vllm_config(extra={"nixl_progress_delay_us": 1000})) == 1000
 
 
@@ -147,18 +156,9 @@ def test_bad_nixl_progress_delay_is_refused_naming_the_field(value: object) -> N
 def test_bad_nixl_sync_mode_is_refused_naming_the_field(value: object) -> None:
     from kvgeom_vllm.worker import KvgeomPushConnectorWorker, sync_mode_of
 
-    with pytest.raises(ConfigError) as err:
-        sync_mode_of(vllm_config(extra={"nixl_sync_mode": value}))
-    assert err.value.field == "kv_connector_extra_config.nixl_sync_mode"
-    assert err.value.values["value"] == value
-    with pytest.raises(ConfigError):  # at the worker's start, before vLLM builds anything
-        make_worker(KvgeomPushConnectorWorker, "P", extra={"nixl_sync_mode": value})
-    assert sync_mode_of(vllm_config()) is None
-    assert [sync_mode_of(vllm_config(extra={"nixl_sync_mode": m})) for m in ("none", "rw", "strict")] == [
-        "none",
-        "rw",
-        "strict",
-    ]
+    _refused_naming_the_field(sync_mode_of, KvgeomPushConnectorWorker, "P", "nixl_sync_mode", value)
+    modes = [sync_mode_of(vllm_config(extra={"nixl_sync_mode": m})) for m in ("none", "rw", "strict")]
+    assert modes == ["none", "rw", "strict"]
 
 
 def test_every_table_row_names_a_vllm_0_33_function_and_an_adapter() -> None:

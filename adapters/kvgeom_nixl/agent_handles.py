@@ -192,6 +192,13 @@ class Transfer:
             ) from e
         return self._state
 
+    def abandon(self) -> None:
+        """End a live transfer whose peer's process is proven gone: nothing can move its bytes any more
+        (after a drain of what the peer sent before dying, which is the caller's job). Its handle is
+        released (kept for :meth:`Endpoint.close` if NIXL refuses)."""
+        if not self._released:
+            self._fail()
+
     def wait(self, deadline: float | None = None, *, timeout_s: float | None = None) -> Telemetry:
         """Poll until DONE; raise :class:`TransferError` on an error state or at the deadline (absolute
         ``time.monotonic()``; default now + ``transfer_timeout_s``; the transfer then stays live),

@@ -22,7 +22,7 @@ the guard where ids enter: an id held here belongs to the attempt that holds it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ class Held:
     ids: list[list[int]]
     transfers: list[Any] = field(default_factory=list)
     writers: set[tuple[str, int]] = field(default_factory=set)
+    peers: dict[tuple[str, int], str] = field(default_factory=dict)  # (engine, rank) -> its NIXL agent
     reason: str = ""
     since: float = field(default_factory=time.monotonic)
     cleared_by: list[str] = field(default_factory=list)
@@ -70,14 +71,18 @@ class Fence:
         transfers: Iterable[Any] = (),
         writers: Iterable[tuple[str, int]] = (),
         reason: str = "",
+        peers: Mapping[tuple[str, int], str] | None = None,
     ) -> Held:
-        """Quarantine ``ids`` for attempt ``token``; merges with an entry of the same token."""
+        """Quarantine ``ids`` for attempt ``token``; merges with an entry of the same token. ``peers``
+        names the NIXL agent of each peer rank ``transfers`` may move bytes with, so that a peer proven
+        gone ends them (:meth:`peer_gone`)."""
         ids = [[int(b) for b in g] for g in ids]
         entry = self._held.get(token)
         if entry is None:
             entry = self._held[token] = Held(token, ids, reason=reason)
         entry.transfers.extend(x for x in transfers if x.live)
         entry.writers.update(writers)
+        entry.peers.update(peers or {})
         return entry
 
     def clear_writer(self, token: Token, writer: tuple[str, int], why: str) -> bool:
@@ -98,6 +103,30 @@ class Fence:
                 entry.cleared_by.append(f"{writer[0]}:{writer[1]} gone")
                 n += 1
         return n
+
+    def peer_gone(self, peer: tuple[str, int]) -> int:
+        """``peer``'s process is gone (positive evidence, and the bytes it sent before dying already
+        applied: the caller drained first): our fenced transfers with it can move nothing more (neither a
+        READ from its memory nor a WRITE into it), so they end here, their handles released. Returns how
+        many transfers it ended."""
+        n = 0
+        for entry in self._held.values():
+            agent = entry.peers.get(peer)
+            ended = [x for x in entry.transfers if x.live and x.peer == agent]
+            for x in ended:
+                x.abandon()
+            if ended:
+                entry.cleared_by.append(f"{peer[0]}:{peer[1]} gone")
+            n += len(ended)
+        return n
+
+    def transfer_peers(self) -> set[tuple[str, int]]:
+        """The peers our fenced transfers still move bytes with."""
+        out: set[tuple[str, int]] = set()
+        for e in self._held.values():
+            live = {x.peer for x in e.transfers if x.live}
+            out.update(k for k, agent in e.peers.items() if agent in live)
+        return out
 
     def poll(self) -> None:
         """Drive our own fenced transfers (each poll makes progress; an ended one is released)."""

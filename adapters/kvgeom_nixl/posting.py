@@ -213,13 +213,16 @@ class Posting:
         posted: Sequence[Transfer] = (),
         writers: Sequence[tuple[str, int]] = (),
         zero: bool = True,
+        engine_id: str | None = None,
     ) -> None:
-        """A failed attempt: zero its blocks now and quarantine them until nothing can write them."""
+        """A failed attempt: zero its blocks now and quarantine them until nothing can write them (our
+        transfers with ``engine_id``'s ranks end there, or when that rank's process is proven gone)."""
+        peers = {(engine_id, r): link.agent for r, link in self.links.get(engine_id, {}).items()}
         try:
             if zero:
                 self._zero(ids)
             self.fence.hold(
-                token, ids, [x for x in posted if x.live], writers, f"{type(exc).__name__}: {exc}"
+                token, ids, [x for x in posted if x.live], writers, f"{type(exc).__name__}: {exc}", peers
             )
         except KvgeomError:
             pass  # ids that are not this rank's blocks: nothing was posted towards them
@@ -251,7 +254,7 @@ class Posting:
             result = self._execute(engine_id, plan, local_ids, timeout_s, attempt, posted, remote_request_id)
             result.bytes_zeroed = apply_post_receive(self.tensors, self.card, plan.regroup, plan.zero)
         except BaseException as exc:
-            self._fail(exc, (request_id, attempt), local_ids, posted)
+            self._fail(exc, (request_id, attempt), local_ids, posted, engine_id=engine_id)
             raise
         links = self.links[engine_id]
         for r in [t.remote_rank for t in plan.transfers] + list(plan.notify_only):
@@ -300,7 +303,7 @@ class Posting:
                 if agent not in done and all(x.peer != agent for x in live):
                     self._send(agent, self._notice("A", remote_request_id, attempt, 1, agent))
             self._aborts.extend((x, token) for x in live)  # an A follows if one of them ends in error
-            self._fail(exc, token, local_ids, posted, zero=False)  # our source blocks: keep, do not zero
+            self._fail(exc, token, local_ids, posted, zero=False, engine_id=engine_id)  # our sources: kept
             raise
 
     def _writers(self, producer: GeometryCard, compat: str = "kvgeom") -> set[tuple[str, int]]:

@@ -35,8 +35,11 @@ class Quarantine:
             if x.state != "DONE":  # ended in error: its W will never come, say so
                 self._send(x.peer, self._notice("A", rid, attempt, 1, x.peer))
         self._aborts = [a for a in self._aborts if a[0].live]
-        if self._probe_writers():  # bytes it sent before dying may still wait in our sockets
+        gone = self._probe_writers()
+        if gone:  # bytes it sent before dying may still wait in our sockets: apply them first
             self.ep._drain(_GONE_DRAIN_S)
+            for w in gone:  # then our own transfers with it can move nothing more: they end
+                self.fence.peer_gone(w)
         out = []
         for held in self.fence.ready():
             self._zero(held.ids)
@@ -84,19 +87,21 @@ class Quarantine:
                 continue
             self._incarnations.setdefault(w, seen)
 
-    def _probe_writers(self) -> bool:
-        """Ask each silent writer's side channel (at most every ``_PROBE_EVERY_S``, over a kept-open
-        authenticated session) whether its process is alive; positive evidence of its death clears it:
+    def _probe_writers(self) -> list[tuple[str, int]]:
+        """Ask each silent writer's side channel, and that of each peer our fenced transfers still move
+        bytes with (at most every ``_PROBE_EVERY_S``, over a kept-open authenticated session), whether its
+        process is alive; positive evidence of its death clears it (a writer here; our transfers with it
+        in :meth:`settle`, after a drain):
         refusals that last (every probe refused for at least ``gone_refused_s``, at least
         ``_GONE_REFUSALS`` of them, the session to it torn down), or an authenticated answer from another
         incarnation than the one it was known by. One refusal is not evidence: a live server's port under a
-        connection flood refused some fresh connects (docs/reliability.md). True if one was cleared."""
+        connection flood refused some fresh connects (docs/reliability.md). Returns the peers found gone."""
         now = time.monotonic()
-        gone = False
-        writers = self.fence.writers()
+        gone: list[tuple[str, int]] = []
+        writers = self.fence.writers() | self.fence.transfer_peers()
         for w in [w for w in self._refusing if w not in writers]:
             del self._refusing[w]
-        for w in writers:
+        for w in sorted(writers):
             addr = self._watch.get(w)
             every = _REPROBE_S if w in self._refusing else _PROBE_EVERY_S
             if addr is None or now - self._probed.get(w, 0.0) < every:
@@ -113,7 +118,8 @@ class Quarantine:
                 self._refusing[w] = (first, n + 1)
                 if n + 1 >= _GONE_REFUSALS and time.monotonic() - first >= self.config.gone_refused_s:
                     del self._refusing[w]
-                    gone = self.fence.writer_gone(w) > 0 or gone
+                    self.fence.writer_gone(w)
+                    gone.append(w)
                 continue
             except PeerUnknown:  # reset, EOF, timeout, unreachable: no evidence, keep holding
                 self._refusing.pop(w, None)
@@ -127,7 +133,8 @@ class Quarantine:
             if seen != known:  # authenticated, and another process: the one we knew is gone
                 self.stats["probes_new_incarnation"] += 1
                 self._incarnations[w] = seen
-                gone = self.fence.writer_gone(w) > 0 or gone
+                self.fence.writer_gone(w)
+                gone.append(w)
         return gone
 
     def _retire(self) -> None:
@@ -140,7 +147,7 @@ class Quarantine:
             log.warning(
                 "retired %d block(s) of attempt %d of request %r after %.1fs in quarantine "
                 "(quarantine_bound_s=%.3g): waiting for writer(s) %s and %d live transfer(s) of ours; "
-                "they stay out of the pool until that writer's notice or death, or the transfers' end "
+                "they stay out of the pool until that writer's notice or death, or the transfers' end or their peer's death "
                 "(restart the writer, or this rank, to get them back); ids %s; failure: %s",
                 held.blocks,
                 held.token[1],

@@ -234,6 +234,48 @@ def test_another_incarnation_on_the_writers_port_is_evidence_and_the_same_one_is
     assert kv.quarantined() == []
 
 
+class _StuckTransfer:
+    """A recording double of one of our transfers that never ends on its own: a READ of 708
+    descriptors from a producer that was stalled, then SIGKILLed, stayed ``PROC`` for 120 s (UCX over
+    TCP never reported the peer's death; docs/reliability.md)."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer, self.live, self.abandoned = peer, True, 0
+
+    def poll(self) -> str:
+        return "PROC"
+
+    def abandon(self) -> None:
+        self.live, self.abandoned = False, self.abandoned + 1
+
+
+def test_our_transfer_ends_when_its_peer_is_proven_gone_and_not_before(d_rank):
+    """A pulled attempt's READ that never ends: while its producer's side channel answers, the blocks
+    stay held however often settle() runs; once the producer's port refuses (its process is gone), the
+    READ towards it ends (released after a drain), the other peer's does not, and the blocks come back."""
+    kv = d_rank
+    srv = SideChannelServer(HOST, 0, None, auth=AUTH, incarnation=b"A" * 16).start()
+    other = SideChannelServer(HOST, 0, None, auth=AUTH, incarnation=b"C" * 16).start()
+    kv.watch("prefill", {0: srv.port, 1: other.port})
+    dead, alive = _StuckTransfer("prefill-0-agent"), _StuckTransfer("prefill-1-agent")
+    peers = {WRITER: "prefill-0-agent", ("prefill", 1): "prefill-1-agent"}
+    kv.fence.hold(("r1", 1), [[3, 4, 5]], transfers=[dead], peers=peers, reason="test")
+    kv.fence.hold(("r2", 1), [[6, 7]], transfers=[alive], peers=peers, reason="test")
+    try:
+        held = _settle_until(kv, lambda _: srv.stats["served"] >= 3, 10.0)
+        assert held == [] and (dead.abandoned, alive.abandoned) == (0, 0)
+        srv.close()
+        out = _settle_until(kv, bool, 10.0)
+        assert [(s.request_id, s.attempt, s.ids, s.cleared_by) for s in out] == [
+            ("r1", 1, [[3, 4, 5]], ("prefill:0 gone",))
+        ]
+        assert (dead.abandoned, alive.abandoned) == (1, 0)
+        assert [h.token for h in kv.quarantined()] == [("r2", 1)]
+    finally:
+        srv.close()
+        other.close()
+
+
 def test_a_rank_announces_its_process_incarnation_in_every_greeting():
     """What the evidence above rests on: a rank's side channel answers as the incarnation its sealed
     payload names, the same across a rebind of its server (same process), another for another process."""

@@ -218,6 +218,10 @@ class TransportPair:
             time.sleep(0.05)
         return got
 
+    def stats(self, d: int = 0) -> dict:
+        """D rank ``d``'s counters (probes refused, unknown, ...): what a failed wait prints."""
+        return self.d[d].call("stats")
+
     def writer_gone(self, token: list, bound_s: float = 30.0) -> list[list]:
         """Push, D: a writer that never wrote is gone; its attempt's blocks come back (Mooncake: the
         deployment releases them; NIXL: the fence sees the writer's side channel refuse, and settles)."""

@@ -259,6 +259,8 @@ def _child(
                 out = drv.settle()
             elif cmd == "quarantined":
                 out = drv.quarantined()
+            elif cmd == "stats":  # the rank's counters, for a failing assertion's message
+                out = {k: v for k, v in drv.kv.stats.items() if isinstance(v, int)}
             elif cmd == "verify":
                 reqs = [
                     (r["d_ids"], r.get("first", 0), r["tokens"], r["ok"], r["salt"]) for r in kw["requests"]

@@ -72,7 +72,9 @@ def test_producer_killed_with_its_transfer_in_flight(make_pair, transport: str) 
 def test_producer_stalled_past_the_deadline_is_fenced_until_gone(make_pair, transport: str) -> None:
     """P rank 0 moves nothing more: D's pull ends at its deadline, the transfer still running cannot be
     cancelled, so the blocks stay quarantined (refused by the next pull, not settled) until the
-    producer is killed and the transfer ends; then they come back zeroed."""
+    producers are killed and the transfers end; then they come back zeroed. (Rank 1 is killed too: under
+    load its READ, towards a live producer that kept polling, also missed the deadline and, over UCX's
+    TCP, stayed ``PROC`` for 120 s in 2 of 40 runs; docs/reliability.md. Its death ends it.)"""
     pair = make_pair(scenario("pull"), MAX_TOKENS)
     good, late = pair.requests([640, 1777])
     pair.fill([good, late])
@@ -91,7 +93,9 @@ def test_producer_stalled_past_the_deadline_is_fenced_until_gone(make_pair, tran
         pair.pull(late)
     assert again.value.kind(transport) == "held" and again.value.fields["field"] == "local_ids"
     pair.kill(0)
-    assert pair.settle_until(token) == [token]
+    pair.kill(1)
+    # each READ ends in error, or is ended once its producer's process is proven gone
+    assert pair.settle_until(token) == [token], pair.stats()
     assert pair.quarantined() == []
     pair.verify([good, dict(late, ok=False)])
 

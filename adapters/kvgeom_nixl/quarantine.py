@@ -35,7 +35,7 @@ class Quarantine:
             if x.state != "DONE":  # ended in error: its W will never come, say so
                 self._send(x.peer, self._notice("A", rid, attempt, 1, x.peer))
         self._aborts = [a for a in self._aborts if a[0].live]
-        gone = self._probe_writers()
+        gone = self._probe_peers()
         if gone:  # bytes it sent before dying may still wait in our sockets: apply them first
             self.ep._drain(_GONE_DRAIN_S)
             for w in gone:  # then our own transfers with it can move nothing more: they end
@@ -87,7 +87,7 @@ class Quarantine:
                 continue
             self._incarnations.setdefault(w, seen)
 
-    def _probe_writers(self) -> list[tuple[str, int]]:
+    def _probe_peers(self) -> list[tuple[str, int]]:
         """Ask each silent writer's side channel, and that of each peer our fenced transfers still move
         bytes with (at most every ``_PROBE_EVERY_S``, over a kept-open authenticated session), whether its
         process is alive; positive evidence of its death clears it (a writer here; our transfers with it
@@ -98,10 +98,10 @@ class Quarantine:
         connection flood refused some fresh connects (docs/reliability.md). Returns the peers found gone."""
         now = time.monotonic()
         gone: list[tuple[str, int]] = []
-        writers = self.fence.writers() | self.fence.transfer_peers()
-        for w in [w for w in self._refusing if w not in writers]:
+        peers = self.fence.writers() | self.fence.transfer_peers()
+        for w in [w for w in self._refusing if w not in peers]:
             del self._refusing[w]
-        for w in sorted(writers):
+        for w in sorted(peers):
             addr = self._watch.get(w)
             every = _REPROBE_S if w in self._refusing else _PROBE_EVERY_S
             if addr is None or now - self._probed.get(w, 0.0) < every:
@@ -147,8 +147,8 @@ class Quarantine:
             log.warning(
                 "retired %d block(s) of attempt %d of request %r after %.1fs in quarantine "
                 "(quarantine_bound_s=%.3g): waiting for writer(s) %s and %d live transfer(s) of ours; "
-                "they stay out of the pool until that writer's notice or death, or the transfers' end or their peer's death "
-                "(restart the writer, or this rank, to get them back); ids %s; failure: %s",
+                "they stay out of the pool until that writer's notice or death, or the transfers' end or "
+                "their peer's death (restart the writer, or this rank, to get them back); ids %s; failure: %s",
                 held.blocks,
                 held.token[1],
                 held.token[0],

@@ -235,9 +235,9 @@ def test_another_incarnation_on_the_writers_port_is_evidence_and_the_same_one_is
 
 
 class _StuckTransfer:
-    """A recording double of one of our transfers that never ends on its own: a READ of 708
-    descriptors from a producer that was stalled, then SIGKILLed, stayed ``PROC`` for 120 s (UCX over
-    TCP never reported the peer's death; docs/reliability.md)."""
+    """A recording double of one of our transfers that never ends on its own: under load a READ of 708
+    descriptors over UCX's TCP stayed ``PROC`` for the whole 120 s bound, its producer's death included
+    (docs/reliability.md)."""
 
     def __init__(self, peer: str) -> None:
         self.peer, self.live, self.abandoned = peer, True, 0

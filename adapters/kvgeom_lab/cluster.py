@@ -723,6 +723,8 @@ class _Scheduler:
         self.settled: dict[tuple[str, int], set[int]] = {}
         self.settle_log: list[tuple] = []
         self.retire_log: list[tuple] = []  # (rank, request id, attempt, held s, ids, wall time)
+        #: (request id, attempt, wall time) each failed attempt's blocks went back to the pool (all D ranks settled)
+        self.reclaim_log: list[tuple[str, int, float]] = []
         self.signal_log: list[tuple[float, str, int]] = []  # (wall time, engine, signal)
         self.pushed: list[dict] = []
         self.killed: set[str] = set()
@@ -884,6 +886,7 @@ def run_cluster(
         "attempts": attempts,
         "settled": s.settle_log,
         "retired": s.retire_log,
+        "reclaimed": s.reclaim_log,
         "signals": s.signal_log,
         "pushed": s.pushed,
         "actions": [(t, name, out) for t, name, out in s.action_log],
@@ -910,6 +913,7 @@ def _schedule(s: _Scheduler, spec: dict, faults: dict) -> list[dict]:
             if q["ranks"] <= s.settled.get(token, set()):
                 pool.give(q["ids"])
                 del quarantine[token]
+                s.reclaim_log.append((token[0], token[1], time.time()))
 
     sent: dict[str, int] = {}
     for req in spec["requests"]:

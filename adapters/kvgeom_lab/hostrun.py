@@ -250,6 +250,7 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
                 "message": err,
                 "seconds": round(float(a.get("seconds", 0.0)), 3),
                 "engine": a.get("engine"),
+                "t_sent": a.get("t_sent"),
                 "ids": sorted(b for g in a.get("ids", []) for b in g),
             }
         )
@@ -262,6 +263,7 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     return {
         "attempts": attempts,
         "settled": settled,
+        "reclaimed_at": {(rid, att): t for rid, att, t in out.get("reclaimed", [])},
         "crashed": crashed,
         "checked_bytes": d.get("checked_bytes", 0),
         "bad_bytes": d.get("bad_bytes"),

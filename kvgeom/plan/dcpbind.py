@@ -91,12 +91,14 @@ def dcp_pairs(
     rids: list[np.ndarray],
     num_tokens: int | None,
     prefill_tokens: int | None,
+    names: tuple[int, ...] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """With decode context parallelism, what this rank exchanges with remote rank ``rank``, per group: local
     ids at the local table's granularity and remote kernel ids. Attention units pair by global token position
     (:mod:`kvgeom.pair.dcp`); SSM slots pair as without DCP. kvgeom mode takes the units P computed; vLLM mode
-    pairs as vLLM does (pages by its closed form in pull, by counts in push) and refuses when that differs."""
-    exact_l, exact_r, allowed = _dcp_token_pairs(pairing, rank, lids, rids, num_tokens, prefill_tokens)
+    pairs as vLLM does (pages by its closed form in pull, by counts in push) and refuses when that differs.
+    ``names``: the group a refusal names, per group (default: its index)."""
+    exact_l, exact_r, allowed = _dcp_token_pairs(pairing, rank, lids, rids, num_tokens, prefill_tokens, names)
     if pairing.policy.by_tokens:
         return exact_l, exact_r
     pull, kinds = pairing.mode == "pull", pairing.local.group_is_ssm
@@ -121,6 +123,7 @@ def _dcp_token_pairs(
     rids: list[np.ndarray],
     num_tokens: int | None,
     prefill_tokens: int | None,
+    names: tuple[int, ...] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """Per group, the local and remote ids remote rank ``rank`` exchanges by global token position (the units
     P computed; SSM slots as without DCP), and the pair codes of every unit holding the same tokens on both
@@ -140,8 +143,9 @@ def _dcp_token_pairs(
             exact_r.append(rk[g][:0])
             allowed.append(np.zeros(0, np.int64))
             continue
+        name = g if names is None else names[g]
         u = dcp_units_of(
-            consumer, producer, c_all[g], p_all[g], num_tokens, prefill_tokens, pairing.prefix_caching, g
+            consumer, producer, c_all[g], p_all[g], num_tokens, prefill_tokens, pairing.prefix_caching, name
         )
         rank_of = u["p_rank"] == producer.dcp_rank
         mine = u["ok"] & rank_of
@@ -322,16 +326,16 @@ def dcp_zero_rows(
     num_tokens: int | None,
     prefill_tokens: int | None,
     prefix_caching: bool,
+    names: tuple[int, ...] | None = None,
 ) -> np.ndarray:
     """kvgeom mode, DCP: zero every unit of the consumer's pages no producer rank holds (tokens P did not
-    compute), in every page of the group's layers."""
+    compute), in every page of the group's layers (``names``: the group a refusal names, per group)."""
     rows = [np.zeros((0, 3), dtype=np.int64)]
     for group, c_ids, p_ids in zip(consumer.groups, lids, rids):
         if group.is_ssm or not c_ids.size:
             continue
-        u = dcp_units_of(
-            consumer, producer, c_ids, p_ids, num_tokens, prefill_tokens, prefix_caching, group.index
-        )
+        name = group.index if names is None else names[group.index]
+        u = dcp_units_of(consumer, producer, c_ids, p_ids, num_tokens, prefill_tokens, prefix_caching, name)
         todo = ~u["ok"]
         if not todo.any():
             continue

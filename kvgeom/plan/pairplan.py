@@ -4,8 +4,9 @@
 descriptor tables and holds it in ``Pairing.plan``; a request only gathers its ids through it. Per remote rank
 it has the transfer's :class:`RankTables` (the groups sent, both sides' descriptor-id segment tables, the local
 table's key and length, and whether a checked request's ids can leave them), per local group the pages the
-receive step reads as arrays (:class:`~kvgeom.plan.align.PageSet`), a region-mapped pull's segment tables, and
-the producer ranks vLLM's push writes a decode rank from. Nothing in it depends on a request.
+receive step reads as arrays (:class:`~kvgeom.plan.align.PageSet`), the producer ranks vLLM's push writes a
+decode rank from, and a region-mapped pull's pairing bound by region (one group per region, with its own plan).
+Nothing in it depends on a request.
 
 This module reads the pairing's fields only (it is imported by :mod:`kvgeom.plan.pairing`, so it takes the
 pairing as an untyped value rather than importing the class).
@@ -14,14 +15,15 @@ pairing as an untyped value rather than importing the class).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from kvgeom.pair.tp import compute_tp_mapping, dcp_handshake_targets
-from kvgeom.plan.align import PageSet
+from kvgeom.plan.align import PageSet, group_pages, streamed_pages
 from kvgeom.plan.descids import Segments, desc_segments
+from kvgeom.plan.regionmap import by_region
 
 __all__ = ["PairPlan", "RankTables", "pair_plan"]
 
@@ -54,10 +56,11 @@ class PairPlan:
     #: fills (``filled_pages``: kvgeom's); each only where a pull's consumer zeroes by that rule, else empty
     zero_pages: tuple[PageSet, ...]
     filled_pages: tuple[PageSet, ...]
-    #: a region-mapped pull: per remote rank, the (local, remote) segment tables, every region its own list
-    region_segments: Mapping[int, tuple[Segments, Segments]]
     #: vLLM push with DCP: per decode rank, the producer ranks (mod DCP) whose mappings write it
     push_writers: Mapping[int, frozenset[int]]
+    #: a region-mapped pull: the pairing as a request is bound on (one group per region on each side,
+    #: :func:`~kvgeom.plan.regionmap.by_region`), whose plan's segment tables give every region its own list
+    by_region: Any = None
 
     def describe(self) -> str:
         """One line per remote rank: its segments, table lengths and whether ids are bounded per request."""
@@ -69,15 +72,17 @@ class PairPlan:
         )
 
 
-def pair_plan(pairing: Any) -> PairPlan:
-    """The per-pair plan of ``pairing`` (a :class:`~kvgeom.plan.pairing.Pairing` whose tables are built)."""
-    # a region-mapped pull binds region by region (:mod:`kvgeom.plan.regionbind`): no per-group tables
+def pair_plan(pairing: Any, regions: bool = False) -> PairPlan:
+    """The per-pair plan of ``pairing`` (a :class:`~kvgeom.plan.pairing.Pairing` whose tables are built);
+    ``regions``: ``pairing`` is a region-mapped pull bound by region, every region its own list."""
+    # a region-mapped pull binds on its pairing by region (``PairPlan.by_region``): no per-group tables
     built: dict[tuple[Any, ...], Segments] = {}
-    ranks = (
-        {}
-        if pairing.region_mapped
-        else {rank: _rank_tables(pairing, rank, built) for rank in pairing.targets}
-    )
+    if regions:
+        ranks = {rank: _region_tables(pairing, rank) for rank in pairing.targets}
+    elif pairing.region_mapped:
+        ranks = {}
+    else:
+        ranks = {rank: _rank_tables(pairing, rank, built) for rank in pairing.targets}
     masks = [ranks[r].keep for r in pairing.transfer_ranks if r in ranks]
     groups = len(pairing.local.groups)
     tokens = pairing.local.block_size
@@ -90,11 +95,28 @@ def pair_plan(pairing: Any) -> PairPlan:
         tuple(any(m[g] for m in masks) for g in range(groups)),
         tuple(PageSet.of(pairing.tables.group_pages[g], tokens) for g in range(groups)) if vllm_zero else (),
         tuple(PageSet.of(pairing.zero_pages(g), tokens) for g in range(groups)) if token_zero else (),
-        {r: _region_segments(pairing, r) for r in pairing.targets} if pairing.region_mapped else {},
         {r: _push_writers(pairing, r) for r in pairing.targets}
         if pairing.dcp_active and pairing.mode == "push"
         else {},
+        _by_region(pairing) if pairing.region_mapped and not regions else None,
     )
+
+
+def _by_region(pairing: Any) -> Any:
+    """A region-mapped pull as a request is bound on: the pairing with one group per region on both sides
+    (:func:`~kvgeom.plan.regionmap.by_region`), the same views and descriptor tables, the pages of each
+    region, and a per-pair plan whose segment tables give every region its own list."""
+    local = by_region(pairing.local)
+    pages = tuple(group_pages(local, r) for r in range(local.num_regions))
+    zero = tuple(streamed_pages(local, pairing.local_view, r, pages[r]) for r in range(len(pages)))
+    bound = replace(
+        pairing,
+        local=local,
+        remotes={t: by_region(g) for t, g in pairing.remotes.items()},
+        tables=replace(pairing.tables, group_pages=pages, zero_pages=zero),
+        plan=None,
+    )
+    return replace(bound, plan=pair_plan(bound, regions=True))
 
 
 def _segments(pairing: Any, side: str, rank: int, built: dict[tuple[Any, ...], Segments]) -> Segments:
@@ -165,9 +187,10 @@ def _rank_tables(pairing: Any, rank: int, built: dict[tuple[Any, ...], Segments]
     )
 
 
-def _region_segments(pairing: Any, rank: int) -> tuple[Segments, Segments]:
-    """A region-mapped pull's segment tables for remote rank ``rank``: every region its own list, on both
-    sides (cut per token where kvgeom mode cuts token-major pages)."""
+def _region_tables(pairing: Any, rank: int) -> RankTables:
+    """A region-mapped pull's :class:`RankTables` for remote rank ``rank`` (``pairing`` bound by region): every
+    region (group) sent, each its own list on both sides (cut per token where kvgeom mode cuts token-major
+    pages)."""
     n = pairing.local.num_regions
     rows = pairing.token_rows
     flat = [False] * n
@@ -184,7 +207,17 @@ def _region_segments(pairing: Any, rank: int) -> tuple[Segments, Segments]:
         )
         for v in (pairing.local_view, pairing.remote_view(rank))
     )
-    return lseg, rseg
+    key = pairing.local_key(rank)
+    return RankTables(
+        (True,) * n,
+        True,
+        lseg,
+        rseg,
+        key,
+        len(pairing.local_table(key)),
+        len(pairing.remote_table(rank)),
+        _bounded(pairing, "local", rank, lseg) and _bounded(pairing, "remote", rank, rseg),
+    )
 
 
 def _push_writers(pairing: Any, rank: int) -> frozenset[int]:

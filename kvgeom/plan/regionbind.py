@@ -1,25 +1,22 @@
-"""Binding a request whose two sides group the same regions differently: block lists paired region by
-region (:mod:`kvgeom.plan.regionmap`), with or without decode context parallelism.
+"""Binding a request whose two sides group the same regions differently (:mod:`kvgeom.plan.regionmap`): the
+request's lists expanded to one list per region, planned by the general planner (:mod:`kvgeom.plan.request`) on
+the pairing bound by region (``PairPlan.by_region``: every region its own group), and vLLM 0.33.0's rule for
+such pulls (:data:`BY_REGION`: page position or end-trim, refused where it would pair other tokens than the
+token axis does; with DCP by page position per remote rank), the boundary of vLLM mode.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
-from kvgeom.blocks import (
-    BlockIds,
-    as_group_ids,
-    get_mapped_blocks,
-    logical_to_kernel,
-)
 from kvgeom.errors import PlanError, UnsupportedError
 from kvgeom.pair.streams import region_group_ids
-from kvgeom.plan.align import Page, consumer_zero_rows, list_starts, overlap, page_heads
-from kvgeom.plan.bind import cached_blocks, check_ids, is_sliding, plan_of, require_num_tokens
-from kvgeom.plan.dcpbind import dcp_units_of, first_position, pair_codes
-from kvgeom.plan.descids import apply_segments
+from kvgeom.plan.align import list_starts, overlap
+from kvgeom.plan.bind import cached_blocks, is_sliding, plan_of
+from kvgeom.plan.dcpbind import first_position, pair_codes
 from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.regionmap import (
     apply_prefix_caching_by_region,
@@ -27,50 +24,21 @@ from kvgeom.plan.regionmap import (
     region_zero_ids,
     region_zero_rows,
 )
-from kvgeom.plan.requestplan import RequestPlan, Transfer
+from kvgeom.plan.requestplan import Regroup
 
-__all__ = ["plan_by_region", "region_plan", "region_dcp_pairs"]
+__all__ = ["bound_by_region", "BY_REGION"]
 
 
-def plan_by_region(
-    pairing: Pairing,
-    lids: list[np.ndarray],
-    remote_ids: BlockIds,
-    request_id: str,
-    remote_request_id: str | None,
-    num_tokens: int | None,
-    prefill_tokens: int | None,
-) -> RequestPlan:
-    """A pull between sides that group the same regions differently (:mod:`kvgeom.plan.regionmap`): each side's
-    kernel ids expanded to one list per region, paired region by region (vLLM mode: vLLM's page-position or
-    end-trim pairing, refused where it would pair other tokens than the token axis does; kvgeom mode: by
-    tokens), descriptor ids with every region its own list, and D's pages nothing filled zeroed per region."""
-    local, rank0 = pairing.local, pairing.targets[0]
-    remote = pairing.remotes[rank0]
-    rids = as_group_ids(remote_ids, remote.group_is_ssm, "remote_ids")
-    check_ids(lids, local, "local")
-    check_ids(rids, remote, "remote")
-    require_num_tokens(local, lids, num_tokens, "local_ids")
-    lgid, rgid = region_group_ids(local), region_group_ids(remote)
-    l_by = block_ids_by_region(logical_to_kernel(lids, local.ppl, local.group_is_ssm), lgid)
-    r_by = block_ids_by_region(logical_to_kernel(rids, remote.ppl, remote.group_is_ssm), rgid)
-    if pairing.dcp_active:
-        by_rank, pages = region_dcp_pairs(pairing, lids, rids, l_by, r_by, num_tokens, prefill_tokens)
-        lens, strides = [x.block_len for x in local.regions], [x.block_stride for x in local.regions]
-        return region_plan(
-            pairing, by_rank, region_zero_rows(pages, lens, strides), request_id, remote_request_id
-        )
-    spans, starts = _region_spans(pairing, lids, rids, l_by, r_by, num_tokens, prefill_tokens)
-    # a region without a span (vllm mode's shared regions) pairs nothing of its own and is zeroed whole
-    full = [s if s is not None else (0, 0, 0) for s in spans]
-    if pairing.policy.by_tokens:
-        la = [x[c : c + n] for x, (c, _, n) in zip(l_by, full)]
-        ra = [x[p : p + n] for x, (_, p, n) in zip(r_by, full)]
-    else:
-        la, ra = _counted_region_pairs(pairing, lids, l_by, r_by, spans, starts, num_tokens, prefill_tokens)
-    by_rank = {rank: (la, ra) for rank in pairing.transfer_ranks} if any(x.size for x in la) else {}
-    zero = _region_zero(pairing, l_by, la, spans, full)
-    return region_plan(pairing, by_rank, zero, request_id, remote_request_id)
+def bound_by_region(
+    pairing: Pairing, lids: list[np.ndarray], rids: list[np.ndarray]
+) -> tuple[Pairing, list[np.ndarray], list[np.ndarray], tuple[int, ...]]:
+    """A region-mapped pull's request as the planner binds it: the pairing bound by region, each side's
+    logical ids one list per region (its group's, or a shared region's every group's), and per region the
+    group a refusal names."""
+    lgid = region_group_ids(pairing.local)
+    rgid = region_group_ids(pairing.remotes[pairing.targets[0]])
+    bound = plan_of(pairing).by_region
+    return bound, block_ids_by_region(lids, lgid), block_ids_by_region(rids, rgid), lgid
 
 
 _Span = tuple[int, int, int]  # (first local page, first remote page, pages) of a region's overlap
@@ -164,114 +132,59 @@ def _counted_region_pairs(
     return la, ra
 
 
-def _region_zero(
-    pairing: Pairing,
-    l_by: list[np.ndarray],
-    la: list[np.ndarray],
-    spans: list[_Span | None],
-    full: list[_Span],
-) -> np.ndarray:
-    """D's rows nothing fills, per region: past the pages paired (vLLM mode, or a region without a span), or
-    the token ranges of D's pages outside the overlap (kvgeom mode)."""
-    local = pairing.local
-    zero = [np.zeros((0, 3), dtype=np.int64)]
-    for r, region in enumerate(local.regions):
-        if not pairing.policy.by_tokens or spans[r] is None:
-            stale = l_by[r][la[r].size :]
-            zero.append(
-                np.stack(
-                    [
-                        np.full(stale.size, r),
-                        stale * region.block_stride,
-                        np.full(stale.size, region.block_len),
-                    ],
-                    axis=1,
-                )
-            )
-        else:
-            page = Page(r, 0, region.block_len, region.block_stride, page_heads(local, region.members[0][1]))
-            zero.append(consumer_zero_rows([page], l_by[r], 1, full[r][0], full[r][2], local.block_size))
-    return np.concatenate(zero).astype(np.int64)
+class _ByRegion:
+    """vLLM 0.33.0's rule for a pull between sides that group the same regions differently (the methods of
+    :class:`kvgeom.plan.request._VllmRule`, on a binding ``b`` by region whose ``grouped`` is the request as
+    named by the pairing's groups)."""
+
+    def bind(self, b: Any) -> Any:
+        """Without DCP: each region's overlap on the token axis (what vLLM's pairs are checked against); with
+        DCP: every transfer rank's pairs by page position, and the pages each matched."""
+        pairing, lids, rids = b.grouped
+        if not b.dcp:
+            return _region_spans(pairing, lids, rids, b.lk, b.rk, b.num_tokens, b.prefill_tokens)
+        return _dcp_by_position(pairing, lids, b.lk, b.rk, b.num_tokens, b.prefill_tokens)
+
+    def pairs(self, b: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        pairing, lids, _ = b.grouped
+        spans, starts = b.exact
+        return _counted_region_pairs(pairing, lids, b.lk, b.rk, spans, starts, b.num_tokens, b.prefill_tokens)
+
+    def dcp_pairs(self, b: Any, rank: int, rt: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        by_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = b.exact[0]
+        return by_rank.get(rank, ([], []))
+
+    def receive(self, b: Any) -> tuple[tuple[Regroup, ...], np.ndarray]:
+        """D's pages past those vLLM paired, zeroed whole, region by region (with DCP: past the pages all
+        remote ranks matched)."""
+        regions = b.pairing.local.regions
+        lens, strides = [x.block_len for x in regions], [x.block_stride for x in regions]
+        if b.dcp:
+            return (), region_zero_rows(region_zero_ids(b.lk, b.exact[1]), lens, strides)
+        la = b.counted()[0]
+        return (), region_zero_rows([x[y.size :] for x, y in zip(b.lk, la)], lens, strides)
 
 
-def region_plan(
-    pairing: Pairing,
-    by_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]],
-    zero: np.ndarray,
-    request_id: str,
-    remote_request_id: str | None,
-) -> RequestPlan:
-    """A region-mapped pull's plan: one transfer per remote rank of ``by_rank`` (its kernel ids per region, on
-    each side), descriptor ids with every region its own list; ``zero`` rows of D's pages nothing filled."""
-    local = pairing.local
-    tag = remote_request_id if remote_request_id is not None else request_id
-    expected = pairing.mapping.local_consumers
-    transfers = []
-    for rank, (la, ra) in by_rank.items():
-        lseg, rseg = plan_of(pairing).region_segments[rank]
-        rows = pairing.token_rows  # kvgeom mode cuts token-major pages per token when heads differ
-        lx = [get_mapped_blocks(x, rows) for x in la] if rows > 1 else la
-        rx = [get_mapped_blocks(x, rows) for x in ra] if rows > 1 else ra
-        transfers.append(
-            Transfer(
-                rank,
-                pairing.local_key(rank),
-                apply_segments(lseg, lx),
-                apply_segments(rseg, rx),
-                f"{tag}:{expected}",
-            )
-        )
-    sent = {t.remote_rank for t in transfers}
-    return RequestPlan(
-        request_id,
-        "pull",
-        tuple(transfers),
-        tuple(r for r in pairing.targets if r not in sent),
-        expected,
-        local.tp_rank,
-        (),
-        zero,
-    )
+BY_REGION = _ByRegion()
 
 
-def region_dcp_pairs(
+def _dcp_by_position(
     pairing: Pairing,
     lids: list[np.ndarray],
-    rids: list[np.ndarray],
     l_by: list[np.ndarray],
     r_by: list[np.ndarray],
     num_tokens: int | None,
     prefill_tokens: int | None,
-) -> tuple[dict[int, tuple[list[np.ndarray], list[np.ndarray]]], list[np.ndarray]]:
-    """A region-mapped pull with decode context parallelism: per remote rank with pages to read, each region's D
-    and P kernel ids, and D's pages to zero per region (pure MLA, equal kernel blocks, every region one group's
-    pages on each side in kvgeom mode). kvgeom mode places each region's pages on the token axis by global page
-    position (:func:`kvgeom.pair.dcp.dcp_units`): every remote rank sends the pages P computed that it holds, and D's
-    pages holding no computed token are zeroed. vLLM mode pairs as vLLM 0.33.0 does: each region by page
-    position per remote rank (:func:`~kvgeom.plan.regionmap.apply_prefix_caching_by_region` from ``prefill_tokens``
-    and D's cached pages), then zeroes each region past the pages all ranks matched
-    (:func:`~kvgeom.plan.regionmap.region_zero_ids`). With a logical block of one kernel block on both sides (the
-    handshake refuses others in vLLM mode) a page position is a token range on both sides, so vLLM's pairs are
-    the token axis's (docs/vllm-behaviour.md)."""
+) -> tuple[dict[int, tuple[list[np.ndarray], list[np.ndarray]]], list[list[np.ndarray]]]:
+    """vLLM's region-mapped pull with decode context parallelism: each region by page position per remote rank
+    (:func:`~kvgeom.plan.regionmap.apply_prefix_caching_by_region` from ``prefill_tokens`` and D's cached pages),
+    and the pages each rank matched (D zeroes each region past the pages all ranks matched). With a logical
+    block of one kernel block on both sides (the handshake refuses others in vLLM mode) a page position is a
+    token range on both sides, so vLLM's pairs are the token axis's (docs/vllm-behaviour.md)."""
     local = pairing.local
     remote = pairing.remotes[pairing.targets[0]]
-    lgid, rgid = region_group_ids(local), region_group_ids(remote)
-    if not any(x.size for x in l_by):
-        return {}, l_by  # every list empty: nothing to read or zero
-    by_rank: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-    if pairing.policy.by_tokens:
-        units = [
-            dcp_units_of(
-                local, remote, lids[lg], rids[rg], num_tokens, prefill_tokens, pairing.prefix_caching, lg
-            )
-            for lg, rg in zip(lgid, rgid)
-        ]
-        for rank in pairing.transfer_ranks:
-            mine = [u["ok"] & (u["p_rank"] == pairing.remotes[rank].dcp_rank) for u in units]
-            la = [u["c_fine"][m] for u, m in zip(units, mine)]
-            if any(x.size for x in la):
-                by_rank[rank] = (la, [u["p_fine"][m] for u, m in zip(units, mine)])
-        return by_rank, [u["c_fine"][~u["ok"]] for u in units]
+    if not any(x.size for x in l_by):  # every list empty: nothing to read or zero
+        return {}, []
     if prefill_tokens is None:
         raise PlanError(
             "prefill_tokens",
@@ -281,7 +194,8 @@ def region_dcp_pairs(
         )
     first = [first_position(local, x.size, num_tokens, pairing.prefix_caching, g) for g, x in enumerate(lids)]
     total = math.ceil(prefill_tokens / remote.block_size)
-    matched = []
+    lgid = region_group_ids(local)
+    by_rank, matched = {}, []
     for rank in pairing.transfer_ranks:
         la, ra = apply_prefix_caching_by_region(
             l_by, r_by, [first[g] for g in lgid], total, rank, local.dcp_size, local.dcp_rank, remote.dcp_size
@@ -289,4 +203,4 @@ def region_dcp_pairs(
         matched.append(la)
         if any(x.size for x in la):
             by_rank[rank] = (la, ra)
-    return by_rank, region_zero_ids(l_by, matched)
+    return by_rank, matched

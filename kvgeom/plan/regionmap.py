@@ -17,15 +17,38 @@ bookkeeping of ``_read_blocks_for_req``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from kvgeom.blocks import BlockIds, as_ids
 from kvgeom.errors import GroupMismatchError, PlanError
+from kvgeom.layout.geometry import Group, RankGeometry
 from kvgeom.layout.view import SHARED_GROUP
 from kvgeom.pair.dcp import apply_dcp_prefix_caching
+from kvgeom.pair.streams import region_group_ids
 
-__all__ = ["block_ids_by_region", "apply_prefix_caching_by_region", "region_zero_ids", "region_zero_rows"]
+__all__ = [
+    "block_ids_by_region",
+    "apply_prefix_caching_by_region",
+    "region_zero_ids",
+    "region_zero_rows",
+    "by_region",
+]
+
+
+def by_region(geom: RankGeometry) -> RankGeometry:
+    """``geom`` with one KV-cache group per region: group ``r`` is region ``r``'s layers (the spec of the
+    group viewing it; a shared region's, its first member's group's), every region viewed by its own group
+    only. A request's lists on it are :func:`block_ids_by_region` of its lists on ``geom``: what the planner
+    binds a region-mapped pull on."""
+    gids = region_group_ids(geom)
+    groups, regions = [], []
+    for r, (region, g) in enumerate(zip(geom.regions, gids)):
+        spec = geom.groups[g if g >= 0 else region.members[0][0]].spec
+        groups.append(Group(r, spec, tuple(dict.fromkeys(n for _, n in region.members))))
+        regions.append(replace(region, members=tuple((r, n) for _, n in region.members)))
+    return replace(geom, groups=tuple(groups), regions=tuple(regions))
 
 
 def block_ids_by_region(block_ids: BlockIds, region_group_ids: Sequence[int]) -> list[np.ndarray]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from kvgeom.plan.bind import (
     fine_of,
     intake,
     lowered_vllm_pairs,
+    plan_of,
     rank_tables,
     require_num_tokens,
     select_groups,
@@ -46,7 +48,7 @@ from kvgeom.plan.pairing import Pairing
 from kvgeom.plan.planmemo import memo_of
 from kvgeom.plan.receive import post_receive, regroups, zero_rows
 from kvgeom.plan.recipe import Recipe, trace
-from kvgeom.plan.regionbind import plan_by_region
+from kvgeom.plan.regionbind import BY_REGION, bound_by_region
 from kvgeom.plan.requestplan import Regroup, RequestPlan, Transfer
 
 __all__ = ["plan_request"]
@@ -79,13 +81,9 @@ def plan_request(
     kinds = local.group_is_ssm
     empty = (type(local_ids) is list or isinstance(local_ids, (Sequence, np.ndarray))) and len(local_ids) == 0
     lids = intake([[] for _ in kinds] if empty else local_ids, kinds, "local_ids")
-    if pairing.region_mapped:
-        return plan_by_region(
-            pairing, lids, remote_ids, request_id, remote_request_id, num_tokens, prefill_tokens
-        )
-    rids = intake(remote_ids, kinds, "remote_ids")
-    check_ids(lids, local, "local")
     remote = pairing.remotes[pairing.targets[0]]
+    rids = intake(remote_ids, remote.group_is_ssm, "remote_ids")
+    check_ids(lids, local, "local")
     check_ids(rids, remote, "remote")
     require_num_tokens(local, lids, num_tokens, "local_ids")
     if pairing.dcp_active:
@@ -195,11 +193,13 @@ class _Shape:
 class _Binding:
     """One request's blocks on the pairing's token axis, computed once for every transfer rank: the kernel
     ids of both sides, the pairs by token position where the policy pairs by tokens (or to cross-check
-    vLLM's count pairing), and vLLM's count pairing, computed on first use."""
+    vLLM's count pairing), and vLLM's count pairing, computed on first use. A region-mapped pull is bound
+    on its pairing by region (``PairPlan.by_region``: every region a group, each side's lists one per
+    region), with vLLM's rule for regions (:data:`~kvgeom.plan.regionbind.BY_REGION`) at the boundary."""
 
     __slots__ = (
         "pairing", "lids", "rids", "num_tokens", "prefill_tokens", "lk", "rk", "rview", "lfine", "exact",
-        "aligned", "dcp", "_counted",
+        "aligned", "dcp", "vllm", "names", "grouped", "_counted",
     )  # fmt: skip
 
     def __init__(
@@ -210,6 +210,12 @@ class _Binding:
         num_tokens: int | None,
         prefill_tokens: int | None,
     ) -> None:
+        self.grouped = (pairing, lids, rids)  # the request as named: by the pairing's groups
+        self.vllm: _Rule = _BY_GROUP
+        self.names: tuple[int, ...] | None = None  # the group an error names, per group bound on
+        if plan_of(pairing).by_region is not None:
+            pairing, lids, rids, self.names = bound_by_region(pairing, lids, rids)
+            self.vllm = BY_REGION
         local, kinds = pairing.local, pairing.local.group_is_ssm
         self.pairing, self.lids, self.rids = pairing, lids, rids
         self.num_tokens, self.prefill_tokens = num_tokens, prefill_tokens
@@ -218,54 +224,27 @@ class _Binding:
         self.rk = kernel_of(rids, self.rview.ppl, kinds)
         self.dcp = pairing.dcp_active
         self.lfine = self.lk if self.dcp else fine_of(self.lk, pairing.bsr, kinds, lids, local.ppl)
-        self.exact = (
-            None
-            if self.dcp
-            else exact_pairs(pairing, lids, rids, self.lk, self.rk, num_tokens, prefill_tokens, self.lfine)
-        )
-        self.aligned = self.exact if pairing.policy.by_tokens else None
+        self.exact: Any = None  # the token axis's pairs (vLLM mode: what vLLM's rule is checked against)
         self._counted: tuple[list[np.ndarray], list[np.ndarray]] | None = None
-        if self.dcp and not pairing.policy.by_tokens and pairing.mode == "pull":
-            vllm_pull_covers(pairing, lids, rids, num_tokens, prefill_tokens)
+        if pairing.policy.by_tokens:
+            self.exact = None if self.dcp else _BY_GROUP.bind(self)
+        else:
+            self.exact = self.vllm.bind(self)
+        self.aligned = self.exact if pairing.policy.by_tokens else None
 
     def counted(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """vLLM mode's pairs of every group sent, once: the one plan's pairs by token position (state slots
-        by vLLM's slot rule), lowered where vLLM's count-based pairing pairs the same blocks. vLLM's rule is
-        the boundary check (:func:`~kvgeom.plan.bind.lowered_vllm_pairs`): a group it pairs otherwise is
-        refused, a group it leaves empty moves nothing, as in vLLM."""
+        """vLLM mode's pairs of every group sent, once (:meth:`_VllmRule.pairs`)."""
         if self._counted is None:
-            pairing = self.pairing
-            keep = sent_groups(pairing)
-            every = all(keep)
-            counted = vllm_pairs(
-                pairing,
-                select_groups(self.lk, keep, every),
-                select_groups(self.rk, keep, every),
-                self.rview,
-                select_groups(self.lfine, keep, every),
-            )
-            if self.exact is not None and counted[0]:
-                counted = lowered_vllm_pairs(
-                    counted,
-                    select_groups(self.exact[0], keep, every),
-                    select_groups(self.exact[1], keep, every),
-                    pairing.local.group_is_ssm,
-                )
-            self._counted = counted
+            self._counted = self.vllm.pairs(self)
         return self._counted
 
     def blocks_for(self, rank: int, rt: RankTables) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The local and remote blocks paired for transfer rank ``rank``, per group it carries."""
         keep, every = rt.keep, rt.every
         if self.dcp:
-            return dcp_pairs(
-                self.pairing,
-                rank,
-                select_groups(self.lids, keep, every),
-                select_groups(self.rids, keep, every),
-                self.num_tokens,
-                self.prefill_tokens,
-            )
+            if not self.pairing.policy.by_tokens:
+                return self.vllm.dcp_pairs(self, rank, rt)
+            return _BY_GROUP.dcp_pairs(self, rank, rt)
         if self.aligned is not None:
             la, ra = self.aligned[0], self.aligned[1]
         else:
@@ -273,6 +252,85 @@ class _Binding:
             if not la:
                 return [], []
         return select_groups(la, keep, every), select_groups(ra, keep, every)
+
+
+class _Rule(Protocol):
+    """vLLM's rule at the boundary of vLLM mode (:class:`_VllmRule`, :data:`~kvgeom.plan.regionbind.BY_REGION`)."""
+
+    def bind(self, b: Any) -> Any: ...
+    def pairs(self, b: Any) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
+    def dcp_pairs(self, b: Any, rank: int, rt: Any) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
+    def receive(self, b: Any) -> tuple[tuple[Regroup, ...], np.ndarray]: ...
+
+
+class _VllmRule:
+    """vLLM 0.33.0's rule where it pairs by counts, the boundary of vLLM mode (kvgeom mode never reads it):
+    :meth:`bind` what the binding computes first (the token axis's pairs it is checked against, or the
+    refusals it makes), :meth:`pairs` the pairs without DCP, :meth:`dcp_pairs` those of one remote rank with
+    DCP, and :meth:`receive` the receive step (regroups, zero rows). This class is the rule of block lists
+    paired group by group; :data:`~kvgeom.plan.regionbind.BY_REGION` pairs them region by region."""
+
+    def bind(
+        self, b: _Binding
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[int, int, int]]] | None:
+        pairing = b.pairing
+        if b.dcp:
+            if pairing.mode == "pull":
+                vllm_pull_covers(pairing, b.lids, b.rids, b.num_tokens, b.prefill_tokens)
+            return None
+        return exact_pairs(pairing, b.lids, b.rids, b.lk, b.rk, b.num_tokens, b.prefill_tokens, b.lfine)
+
+    def pairs(self, b: _Binding) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The one plan's pairs by token position (state slots by vLLM's slot rule), lowered where vLLM's
+        count-based pairing pairs the same blocks. vLLM's rule is the boundary check
+        (:func:`~kvgeom.plan.bind.lowered_vllm_pairs`): a group it pairs otherwise is refused, a group it
+        leaves empty moves nothing, as in vLLM."""
+        pairing = b.pairing
+        keep = sent_groups(pairing)
+        every = all(keep)
+        counted = vllm_pairs(
+            pairing,
+            select_groups(b.lk, keep, every),
+            select_groups(b.rk, keep, every),
+            b.rview,
+            select_groups(b.lfine, keep, every),
+        )
+        if b.exact is not None and counted[0]:
+            counted = lowered_vllm_pairs(
+                counted,
+                select_groups(b.exact[0], keep, every),
+                select_groups(b.exact[1], keep, every),
+                pairing.local.group_is_ssm,
+            )
+        return counted
+
+    def dcp_pairs(self, b: _Binding, rank: int, rt: RankTables) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        keep, every = rt.keep, rt.every
+        return dcp_pairs(
+            b.pairing,
+            rank,
+            select_groups(b.lids, keep, every),
+            select_groups(b.rids, keep, every),
+            b.num_tokens,
+            b.prefill_tokens,
+            b.names,
+        )
+
+    def receive(self, b: _Binding) -> tuple[tuple[Regroup, ...], np.ndarray]:
+        pairing = b.pairing
+        return post_receive(
+            pairing.local,
+            b.rview,
+            b.lk,
+            b.rk,
+            pairing.bsr,
+            pairing.policy,
+            pages=partial(zero_pages_of, pairing),
+            permute=pairing.permute,
+        )
+
+
+_BY_GROUP = _VllmRule()
 
 
 def _lowered(
@@ -329,22 +387,14 @@ def _consumer_step(b: _Binding) -> tuple[tuple[Regroup, ...], np.ndarray]:
             b.num_tokens,
             b.prefill_tokens,
             pairing.prefix_caching,
+            b.names,
         )
         return (), zero
     if b.aligned is not None:
         filled = partial(filled_pages_of, pairing)
         regroup = regroups(local, b.lk, pairing.bsr, filled, pairing.permute)
         return regroup, zero_rows(local, b.lk, pairing.bsr, b.aligned[2], filled)
-    return post_receive(
-        local,
-        b.rview,
-        b.lk,
-        b.rk,
-        pairing.bsr,
-        pairing.policy,
-        pages=partial(zero_pages_of, pairing),
-        permute=pairing.permute,
-    )
+    return b.vllm.receive(b)
 
 
 def _plan(
@@ -363,12 +413,15 @@ def _plan(
     # pull: P frees after the D ranks reading it have read (D_TP/P_TP, or DCP's count); push: D ends after P_TP
     expected = pairing.mapping.local_consumers
     notif = f"{tag}:{expected}" if mode == "pull" else f"{tag}:{local.tp_size}"
-    bound = _Binding(pairing, lids, rids, num_tokens, prefill_tokens) if any(x.size for x in lids) else None
+    # a request with no local block binds nothing, except in a region-mapped pull (its lists are placed on
+    # the token axis and checked whatever D holds)
+    binds = any(x.size for x in lids) or plan_of(pairing).by_region is not None
+    bound = _Binding(pairing, lids, rids, num_tokens, prefill_tokens) if binds else None
     transfers = []
     for rank in pairing.transfer_ranks if bound is not None else ():
-        rt = rank_tables(pairing, rank)
+        rt = rank_tables(bound.pairing, rank)  # type: ignore[union-attr]
         lg, rg = bound.blocks_for(rank, rt)  # type: ignore[union-attr]
-        t = _lowered(pairing, rank, rt, lg, rg, notif)
+        t = _lowered(bound.pairing, rank, rt, lg, rg, notif)  # type: ignore[union-attr]
         if t is not None:
             transfers.append(t)
     sent = {t.remote_rank for t in transfers}

@@ -227,7 +227,13 @@ class _Binding:
         self.exact: Any = None  # the token axis's pairs (vLLM mode: what vLLM's rule is checked against)
         self._counted: tuple[list[np.ndarray], list[np.ndarray]] | None = None
         if pairing.policy.by_tokens:
-            self.exact = None if self.dcp else _BY_GROUP.bind(self)
+            self.exact = (
+                None
+                if self.dcp
+                else exact_pairs(
+                    pairing, lids, rids, self.lk, self.rk, num_tokens, prefill_tokens, self.lfine
+                )
+            )
         else:
             self.exact = self.vllm.bind(self)
         self.aligned = self.exact if pairing.policy.by_tokens else None
@@ -244,7 +250,15 @@ class _Binding:
         if self.dcp:
             if not self.pairing.policy.by_tokens:
                 return self.vllm.dcp_pairs(self, rank, rt)
-            return _BY_GROUP.dcp_pairs(self, rank, rt)
+            return dcp_pairs(
+                self.pairing,
+                rank,
+                select_groups(self.lids, keep, every),
+                select_groups(self.rids, keep, every),
+                self.num_tokens,
+                self.prefill_tokens,
+                self.names,
+            )
         if self.aligned is not None:
             la, ra = self.aligned[0], self.aligned[1]
         else:

@@ -624,25 +624,37 @@ Profiled with pyinstrument and cProfile (the numbers below are from the Kimi-Lin
   shapes never repeat gains nothing from it: closing the gap there needs the general planner itself
   written as per-segment gathers (fewer numpy calls per group), which is the next step.
 * **Zeroing.** Failure zeroing built one int64 index per byte (two orders of magnitude slower than a
-  memset); then rows of a `[-1, g]` view (8-byte words), which numpy writes at ~20 GB/s whatever the
-  row size, with a dozen numpy calls per (region, length) bucket. Now the rows are merged first into the
-  fewest disjoint runs (`kvgeom_nixl.kvrank.zero_runs`: a request's blocks that lie side by side are one
-  run; 30,240 rows are 42 runs for the long Kimi-Linear request) and each run is one libc `memset`; a
-  region's many short runs are one indexed write, and up to 64 rows skip numpy. What is left is not the
-  code: where the rows are long, kvgeom is within 0.8-0.9x of memsetting exactly the same bytes as
-  their maximal ranges found ahead of time, and that floor is itself ~0.3-0.55x of one contiguous
-  buffer, because glibc zeroes a 25 MiB range at about half the speed of a 1 GiB one (measured here:
-  1.1 GB as 42 calls 62 ms, as 7 calls 29 ms; likely its switch to non-temporal stores above a size threshold),
-  and the request's ranges are as long as its adjacent blocks allow. Where the rows are few and small
-  (a 97-token request: 60 rows, 0.47 MiB; a 100-token Llama receive: 256 scattered 8 KiB tails in 32
-  regions), the fixed per-call cost (numpy calls, a microsecond per `memset` call from Python) is most
-  of the time and memset speed is out of reach; kvgeom is 0.3-0.7x of the floor there, which does no
-  checking and finds its ranges ahead of time. Zeroing by dropping pages (`madvise(MADV_DONTNEED)`) would
+  memset); then rows of a `[-1, g]` view (8-byte words), with a dozen numpy calls per (region, length)
+  bucket; then the rows were merged into the fewest disjoint runs (`zero_runs`), each one libc `memset`.
+  Now (issue 19) a failed request's rows are its runs already: adjacent kernel blocks are found once on
+  the ids and are one row in every region (`kvgeom.block_runs`: 60 rows are 15 for the 97-token hybrid
+  request, 30,240 are 42 for the long Kimi-Linear one). Up to 64 rows are checked and merged in one pass
+  of plain Python and zeroed by one `memset` each, with no numpy call. More are merged by `zero_runs` (a
+  dozen numpy calls) and the runs of one length under 1 MiB, in every region at once, are one numpy
+  indexed write of a view of host memory (`__array_interface__` windows of that length one byte apart,
+  indexed by the runs' addresses; numpy runs the memsets in C): the 100-token Llama receive's 256 tails
+  of 8 KiB in 32 regions are one write, not 256 `memset` calls from Python. Before -> after, across 8
+  runs of the code before and 5 of this code alternated with them on 2026-12-08 01:46-02:05 UTC (load
+  average 3-10 on 2 cores shared with a CI run and stress-ng; ratio to memset, then to the floor): the
+  97-token hybrid failure 0.11-0.14x / 0.59-0.62 -> 0.15-0.17x / 0.89-0.91, the 100-token Llama receive
+  0.04-0.17x / 0.08-0.55 -> 0.28-0.42x / 0.99-1.43, the 100-token Llama failure 0.75-0.88 -> 0.94-1.01 of
+  its floor, the 8,192-token one 0.90-1.03 -> 0.94-1.05, the 12,000-token hybrid receive 0.34-0.67x ->
+  0.48-0.55x. Where the runs are long, kvgeom is within 0.9-1.0x of memsetting the same ranges found
+  ahead of time, and that floor is itself 0.2-0.5x of one contiguous buffer: glibc's `memset` zeroes
+  ranges up to ~16 MiB at ~10 GB/s here and one of 1 GiB at ~30 GB/s, on numpy and torch buffers alike
+  (so not huge pages; likely streaming stores only above a size threshold). Where the rows are few and
+  small, the floor has no checks and its ranges found ahead of time, and memset speed is out of reach:
+  the 97-token hybrid failure is 0.9x its floor, most of its time being `block_runs` itself (the ids'
+  checks, ~50 µs here, which the floor pays too). What is left is the 12,000-token hybrid receive, 3
+  runs of 16 KiB in 3 regions (48 KiB, a 3 µs `memset`): ~7 µs, of which the three `memset` calls are
+  ~3.3 µs and reading each tensor's size, device, contiguity and address (four torch calls per region)
+  ~1.5 µs, so it reads 0.48-0.55x, borderline. Zeroing by dropping pages (`madvise(MADV_DONTNEED)`) would
   be faster for whole pages but is unsafe on memory NIXL has registered (pinned pages), so it is not used.
-  With the caches evicted before every timed call (`bench_zero.py --cold`, one run: a failed request's
-  blocks are rarely hot), 7 of the 10 cases meet the target (post-receive 0.56-0.71x for the long
-  Kimi-Linear and 12,000-token hybrid requests); the misses are the 97-token hybrid failure (0.21x,
-  0.81 of the floor) and the 100-token Llama receive (0.19x, 0.49 of the floor).
+  With the caches evicted before every timed call (`bench_zero.py --cold`, one run of this code at
+  02:06 UTC, load ~5: a failed request's blocks are rarely hot), 8 of the 10 cases meet the target (the
+  12,000-token hybrid receive 0.62x); the misses are the 100-token Llama receive (0.38x, 0.77 of the
+  floor) and the 8,192-token Llama failure (0.31x, 0.76 of the floor, 1 GiB, where eviction changes
+  nothing: bandwidth noise).
 * **Descriptors posted.** In vLLM mode the plan posts exactly vLLM's descriptors (checked equal), one
   per kernel block and region, so "no more than vLLM" holds, and more than the minimal runs by design
   (616 pairs for 175 runs at 16 tokens, in the table above). In kvgeom mode each transfer's pairs are

@@ -56,7 +56,7 @@ from kvgeom.model.spec import ModelSpec
 from kvgeom.modes import Compat, Policy, policy_of
 from kvgeom.pair.handshake import PairShape, check_pair
 from kvgeom.pair.tp import TPMapping, compute_tp_mapping, tp_ratio
-from kvgeom.plan.blockrows import block_rows, zero_runs
+from kvgeom.plan.blockrows import block_rows, block_runs, zero_runs
 from kvgeom.plan.dlist import Dlist
 from kvgeom.plan.pairing import Pairing, push_writers
 from kvgeom.plan.receive import post_receive, receive_step
@@ -110,6 +110,7 @@ __all__ = [
     "UnsupportedError",
     "align_hybrid_block_size",
     "block_rows",
+    "block_runs",
     "card_of",
     "check_pair",
     "check_writes",

@@ -110,17 +110,37 @@ def _random_rows(rng: np.random.Generator, sizes: list[int], n: int) -> np.ndarr
     return np.asarray(rows, dtype=np.int64)[order].reshape(-1, 3)
 
 
-# every path _zero_rows has, on CPU tensors: (_FEW_ROWS, _LOOP_MIN_BYTES, _VEC_MIN_RUNS, _MAX_CHUNKS_PER_RUN, host)
+# every path _zero_rows has, on CPU tensors:
+# (_FEW_ROWS, _WINDOW_MIN_RUNS, _WINDOW_MAX_BYTES, _VEC_MIN_RUNS, _LOOP_MIN_BYTES, _MAX_CHUNKS_PER_RUN, host)
 _PATHS = {
     "as-is": None,
-    "few rows, one call each": (10**9, 16384, 64, 4, True),
-    "merged, one memset per run": (0, 0, 10**9, 4, True),
-    "merged, short runs by numpy": (0, 10**9, 1, 10**9, True),
-    "merged, short runs by memset": (0, 10**9, 1, 0, True),
-    "torch only, zero_ per run": (0, 0, 10**9, 4, False),
-    "torch only, index_fill_": (0, 10**9, 1, 4, False),
-    "torch only, few rows": (10**9, 16384, 64, 4, False),
+    "few rows, merged in Python": (10**9, 4, 1 << 20, 64, 16384, 4, True),
+    "merged, one memset per run": (0, 10**9, 1 << 20, 64, 16384, 4, True),
+    "merged, one host write per length": (0, 2, 10**9, 64, 16384, 4, True),
+    "merged, a host write even for one run": (0, 1, 10**9, 64, 16384, 4, True),
+    "torch only, zero_ per run": (0, 4, 1 << 20, 10**9, 0, 4, False),
+    "torch only, index_fill_": (0, 4, 1 << 20, 1, 10**9, 4, False),
+    "torch only, few rows": (10**9, 4, 1 << 20, 64, 16384, 4, False),
 }
+_KNOBS = (
+    "_FEW_ROWS",
+    "_WINDOW_MIN_RUNS",
+    "_WINDOW_MAX_BYTES",
+    "_VEC_MIN_RUNS",
+    "_LOOP_MIN_BYTES",
+    "_MAX_CHUNKS_PER_RUN",
+)
+
+
+def _force(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Set zeroing's thresholds (and whether tensors count as host memory) so that ``path`` is taken."""
+    if _PATHS[path] is None:
+        return
+    *knobs, host = _PATHS[path]
+    for name, value in zip(_KNOBS, knobs):
+        monkeypatch.setattr(zeroing, name, value)
+    if not host:
+        monkeypatch.setattr(zeroing, "_host", lambda t: False)
 
 
 @pytest.mark.parametrize("path", list(_PATHS))
@@ -129,14 +149,7 @@ def test_zero_rows_every_path_matches_the_reference(
     path: str, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # random range sets against one slice per row; bytes outside the rows keep their value
-    if _PATHS[path] is not None:
-        few, loop_min, vec_min, chunks, host = _PATHS[path]
-        monkeypatch.setattr(zeroing, "_FEW_ROWS", few)
-        monkeypatch.setattr(zeroing, "_LOOP_MIN_BYTES", loop_min)
-        monkeypatch.setattr(zeroing, "_VEC_MIN_RUNS", vec_min)
-        monkeypatch.setattr(zeroing, "_MAX_CHUNKS_PER_RUN", chunks)
-        if not host:
-            monkeypatch.setattr(zeroing, "_host", lambda t: False)
+    _force(monkeypatch, path)
     rng = np.random.default_rng(seed)
     sizes = [int(rng.integers(1, 40)) * 1024 + int(rng.integers(0, 9)) for _ in range(3)]
     rows = _random_rows(rng, sizes, int(rng.choice([1, 5, 70, 300])))
@@ -147,6 +160,80 @@ def test_zero_rows_every_path_matches_the_reference(
     assert _zero_rows(tensors, rows) == int(rows[:, 2].sum())
     for t, w in zip(tensors, want):
         assert np.array_equal(t.numpy(), w)
+
+
+def _strided_tails(regions: int, count: int, length: int, stride: int, first: int) -> list[list[int]]:
+    """``count`` tails of ``length`` bytes every ``stride`` bytes from ``first``, in every region: what a
+    short receive leaves to zero (the same pattern in each region)."""
+    return [[r, first + k * stride, length] for r in range(regions) for k in range(count)]
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_zero_rows_strided_tails_and_a_region_of_mixed_lengths(
+    path: str, shuffle: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 12 regions of 8 equally strided tails (one host write for all of them), one region with tails of
+    # three lengths (one write per length, a memset for the odd one), one byte-unaligned, one empty region
+    _force(monkeypatch, path)
+    size = 40000
+    rows = _strided_tails(12, 8, 1024, 4096, 3072)
+    rows += [[12, o, 100] for o in range(5, 2005, 400)] + [[12, o, 7] for o in range(3001, 9001, 600)]
+    rows += [[12, 20000, 5000], [13, 1, 4095], [13, 8193, 4095], [13, 16385, 4095], [13, 24577, 4095]]
+    arr = np.asarray(rows, dtype=np.int64)
+    if shuffle:
+        arr = arr[np.random.default_rng(1).permutation(len(arr))]
+    tensors = [torch.full((size,), 0xA5, dtype=torch.uint8) for _ in range(15)]
+    writes: list[tuple[int, int]] = []
+    real = zeroing._zero_windows
+
+    def spy(addr: np.ndarray, length: int) -> bool:
+        done = real(addr, length)
+        if done:
+            writes.append((addr.size, length))
+        return done
+
+    monkeypatch.setattr(zeroing, "_zero_windows", spy)
+    assert _zero_rows(tensors, arr) == int(arr[:, 2].sum())
+    for t, w in zip(tensors, _reference([size] * 15, arr)):
+        assert np.array_equal(t.numpy(), np.where(w == 0, 0, 0xA5))
+    if path == "as-is":  # one write per length, across regions; the 5000-byte run alone is a memset
+        assert sorted(writes) == [(4, 4095), (5, 100), (10, 7), (96, 1024)]
+
+
+@pytest.mark.parametrize("chunks", [4, 0])
+@pytest.mark.parametrize("many", [False, True])
+def test_zero_rows_on_tensors_that_are_not_contiguous(
+    chunks: int, many: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every other byte of a storage (a view, not a copy): merged runs go through torch, by numpy chunks
+    # of a [-1, g] view or (runs needing more chunks than _MAX_CHUNKS_PER_RUN each) one zero_() per run;
+    # the contiguous region beside them is zeroed directly
+    monkeypatch.setattr(zeroing, "_MAX_CHUNKS_PER_RUN", chunks)
+    monkeypatch.setattr(zeroing, "_VEC_MIN_RUNS", 4)
+    base = torch.full((8192, 2), 7, dtype=torch.uint8)
+    tensors = [base[:, 0], torch.full((8192,), 7, dtype=torch.uint8)]
+    assert not tensors[0].is_contiguous()
+    rows = [[0, o, 64] for o in range(0, 8192, 512)] + [[0, 100, 3], [1, 0, 64], [1, 64, 64]]
+    rows += _strided_tails(2, 40, 16, 128, 0) if many else []
+    arr = np.asarray(rows, dtype=np.int64)
+    assert _zero_rows(tensors, arr) == int(arr[:, 2].sum())
+    want = _reference([8192, 8192], arr)
+    assert np.array_equal(tensors[0].numpy(), want[0]) and np.array_equal(tensors[1].numpy(), want[1])
+    assert (base[:, 1] == 7).all()
+
+
+def test_zero_rows_host_write_stays_within_numpy_size_limit() -> None:
+    # runs too far apart for one view (span x length past numpy's limit) are refused before any write
+    assert not zeroing._zero_windows(np.asarray([1 << 12, 1 << 51, 1 << 52, 1 << 53]), 4096)
+    assert not zeroing._zero_windows(np.asarray([4096, 8192, 12288]), 16)  # fewer than _WINDOW_MIN_RUNS
+    t = torch.full((1 << 21,), 7, dtype=torch.uint8)
+    addr = t.data_ptr() + np.asarray([0, 4096, 8192, 1 << 20], dtype=np.int64)
+    assert zeroing._zero_windows(addr, 4096)
+    want = np.full(1 << 21, 7, dtype=np.uint8)
+    for o in (0, 4096, 8192, 1 << 20):
+        want[o : o + 4096] = 0
+    assert np.array_equal(t.numpy(), want)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -192,6 +279,30 @@ def test_zero_rows_outside_a_region_are_refused_before_any_write(rows: list, man
     arr = np.asarray([[0, 0, 8]] * (100 if many else 1) + rows, dtype=np.int64)  # a good row first
     with pytest.raises(PlanError) as err:
         _zero_rows(tensors, arr)
+    assert isinstance(err.value, ValueError)
+    assert all((t == 7).all() for t in tensors)
+
+
+@pytest.mark.parametrize("path", ["as-is", "few rows, merged in Python", "torch only, few rows"])
+def test_zero_rows_few_rows_out_of_order_overlapping_and_empty(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the Python path sorts rows out of order, joins overlapping and touching ones, skips empty ones
+    _force(monkeypatch, path)
+    tensors = [torch.full((64,), 7, dtype=torch.uint8), torch.full((32,), 7, dtype=torch.uint8)]
+    arr = np.asarray([[1, 8, 4], [0, 10, 6], [0, 4, 8], [1, 0, 0], [0, 16, 2], [0, 40, 0], [1, 31, 1]])
+    assert _zero_rows(tensors, arr) == 21
+    for t, w in zip(tensors, _reference([64, 32], arr)):
+        assert np.array_equal(t.numpy(), w)
+
+
+@pytest.mark.parametrize("rows", [[[-1, 0, 0]], [[0, 0, 0], [-1, 0, 0]], [[1, 0, 4], [0, 70, 0]]])
+def test_zero_rows_refuse_a_missing_region_or_an_empty_row_outside_even_when_nothing_is_written(
+    rows: list,
+) -> None:
+    tensors = [torch.full((64,), 7, dtype=torch.uint8), torch.full((32,), 7, dtype=torch.uint8)]
+    with pytest.raises(PlanError) as err:
+        _zero_rows(tensors, np.asarray(rows, dtype=np.int64))
     assert isinstance(err.value, ValueError)
     assert all((t == 7).all() for t in tensors)
 

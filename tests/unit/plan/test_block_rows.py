@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvgeom import block_rows, zero_runs
+from kvgeom import block_rows, block_runs, zero_runs
 from kvgeom.errors import BlockIdError, GroupMismatchError, PlanError
 from kvgeom.tools.scenario import Scenario
 
@@ -117,3 +117,56 @@ def test_zero_runs_refuse_rows_that_are_not_triples_and_pass_empty_ones() -> Non
     region, start, end, total = zero_runs(np.zeros((0, 3), np.int64), [8])
     assert region.size == start.size == end.size == 0 and total == 0
     assert zero_runs(np.asarray([[0, 3, 0]]), [8])[3] == 0
+
+
+@pytest.mark.parametrize("kernel", [32, 1056])
+@pytest.mark.parametrize(
+    "ids",
+    [[[3, 1], [5]], [[0, 1, 2], [4]], [[7], [6]], [[2, 0], [1]], [[11], [10, 9]], [[], [0]]],
+)
+def test_block_runs_are_block_rows_bytes_as_the_fewest_rows(kernel: int, ids: list) -> None:
+    # the same bytes as block_rows, one row per stretch of adjacent kernel blocks in each region
+    geom = _geom(kernel)
+    n = len(geom.group_is_ssm)
+    full = [ids[0]] + [ids[1] if ssm else [] for ssm in geom.group_is_ssm[1:]]
+    assert len(full) == n
+    runs = block_runs(geom, full)
+    rows = block_rows(geom, full)
+    assert runs.dtype == np.int64 and runs.shape[1] == 3
+    assert all(np.array_equal(a, b) for a, b in zip(_mask(geom, runs), _mask(geom, rows)))
+    key = runs[:, :2].tolist()
+    assert key == sorted(key)  # region-major, in block order
+    same = runs[1:, 0] == runs[:-1, 0]
+    assert (runs[1:, 1][same] > (runs[:-1, 1] + runs[:-1, 2])[same]).all()  # none touches the next
+    assert int(runs[:, 2].sum()) == int(rows[:, 2].sum())
+    stretches = sum(
+        int(np.count_nonzero(np.diff(np.concatenate([[0], m.astype(np.int8), [0]])) == 1))
+        for m in _mask(geom, rows)
+    )
+    assert len(runs) == stretches
+
+
+def test_block_runs_join_adjacent_ids_and_refuse_what_block_rows_refuses() -> None:
+    geom = _geom(1056)  # ppl 1: one kernel block per id
+    n = len(geom.group_is_ssm)
+    runs = block_runs(geom, [[4, 2, 3]] + [[] for _ in range(n - 1)])
+    r0 = geom.regions[0]
+    assert runs[runs[:, 0] == 0].tolist() == [[0, 2 * r0.block_stride, 3 * r0.block_stride]]
+    assert len(runs) == len(geom.regions)
+    assert block_runs(geom, [[] for _ in range(n)]).shape == (0, 3)
+    limit = geom.logical_num_blocks
+    with pytest.raises(BlockIdError) as ei:
+        block_runs(geom, [[0, limit]] + [[] for _ in range(n - 1)])
+    assert ei.value.values == {"value": limit, "expected": limit}
+    with pytest.raises(BlockIdError):
+        block_runs(geom, [[0, -1]] + [[] for _ in range(n - 1)])
+    with pytest.raises(GroupMismatchError):
+        block_runs(geom, [[1]] * (n + 1))
+
+
+def test_zero_runs_of_sorted_rows_join_contained_and_touching_rows_and_drop_empty_ones() -> None:
+    # rows already in order (no sort): one inside another, one touching, one empty in a gap
+    rows = np.asarray([[0, 0, 10], [0, 2, 3], [0, 10, 1], [0, 12, 0], [0, 13, 2], [1, 0, 4], [1, 4, 4]])
+    region, start, end, total = zero_runs(rows, [16, 8])
+    assert np.stack([region, start, end], 1).tolist() == [[0, 0, 11], [0, 13, 15], [1, 0, 8]]
+    assert total == 24

@@ -26,7 +26,7 @@ demo: $(STAMP)
 ## mutation-testing sample (3 mutants of each of the 8 most important modules). The two vLLM venvs' set-ups
 ## (downloads and disk: a fresh serving venv took 8.9 min of wall time and 2.5 min of CPU) run beside
 ## test-core, one after the other; their output goes to .setup-venvs.log, printed after test-core's.
-SERVING_MODES ?= kvgeom
+SERVING_MODES ?= kvgeom,kvgeom-push
 test: lint $(STAMP) host-deps
 	@( PYTHON=$(PYTHON) bash tests/vllm/run.sh setup && PYTHON=$(PYTHON) bash tests/serving/run.sh setup_venv ) \
 	  >.setup-venvs.log 2>&1 & s=$$!; \

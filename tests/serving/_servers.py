@@ -130,7 +130,8 @@ class Server:
         return ServerError(f"{self.name}: {what}\n--- {self.log_path} (tail) ---\n{self.log_tail()}")
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
-        """Poll ``/health`` until it answers 200; return the seconds the start took."""
+        """Poll ``/health`` until it answers 200, then put every thread of the server on its core
+        (:func:`pin_group`); return the seconds the start took."""
         assert self.proc is not None
         deadline = self.started_s + timeout
         while time.monotonic() < deadline:
@@ -139,6 +140,8 @@ class Server:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
+                        if pin_group(self.proc.pid, self.core) == 0:
+                            raise self._fail(f"no thread of process group {self.proc.pid} to pin")
                         return time.monotonic() - self.started_s
             except (urllib.error.URLError, OSError):
                 pass
@@ -244,6 +247,48 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         proc.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pass
+
+
+def pin_group(pgid: int, core: int) -> int:
+    """Put every thread of process group ``pgid`` on ``core``; the number of threads moved.
+
+    vLLM's CPU worker binds its OpenMP threads to ``VLLM_CPU_OMP_THREADS_BIND`` but leaves every engine's
+    other threads where the kernel puts them: on this 2-core machine all three engines' worker main threads
+    ran on core 1 (measured per thread with ``taskset``), beside the idle engines' message-queue loops,
+    which spin there. A push then hung in 5 of 7 runs (docs/serving.md): P's worker main thread, pickling
+    its output for EngineCore, and its NIXL handshake thread, runnable at 0 % CPU for minutes, both on
+    core 1, and P's EngineCore waiting on the worker. With each engine's threads on its own core the same
+    case served 6 of 6. Threads the engine starts later
+    (the handshake executor's) inherit the affinity of the thread that starts them."""
+    moved = 0
+    for pid in _group_pids(pgid):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), {core})
+                moved += 1
+            except OSError:
+                pass  # a thread that ended meanwhile
+    return moved
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` (from /proc: field 5 of ``stat`` is the group)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            pids.append(int(name))
+    return pids
 
 
 def _wait_group_gone(pgid: int) -> bool:

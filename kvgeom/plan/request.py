@@ -244,21 +244,26 @@ class _Binding:
             self._counted = self.vllm.pairs(self)
         return self._counted
 
+    def dcp_pairs(self, rank: int, rt: RankTables) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The DCP pairs of transfer rank ``rank`` (:func:`~kvgeom.plan.dcpbind.dcp_pairs`), groups it carries."""
+        keep, every = rt.keep, rt.every
+        return dcp_pairs(
+            self.pairing,
+            rank,
+            select_groups(self.lids, keep, every),
+            select_groups(self.rids, keep, every),
+            self.num_tokens,
+            self.prefill_tokens,
+            self.names,
+        )
+
     def blocks_for(self, rank: int, rt: RankTables) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The local and remote blocks paired for transfer rank ``rank``, per group it carries."""
         keep, every = rt.keep, rt.every
         if self.dcp:
             if not self.pairing.policy.by_tokens:
                 return self.vllm.dcp_pairs(self, rank, rt)
-            return dcp_pairs(
-                self.pairing,
-                rank,
-                select_groups(self.lids, keep, every),
-                select_groups(self.rids, keep, every),
-                self.num_tokens,
-                self.prefill_tokens,
-                self.names,
-            )
+            return self.dcp_pairs(rank, rt)
         if self.aligned is not None:
             la, ra = self.aligned[0], self.aligned[1]
         else:
@@ -319,16 +324,7 @@ class _VllmRule:
         return counted
 
     def dcp_pairs(self, b: _Binding, rank: int, rt: RankTables) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        keep, every = rt.keep, rt.every
-        return dcp_pairs(
-            b.pairing,
-            rank,
-            select_groups(b.lids, keep, every),
-            select_groups(b.rids, keep, every),
-            b.num_tokens,
-            b.prefill_tokens,
-            b.names,
-        )
+        return b.dcp_pairs(rank, rt)  # by group, vLLM's DCP pairing is :func:`dcp_pairs`' own policy branch
 
     def receive(self, b: _Binding) -> tuple[tuple[Regroup, ...], np.ndarray]:
         pairing = b.pairing
